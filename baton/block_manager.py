@@ -1,0 +1,97 @@
+"""Per-request block accounting over a `BlockPool`: prefix hits, slot allocation, freeing.
+
+It only allocates and frees; what to run is the scheduler's decision. Every allocation either fits
+whole or returns None with nothing changed.
+"""
+
+from __future__ import annotations
+
+from kvstore.block_pool import BlockPool
+from baton.sequence import Sequence
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+class BlockManager:
+    def __init__(self, pool: BlockPool, model_id: str, enable_prefix_caching: bool = True) -> None:
+        self.pool = pool
+        self.block_size = pool.block_size
+        self.model_id = model_id
+        self.enable_prefix_caching = enable_prefix_caching
+        self.num_prefix_queries = 0  # tokens looked up in the prefix cache
+        self.num_prefix_hits = 0  # of which found
+
+    def get_computed_blocks(self, seq: Sequence) -> list[int]:
+        """Local blocks already holding a prefix of the request's tokens (prefix cache hits).
+
+        At least one token is always left to compute: the step needs it to produce logits.
+        """
+        if not self.enable_prefix_caching or seq.block_table:
+            return []
+        hits: list[int] = []
+        bs = self.block_size
+        for index, block_hash in enumerate(seq.block_hashes(bs, self.model_id)):
+            block = self.pool.lookup(block_hash, seq.token_ids[index * bs:(index + 1) * bs])
+            if block is None:
+                break
+            hits.append(block)
+        if hits and len(hits) * bs >= seq.num_tokens:
+            hits.pop()
+        return hits
+
+    def num_blocks_to_take(self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int]) -> int:
+        """Free-list blocks that `allocate_slots` would consume (new blocks + revived cached ones)."""
+        covered = len(seq.block_table) + len(computed_blocks)
+        total_tokens = seq.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
+        new_blocks = max(0, blocks_for(total_tokens, self.block_size) - covered)
+        revived = sum(1 for b in computed_blocks if self.pool.ref_counts[b] == 0)
+        return new_blocks + revived
+
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int,
+                       computed_blocks: list[int] | None = None) -> list[int] | None:
+        """Make the block table cover `num_new_tokens` more tokens (after any prefix hits).
+
+        Returns the newly allocated blocks, or None (nothing changed) if the pool cannot hold them.
+        """
+        computed_blocks = computed_blocks or []
+        needed = self.num_blocks_to_take(seq, num_new_tokens, computed_blocks)
+        if needed > self.pool.num_free_blocks:
+            return None
+        for block in computed_blocks:
+            self.pool.touch(block)
+        if computed_blocks:
+            seq.block_table.extend(computed_blocks)
+            seq.num_computed_tokens += len(computed_blocks) * self.block_size
+        total_tokens = seq.num_computed_tokens + num_new_tokens
+        num_new_blocks = blocks_for(total_tokens, self.block_size) - len(seq.block_table)
+        new_blocks = self.pool.allocate(max(0, num_new_blocks))
+        assert new_blocks is not None  # checked above
+        seq.block_table.extend(new_blocks)
+        return new_blocks
+
+    def record_prefix_lookup(self, seq: Sequence, computed_blocks: list[int]) -> None:
+        seq.num_cached_tokens = len(computed_blocks) * self.block_size
+        self.num_prefix_queries += seq.num_tokens
+        self.num_prefix_hits += seq.num_cached_tokens
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register every block whose tokens are all computed under its chained hash."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        num_full = seq.num_computed_tokens // bs
+        hashes = seq.block_hashes(bs, self.model_id)
+        for index in range(seq.num_registered_blocks, num_full):
+            block = seq.block_table[index]
+            if self.pool.block_hashes[block] is None:
+                self.pool.cache_block(block, hashes[index], seq.token_ids[index * bs:(index + 1) * bs])
+        seq.num_registered_blocks = max(seq.num_registered_blocks, num_full)
+
+    def free(self, seq: Sequence) -> None:
+        # Reverse order: the tail of a request is the least likely to be shared, so evict it first.
+        self.pool.free(list(reversed(seq.block_table)))
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+        seq.num_registered_blocks = 0

@@ -1,0 +1,82 @@
+"""The `baton` command: `baton model fetch`, `baton serve`, `baton bench`.
+
+Process supervision lives in baton/serve.py; this module only parses arguments and dispatches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from baton.serve import add_serve_arguments
+
+    parser = argparse.ArgumentParser(
+        prog="baton",
+        description="Baton: disaggregated LLM serving (prefill and decode pools over Redis).",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    model = sub.add_parser("model", help="manage the default model")
+    model_sub = model.add_subparsers(dest="model_command", metavar="ACTION")
+    model_sub.required = True
+    fetch = model_sub.add_parser(
+        "fetch", help="download and convert the default model once; print its directory (last line of stdout)"
+    )
+    fetch.add_argument("--force", action="store_true", help="download and convert again even if cached")
+
+    serve = sub.add_parser(
+        "serve", help="run gateway, prefill and decode workers (and a private Redis) on this machine"
+    )
+    add_serve_arguments(serve)
+
+    sub.add_parser("bench", help="benchmark a running Baton (arguments go to baton.bench.cli)",
+                   add_help=False)
+    return parser
+
+
+def cmd_model_fetch(args: argparse.Namespace) -> int:
+    from baton.fetch import fetch_default_model
+
+    path = fetch_default_model(force=args.force)
+    print(path, flush=True)
+    return 0
+
+
+def cmd_bench(argv: list[str]) -> int:
+    try:
+        bench = importlib.import_module("baton.bench.cli")
+    except ModuleNotFoundError as exc:
+        if exc.name in ("baton.bench", "baton.bench.cli"):
+            print("baton bench is not available in this version of Baton (no module baton.bench.cli)",
+                  file=sys.stderr)
+            return 2
+        raise
+    result = bench.main(argv)
+    return int(result or 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if argv and argv[0] == "bench":
+            # Everything after `bench` belongs to the benchmark's own parser.
+            return cmd_bench(argv[1:])
+        args = build_parser().parse_args(argv)
+        if args.command == "model" and args.model_command == "fetch":
+            return cmd_model_fetch(args)
+        if args.command == "serve":
+            from baton.serve import run
+
+            return run(args)
+        return 2
+    except KeyboardInterrupt:
+        print("baton: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

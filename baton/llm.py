@@ -1,0 +1,104 @@
+"""The offline API, in vLLM's shape: `LLM(...).generate(prompts, sampling_params)` and `.chat()`."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+from typing import Any
+
+from baton.engine import EngineConfig, LLMEngine
+from baton.sampling import SamplingParams
+from baton.sequence import Sequence
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[float] = field(default_factory=list)
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    num_cached_tokens: int = 0
+    finished: bool = True
+
+
+def load_tokenizer(model_dir: Any) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+class LLM:
+    def __init__(self, model: str | None = None, block_size: int = 16, num_kv_blocks: int | None = None,
+                 max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
+                 scheduler_policy: str = "max-utilization", dtype: str = "auto", device: str | None = None,
+                 enable_prefix_caching: bool = True, kv_cache_memory: int = 1 << 30,
+                 num_threads: int | None = None) -> None:
+        self.engine = LLMEngine(EngineConfig(
+            model=model, dtype=dtype, device=device, block_size=block_size, num_kv_blocks=num_kv_blocks,
+            kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, scheduler_policy=scheduler_policy,
+            enable_prefix_caching=enable_prefix_caching, num_threads=num_threads,
+        ))
+        self.tokenizer = load_tokenizer(self.engine.model_dir)
+        self._ids = itertools.count()
+
+    def generate(self, prompts: str | list[int] | Seq[str | list[int]],
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params_list = list(sampling_params) if isinstance(sampling_params, Seq) else [sampling_params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} sampling params")
+        seqs: list[Sequence] = []
+        texts: list[str | None] = []
+        for prompt, params in zip(prompts, params_list):
+            if isinstance(prompt, str):
+                token_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+                texts.append(prompt)
+            else:
+                token_ids = list(prompt)
+                texts.append(None)
+            seq = Sequence(str(next(self._ids)), token_ids, params)
+            self.engine.add_request(seq)
+            seqs.append(seq)
+        progress = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            progress = tqdm(total=len(seqs), desc="generating")
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                if out.finished and progress is not None:
+                    progress.update(1)
+        if progress is not None:
+            progress.close()
+        return [self._output(seq, text) for seq, text in zip(seqs, texts)]
+
+    def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
+             sampling_params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+                   for conv in conversations]  # type: ignore[arg-type]
+        return self.generate(prompts, sampling_params)
+
+    def _output(self, seq: Sequence, prompt: str | None) -> RequestOutput:
+        token_ids = seq.output_token_ids
+        text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        finish = seq.finish_reason if seq.finish_reason in ("stop", "length") else seq.finish_reason
+        return RequestOutput(seq.seq_id, prompt, seq.prompt_token_ids,
+                             [CompletionOutput(0, text, token_ids, finish, list(seq.logprobs))],
+                             num_cached_tokens=seq.num_cached_tokens)

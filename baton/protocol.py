@@ -1,0 +1,182 @@
+"""The message contract between gateway, prefill workers and decode workers.
+
+Every message that crosses a process boundary is defined here, as a msgpack map carrying a schema
+version (`v`). Services import this module and nothing else to talk to each other, so a change of
+contract is a change of this file. Decoding is strict: a message that is not a map, has an unknown
+version or misses a required field raises `MalformedMessage`; workers log such a message and ack it
+into the dead-letter stream instead of crashing on it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import msgpack
+
+SCHEMA_VERSION = 1
+
+# Streams and groups. Prefill and decode use consumer groups (one message, one worker);
+# cancels are read by every worker without a group (a broadcast).
+PREFILL_STREAM = "baton:prefill"
+PREFILL_GROUP = "prefill"
+DECODE_STREAM = "baton:decode"
+DECODE_GROUP = "decode"
+CANCEL_STREAM = "baton:cancel"
+DEAD_LETTER_STREAM = "baton:dead"
+# Approximate MAXLEN for XADD: bounds Redis memory under sustained load.
+STREAM_MAXLEN = 10_000
+# Field name of the single payload field of every stream entry.
+PAYLOAD_FIELD = b"m"
+
+
+def token_stream(gateway_id: str) -> str:
+    """The stream of token events a gateway reads (one per gateway process)."""
+    return f"baton:tokens:{gateway_id}"
+
+
+def heartbeat_key(kind: str, worker_id: str) -> str:
+    """Key of a worker's (or gateway's) heartbeat; it expires when the process stops refreshing it."""
+    return f"baton:heartbeat:{kind}:{worker_id}"
+
+
+HEARTBEAT_PATTERN = "baton:heartbeat:*"
+
+
+class MalformedMessage(ValueError):
+    """A stream entry that does not decode into a known message of this schema version."""
+
+
+@dataclass
+class SamplingOptions:
+    """Per-request sampling parameters as they travel between services."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+
+@dataclass
+class PrefillRequest:
+    """gateway -> prefill worker: run this prompt, publish the first token, hand off to decode."""
+
+    request_id: str
+    gateway_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingOptions
+    arrival_time: float  # wall clock (time.time()) when the gateway admitted the request
+    kind: str = "prefill_request"
+
+
+@dataclass
+class Handoff:
+    """prefill worker -> decode worker: the prompt's KV is in the store; continue from here.
+
+    `block_hashes` are the store ids of the prompt's full blocks, in order. The prompt's last,
+    partial block (if any) is stored under the request (`partial_block_key`). `output_token_ids`
+    holds the tokens already generated (the first token; more after a resume on another worker).
+    """
+
+    request_id: str
+    gateway_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    block_hashes: list[str]
+    partial_block_key: str | None
+    sampling: SamplingOptions
+    arrival_time: float
+    first_token_time: float
+    kind: str = "handoff"
+
+
+@dataclass
+class TokenEvent:
+    """worker -> gateway: new tokens of a request, and whether it finished.
+
+    `index` is the position in the output of `token_ids[0]`, so a gateway can drop duplicates and
+    detect gaps. `finish_reason` is None while running, else "stop" (EOS or stop token), "length",
+    "cancelled" or "error" (with `error`).
+    """
+
+    request_id: str
+    index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str | None = None
+    error: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    worker_id: str = ""
+    kind: str = "token_event"
+
+
+@dataclass
+class Cancel:
+    """gateway -> all workers: stop working on this request and free what it holds."""
+
+    request_id: str
+    gateway_id: str
+    reason: str = "client disconnected"
+    kind: str = "cancel"
+
+
+MESSAGE_TYPES: dict[str, type] = {
+    "prefill_request": PrefillRequest,
+    "handoff": Handoff,
+    "token_event": TokenEvent,
+    "cancel": Cancel,
+}
+
+T = TypeVar("T")
+
+
+def encode(message: Any) -> bytes:
+    """Serialize a message dataclass to msgpack bytes (with the schema version)."""
+    payload = dataclasses.asdict(message)
+    payload["v"] = SCHEMA_VERSION
+    return msgpack.packb(payload, use_bin_type=True)
+
+
+def decode(data: bytes, expected: type[T] | None = None) -> T:
+    """Parse msgpack bytes into a message dataclass; raise MalformedMessage on anything wrong."""
+    try:
+        payload = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated exception types
+        raise MalformedMessage(f"not msgpack: {exc}") from exc
+    if not isinstance(payload, dict):
+        raise MalformedMessage(f"expected a map, got {type(payload).__name__}")
+    version = payload.pop("v", None)
+    if version != SCHEMA_VERSION:
+        raise MalformedMessage(f"unknown schema version {version!r}")
+    cls = MESSAGE_TYPES.get(payload.get("kind"))  # type: ignore[arg-type]
+    if cls is None:
+        raise MalformedMessage(f"unknown message kind {payload.get('kind')!r}")
+    if expected is not None and cls is not expected:
+        raise MalformedMessage(f"expected {expected.__name__}, got {cls.__name__}")
+    try:
+        if "sampling" in payload:
+            if not isinstance(payload["sampling"], dict):
+                raise TypeError("sampling must be a map")
+            payload["sampling"] = SamplingOptions(**payload["sampling"])
+        message = cls(**payload)
+    except TypeError as exc:
+        raise MalformedMessage(f"bad fields for {cls.__name__}: {exc}") from exc
+    _check_types(message)
+    return message  # type: ignore[return-value]
+
+
+def _check_types(message: Any) -> None:
+    """Reject fields of the wrong type (msgpack gives us whatever the sender wrote)."""
+    for f in dataclasses.fields(message):
+        value = getattr(message, f.name)
+        if f.name in ("prompt_token_ids", "output_token_ids", "token_ids"):
+            if not isinstance(value, list) or not all(isinstance(t, int) for t in value):
+                raise MalformedMessage(f"{f.name} must be a list of ints")
+        elif f.name in ("request_id", "gateway_id") and not isinstance(value, str):
+            raise MalformedMessage(f"{f.name} must be a string")

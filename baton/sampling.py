@@ -1,0 +1,102 @@
+"""Sampling parameters (vLLM's names) and the batched sampler with per-request parameters."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    """What a request wants generated. temperature 0 means greedy."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0: off
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    n: int = 1
+
+    def __post_init__(self) -> None:
+        if self.n != 1:
+            raise ValueError("only n=1 is supported")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.seed is None:
+            # A request without a seed still gets one, fixed at creation: its stream of random
+            # draws then survives preemption and a move to another worker unchanged.
+            self.seed = int.from_bytes(os.urandom(7), "little")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+def _token_generator(seed: int, index: int) -> torch.Generator:
+    """A generator for draw number `index` of a request: stateless, so any process reproduces it."""
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    generator = torch.Generator()
+    generator.manual_seed(int.from_bytes(digest, "little") & ((1 << 63) - 1))
+    return generator
+
+
+def apply_repetition_penalty(logits: torch.Tensor, token_ids: list[int], penalty: float) -> None:
+    # logits: [V], modified in place (the reference's rule: divide positive logits, multiply negative)
+    if penalty == 1.0 or not token_ids:
+        return
+    ids = torch.tensor(sorted(set(token_ids)), dtype=torch.long, device=logits.device)
+    scores = logits[ids]
+    logits[ids] = torch.where(scores > 0, scores / penalty, scores * penalty)
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], histories: list[list[int]],
+           draw_indices: list[int]) -> tuple[list[int], list[float]]:
+    """Pick one token per row.
+
+    logits: [S, V] fp32; params/histories/draw_indices: one per row (history = prompt + output so
+    far, for the repetition penalty; draw index = output position, for reproducible seeds).
+    Returns the token ids and their log-probabilities under the distribution sampled from.
+    """
+    logits = logits.float()
+    for row, p in enumerate(params):
+        if p.repetition_penalty != 1.0:
+            apply_repetition_penalty(logits[row], histories[row], p.repetition_penalty)
+    tokens = logits.argmax(dim=-1)
+    logprobs = torch.log_softmax(logits, dim=-1)
+    chosen_logprobs = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    token_list = tokens.tolist()
+    logprob_list = chosen_logprobs.tolist()
+    for row, p in enumerate(params):
+        if p.greedy:
+            continue
+        row_logits = logits[row] / p.temperature  # [V]
+        if p.top_k > 0 and p.top_k < row_logits.shape[-1]:
+            kth = torch.topk(row_logits, p.top_k).values[-1]
+            row_logits = row_logits.masked_fill(row_logits < kth, float("-inf"))
+        if p.top_p < 1.0:
+            sorted_logits, sorted_idx = torch.sort(row_logits, descending=True)
+            cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+            # Drop tokens once the mass before them already reaches top_p (the top one always stays).
+            drop_sorted = (cumulative - torch.softmax(sorted_logits, dim=-1)) >= p.top_p
+            drop = torch.zeros_like(drop_sorted).scatter(0, sorted_idx, drop_sorted)
+            row_logits = row_logits.masked_fill(drop, float("-inf"))
+        probs = torch.softmax(row_logits, dim=-1)
+        # Exponential race (Gumbel-max in another form): argmax(p / E) with E ~ Exp(1) is a draw
+        # from p, and the draw depends only on (seed, index).
+        noise = torch.empty_like(probs).exponential_(generator=_token_generator(p.seed, draw_indices[row]))
+        token = int((probs / noise).argmax())
+        token_list[row] = token
+        logprob_list[row] = float(torch.log(probs[token]))
+    return token_list, logprob_list

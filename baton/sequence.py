@@ -1,0 +1,76 @@
+"""A request inside an engine: its tokens, its block table and its counts (it owns them)."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from baton.sampling import SamplingParams
+from kvstore.hashing import hash_block
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    def __init__(self, seq_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                 arrival_time: float | None = None, output_token_ids: list[int] | None = None) -> None:
+        if not prompt_token_ids:
+            raise ValueError("a prompt needs at least one token")
+        self.seq_id = seq_id
+        self.token_ids: list[int] = list(prompt_token_ids) + list(output_token_ids or [])
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.arrival_time = arrival_time if arrival_time is not None else time.time()
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: str | None = None
+        self.block_table: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_registered_blocks = 0  # leading full blocks already registered in the prefix cache
+        self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at the last admission
+        self.num_preemptions = 0
+        self.output_len_at_admission = 0  # progress check: a resumed request must advance
+        self.logprobs: list[float] = []
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self._block_hashes: list[str] = []
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[:self.num_prompt_tokens]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int, logprob: float) -> None:
+        self.token_ids.append(token_id)
+        self.logprobs.append(logprob)
+
+    def block_hashes(self, block_size: int, model_id: str) -> list[str]:
+        """Chained ids of every full block of the tokens so far (extended incrementally)."""
+        hashes = self._block_hashes
+        parent = hashes[-1] if hashes else None
+        for index in range(len(hashes), self.num_tokens // block_size):
+            parent = hash_block(parent, self.token_ids[index * block_size:(index + 1) * block_size], model_id)
+            hashes.append(parent)
+        return hashes
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.seq_id!r}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
+                f"blocks={self.block_table}, {self.status.value})")

@@ -1,0 +1,481 @@
+"""`baton serve`: run a whole Baton deployment on one machine, as supervised child processes.
+
+One model directory is resolved once (fetching the default model if needed) and handed to every
+child. Unless a Redis URL is given, a private redis-server is started on a free port. Then the
+prefill workers, the decode workers and the gateway start as `python -m <service>` children.
+
+Threads are a budget (DESIGN.md): two processes each running 2 torch threads on 2 cores slow down
+catastrophically, so the workers' `--threads` add up to at most the cores this process may use.
+
+The supervisor owns its children: they run in their own process group (a terminal's Ctrl-C reaches
+only the supervisor, which then stops them in order: gateway first, then the workers, then Redis),
+and on Linux each child gets SIGTERM from the kernel if the supervisor itself dies. If any child
+exits on its own, the supervisor reports which and stops everything with a non-zero exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+PREFILL_MODULE = "prefill_worker"
+DECODE_MODULE = "decode_worker"
+GATEWAY_MODULE = "gateway"
+
+# Flags passed through unchanged when given: (flag, argparse dest, type, help).
+GATEWAY_FLAGS: list[tuple[str, type, str]] = [
+    ("--max-concurrent-requests", int, "past this many requests in flight the gateway answers 429"),
+    ("--max-input-tokens", int, "longest prompt accepted, in tokens"),
+    ("--max-total-tokens", int, "longest prompt + max_tokens accepted"),
+    ("--max-batch-total-tokens", int, "cluster token budget: admitted requests' input + max_new_tokens"),
+    ("--max-queue-size", int, "requests waiting for budget before 429"),
+    ("--max-queue-wait", float, "seconds a request may wait for budget before 429"),
+    ("--api-key", str, "require 'Authorization: Bearer KEY' on the API"),
+]
+PREFILL_FLAGS: list[tuple[str, type, str]] = [
+    ("--max-num-batched-tokens", int, "prefill worker: token budget per iteration (chunked prefill)"),
+]
+DECODE_FLAGS: list[tuple[str, type, str]] = [
+    ("--num-kv-blocks", int, "decode worker: KV blocks in its pool"),
+    ("--kv-cache-memory", str, "decode worker: KV pool size instead of --num-kv-blocks, e.g. 1GiB"),
+    ("--max-num-seqs", int, "decode worker: most requests in one batch"),
+    ("--scheduler-policy", str, "decode worker: no-evict | max-utilization"),
+]
+WORKER_FLAGS: list[tuple[str, type, str]] = [
+    ("--block-size", int, "tokens per KV block (prefill and decode must agree)"),
+]
+
+
+def _dest(flag: str) -> str:
+    return flag.lstrip("-").replace("-", "_")
+
+
+# --------------------------------------------------------------------------------------------
+# Thread budget
+# --------------------------------------------------------------------------------------------
+
+def available_cpus() -> int:
+    """Cores this process may use: its CPU affinity, capped by a cgroup v2 CPU quota if any."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    try:  # containers started with --cpus N
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        if quota != "max":
+            cpus = min(cpus, max(1, int(int(quota) // int(period))))
+    except (OSError, ValueError):
+        pass
+    return max(1, cpus)
+
+
+@dataclass
+class ThreadPlan:
+    prefill: list[int]
+    decode: list[int]
+    cpus: int
+    warning: str | None = None
+
+    @property
+    def total(self) -> int:
+        return sum(self.prefill) + sum(self.decode)
+
+
+def plan_threads(cpus: int, prefill_workers: int, decode_workers: int,
+                 threads_per_worker: int | None = None) -> ThreadPlan:
+    """Give each worker torch threads so that all of them together use at most `cpus` cores.
+
+    Every worker gets at least one thread. Cores that do not divide evenly go to the prefill
+    workers first (prefill is compute-bound; decode is mostly memory-bound). With more workers
+    than cores, each gets one thread and the plan carries a warning. An explicit
+    `threads_per_worker` is obeyed, with a warning when it oversubscribes.
+    """
+    if prefill_workers < 1 or decode_workers < 1:
+        raise ValueError("need at least one prefill worker and one decode worker")
+    cpus = max(1, cpus)
+    n = prefill_workers + decode_workers
+    if threads_per_worker is not None:
+        if threads_per_worker < 1:
+            raise ValueError("--threads-per-worker must be at least 1")
+        plan = ThreadPlan([threads_per_worker] * prefill_workers,
+                          [threads_per_worker] * decode_workers, cpus)
+    else:
+        base, extra = divmod(cpus, n)
+        base = max(1, base)
+        counts = [base + (1 if i < extra else 0) for i in range(n)] if cpus >= n else [1] * n
+        plan = ThreadPlan(counts[:prefill_workers], counts[prefill_workers:], cpus)
+    if plan.total > cpus:
+        plan.warning = (
+            f"{n} workers with {plan.total} torch threads in all on {cpus} cores: oversubscribed, "
+            "expect every step to slow down badly (see DESIGN.md, 'Threads are a budget')"
+        )
+    return plan
+
+
+# --------------------------------------------------------------------------------------------
+# Command lines
+# --------------------------------------------------------------------------------------------
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of `baton serve` (kept here so the CLI module stays small)."""
+    parser.add_argument("--model", default=None,
+                        help="Hugging Face model directory or .gguf file (default: the default model, fetched if needed)")
+    parser.add_argument("--host", default="127.0.0.1", help="gateway bind address (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="gateway port (default 8000)")
+    parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL") or None,
+                        help="use this Redis (default: $REDIS_URL, else a private redis-server on a free port)")
+    parser.add_argument("--prefill-workers", type=int, default=1, help="prefill worker processes (default 1)")
+    parser.add_argument("--decode-workers", type=int, default=1, help="decode worker processes (default 1)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                        help="worker compute dtype (default auto)")
+    parser.add_argument("--threads-per-worker", type=int, default=None,
+                        help="torch threads per worker (default: split this machine's cores among the workers)")
+    parser.add_argument("--worker-metrics-port", type=int, default=None,
+                        help="first Prometheus port for the workers: prefill i gets PORT+i, decode j PORT+#prefill+j (default: none)")
+    parser.add_argument("--startup-timeout", type=float, default=600.0,
+                        help="seconds to wait for the deployment to become ready (default 600)")
+    parser.add_argument("--stop-timeout", type=float, default=10.0,
+                        help="seconds children get to stop after SIGTERM before SIGKILL (default 10)")
+    group = parser.add_argument_group("gateway limits (passed to the gateway when given)")
+    for flag, typ, help_ in GATEWAY_FLAGS:
+        group.add_argument(flag, type=typ, default=None, help=help_)
+    group = parser.add_argument_group("worker settings (passed to the workers when given)")
+    for flag, typ, help_ in WORKER_FLAGS + PREFILL_FLAGS + DECODE_FLAGS:
+        kwargs = {"choices": ["no-evict", "max-utilization"]} if flag == "--scheduler-policy" else {}
+        group.add_argument(flag, type=typ, default=None, help=help_, **kwargs)
+
+
+def _passthrough(args: argparse.Namespace, flags: list[tuple[str, type, str]]) -> list[str]:
+    out: list[str] = []
+    for flag, _typ, _help in flags:
+        value = getattr(args, _dest(flag), None)
+        if value is not None:
+            out += [flag, str(value)]
+    return out
+
+
+@dataclass
+class ChildSpec:
+    name: str
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    role: str = ""  # "gateway" | "prefill" | "decode"
+
+
+def build_child_specs(args: argparse.Namespace, model_dir: Path, redis_url: str,
+                      plan: ThreadPlan, python: str = sys.executable) -> list[ChildSpec]:
+    """The command lines of every child, in start order: prefill workers, decode workers, gateway."""
+    specs: list[ChildSpec] = []
+    common = ["--model", str(model_dir), "--redis-url", redis_url]
+    metrics_port = args.worker_metrics_port
+    for i, threads in enumerate(plan.prefill):
+        argv = [python, "-m", PREFILL_MODULE, *common, "--threads", str(threads), "--dtype", args.dtype]
+        argv += _passthrough(args, WORKER_FLAGS + PREFILL_FLAGS)
+        if metrics_port is not None:
+            argv += ["--metrics-port", str(metrics_port + i)]
+        specs.append(ChildSpec(f"prefill_worker[{i}]", argv, _thread_env(threads), "prefill"))
+    for j, threads in enumerate(plan.decode):
+        argv = [python, "-m", DECODE_MODULE, *common, "--threads", str(threads), "--dtype", args.dtype]
+        argv += _passthrough(args, WORKER_FLAGS + DECODE_FLAGS)
+        if metrics_port is not None:
+            argv += ["--metrics-port", str(metrics_port + len(plan.prefill) + j)]
+        specs.append(ChildSpec(f"decode_worker[{j}]", argv, _thread_env(threads), "decode"))
+    argv = [python, "-m", GATEWAY_MODULE, "--model", str(model_dir), "--host", args.host,
+            "--port", str(args.port), "--redis-url", redis_url]
+    argv += _passthrough(args, GATEWAY_FLAGS)
+    specs.append(ChildSpec("gateway", argv, _thread_env(1), "gateway"))
+    return specs
+
+
+def _thread_env(threads: int) -> dict[str, str]:
+    # Workers call torch.set_num_threads(--threads) themselves; these keep the OpenMP / MKL pools
+    # (and the tokenizers' Rust pool) from starting one thread per core before that happens.
+    return {
+        "OMP_NUM_THREADS": str(threads),
+        "MKL_NUM_THREADS": str(threads),
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Supervision
+# --------------------------------------------------------------------------------------------
+
+def _child_preexec() -> None:
+    """Runs in the child before exec: own process group; SIGTERM if the supervisor dies (Linux)."""
+    os.setpgid(0, 0)
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except Exception:  # not Linux: children are still stopped on every orderly exit
+        pass
+
+
+class ChildExited(RuntimeError):
+    def __init__(self, name: str, pid: int, returncode: int):
+        how = (f"was killed by signal {-returncode}" if returncode < 0
+               else f"exited with code {returncode}")
+        super().__init__(f"{name} (pid {pid}) {how}")
+        self.name = name
+        self.returncode = returncode
+
+
+class StopRequested(Exception):
+    pass
+
+
+class Supervisor:
+    """Starts children, watches them, and stops all of them in order."""
+
+    def __init__(self, stop_timeout: float = 10.0, log=None):
+        self.children: list[tuple[ChildSpec, subprocess.Popen]] = []
+        self.watched: list[tuple[str, subprocess.Popen]] = []  # stopped by their owners, not by us
+        self.stop_timeout = stop_timeout
+        self.stop_signal: int | None = None
+        self.log = log or (lambda msg: print(f"baton: {msg}", file=sys.stderr, flush=True))
+
+    # signals ---------------------------------------------------------------------------------
+    def install_signal_handlers(self) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum, _frame) -> None:
+        if self.stop_signal is None:
+            self.stop_signal = signum
+        else:
+            # A second Ctrl-C while stopping: do not make the user wait for the grace period.
+            for _spec, proc in self.children:
+                if proc.poll() is None:
+                    _kill(proc, signal.SIGKILL)
+
+    # children --------------------------------------------------------------------------------
+    def start(self, spec: ChildSpec) -> subprocess.Popen:
+        env = dict(os.environ)
+        env.update(spec.env)
+        env["REDIS_URL"] = spec.argv[spec.argv.index("--redis-url") + 1]
+        # Own process group: the terminal's Ctrl-C reaches only us, and we stop children in order.
+        proc = subprocess.Popen(
+            spec.argv, env=env, stdin=subprocess.DEVNULL,
+            stdout=sys.stderr.fileno(),  # keep our stdout for our own status lines
+            preexec_fn=_child_preexec,
+        )
+        self.children.append((spec, proc))
+        self.log(f"started {spec.name} (pid {proc.pid})")
+        return proc
+
+    def watch(self, name: str, proc: subprocess.Popen) -> None:
+        """Also report it if this process (say, the private redis-server) exits."""
+        self.watched.append((name, proc))
+
+    def check(self) -> None:
+        """Raise StopRequested on a signal, ChildExited if any child has exited."""
+        if self.stop_signal is not None:
+            raise StopRequested()
+        for name, proc in [(spec.name, proc) for spec, proc in self.children] + self.watched:
+            code = proc.poll()
+            if code is not None:
+                # A terminal Ctrl-C may reach a shared-group process (redis) a moment before we
+                # see the signal ourselves: give the signal a chance to arrive first.
+                time.sleep(0.2)
+                if self.stop_signal is not None:
+                    raise StopRequested()
+                raise ChildExited(name, proc.pid, code)
+
+    def sleep(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while True:
+            self.check()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            time.sleep(min(0.1, left))
+
+    def stop_all(self) -> None:
+        """SIGTERM the gateway, then the workers; wait up to stop_timeout; SIGKILL what is left."""
+        if not self.children:
+            return
+        deadline = time.monotonic() + self.stop_timeout
+        gateways = [(s, p) for s, p in self.children if s.role == "gateway"]
+        workers = [(s, p) for s, p in self.children if s.role != "gateway"]
+        for group in (gateways, workers):
+            for _spec, proc in group:
+                if proc.poll() is None:
+                    _kill(proc, signal.SIGTERM)
+            _wait_all(group, min(deadline, time.monotonic() + self.stop_timeout / 2)
+                      if group is gateways else deadline)
+        for spec, proc in self.children:
+            if proc.poll() is None:
+                self.log(f"{spec.name} (pid {proc.pid}) did not stop in {self.stop_timeout:g}s: SIGKILL")
+                _kill(proc, signal.SIGKILL)
+        for _spec, proc in self.children:
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+
+
+def _kill(proc: subprocess.Popen, sig: int) -> None:
+    """Signal a child's whole process group (it may have started helpers of its own)."""
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        try:
+            proc.send_signal(sig)
+        except ProcessLookupError:
+            pass
+
+
+def _wait_all(group, deadline: float) -> None:
+    for _spec, proc in group:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+
+
+# --------------------------------------------------------------------------------------------
+# Readiness
+# --------------------------------------------------------------------------------------------
+
+def probe_host(host: str) -> str:
+    """Where to reach a server bound to `host` from this machine."""
+    if host in ("", "0.0.0.0"):
+        return "127.0.0.1"
+    if host in ("::", "[::]"):
+        return "[::1]"
+    if ":" in host and not host.startswith("["):
+        return f"[{host}]"
+    return host
+
+
+def gateway_healthy(host: str, port: int, timeout: float = 2.0) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://{probe_host(host)}:{port}/health", timeout=timeout) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def heartbeat_roles(redis_client) -> set[str]:
+    """The kinds of process that have a live heartbeat key (baton:heartbeat:<kind>:<id>)."""
+    from baton.protocol import HEARTBEAT_PATTERN
+
+    kinds: set[str] = set()
+    for key in redis_client.scan_iter(match=HEARTBEAT_PATTERN, count=1000):
+        key = key.decode() if isinstance(key, bytes) else key
+        parts = key.split(":")
+        if len(parts) >= 3:
+            kind = parts[2]
+            if kind.startswith("prefill"):
+                kinds.add("prefill")
+            elif kind.startswith("decode"):
+                kinds.add("decode")
+            else:
+                kinds.add(kind)
+    return kinds
+
+
+def wait_until_ready(sup: Supervisor, host: str, port: int, redis_url: str, timeout: float) -> None:
+    import redis
+
+    client = redis.Redis.from_url(redis_url, socket_timeout=2)
+    deadline = time.monotonic() + timeout
+    waiting_for = ""
+    try:
+        while True:
+            sup.check()
+            missing = []
+            if not gateway_healthy(host, port):
+                missing.append("gateway /health")
+            try:
+                kinds = heartbeat_roles(client)
+            except redis.RedisError:
+                kinds = set()
+            missing += [f"a {k} worker heartbeat" for k in ("prefill", "decode") if k not in kinds]
+            if not missing:
+                return
+            if " and ".join(missing) != waiting_for:
+                waiting_for = " and ".join(missing)
+                sup.log(f"waiting for {waiting_for} ...")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"not ready after {timeout:g}s: still waiting for {waiting_for}")
+            sup.sleep(0.5)
+    finally:
+        client.close()
+
+
+# --------------------------------------------------------------------------------------------
+# Entry point
+# --------------------------------------------------------------------------------------------
+
+def run(args: argparse.Namespace) -> int:
+    from baton.fetch import resolve_model
+
+    log = lambda msg: print(f"baton: {msg}", file=sys.stderr, flush=True)  # noqa: E731
+    if args.prefill_workers < 1 or args.decode_workers < 1:
+        log("need at least one prefill worker and one decode worker")
+        return 2
+    if args.num_kv_blocks is not None and args.kv_cache_memory is not None:
+        log("give --num-kv-blocks or --kv-cache-memory, not both")
+        return 2
+    plan = plan_threads(available_cpus(), args.prefill_workers, args.decode_workers,
+                        args.threads_per_worker)
+    if plan.warning:
+        log(f"warning: {plan.warning}")
+
+    try:
+        model_dir = Path(resolve_model(args.model)).resolve()
+    except (FileNotFoundError, subprocess.CalledProcessError) as exc:
+        log(f"cannot load the model: {exc}")
+        return 2
+    model_name = Path(model_dir).name
+    log(f"model {model_name} from {model_dir}")
+    log(f"threads: prefill {plan.prefill}, decode {plan.decode} on {plan.cpus} cores")
+
+    sup = Supervisor(stop_timeout=args.stop_timeout, log=log)
+    sup.install_signal_handlers()
+    private_redis = None
+    exit_code = 0
+    try:
+        redis_url = args.redis_url
+        if redis_url:
+            log(f"redis: {redis_url}")
+        else:
+            from baton.redis_server import start_private_redis
+
+            private_redis = start_private_redis()
+            redis_url = private_redis.url
+            sup.watch("redis-server", private_redis.process)
+            log(f"redis: {redis_url} (private)")
+        for spec in build_child_specs(args, Path(model_dir), redis_url, plan):
+            sup.start(spec)
+        wait_until_ready(sup, args.host, args.port, redis_url, args.startup_timeout)
+        print(f"Baton is serving {model_name} at http://{args.host}:{args.port}", flush=True)
+        while True:
+            sup.sleep(3600)
+    except StopRequested:
+        log(f"{signal.Signals(sup.stop_signal).name}: stopping")  # type: ignore[arg-type]
+    except ChildExited as exc:
+        log(f"{exc}; stopping everything")
+        exit_code = 1
+    except TimeoutError as exc:
+        log(f"{exc}; stopping everything")
+        exit_code = 1
+    except Exception as exc:  # anything else: still never leave children behind
+        log(f"error: {exc!r}; stopping everything")
+        exit_code = 1
+    finally:
+        sup.stop_all()
+        if private_redis is not None:
+            private_redis.stop()
+        log("stopped")
+    return exit_code

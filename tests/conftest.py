@@ -1,0 +1,59 @@
+"""Shared fixtures: a private redis-server per test session, the real default model, a tiny model."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing in tests may reach a hub
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def redis_server():
+    from baton.redis_server import start_private_redis
+
+    server = start_private_redis()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_url(redis_server) -> str:
+    return redis_server.url
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    from baton.fetch import resolve_model
+
+    return resolve_model(None)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, default_model_dir) -> Path:
+    """A random-init Llama of the default model's architecture, shrunk, with the real tokenizer."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = tmp_path_factory.mktemp("tiny-llama")
+    config = LlamaConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
+        rope_theta=100000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+        pad_token_id=2, rms_norm_eps=1e-5,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    # Random init gives near-uniform logits; scale up so greedy choices are decisive (parity
+    # tests must not hinge on float ties).
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(50.0)
+    model.save_pretrained(out)
+    for name in os.listdir(default_model_dir):
+        if name.startswith("tokenizer") or name.endswith(".jinja") or name == "special_tokens_map.json":
+            shutil.copy(default_model_dir / name, out / name)
+    return out
