@@ -122,7 +122,10 @@ class Scheduler:
             computed = bm.get_computed_blocks(seq)
             remaining = seq.num_tokens - seq.num_computed_tokens - len(computed) * bm.block_size
             num_new = min(remaining, budget)
-            to_take = bm.num_blocks_to_take(seq, num_new, computed)
+            # Blocks for the whole remaining prompt are taken now, even when only its first chunk
+            # runs this step: a request admitted for a chunk and then starved of blocks for the
+            # next one would preempt itself, be re-admitted, and redo that chunk again (thrash).
+            to_take = bm.num_blocks_to_take(seq, remaining, computed)
             if self.config.policy == "no-evict":
                 # Reserve the request's whole future; running requests keep their reservations.
                 worst = self._max_blocks(seq) - len(seq.block_table) - len(computed)
@@ -131,7 +134,7 @@ class Scheduler:
                     break  # strict FIFO: the head waits for room, nobody overtakes it
             elif to_take > pool.num_free_blocks - self._watermark():
                 break  # strict FIFO, as above
-            if bm.allocate_slots(seq, num_new, computed) is None:
+            if bm.allocate_slots(seq, remaining, computed) is None:
                 break
             bm.record_prefix_lookup(seq, computed)
             self.waiting.popleft()

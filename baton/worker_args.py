@@ -1,0 +1,37 @@
+"""Command-line flags every worker takes."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+
+
+def parse_bytes(text: str) -> int:
+    """'2GiB', '512MB', '1073741824' -> bytes."""
+    match = re.fullmatch(r"\s*([\d.]+)\s*([KMGT]?)(i?)B?\s*", text, re.IGNORECASE)
+    if not match:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 2GiB, 512MB)")
+    number, unit, binary = match.groups()
+    base = 1024 if binary or not unit else 1000
+    return int(float(number) * base ** " KMGT".index(unit.upper() or " "))
+
+
+def add_common_args(parser: argparse.ArgumentParser, kind: str) -> None:
+    parser.add_argument("--model", default=None, help="model directory or .gguf (default: the default model)")
+    parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if present)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (workers on one machine must share its cores)")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--num-kv-blocks", type=int, default=None)
+    parser.add_argument("--kv-cache-memory", type=parse_bytes, default=parse_bytes("1GiB"),
+                        help="KV pool size when --num-kv-blocks is not given (e.g. 2GiB)")
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--metrics-port", type=int, default=None)
+    parser.add_argument("--worker-id", default=None)
+    parser.add_argument("--claim-idle-ms", type=int, default=15000,
+                        help="a message unacked this long by a consumer whose heartbeat stopped is claimed")
+    parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish in-flight work on SIGTERM")
+    parser.add_argument("--log-level", default=os.environ.get("BATON_LOG_LEVEL", "INFO"))

@@ -1,0 +1,181 @@
+"""What every worker process shares: Redis connection, consumer groups, heartbeats, cancels,
+dead letters, claiming a dead consumer's messages, signal handling."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import msgpack
+from redis.asyncio import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError, TimeoutError as RedisTimeoutError
+
+from baton import protocol
+
+logger = logging.getLogger("baton.worker")
+
+REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
+HEARTBEAT_INTERVAL_S = 1.0
+HEARTBEAT_TTL_S = 5
+
+
+def default_worker_id(kind: str) -> str:
+    return f"{kind}-{socket.gethostname()}-{os.getpid()}"
+
+
+def connect(url: str) -> Redis:
+    return Redis.from_url(url, decode_responses=False, socket_timeout=10, socket_connect_timeout=5,
+                          health_check_interval=10)
+
+
+async def ensure_group(redis: Redis, stream: str, group: str) -> None:
+    """Create the consumer group at start-up (from the stream's beginning; MKSTREAM)."""
+    try:
+        await redis.xgroup_create(stream, group, id="0", mkstream=True)
+    except ResponseError as exc:
+        if "BUSYGROUP" not in str(exc):
+            raise
+
+
+async def dead_letter(redis: Redis, stream: str, group: str, message_id: bytes, fields: dict, error: str) -> None:
+    """Park an undecodable message in the dead-letter stream and ack it: it must not crash-loop."""
+    logger.error("dead-lettering message %s from %s: %s", message_id, stream, error)
+    pipe = redis.pipeline(transaction=False)
+    pipe.xadd(protocol.DEAD_LETTER_STREAM,
+              {b"stream": stream, b"id": message_id, b"error": error[:500],
+               protocol.PAYLOAD_FIELD: fields.get(protocol.PAYLOAD_FIELD, b"")},
+              maxlen=protocol.STREAM_MAXLEN, approximate=True)
+    pipe.xack(stream, group, message_id)
+    await pipe.execute()
+
+
+async def read_group(redis: Redis, stream: str, group: str, consumer: str, count: int,
+                     block_ms: int | None) -> list[tuple[bytes, dict]]:
+    reply = await redis.xreadgroup(group, consumer, {stream: ">"}, count=count, block=block_ms)
+    if not reply:
+        return []
+    return list(reply[0][1])
+
+
+async def claim_from_dead(redis: Redis, stream: str, group: str, consumer: str, kind: str,
+                          min_idle_ms: int, count: int = 50) -> list[tuple[bytes, dict, int]]:
+    """Claim messages taken by consumers that died (heartbeat expired) and idle >= min_idle_ms.
+
+    Idle time alone cannot tell a dead consumer from a slow one (a decode worker holds a handoff
+    unacked until the request finishes), so the owner's heartbeat decides. Returns
+    (id, fields, times delivered) for each message now ours.
+    """
+    pending = await redis.xpending_range(stream, group, min="-", max="+", count=count, idle=min_idle_ms)
+    owners = {p["consumer"] for p in pending if p["consumer"] != consumer.encode()}
+    if not owners:
+        return []
+    pipe = redis.pipeline(transaction=False)
+    for owner in owners:
+        pipe.exists(protocol.heartbeat_key(kind, owner.decode()))
+    alive = {owner for owner, n in zip(owners, await pipe.execute()) if n}
+    stale = [p for p in pending if p["consumer"] in owners and p["consumer"] not in alive]
+    if not stale:
+        return []
+    deliveries = {p["message_id"]: p["times_delivered"] for p in stale}
+    claimed = await redis.xclaim(stream, group, consumer, min_idle_time=min_idle_ms,
+                                 message_ids=list(deliveries))
+    for owner in owners - alive:
+        logger.warning("claimed messages of dead %s consumer %s", kind, owner.decode())
+    return [(mid, fields, deliveries.get(mid, 1)) for mid, fields in claimed if fields]
+
+
+class CancelWatcher:
+    """Reads the broadcast cancel stream; remembers recently cancelled request ids (bounded)."""
+
+    def __init__(self, redis: Redis, capacity: int = 100_000) -> None:
+        self.redis = redis
+        self.cancelled: OrderedDict[str, float] = OrderedDict()
+        self.capacity = capacity
+        self.last_id = b"$"
+        self.new_ids: list[str] = []  # cancels not yet applied by the worker's loop
+
+    def is_cancelled(self, request_id: str) -> bool:
+        return request_id in self.cancelled
+
+    def pop_new(self) -> list[str]:
+        new, self.new_ids = self.new_ids, []
+        return new
+
+    async def run(self, stopping: asyncio.Event) -> None:
+        backoff = 0.1
+        if self.last_id == b"$":
+            try:
+                # Start from the current end, but remember the position: no cancel is missed later.
+                info = await self.redis.xinfo_stream(protocol.CANCEL_STREAM)
+                self.last_id = info["last-generated-id"]
+            except ResponseError:
+                self.last_id = b"0-0"
+            except REDIS_ERRORS:
+                self.last_id = b"0-0"
+        while not stopping.is_set():
+            try:
+                reply = await self.redis.xread({protocol.CANCEL_STREAM: self.last_id}, count=500, block=500)
+                backoff = 0.1
+            except REDIS_ERRORS as exc:
+                logger.warning("cancel reader: redis unavailable (%s); retrying", exc)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+                continue
+            for _, entries in reply or []:
+                for message_id, fields in entries:
+                    self.last_id = message_id
+                    try:
+                        cancel = protocol.decode(fields[protocol.PAYLOAD_FIELD], protocol.Cancel)
+                    except (protocol.MalformedMessage, KeyError) as exc:
+                        logger.error("ignoring malformed cancel %s: %s", message_id, exc)
+                        continue
+                    self.cancelled[cancel.request_id] = time.time()
+                    self.new_ids.append(cancel.request_id)
+                    while len(self.cancelled) > self.capacity:
+                        self.cancelled.popitem(last=False)
+
+
+async def heartbeat_loop(redis: Redis, kind: str, worker_id: str, state: Callable[[], dict[str, Any]],
+                         stopping: asyncio.Event) -> None:
+    key = protocol.heartbeat_key(kind, worker_id)
+    while not stopping.is_set():
+        try:
+            payload = {"worker_id": worker_id, "kind": kind, "time": time.time(), **state()}
+            await redis.set(key, msgpack.packb(payload), ex=HEARTBEAT_TTL_S)
+        except REDIS_ERRORS as exc:
+            logger.warning("heartbeat failed (%s)", exc)
+        try:
+            await asyncio.wait_for(stopping.wait(), HEARTBEAT_INTERVAL_S)
+        except asyncio.TimeoutError:
+            pass
+    try:
+        await redis.delete(key)  # a clean exit withdraws its capacity at once
+    except REDIS_ERRORS:
+        pass
+
+
+async def live_gateways(redis: Redis) -> set[str] | None:
+    """Ids of gateways whose heartbeat is alive (None if Redis cannot tell us now)."""
+    try:
+        keys = [k async for k in redis.scan_iter(match=protocol.heartbeat_key("gateway", "*"), count=200)]
+    except REDIS_ERRORS:
+        return None
+    return {k.decode().rsplit(":", 1)[-1] for k in keys}
+
+
+def install_signal_handlers(stopping: asyncio.Event) -> None:
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stopping.set)
+
+
+def setup_logging(level: str = "INFO") -> None:
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

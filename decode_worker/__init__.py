@@ -1,0 +1,1 @@
+"""Decode worker: iteration-level continuous batching over a paged KV pool."""

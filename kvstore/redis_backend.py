@@ -1,0 +1,84 @@
+"""Redis backend of the block store: KV blocks as binary values keyed by their chained hash.
+
+A full block's key is `baton:kv:<hash>`: any worker computing the same prefix writes the same key
+(SET NX: the first write wins; the content is the same anyway). The prompt's last, partial block has
+no hash (its content is not final) and travels keyed by request. Every value carries its tokens, so
+a reader re-checks them on a hit, and its dtype and shape, so a worker in another dtype converts.
+Values have a TTL; the server's `maxmemory` with `volatile-lru` caps the store's memory by evicting
+least-recently-used blocks (never the streams, which have no TTL).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import msgpack
+import torch
+from redis.asyncio import Redis
+
+KEY_PREFIX = "baton:kv:"
+PARTIAL_PREFIX = "baton:kv:partial:"
+DEFAULT_TTL_S = 900
+
+
+def block_key(block_hash: str) -> str:
+    return KEY_PREFIX + block_hash
+
+
+def partial_key(request_id: str) -> str:
+    return PARTIAL_PREFIX + request_id
+
+
+def encode_block(token_ids: Sequence[int], kv: torch.Tensor) -> bytes:
+    """kv: [layers, 2, block_size, kv_heads, head_dim] -> bytes (tokens, dtype, shape, raw data)."""
+    kv = kv.contiguous()
+    return msgpack.packb({
+        "v": 1,
+        "tokens": list(token_ids),
+        "dtype": str(kv.dtype).removeprefix("torch."),
+        "shape": list(kv.shape),
+        "data": kv.view(torch.uint8).numpy().tobytes(),
+    }, use_bin_type=True)
+
+
+def decode_block(value: bytes) -> tuple[list[int], torch.Tensor]:
+    """bytes -> (token ids, kv [layers, 2, block_size, kv_heads, head_dim])."""
+    payload = msgpack.unpackb(value, raw=False)
+    if not isinstance(payload, dict) or payload.get("v") != 1:
+        raise ValueError("not a Baton KV block")
+    dtype = getattr(torch, payload["dtype"])
+    data = torch.frombuffer(bytearray(payload["data"]), dtype=torch.uint8)
+    return list(payload["tokens"]), data.view(dtype).reshape(payload["shape"])
+
+
+class RedisBlockStore:
+    def __init__(self, redis: Redis, ttl_s: int = DEFAULT_TTL_S) -> None:
+        self.redis = redis
+        self.ttl_s = ttl_s
+
+    async def exists(self, block_hashes: Sequence[str]) -> list[bool]:
+        if not block_hashes:
+            return []
+        pipe = self.redis.pipeline(transaction=False)
+        for block_hash in block_hashes:
+            pipe.exists(block_key(block_hash))
+        return [bool(n) for n in await pipe.execute()]
+
+    async def get_blocks(self, block_hashes: Sequence[str]) -> list[bytes | None]:
+        """Raw values of the given blocks (None where absent); one round trip."""
+        if not block_hashes:
+            return []
+        return await self.redis.mget([block_key(h) for h in block_hashes])
+
+    async def get_partial(self, request_id: str) -> bytes | None:
+        return await self.redis.get(partial_key(request_id))
+
+    def queue_put_block(self, pipe, block_hash: str, value: bytes) -> None:
+        """Add a full block's write to a pipeline (the caller batches it with its other writes)."""
+        pipe.set(block_key(block_hash), value, ex=self.ttl_s, nx=True)
+
+    def queue_put_partial(self, pipe, request_id: str, value: bytes) -> None:
+        pipe.set(partial_key(request_id), value, ex=self.ttl_s)
+
+    async def delete_partial(self, request_id: str) -> None:
+        await self.redis.delete(partial_key(request_id))
