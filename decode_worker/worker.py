@@ -57,6 +57,8 @@ class DecodeWorker(WorkerBase):
         self.in_flight: dict[str, InFlight] = {}
         self.last_gateway_check = 0.0
         self.num_preemptions_seen = 0
+        self.num_finished = 0
+        self.num_blocks_fetched = 0
 
     def num_in_flight(self) -> int:
         return len(self.in_flight)
@@ -67,7 +69,8 @@ class DecodeWorker(WorkerBase):
         return {"num_kv_blocks_total": pool.num_usable_blocks, "num_kv_blocks_used": pool.num_used_blocks,
                 "block_size": pool.block_size, "num_requests_running": len(scheduler.running),
                 "num_requests_waiting": len(scheduler.waiting), "num_preemptions": scheduler.num_preemptions,
-                "max_num_seqs": scheduler.config.max_num_seqs, "policy": scheduler.config.policy}
+                "max_num_seqs": scheduler.config.max_num_seqs, "policy": scheduler.config.policy,
+                "num_requests_finished": self.num_finished, "num_blocks_fetched": self.num_blocks_fetched}
 
     async def iteration(self, accept_new: bool) -> None:
         for request_id in self.cancels.pop_new():
@@ -140,6 +143,7 @@ class DecodeWorker(WorkerBase):
                                     len(handoff.output_token_ids), str(exc))
             return
         self.metrics.blocks_fetched.inc(warm.num_fetched)
+        self.num_blocks_fetched += warm.num_fetched
         self.metrics.bytes("fetched", warm.bytes_fetched + (len(partial) if partial else 0))
         self.metrics.handoff_latency.observe(max(0.0, time.time() - handoff.first_token_time))
         if not adopted:
@@ -197,6 +201,7 @@ class DecodeWorker(WorkerBase):
             self.queue_event(pipe, entry.handoff.gateway_id, event)
             if out.finished:
                 del self.in_flight[seq.seq_id]
+                self.num_finished += 1
                 pipe.xack(self.stream, self.group, entry.message_id)
                 pipe.delete(partial_key(seq.seq_id))
                 self.metrics.finished(seq.finish_reason or "stop")

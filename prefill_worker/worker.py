@@ -46,6 +46,9 @@ class PrefillWorker(WorkerBase):
         self.in_flight: dict[str, tuple[bytes, protocol.PrefillRequest, float]] = {}
         # Hashes known to be in the store (written or fetched here): not sent again.
         self.stored_hashes: OrderedDict[str, None] = OrderedDict()
+        self.num_blocks_fetched = 0
+        self.num_prefix_hit_tokens = 0
+        self.num_finished = 0
 
     def num_in_flight(self) -> int:
         return len(self.in_flight)
@@ -55,7 +58,8 @@ class PrefillWorker(WorkerBase):
         return {"queue_depth": len(self.engine.scheduler.waiting),
                 "num_requests_running": len(self.in_flight),
                 "num_kv_blocks_total": pool.num_usable_blocks, "num_kv_blocks_used": pool.num_used_blocks,
-                "block_size": pool.block_size}
+                "block_size": pool.block_size, "num_blocks_fetched": self.num_blocks_fetched,
+                "num_prefix_hit_tokens": self.num_prefix_hit_tokens, "num_requests_finished": self.num_finished}
 
     async def iteration(self, accept_new: bool) -> None:
         for request_id in self.cancels.pop_new():
@@ -109,6 +113,7 @@ class PrefillWorker(WorkerBase):
                                     len(request.prompt_token_ids), 0, str(exc))
             return
         self.metrics.blocks_fetched.inc(warm.num_fetched)
+        self.num_blocks_fetched += warm.num_fetched
         self.metrics.bytes("fetched", warm.bytes_fetched)
         bs = self.engine.pool.block_size
         hashes = seq.block_hashes(bs, self.engine.model_config.model_id)
@@ -146,6 +151,8 @@ class PrefillWorker(WorkerBase):
             self.metrics.prompt_tokens.inc(num_prompt)
             self.metrics.prefix_cache_queries.inc(num_prompt)
             self.metrics.prefix_cache_hits.inc(seq.num_cached_tokens)
+            self.num_prefix_hit_tokens += seq.num_cached_tokens
+            self.num_finished += 1
             self.metrics.request_prefill_time.observe(time.time() - admitted)
             event = protocol.TokenEvent(
                 seq.seq_id, 0, out.new_token_ids, out.new_logprobs,

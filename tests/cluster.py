@@ -1,0 +1,114 @@
+"""A whole Baton system for a test: private redis-server, workers, gateway on free ports."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import msgpack
+import redis
+
+from baton.redis_server import PrivateRedis, free_port, start_private_redis
+
+
+class Cluster:
+    def __init__(self, model_dir: Path, prefill: int = 1, decode: int = 1, gateway_args: tuple[str, ...] = (),
+                 prefill_args: tuple[str, ...] = (), decode_args: tuple[str, ...] = (),
+                 dtype: str = "float32") -> None:
+        self.model_dir = Path(model_dir)
+        self.redis: PrivateRedis = start_private_redis()
+        self.client = redis.Redis.from_url(self.redis.url)
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.dtype = dtype
+        self.prefill_args, self.decode_args = prefill_args, decode_args
+        self.log_dir = Path(os.environ.get("BATON_TEST_LOGS", "/tmp/baton-test-logs"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.procs: dict[str, subprocess.Popen] = {}
+        for i in range(prefill):
+            self.start_worker("prefill_worker", f"prefill-{i}")
+        for i in range(decode):
+            self.start_worker("decode_worker", f"decode-{i}")
+        self._spawn("gateway", [sys.executable, "-m", "gateway", "--model", str(self.model_dir), "--port",
+                                str(self.port), "--redis-url", self.redis.url, *gateway_args])
+        self.wait_ready(prefill, decode)
+
+    def _spawn(self, name: str, cmd: list[str]) -> subprocess.Popen:
+        log = open(self.log_dir / f"{name}-{self.port}.log", "w")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", HF_ENDPOINT="http://127.0.0.1:9")
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        self.procs[name] = proc
+        return proc
+
+    def start_worker(self, module: str, worker_id: str) -> subprocess.Popen:
+        extra = self.prefill_args if module == "prefill_worker" else self.decode_args
+        return self._spawn(worker_id, [
+            sys.executable, "-m", module, "--model", str(self.model_dir), "--redis-url", self.redis.url,
+            "--threads", "1", "--dtype", self.dtype, "--worker-id", worker_id, "--claim-idle-ms", "500", *extra])
+
+    def wait_ready(self, prefill: int, decode: int, timeout: float = 180) -> None:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            for name, proc in self.procs.items():
+                if proc.poll() is not None:
+                    raise RuntimeError(f"{name} exited with {proc.returncode}: see {self.log_dir}")
+            try:
+                health = httpx.get(self.base_url + "/health", timeout=2).json()
+                if health.get("prefill_workers", 0) >= prefill and health.get("decode_workers", 0) >= decode:
+                    return
+            except (httpx.HTTPError, ValueError):
+                pass
+            time.sleep(0.3)
+        raise TimeoutError("the system did not become ready")
+
+    def stats(self) -> dict:
+        return httpx.get(self.base_url + "/stats", timeout=5).json()
+
+    def worker_states(self, kind: str) -> list[dict]:
+        states = []
+        for key in self.client.scan_iter(f"baton:heartbeat:{kind}:*"):
+            value = self.client.get(key)
+            if value:
+                states.append(msgpack.unpackb(value))
+        return states
+
+    def wait_idle(self, timeout: float = 30) -> dict:
+        """Wait until budget, running requests and KV blocks in use are all back to zero."""
+        deadline = time.time() + timeout
+        stats: dict = {}
+        while time.time() < deadline:
+            stats = self.stats()
+            decode = self.worker_states("decode")
+            if (stats["token_budget"]["in_use"] == 0 and stats["requests"]["running"] == 0
+                    and stats["requests"]["waiting"] == 0 and decode
+                    and all(d["num_kv_blocks_used"] == 0 and d["num_requests_running"] == 0 for d in decode)):
+                return stats
+            time.sleep(0.3)
+        raise AssertionError(f"not idle after {timeout}s: {stats} {self.worker_states('decode')}")
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        self.procs[name].send_signal(sig)
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.client.close()
+        self.redis.stop()
+
+    def __enter__(self) -> "Cluster":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
