@@ -70,6 +70,9 @@ def start_private_redis(port: int | None = None, maxmemory: str = "2gb") -> Priv
          "--maxmemory-policy", "volatile-lru"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        # Its own session: a terminal's Ctrl-C reaches the supervisor, which stops Redis last,
+        # after the workers have drained through it.
+        start_new_session=True,
     )
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:

@@ -70,6 +70,10 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], histories: list[l
     Returns the token ids and their log-probabilities under the distribution sampled from.
     """
     logits = logits.float()
+    if any(p.repetition_penalty != 1.0 for p in params):
+        # The penalty edits logits in place: work on a copy, never on the caller's tensor (the
+        # model's logits are inference-mode tensors, which refuse in-place updates outside it).
+        logits = logits.clone()
     for row, p in enumerate(params):
         if p.repetition_penalty != 1.0:
             apply_repetition_penalty(logits[row], histories[row], p.repetition_penalty)

@@ -143,8 +143,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="first Prometheus port for the workers: prefill i gets PORT+i, decode j PORT+#prefill+j (default: none)")
     parser.add_argument("--startup-timeout", type=float, default=600.0,
                         help="seconds to wait for the deployment to become ready (default 600)")
-    parser.add_argument("--stop-timeout", type=float, default=10.0,
-                        help="seconds children get to stop after SIGTERM before SIGKILL (default 10)")
+    parser.add_argument("--stop-timeout", type=float, default=35.0,
+                        help="seconds children get to stop after SIGTERM before SIGKILL (default 35: "
+                             "longer than the workers' 30 s drain; a second Ctrl-C kills at once)")
     group = parser.add_argument_group("gateway limits (passed to the gateway when given)")
     for flag, typ, help_ in GATEWAY_FLAGS:
         group.add_argument(flag, type=typ, default=None, help=help_)
@@ -471,7 +472,7 @@ def run(args: argparse.Namespace) -> int:
         log(f"{exc}; stopping everything")
         exit_code = 1
     except Exception as exc:  # anything else: still never leave children behind
-        log(f"error: {exc!r}; stopping everything")
+        log(f"error: {type(exc).__name__}: {exc}; stopping everything")
         exit_code = 1
     finally:
         sup.stop_all()

@@ -13,6 +13,7 @@ from baton.worker_metrics import WorkerMetrics, serve_metrics
 from baton.worker_runtime import (REDIS_ERRORS, CancelWatcher, connect, default_worker_id, ensure_group,
                                   heartbeat_loop, install_signal_handlers)
 from kvstore.redis_backend import RedisBlockStore
+from redis.exceptions import ResponseError
 
 logger = logging.getLogger("baton.worker")
 
@@ -62,6 +63,12 @@ class WorkerBase:
                 logger.warning("redis unavailable (%s); retrying in %.1fs", exc, backoff)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
+            except ResponseError as exc:
+                if "NOGROUP" not in str(exc):
+                    raise
+                # Redis came back empty (restarted without persistence): recreate our group.
+                logger.warning("consumer group missing (%s); recreating it", exc)
+                await ensure_group(self.redis, self.stream, self.group)
         await self.drain()
 
     async def drain(self) -> None:

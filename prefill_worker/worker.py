@@ -139,7 +139,9 @@ class PrefillWorker(WorkerBase):
     async def _publish(self, outputs: list[StepOutput]) -> None:
         if not outputs:
             return
-        pipe = self.redis.pipeline(transaction=False)
+        # MULTI/EXEC: a worker dying mid-write leaves either everything (first token, blocks,
+        # handoff, ack) or nothing, never a handoff without its ack (which would decode twice).
+        pipe = self.redis.pipeline(transaction=True)
         acked: list[str] = []
         for out in outputs:
             seq = out.seq

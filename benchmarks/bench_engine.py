@@ -1,0 +1,513 @@
+"""Offline throughput of Baton's engine against transformers' static batching, and decode-step floors.
+
+One run does all of it, in one process, with the same torch thread count throughout:
+
+1. builds N requests from a fixed seed (random token ids >= 100, prompts of 16-512 tokens,
+   max_tokens 16-256, greedy, ignore_eos);
+2. runs them through `baton.LLM.generate` (continuous batching, chunked prefill, paged KV) and
+   reports generated tokens / wall time;
+3. runs them through transformers `generate` in static batches of 8 (left-padded, generating to the
+   batch's longest max_tokens) and reports USEFUL tokens / wall time (each request's own max_tokens)
+   and the share of generated slots wasted;
+4. prints both and their ratio;
+5. times Baton's engine step with decode tokens only at batch 1, 16 and 64 (context ~256 each) next
+   to this machine's limits measured in the same run: weight (+KV) bytes / memory read bandwidth,
+   and step FLOPs / the 2048^3 matmul rate;
+6. with --profile, splits a decode step at batch 1 and 64 into scheduling, metadata, model forward
+   (matmuls, KV gather, attention, KV write, other ops, Python between ops), sampling and
+   bookkeeping.
+
+    python benchmarks/bench_engine.py                    # the real SmolLM2-135M, bf16, 64 requests
+    python benchmarks/bench_engine.py --quick            # smoke run (< 2 min)
+    python benchmarks/bench_engine.py --dtype float32 --profile
+
+The machines are shared and small (2 cores): numbers are medians where they can be, and the load
+average is printed before and after so a noisy run can be recognised.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from baton.config import ModelConfig  # noqa: E402
+from baton.sampling import SamplingParams  # noqa: E402
+from baton.sequence import Sequence  # noqa: E402
+
+MIN_TOKEN_ID = 100  # random prompts avoid the special tokens at the start of the vocabulary
+GIB = 1 << 30
+
+
+@dataclass
+class Request:
+    prompt: list[int]
+    max_tokens: int
+
+
+@dataclass
+class Profile:
+    """Knobs of a run: --quick shrinks everything."""
+
+    num_requests: int
+    prompt_len: tuple[int, int]
+    max_tokens: tuple[int, int]
+    step_batches: tuple[int, ...]
+    step_context: int
+    step_repeats: int  # timed decode steps per batch size
+
+
+FULL = Profile(64, (16, 512), (16, 256), (1, 16, 64), 256, 20)
+QUICK = Profile(16, (16, 128), (16, 64), (1, 16, 64), 128, 8)
+
+
+# --------------------------------------------------------------------------------------------
+# helpers
+
+
+def median_time(fn, repeats: int, warmup: int = 1) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def loadavg() -> str:
+    try:
+        one, five, _ = os.getloadavg()
+        return f"load average {one:.2f} (1 min), {five:.2f} (5 min) on {os.cpu_count()} cores"
+    except OSError:
+        return "load average unknown"
+
+
+def make_requests(n: int, vocab_size: int, prompt_len: tuple[int, int], max_tokens: tuple[int, int],
+                  seed: int) -> list[Request]:
+    rng = random.Random(seed)
+    requests = []
+    for _ in range(n):
+        length = rng.randint(*prompt_len)
+        prompt = [rng.randrange(MIN_TOKEN_ID, vocab_size) for _ in range(length)]
+        requests.append(Request(prompt, rng.randint(*max_tokens)))
+    return requests
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, seed=0)
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return {"bfloat16": torch.bfloat16, "float32": torch.float32}[name]
+
+
+# --------------------------------------------------------------------------------------------
+# machine limits
+
+
+def measure_bandwidth(repeats: int = 5) -> tuple[float, float]:
+    """Memory read bandwidth (sum over a 1 GiB fp32 tensor) and copy bandwidth (bytes read+written), B/s."""
+    src = torch.empty(GIB // 4, dtype=torch.float32).fill_(1.0)  # fill: fault the pages in first
+    read_s = median_time(lambda: src.sum(), repeats)
+    dst = torch.empty_like(src).fill_(0.0)
+    copy_s = median_time(lambda: dst.copy_(src), repeats)
+    del src, dst
+    gc.collect()
+    return GIB / read_s, 2 * GIB / copy_s
+
+
+def measure_matmul(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
+    """FLOP/s of an n^3 matmul in `dtype`."""
+    a = torch.randn(n, n).to(dtype)
+    b = torch.randn(n, n).to(dtype)
+    seconds = median_time(lambda: torch.mm(a, b), repeats, warmup=2)
+    return 2 * n**3 / seconds
+
+
+def weight_bytes_per_step(model: torch.nn.Module) -> int:
+    """Bytes of weights a decode step reads: every parameter once (tied embeddings counted once: the
+    lm_head reads the whole matrix, the embedding lookup only a few rows)."""
+    seen = set()
+    total = 0
+    for p in model.parameters():
+        if p.data_ptr() in seen:
+            continue
+        seen.add(p.data_ptr())
+        total += p.numel() * p.element_size()
+    return total
+
+
+def matmul_params(config: ModelConfig) -> int:
+    """Parameters multiplied per token: every projection of every layer, plus the lm_head."""
+    h, i = config.hidden_size, config.intermediate_size
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * i
+    return config.num_layers * per_layer + h * config.vocab_size
+
+
+def step_flops(config: ModelConfig, batch: int, context: int) -> float:
+    """FLOPs of a decode step: 2 x params x batch, plus QK^T and PV over the context."""
+    attention = 4 * config.num_layers * config.num_heads * config.head_dim * context
+    return batch * (2 * matmul_params(config) + attention)
+
+
+def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
+    return config.num_layers * 2 * config.num_kv_heads * config.head_dim * dtype.itemsize
+
+
+# --------------------------------------------------------------------------------------------
+# 2. Baton
+
+
+def run_baton(llm, requests: list[Request]) -> tuple[float, int, list[list[int]]]:
+    prompts = [r.prompt for r in requests]
+    params = [greedy(r.max_tokens) for r in requests]
+    t0 = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    seconds = time.perf_counter() - t0
+    tokens = [o.outputs[0].token_ids for o in outputs]
+    return seconds, sum(len(t) for t in tokens), tokens
+
+
+# --------------------------------------------------------------------------------------------
+# 3. transformers, static batches
+
+
+def load_hf(model_dir: Path, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
+    except TypeError:  # transformers < 4.56 spells it torch_dtype
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), torch_dtype=dtype)
+    model.eval()
+    return model
+
+
+def hf_generate_batch(model, batch: list[Request], pad_id: int) -> tuple[list[list[int]], int]:
+    """Left-padded static batch generated to its longest max_tokens, EOS ignored.
+    Returns each request's useful tokens and the slots generated (batch x max_new_tokens)."""
+    from transformers import GenerationConfig
+
+    width = max(len(r.prompt) for r in batch)
+    input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(batch), width), dtype=torch.long)
+    for row, r in enumerate(batch):
+        input_ids[row, width - len(r.prompt):] = torch.tensor(r.prompt)
+        mask[row, width - len(r.prompt):] = 1
+    new = max(r.max_tokens for r in batch)
+    config = GenerationConfig(max_new_tokens=new, min_new_tokens=new, do_sample=False, num_beams=1,
+                              eos_token_id=None, pad_token_id=pad_id)
+    with torch.inference_mode():
+        out = model.generate(input_ids=input_ids, attention_mask=mask, generation_config=config)
+    generated = out[:, width:]
+    if generated.shape[1] != new:
+        raise RuntimeError(f"transformers generated {generated.shape[1]} tokens, expected {new}")
+    return [generated[row, :r.max_tokens].tolist() for row, r in enumerate(batch)], len(batch) * new
+
+
+def run_hf(model, requests: list[Request], batch_size: int, pad_id: int):
+    useful = slots = 0
+    tokens: list[list[int]] = []
+    t0 = time.perf_counter()
+    for start in range(0, len(requests), batch_size):
+        batch = requests[start:start + batch_size]
+        out, generated = hf_generate_batch(model, batch, pad_id)
+        tokens.extend(out)
+        slots += generated
+        useful += sum(r.max_tokens for r in batch)
+    return time.perf_counter() - t0, useful, slots, tokens
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> tuple[int, int]:
+    """Requests whose greedy outputs are identical, and the median common prefix length."""
+    same = sum(x == y for x, y in zip(a, b))
+    prefixes = []
+    for x, y in zip(a, b):
+        n = 0
+        while n < min(len(x), len(y)) and x[n] == y[n]:
+            n += 1
+        prefixes.append(n)
+    return same, int(statistics.median(prefixes))
+
+
+# --------------------------------------------------------------------------------------------
+# 5. decode steps
+
+
+class DecodeBatch:
+    """B requests brought into pure decode on a live engine (context ~`context` tokens each)."""
+
+    def __init__(self, engine, batch: int, context: int, steps: int, seed: int) -> None:
+        self.engine = engine
+        rng = random.Random(seed)
+        vocab = engine.model_config.vocab_size
+        self.seqs = []
+        for i in range(batch):
+            prompt = [rng.randrange(MIN_TOKEN_ID, vocab) for _ in range(context)]
+            seq = Sequence(f"decode-{seed}-{batch}-{i}", prompt, greedy(steps + 64))
+            engine.add_request(seq)
+            self.seqs.append(seq)
+        # Prefill (chunked by the token budget) until every request has its first token.
+        while not all(s.num_output_tokens >= 1 and s.num_computed_tokens == s.num_tokens - 1 for s in self.seqs):
+            if not engine.has_unfinished():
+                raise RuntimeError("requests finished before reaching decode")
+            engine.step()
+
+    def step(self) -> float:
+        t0 = time.perf_counter()
+        outputs = self.engine.step()
+        seconds = time.perf_counter() - t0
+        if len(outputs) != len(self.seqs):
+            raise RuntimeError(f"decode step produced {len(outputs)} tokens for {len(self.seqs)} requests")
+        return seconds
+
+    def close(self) -> None:
+        for s in self.seqs:
+            self.engine.abort_request(s.seq_id)
+
+
+def measure_decode_steps(engine, batches, context: int, repeats: int, seed: int) -> dict[int, float]:
+    results = {}
+    for batch in batches:
+        db = DecodeBatch(engine, batch, context, repeats + 2, seed)
+        for _ in range(2):
+            db.step()  # warm: first decode step at this shape
+        results[batch] = statistics.median(db.step() for _ in range(repeats))
+        db.close()
+    return results
+
+
+# --------------------------------------------------------------------------------------------
+# profile of a decode step
+
+
+class Timers:
+    """Wall time of a few engine internals, by wrapping them on the live engine (nothing is edited)."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, float] = {}
+
+    def wrap(self, owner, name: str, label: str) -> None:
+        original = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.totals[label] = self.totals.get(label, 0.0) + time.perf_counter() - t0
+
+        setattr(owner, name, timed)
+
+
+OP_GROUPS = [
+    ("matmul (linear)", ("aten::linear", "aten::mm", "aten::addmm", "aten::matmul")),
+    ("KV gather (index)", ("aten::index",)),
+    ("attention (sdpa)", ("aten::scaled_dot_product_attention",)),
+    ("KV write (index_copy_)", ("aten::index_copy_",)),
+]
+
+
+def profile_decode(engine, batch: int, context: int, steps: int, seed: int) -> None:
+    import baton.engine as engine_module
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    db = DecodeBatch(engine, batch, context, 2 * steps + 8, seed)
+    for _ in range(2):
+        db.step()
+    # (a) wall-time split with plain timers
+    timers = Timers()
+    runner, model = engine.runner, engine.runner.model
+    original_sample = engine_module.sample
+    timers.wrap(engine.scheduler, "schedule", "schedule")
+    timers.wrap(runner, "execute", "execute")
+    timers.wrap(model, "forward", "forward")
+    timers.wrap(engine_module, "sample", "sample")
+    step_times = [db.step() for _ in range(steps)]
+    engine_module.sample = original_sample
+    for owner, attr in ((engine.scheduler, "schedule"), (runner, "execute"), (model, "forward")):
+        del owner.__dict__[attr]  # the wrappers were instance attributes: the methods are back
+    step = sum(step_times) / steps
+    parts = {k: v / steps for k, v in timers.totals.items()}
+    metadata = parts["execute"] - parts["forward"]
+    bookkeeping = step - parts["schedule"] - parts["execute"] - parts["sample"]
+    forward_total = parts["forward"]
+
+    # (b) operator split (torch.profiler; it adds a few us per op): top-level aten ops, by the part
+    # of the step they run in (model forward, sampling, the rest) and by kind
+    def region(owner, name: str, label: str) -> None:
+        original = getattr(owner, name)
+
+        def wrapped(*args, **kwargs):
+            with record_function(label):
+                return original(*args, **kwargs)
+
+        setattr(owner, name, wrapped)
+
+    region(model, "forward", "bench::forward")
+    region(engine_module, "sample", "bench::sample")
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            db.step()
+    del model.__dict__["forward"]
+    engine_module.sample = original_sample
+    op_time: dict[tuple[str, str], float] = {}
+    num_ops = 0
+    for ev in prof.events():
+        parent = ev.cpu_parent
+        if not ev.name.startswith("aten::") or (parent is not None and not parent.name.startswith("bench::")):
+            continue
+        where = parent.name.removeprefix("bench::") if parent is not None else "runner/engine"
+        num_ops += 1
+        kind = "other"
+        if where == "forward":
+            kind = "other ops (norms, rope, residual, silu, embedding, casts)"
+            for label, names in OP_GROUPS:
+                if ev.name in names:
+                    kind = label
+        op_time[(where, kind)] = op_time.get((where, kind), 0.0) + ev.cpu_time_total / 1e6
+    db.close()
+
+    ms = lambda s: f"{s * 1e3:7.2f} ms"  # noqa: E731
+    pct = lambda s: f"{100 * s / step:5.1f}%"  # noqa: E731
+    print(f"\n  decode step at batch {batch} (context ~{context}), mean of {steps} steps: {step * 1e3:.2f} ms")
+    print(f"    scheduler.schedule          {ms(parts['schedule'])}  {pct(parts['schedule'])}")
+    print(f"    runner metadata (tensors)   {ms(metadata)}  {pct(metadata)}")
+    print(f"    model forward               {ms(forward_total)}  {pct(forward_total)}")
+    print(f"    sample                      {ms(parts['sample'])}  {pct(parts['sample'])}")
+    print(f"    engine bookkeeping          {ms(bookkeeping)}  {pct(bookkeeping)}")
+    prof_ops = {k: v / steps for k, v in op_time.items()}
+    print(f"  top-level torch ops (profiler, {num_ops // steps} ops/step, each inflated by a few us):")
+    for (where, kind), value in sorted(prof_ops.items(), key=lambda kv: -kv[1]):
+        print(f"    {where + ': ' + kind:<68} {ms(value)}  {pct(value)}")
+    fwd_ops = sum(v for (where, _), v in prof_ops.items() if where == "forward")
+    print(f"    {'forward: Python between ops (forward wall - its op time)':<68} {ms(forward_total - fwd_ops)}  "
+          f"{pct(forward_total - fwd_ops)}")
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="model directory or .gguf (default: SmolLM2-135M)")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--num-requests", type=int, default=None, help="default 64 (16 with --quick)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+    parser.add_argument("--quick", action="store_true", help="16 short requests: a smoke run (< 2 min)")
+    parser.add_argument("--hf-batch-size", type=int, default=8, help="transformers static batch size")
+    parser.add_argument("--skip-transformers", action="store_true", help="do not run the transformers baseline")
+    parser.add_argument("--skip-steps", action="store_true", help="do not time decode steps / machine limits")
+    parser.add_argument("--profile", action="store_true",
+                        help="also split a decode step at batch 1 and 64 into its parts")
+    args = parser.parse_args(argv)
+
+    prof = QUICK if args.quick else FULL
+    num_requests = args.num_requests or prof.num_requests
+    torch.set_num_threads(args.threads)
+    dtype = torch_dtype(args.dtype)
+
+    from baton.fetch import resolve_model
+    from baton.llm import LLM
+
+    model_dir = resolve_model(args.model)
+    config = ModelConfig.from_dir(model_dir)
+    print(f"model {model_dir.name}: {config.num_layers} layers, hidden {config.hidden_size}, "
+          f"vocab {config.vocab_size}; dtype {args.dtype}; torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads")
+    print(f"before: {loadavg()}")
+    requests = make_requests(num_requests, config.vocab_size, prof.prompt_len, prof.max_tokens, args.seed)
+    prompt_tokens = sum(len(r.prompt) for r in requests)
+    useful_tokens = sum(r.max_tokens for r in requests)
+    print(f"{num_requests} requests (seed {args.seed}): prompts {prof.prompt_len[0]}-{prof.prompt_len[1]} "
+          f"tokens ({prompt_tokens} in all), max_tokens {prof.max_tokens[0]}-{prof.max_tokens[1]} "
+          f"({useful_tokens} in all), greedy, ignore_eos")
+
+    # ---- Baton
+    llm = LLM(model=str(model_dir), dtype=args.dtype, max_num_seqs=64, max_num_batched_tokens=512,
+              num_threads=args.threads)
+    engine = llm.engine
+    warm = make_requests(2, config.vocab_size, (32, 64), (4, 8), args.seed + 1)
+    run_baton(llm, warm)  # first-call costs (oneDNN kernel selection, allocator) are not the engine's
+    steps_before, preempt_before = engine.num_steps, engine.scheduler.num_preemptions
+    baton_s, baton_tokens, baton_out = run_baton(llm, requests)
+    if baton_tokens != useful_tokens:
+        raise RuntimeError(f"Baton generated {baton_tokens} tokens, expected {useful_tokens}")
+    baton_rate = baton_tokens / baton_s
+    print(f"\nBaton LLM.generate: {baton_tokens} tokens in {baton_s:.1f} s -> {baton_rate:.1f} output tok/s "
+          f"({engine.num_steps - steps_before} steps, "
+          f"{engine.scheduler.num_preemptions - preempt_before} preemptions; "
+          f"{(prompt_tokens + baton_tokens) / baton_s:.0f} tok/s prompt+output)")
+
+    # ---- transformers, static batches
+    hf_rate = None
+    if not args.skip_transformers:
+        hf = load_hf(model_dir, dtype)
+        pad_id = llm.tokenizer.pad_token_id
+        if pad_id is None:
+            pad_id = config.eos_token_ids[0] if config.eos_token_ids else 0
+        run_hf(hf, warm, args.hf_batch_size, pad_id)
+        hf_s, hf_useful, hf_slots, hf_out = run_hf(hf, requests, args.hf_batch_size, pad_id)
+        hf_rate = hf_useful / hf_s
+        wasted = 100 * (hf_slots - hf_useful) / hf_slots
+        print(f"transformers generate, static batches of {args.hf_batch_size}: {hf_useful} useful tokens in "
+              f"{hf_s:.1f} s -> {hf_rate:.1f} useful tok/s ({hf_slots} slots generated, {wasted:.0f}% wasted)")
+        same, prefix = agreement(baton_out, hf_out)
+        print(f"greedy outputs identical for {same}/{num_requests} requests (median common prefix {prefix} "
+              f"tokens; {args.dtype} numerics differ between the implementations)")
+        print(f"\n==> Baton {baton_rate:.1f} tok/s vs transformers {hf_rate:.1f} tok/s: "
+              f"{baton_rate / hf_rate:.2f}x")
+        del hf
+        gc.collect()
+    else:
+        print(f"\n==> Baton {baton_rate:.1f} tok/s (transformers skipped)")
+
+    # ---- decode steps vs the machine's floors
+    if not args.skip_steps:
+        read_bw, copy_bw = measure_bandwidth()
+        flops = measure_matmul(dtype)
+        weights = weight_bytes_per_step(engine.model)
+        kv_tok = kv_bytes_per_token(config, dtype)
+        print(f"\nmachine: memory read {read_bw / 1e9:.1f} GB/s (sum of 1 GiB fp32), copy {copy_bw / 1e9:.1f} GB/s "
+              f"(read+write); {args.dtype} matmul 2048^3 {flops / 1e9:.0f} GFLOP/s")
+        print(f"per step: weights {weights / 1e6:.0f} MB read; KV {kv_tok / 1024:.1f} KiB per context token; "
+              f"{2 * matmul_params(config) / 1e6:.0f} MFLOP per token + attention")
+        ctx = prof.step_context
+        steps = measure_decode_steps(engine, prof.step_batches, ctx, prof.step_repeats, args.seed + 2)
+        print(f"decode steps (engine.step, decode tokens only, context ~{ctx}, median of {prof.step_repeats}):")
+        for batch, seconds in steps.items():
+            bw_floor = (weights + batch * ctx * kv_tok) / read_bw
+            compute_floor = step_flops(config, batch, ctx) / flops
+            print(f"  batch {batch:>2}: {seconds * 1e3:6.1f} ms/step (floor: bandwidth {bw_floor * 1e3:.1f} ms, "
+                  f"compute {compute_floor * 1e3:.1f} ms) -> {batch / seconds:.0f} tok/s  "
+                  f"[{seconds / max(bw_floor, compute_floor):.1f}x the floor]")
+        print("  (bandwidth floor = (weights + batch x context x KV bytes/token) / read bandwidth; "
+              "compute floor = step FLOPs / 2048^3 matmul rate)")
+
+    if args.profile:
+        print("\nprofile of a decode step (timers around the engine's parts, then torch.profiler):")
+        for batch in (1, 64):
+            profile_decode(engine, batch, prof.step_context, 10, args.seed + 3)
+
+    print(f"\nafter: {loadavg()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,21 @@
+"""Baton's HTTP gateway: TGI- and OpenAI-compatible APIs in front of the prefill/decode workers.
+
+Map of the package (one responsibility per module):
+    __main__        `python -m gateway`: flags -> Settings -> uvicorn (uvloop)
+    config          Settings dataclass
+    app             create_app(): routes, auth middleware, lifespan (Redis clients, background tasks)
+    services        the long-lived parts shared by handlers
+    validation*     body reading (size, UTF-8, JSON) and per-API field checks -> GenerationSpec
+    tokenizer       the model's tokenizer; prompt limits (max_input_tokens, max_total_tokens)
+    admission       the one task that owns the token budget and the FIFO wait queue
+    router          the one task that reads this gateway's token stream and routes events
+    cluster         heartbeats: ours out, workers' in (token budget, /stats); Redis health
+    generation      one request's life: admit, send to prefill, events -> text, cancel, release
+    detokenizer     incremental detokenization (no split characters) and stop sequences
+    respond         glue shared by routes: start, wait for the end, SSE response with cleanup
+    routes_tgi      /generate, /generate_stream, POST /
+    routes_openai   /v1/completions, /v1/chat/completions
+    routes_misc     /health, /info, /stats, /metrics, /v1/models, /openapi.json
+    openapi         the hand-written OpenAPI document
+    auth, errors, metrics
+"""

@@ -1,0 +1,81 @@
+"""`python -m gateway`: run the HTTP gateway (Starlette on uvicorn with uvloop)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+# Counters' `_created` series only clutter /metrics (set before prometheus_client is imported).
+os.environ.setdefault("PROMETHEUS_DISABLE_CREATED_SERIES", "True")
+
+from gateway.config import Settings
+
+
+def parse_args(argv: list[str] | None = None) -> Settings:
+    p = argparse.ArgumentParser(prog="python -m gateway", description="Baton HTTP gateway (TGI + OpenAI APIs)")
+    p.add_argument("--model", default=None, help="model directory or .gguf (default: the default model)")
+    p.add_argument("--model-name", default="", help="served model name (default: the model dir's basename)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
+    p.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"),
+                   help="Redis URL (default: $REDIS_URL, else redis://127.0.0.1:6379/0)")
+    p.add_argument("--max-concurrent-requests", type=int, default=128,
+                   help="requests in flight (running + waiting) past which the answer is 429 (default 128)")
+    p.add_argument("--max-input-tokens", type=int, default=1024, help="longest prompt, in tokens (default 1024)")
+    p.add_argument("--max-total-tokens", type=int, default=2048,
+                   help="longest prompt + max new tokens (default 2048)")
+    p.add_argument("--max-batch-total-tokens", type=int, default=None,
+                   help="token budget (default: KV capacity of the live decode workers)")
+    p.add_argument("--max-queue-size", type=int, default=256,
+                   help="requests waiting for budget past which the answer is 429 (default 256)")
+    p.add_argument("--max-queue-wait", type=float, default=30.0,
+                   help="seconds a request may wait for budget before a 503 (default 30)")
+    p.add_argument("--api-key", default=os.environ.get("BATON_API_KEY") or None,
+                   help="require `Authorization: Bearer KEY` (default: $BATON_API_KEY; none: open)")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20,
+                   help="largest request body; larger gets 413 (default 1 MiB)")
+    p.add_argument("--gateway-id", default=None, help="names the token stream and heartbeat (default: random)")
+    p.add_argument("--event-timeout", type=float, default=120.0,
+                   help="end a request with an error after this many seconds without a token event")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    args = p.parse_args(argv)
+
+    from baton.fetch import resolve_model
+
+    settings = Settings(
+        model_dir=resolve_model(args.model), model_name=args.model_name, host=args.host, port=args.port,
+        redis_url=args.redis_url, max_concurrent_requests=args.max_concurrent_requests,
+        max_input_tokens=args.max_input_tokens, max_total_tokens=args.max_total_tokens,
+        max_batch_total_tokens=args.max_batch_total_tokens, max_queue_size=args.max_queue_size,
+        max_queue_wait=args.max_queue_wait, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
+        event_timeout=args.event_timeout, log_level=args.log_level,
+    )
+    if args.gateway_id:
+        settings.gateway_id = args.gateway_id
+    return settings
+
+
+def main(argv: list[str] | None = None) -> int:
+    settings = parse_args(argv)
+    level = settings.log_level
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        settings.validate()
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+    import uvicorn
+
+    from gateway.app import create_app
+
+    app = create_app(settings)
+    uvicorn.run(app, host=settings.host, port=settings.port, loop="uvloop", log_level=level,
+                timeout_graceful_shutdown=5)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

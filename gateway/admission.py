@@ -1,0 +1,172 @@
+"""Admission control: the token budget and the FIFO wait queue, owned by one asyncio task.
+
+TGI router discipline. A request costs `input_tokens + max_new_tokens` of the cluster's token
+budget from admission until it ends. Request handlers never touch the budget: they send commands
+(`submit`, `done`) through an inbox, and a single task applies them in order, so there is no
+check-then-act race between handlers and no lock. Every submitted ticket gets exactly one `done`
+(handlers call it in `finally`), whatever happened: admitted or not, finished, failed, timed out,
+cancelled. That single rule is what makes a leaked reservation impossible.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.config import Settings
+from gateway.errors import ApiError, overloaded, validation_error
+from gateway.metrics import GatewayMetrics
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One request's claim on the budget. `decision` resolves to None (admitted) or an ApiError."""
+
+    cost: int
+    status: int  # HTTP status for "can never fit" (the API's validation status)
+    decision: asyncio.Future[ApiError | None] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future())
+    submitted_at: float = field(default_factory=time.monotonic)
+    state: str = "new"  # new -> waiting -> running -> done; written only by the admission task
+
+
+class Admission:
+    def __init__(self, settings: Settings, metrics: GatewayMetrics) -> None:
+        self._settings = settings
+        self._metrics = metrics
+        self._inbox: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        self._waiting: deque[Ticket] = deque()
+        self._running = 0
+        self._in_use = 0
+        self._derived_total = 0  # from decode heartbeats; used when no fixed budget is set
+        self._derived_largest = 0  # the biggest single decode worker's capacity, in tokens
+
+    # ---- the handler-facing API: messages only ----
+
+    def submit(self, cost: int, status: int) -> Ticket:
+        ticket = Ticket(cost=cost, status=status)
+        self._inbox.put_nowait(("submit", ticket))
+        return ticket
+
+    def done(self, ticket: Ticket) -> None:
+        self._inbox.put_nowait(("done", ticket))
+
+    def set_derived_budget(self, total_tokens: int, largest_worker_tokens: int) -> None:
+        self._inbox.put_nowait(("budget", (total_tokens, largest_worker_tokens)))
+
+    # ---- read-only views (safe: same event loop, the task is the only writer) ----
+
+    @property
+    def total(self) -> int:
+        fixed = self._settings.max_batch_total_tokens
+        return fixed if fixed is not None else self._derived_total
+
+    @property
+    def largest_request(self) -> int:
+        """The biggest cost that can ever be admitted (0: unknown yet).
+
+        With a derived budget a request must fit in ONE decode worker's KV pool, not in the sum.
+        """
+        fixed = self._settings.max_batch_total_tokens
+        return fixed if fixed is not None else self._derived_largest
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "token_budget": {
+                "total": self.total,
+                "in_use": self._in_use,
+                "max_request_tokens": self.largest_request,
+                "source": "fixed" if self._settings.max_batch_total_tokens is not None else "decode_heartbeats",
+            },
+            "requests": {"running": self._running, "waiting": len(self._waiting)},
+        }
+
+    # ---- the owner task ----
+
+    async def run(self) -> None:
+        while True:
+            command, arg = await self._inbox.get()
+            self._apply(command, arg)
+            while not self._inbox.empty():  # drain a burst before trying to admit
+                self._apply(*self._inbox.get_nowait())
+            self._admit_waiting()
+            self._publish()
+
+    def _apply(self, command: str, arg: Any) -> None:
+        if command == "submit":
+            self._on_submit(arg)
+        elif command == "done":
+            self._on_done(arg)
+        elif command == "budget":
+            self._derived_total, self._derived_largest = arg
+
+    def _on_submit(self, t: Ticket) -> None:
+        s = self._settings
+        if self._running + len(self._waiting) >= s.max_concurrent_requests:
+            self._reject(t, "concurrency", overloaded(
+                f"server overloaded: {s.max_concurrent_requests} requests already in flight "
+                f"(max_concurrent_requests={s.max_concurrent_requests}); retry later", s.retry_after_s))
+            return
+        total, largest = self.total, self.largest_request
+        if largest > 0 and t.cost > largest:
+            # Would wait forever: even an idle cluster cannot hold it.
+            where = ("the token budget (max_batch_total_tokens)" if s.max_batch_total_tokens is not None
+                     else "the KV capacity of the largest decode worker")
+            self._reject(t, "exceeds_budget", validation_error(
+                f"request needs {t.cost} tokens (input + max new tokens) but {where} is {largest}; "
+                f"send a shorter prompt or fewer max new tokens", status=t.status))
+            return
+        if not self._waiting and t.cost <= total - self._in_use:
+            self._grant(t)
+            return
+        if len(self._waiting) >= s.max_queue_size:
+            self._reject(t, "queue_full", overloaded(
+                f"server overloaded: admission queue is full ({s.max_queue_size} waiting, "
+                f"max_queue_size={s.max_queue_size}); retry later", s.retry_after_s))
+            return
+        t.state = "waiting"
+        self._waiting.append(t)
+
+    def _on_done(self, t: Ticket) -> None:
+        if t.state == "waiting":
+            self._waiting.remove(t)  # gave up (timeout, client gone) before admission
+        elif t.state == "running":
+            self._running -= 1
+            self._in_use -= t.cost
+        t.state = "done"
+        if not t.decision.done():
+            t.decision.cancel()
+
+    def _admit_waiting(self) -> None:
+        # Strict FIFO: if the head does not fit, nobody behind it may pass, even a request small
+        # enough to fit. Letting small requests jump ahead would starve big ones forever under load
+        # (head-of-line blocking is the price of that fairness guarantee, as in TGI's router).
+        total = self.total
+        while self._waiting and self._waiting[0].cost <= total - self._in_use:
+            self._grant(self._waiting.popleft())
+
+    def _grant(self, t: Ticket) -> None:
+        t.state = "running"
+        self._running += 1
+        self._in_use += t.cost
+        self._metrics.queue_time.observe(time.monotonic() - t.submitted_at)
+        if not t.decision.done():
+            t.decision.set_result(None)
+
+    def _reject(self, t: Ticket, reason: str, error: ApiError) -> None:
+        self._metrics.reject(reason)
+        if not t.decision.done():
+            t.decision.set_result(error)
+
+    def _publish(self) -> None:
+        m = self._metrics
+        m.num_requests_running.set(self._running)
+        m.num_requests_waiting.set(len(self._waiting))
+        m.token_budget_in_use.set(self._in_use)
+        m.token_budget_total.set(self.total)

@@ -1,0 +1,110 @@
+"""`create_app(settings)`: the Starlette app and the lifespan that owns the background tasks.
+
+Lifespan: connect to Redis (without failing if it is down: the gateway must come up and say so on
+/health), start the admission task, the token-stream reader and the heartbeat/cluster task; on
+shutdown cancel them, remove our heartbeat and close the connections.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+
+from baton.protocol import heartbeat_key
+from gateway import routes_misc, routes_openai, routes_tgi
+from gateway.admission import Admission
+from gateway.auth import ApiKeyMiddleware
+from gateway.cluster import Cluster
+from gateway.config import Settings, redact_url
+from gateway.errors import ApiError, handle_api_error, handle_http_exception, handle_unexpected
+from gateway.metrics import GatewayMetrics
+from gateway.router import TokenRouter
+from gateway.services import Services
+from gateway.tokenizer import PromptTokenizer
+
+log = logging.getLogger(__name__)
+
+
+def redis_client(url: str, socket_timeout: float | None) -> aioredis.Redis:
+    # Fail fast instead of redis-py's default exponential retries (seconds per command): a dead
+    # Redis must turn into a 503 at once. One immediate retry still heals a pooled connection that
+    # went stale when Redis restarted.
+    return aioredis.Redis.from_url(
+        url, socket_connect_timeout=1.0, socket_timeout=socket_timeout,
+        retry=Retry(NoBackoff(), 1), health_check_interval=0)
+
+
+def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> Starlette:
+    settings.validate()
+    tokenizer = tokenizer or PromptTokenizer(settings.model_dir)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        client = redis_client(settings.redis_url, socket_timeout=5.0)
+        # The reader blocks in XREAD for a second at a time: its own connection, longer timeout.
+        reader_client = redis_client(settings.redis_url, socket_timeout=10.0)
+        metrics = GatewayMetrics(settings.model_name)
+        admission = Admission(settings, metrics)
+        router = TokenRouter(reader_client, settings.gateway_id)
+
+        def gateway_stats() -> dict[str, object]:
+            snap = admission.snapshot()
+            return {"num_requests_running": snap["requests"]["running"],
+                    "num_requests_waiting": snap["requests"]["waiting"],
+                    "token_budget_in_use": snap["token_budget"]["in_use"]}
+
+        cluster = Cluster(client, settings, admission, gateway_stats)
+        svc = Services(settings=settings, redis=client, tokenizer=tokenizer, metrics=metrics,
+                       admission=admission, router=router, cluster=cluster)
+        app.state.services = svc
+        try:
+            await router.reset_stream()
+            await cluster.tick()
+            cluster.redis_ok, cluster.redis_error = True, None
+        except (RedisError, OSError) as exc:
+            cluster.mark_down(exc)
+            log.warning("redis at %s unreachable at startup (%s); serving 503 until it is back",
+                        redact_url(settings.redis_url), exc)
+        tasks = [asyncio.create_task(admission.run(), name="admission"),
+                 asyncio.create_task(router.run(), name="token-reader"),
+                 asyncio.create_task(cluster.run(), name="cluster")]
+        for task in tasks:
+            task.add_done_callback(_crash_logger)
+        svc.tasks = tasks
+        log.info("gateway %s serving %s (redis %s)", settings.gateway_id, settings.model_name,
+                 redact_url(settings.redis_url))
+        try:
+            yield
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, *svc.background, return_exceptions=True)
+            with contextlib.suppress(RedisError, OSError):
+                await client.delete(heartbeat_key("gateway", settings.gateway_id))
+            await client.aclose()
+            await reader_client.aclose()
+
+    app = Starlette(
+        routes=[*routes_tgi.routes, *routes_openai.routes, *routes_misc.routes],
+        middleware=[Middleware(ApiKeyMiddleware, api_key=settings.api_key)],
+        exception_handlers={ApiError: handle_api_error, HTTPException: handle_http_exception,
+                            Exception: handle_unexpected},
+        lifespan=lifespan,
+    )
+    return app
+
+
+def _crash_logger(task: asyncio.Task[None]) -> None:
+    """A background task must never die silently: the gateway would hang every request."""
+    if not task.cancelled() and task.exception() is not None:
+        log.critical("background task %s crashed: %r", task.get_name(), task.exception())

@@ -1,0 +1,110 @@
+"""What the gateway knows about the cluster, refreshed from heartbeats once a second.
+
+One task: writes this gateway's own heartbeat (so workers can tell when it died), keeps the TTL of
+its token stream fresh (so the stream of a dead gateway expires), reads every worker heartbeat,
+derives the token budget from the live decode workers' KV capacity and hands it to admission.
+It is also the gateway's Redis health probe: while it fails, generation endpoints answer 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgpack
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from baton.protocol import HEARTBEAT_PATTERN, heartbeat_key, token_stream
+from gateway.admission import Admission
+from gateway.config import Settings, redact_url
+
+log = logging.getLogger(__name__)
+
+# A dead gateway's token stream is deleted this long after its last heartbeat.
+TOKEN_STREAM_TTL_S = 60
+
+
+class Cluster:
+    def __init__(self, client: aioredis.Redis, settings: Settings, admission: Admission,
+                 gateway_stats: Callable[[], dict[str, Any]]) -> None:
+        self._redis = client
+        self._settings = settings
+        self._admission = admission
+        self._gateway_stats = gateway_stats
+        self.redis_ok = False
+        self.redis_error: str | None = "not connected yet"
+        self.workers: dict[str, list[dict[str, Any]]] = {"prefill": [], "decode": [], "gateway": []}
+        self.started_at = time.time()
+
+    def mark_down(self, exc: BaseException) -> None:
+        """Called by anyone whose Redis call failed: stop admitting until the next good probe."""
+        if self.redis_ok:
+            log.warning("redis unreachable: %s", exc)
+        self.redis_ok = False
+        self.redis_error = f"{type(exc).__name__}: {exc}"
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await self.tick()
+                if not self.redis_ok:
+                    log.info("redis reachable at %s", redact_url(self._settings.redis_url))
+                self.redis_ok, self.redis_error = True, None
+            except asyncio.CancelledError:
+                raise
+            except (RedisError, OSError) as exc:
+                self.mark_down(exc)
+            await asyncio.sleep(self._settings.heartbeat_interval)
+
+    async def tick(self) -> None:
+        s = self._settings
+        beat = {"worker_id": s.gateway_id, "kind": "gateway", "time": time.time(),
+                "started_at": self.started_at, "model_name": s.model_name, **self._gateway_stats()}
+        async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.set(heartbeat_key("gateway", s.gateway_id), msgpack.packb(beat, use_bin_type=True),
+                     px=int(s.heartbeat_ttl * 1000))
+            pipe.expire(token_stream(s.gateway_id), TOKEN_STREAM_TTL_S)
+            await pipe.execute()
+        keys = [k async for k in self._redis.scan_iter(match=HEARTBEAT_PATTERN, count=1000)]
+        values = await self._redis.mget(keys) if keys else []
+        workers: dict[str, list[dict[str, Any]]] = {"prefill": [], "decode": [], "gateway": []}
+        for key, value in zip(keys, values, strict=True):
+            parsed = _parse(key, value)
+            if parsed is not None:
+                workers.setdefault(parsed[0], []).append(parsed[1])
+        for group in workers.values():
+            group.sort(key=lambda w: str(w.get("worker_id", "")))
+        self.workers = workers
+        capacities = self.decode_capacities()
+        self._admission.set_derived_budget(sum(capacities), max(capacities, default=0))
+
+    def decode_capacities(self) -> list[int]:
+        """KV capacity of each live decode worker, in tokens (their sum is the token budget)."""
+        out = []
+        for w in self.workers.get("decode", []):
+            blocks, block_size = w.get("num_kv_blocks_total"), w.get("block_size")
+            if isinstance(blocks, int) and isinstance(block_size, int) and blocks > 0 and block_size > 0:
+                out.append(blocks * block_size)
+        return out
+
+
+def _parse(key: bytes | str, value: bytes | str | None) -> tuple[str, dict[str, Any]] | None:
+    """`baton:heartbeat:<kind>:<id>` + msgpack map -> (kind, map); None for anything malformed."""
+    if value is None:  # expired between SCAN and MGET
+        return None
+    name = key.decode() if isinstance(key, bytes) else key
+    parts = name.split(":", 3)
+    if len(parts) != 4:
+        return None
+    try:
+        data = msgpack.unpackb(value, raw=False)
+    except Exception:  # a foreign or corrupt value must not break the probe
+        return None
+    if not isinstance(data, dict):
+        return None
+    data.setdefault("worker_id", parts[3])
+    return parts[2], data

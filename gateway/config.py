@@ -1,0 +1,78 @@
+"""Gateway settings: one dataclass, filled by `python -m gateway` or by tests directly."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+
+def _random_gateway_id() -> str:
+    # Short but unique enough: it names this process's token stream and heartbeat key.
+    return uuid.uuid4().hex[:12]
+
+
+def redact_url(url: str) -> str:
+    """The URL without its password, for logs and error messages."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.hostname or ""
+    if parts.port is not None:
+        host = f"{host}:{parts.port}"
+    user = f"{parts.username}:***@" if parts.username else ":***@"
+    return urlunsplit((parts.scheme, user + host, parts.path, parts.query, parts.fragment))
+
+
+@dataclass
+class Settings:
+    model_dir: Path
+    model_name: str = ""  # served name; empty: the model directory's basename
+    host: str = "127.0.0.1"
+    port: int = 8000
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    max_concurrent_requests: int = 128
+    max_input_tokens: int = 1024
+    max_total_tokens: int = 2048
+    # None: derived from live decode heartbeats (sum of num_kv_blocks_total * block_size).
+    max_batch_total_tokens: int | None = None
+    max_queue_size: int = 256
+    max_queue_wait: float = 30.0  # seconds a request may wait for budget before a 503
+    api_key: str | None = None
+    max_body_bytes: int = 1 << 20
+    gateway_id: str = field(default_factory=_random_gateway_id)
+    # An admitted request that hears nothing from the workers for this long is ended with an error,
+    # so a lost message can never leave a client (and its budget) hanging forever.
+    event_timeout: float = 120.0
+    heartbeat_interval: float = 1.0
+    heartbeat_ttl: float = 5.0
+    max_stop_sequences: int = 16
+    max_stop_length: int = 128  # characters per stop string
+    retry_after_s: int = 1  # Retry-After on 429/503 answers
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        self.model_dir = Path(self.model_dir)
+        if not self.model_name:
+            self.model_name = self.model_dir.name
+
+    def validate(self) -> None:
+        """Refuse settings that would make some valid-looking request impossible to serve."""
+        if self.max_input_tokens < 1:
+            raise ValueError("--max-input-tokens must be >= 1")
+        if self.max_total_tokens <= self.max_input_tokens:
+            raise ValueError("--max-total-tokens must be greater than --max-input-tokens")
+        if self.max_batch_total_tokens is not None and self.max_batch_total_tokens < self.max_total_tokens:
+            # Like TGI: a request of max_total_tokens must fit the batch budget on its own.
+            raise ValueError("--max-batch-total-tokens must be >= --max-total-tokens")
+        if self.max_concurrent_requests < 1:
+            raise ValueError("--max-concurrent-requests must be >= 1")
+        if self.max_queue_size < 0:
+            raise ValueError("--max-queue-size must be >= 0")
+        if self.max_queue_wait <= 0:
+            raise ValueError("--max-queue-wait must be > 0")
+        if self.max_body_bytes < 1024:
+            raise ValueError("--max-body-bytes must be >= 1024")
+        if self.event_timeout <= 0:
+            raise ValueError("--event-timeout must be > 0")

@@ -1,0 +1,106 @@
+"""One error type for every client-visible failure, rendered in the shape each API's clients parse.
+
+TGI clients (huggingface_hub) read `{"error": msg, "error_type": kind}` and pick the exception class
+from `error_type`; OpenAI clients read `{"error": {"message", "type", "param", "code"}}` and pick the
+class from the HTTP status. Handlers raise `ApiError`; the app's exception handler renders it for
+the API family the path belongs to.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+ApiStyle = Literal["tgi", "openai"]
+
+# Our error kinds -> OpenAI's error `type` strings.
+_OPENAI_TYPES = {
+    "validation": "invalid_request_error",
+    "overloaded": "overloaded",
+    "unavailable": "service_unavailable",
+    "authentication": "authentication_error",
+    "not_found": "not_found_error",
+    "payload_too_large": "invalid_request_error",
+    "generation": "server_error",
+    "timeout": "timeout",
+}
+
+
+class ApiError(Exception):
+    """An error answer: HTTP status, a clear message, and a kind that names the failure class."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        kind: str = "validation",
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.kind = kind
+        self.param = param
+        self.headers = headers or {}
+
+
+def validation_error(message: str, *, param: str | None = None, status: int = 422) -> ApiError:
+    return ApiError(status, message, kind="validation", param=param)
+
+
+def overloaded(message: str, retry_after_s: int) -> ApiError:
+    return ApiError(429, message, kind="overloaded", headers={"Retry-After": str(retry_after_s)})
+
+
+def unavailable(message: str, retry_after_s: int) -> ApiError:
+    return ApiError(503, message, kind="unavailable", headers={"Retry-After": str(retry_after_s)})
+
+
+def api_style(path: str) -> ApiStyle:
+    """Which error shape a path's clients expect: the OpenAI API lives under /v1."""
+    return "openai" if path.startswith("/v1/") or path == "/v1" else "tgi"
+
+
+def error_body(err: ApiError, style: ApiStyle) -> dict[str, Any]:
+    if style == "tgi":
+        return {"error": err.message, "error_type": err.kind}
+    code: int | str | None = err.status
+    if err.kind == "authentication":
+        code = "invalid_api_key"
+    return {
+        "error": {
+            "message": err.message,
+            "type": _OPENAI_TYPES.get(err.kind, "server_error"),
+            "param": err.param,
+            "code": code,
+        }
+    }
+
+
+def error_response(err: ApiError, style: ApiStyle) -> JSONResponse:
+    return JSONResponse(error_body(err, style), status_code=err.status, headers=err.headers)
+
+
+async def handle_api_error(request: Request, exc: Exception) -> JSONResponse:
+    """Starlette exception handler for ApiError."""
+    assert isinstance(exc, ApiError)
+    return error_response(exc, api_style(request.url.path))
+
+
+async def handle_http_exception(request: Request, exc: Exception) -> JSONResponse:
+    """Starlette's own 404/405 as JSON in the path's error shape (never an HTML or text body)."""
+    status = getattr(exc, "status_code", 500)
+    detail = getattr(exc, "detail", None) or "error"
+    kind = {404: "not_found", 405: "validation"}.get(status, "validation")
+    message = f"{request.method} {request.url.path}: {detail}"
+    return error_response(ApiError(status, message, kind=kind), api_style(request.url.path))
+
+
+async def handle_unexpected(request: Request, exc: Exception) -> JSONResponse:
+    """Last resort: a bug must still answer JSON the clients can parse, never a bare 500 page."""
+    err = ApiError(500, f"internal error: {type(exc).__name__}", kind="generation")
+    return error_response(err, api_style(request.url.path))

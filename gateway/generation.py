@@ -1,0 +1,282 @@
+"""One request's life after validation: admission, prefill message, token events, teardown.
+
+Both API families use this: `begin()` waits for admission (watching for the client leaving) and
+sends the prefill request; `steps()` turns token events into text-bearing steps (deduplicated,
+detokenized, stop sequences applied); `close()` always runs (routes call it in `finally`) and
+releases everything: the budget reservation, the event queue, and, unless the workers already
+finished the request themselves, it broadcasts a Cancel so they stop spending compute on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from redis.exceptions import RedisError
+from starlette.requests import Request
+
+from baton.protocol import (
+    CANCEL_STREAM,
+    PAYLOAD_FIELD,
+    PREFILL_STREAM,
+    STREAM_MAXLEN,
+    Cancel,
+    PrefillRequest,
+    SamplingOptions,
+    TokenEvent,
+    encode,
+)
+from gateway.admission import Ticket
+from gateway.detokenizer import IncrementalDetokenizer, StopMatcher
+from gateway.errors import ApiError, unavailable
+from gateway.services import Services
+from gateway.validation import GenerationSpec
+
+log = logging.getLogger(__name__)
+
+
+class ClientGone(Exception):
+    """The client disconnected before its request was admitted; nothing can be answered."""
+
+
+class GenerationFailed(Exception):
+    """An admitted request ended in error (worker error, lost events, timeout)."""
+
+
+@dataclass
+class TokenOut:
+    index: int
+    id: int
+    text: str  # the text this token released (may be "" while a character is incomplete)
+    logprob: float | None
+    special: bool
+
+
+@dataclass
+class Step:
+    """What one token event contributed. `finish`: None, "eos", "length" or "stop_sequence"."""
+
+    tokens: list[TokenOut] = field(default_factory=list)
+    finish: str | None = None
+    tail: str = ""  # final text released by a step that carries no token
+
+
+async def wait_for_disconnect(request: Request) -> None:
+    """Returns when the client closes the connection (the request body must be fully read)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class Generation:
+    def __init__(self, svc: Services, spec: GenerationSpec, prompt_ids: list[int],
+                 max_new_tokens: int, arrival: float, api_status: int) -> None:
+        self.svc = svc
+        self.spec = spec
+        self.prompt_ids = prompt_ids
+        self.max_new_tokens = max_new_tokens
+        self.request_id = uuid.uuid4().hex
+        self.arrival = arrival  # time.monotonic() when the HTTP request arrived
+        self.tokens: list[TokenOut] = []
+        self.finish_reason: str | None = None
+        self._api_status = api_status
+        self._detok = IncrementalDetokenizer(svc.tokenizer, prompt_ids)
+        self._stops = StopMatcher(spec.stop)
+        self._ticket: Ticket | None = None
+        self._queue: asyncio.Queue[TokenEvent] | None = None
+        self._watcher: asyncio.Task[None] | None = None
+        self._sent = False  # the prefill request reached Redis
+        self._worker_finished = False  # a worker reported the end itself: no Cancel needed
+        self._failed = False
+        self._closed = False
+        self._last_token_at = 0.0
+
+    @property
+    def text(self) -> str:
+        """All text generated so far (cut before the stop sequence, if one matched)."""
+        return self._stops.text
+
+    @property
+    def cost(self) -> int:
+        return len(self.prompt_ids) + self.max_new_tokens
+
+    # ---- start ----
+
+    async def begin(self, request: Request) -> None:
+        """Admit and send to prefill; raises ApiError (429/503/422) or ClientGone."""
+        svc = self.svc
+        if not svc.cluster.redis_ok:
+            svc.metrics.reject("redis_unavailable")
+            raise unavailable(f"redis is unreachable ({svc.cluster.redis_error}); cannot serve requests",
+                              svc.settings.retry_after_s)
+        self._ticket = svc.admission.submit(self.cost, self._api_status)
+        self._watcher = asyncio.create_task(wait_for_disconnect(request))
+        decision = self._ticket.decision
+        waiters: set[asyncio.Future[Any]] = {decision, self._watcher}
+        await asyncio.wait(waiters, timeout=svc.settings.max_queue_wait, return_when=asyncio.FIRST_COMPLETED)
+        if self._watcher.done():
+            # Gone while waiting: dropped here, before it costs any worker anything.
+            svc.metrics.reject("client_disconnected")
+            raise ClientGone()
+        if not decision.done():
+            svc.metrics.reject("queue_timeout")
+            raise unavailable(
+                f"request waited {svc.settings.max_queue_wait:g}s for token budget "
+                f"(max_queue_wait) without being admitted; the server is saturated, retry later",
+                svc.settings.retry_after_s)
+        error = decision.result()
+        if isinstance(error, ApiError):
+            raise error
+        self._queue = svc.router.register(self.request_id)
+        message = PrefillRequest(
+            request_id=self.request_id, gateway_id=svc.settings.gateway_id,
+            prompt_token_ids=self.prompt_ids, sampling=self._sampling(), arrival_time=time.time())
+        try:
+            await svc.redis.xadd(PREFILL_STREAM, {PAYLOAD_FIELD: encode(message)},
+                                 maxlen=STREAM_MAXLEN, approximate=True)
+        except (RedisError, OSError) as exc:
+            svc.cluster.mark_down(exc)
+            svc.metrics.reject("redis_unavailable")
+            raise unavailable(f"redis is unreachable ({exc}); cannot serve requests",
+                              svc.settings.retry_after_s) from None
+        self._sent = True
+        svc.metrics.prompt_tokens.inc(len(self.prompt_ids))
+
+    def stop_watching(self) -> None:
+        """Streaming responses watch for disconnects themselves; stop reading `receive` here."""
+        if self._watcher is not None:
+            self._watcher.cancel()
+            self._watcher = None
+
+    @property
+    def client_gone(self) -> asyncio.Task[None] | None:
+        return self._watcher
+
+    def _sampling(self) -> SamplingOptions:
+        s = self.spec
+        return SamplingOptions(
+            max_tokens=self.max_new_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+            repetition_penalty=s.repetition_penalty, seed=s.seed, stop_token_ids=list(s.stop_token_ids),
+            ignore_eos=s.ignore_eos)
+
+    # ---- tokens ----
+
+    async def steps(self) -> AsyncIterator[Step]:
+        assert self._queue is not None, "begin() first"
+        timeout = self.svc.settings.event_timeout
+        while True:
+            try:
+                event = await asyncio.wait_for(self._queue.get(), timeout)
+            except asyncio.TimeoutError:
+                self._fail("timeout", f"no token from the workers for {timeout:g}s (event_timeout)")
+            step = self._apply(event)
+            if step is None:
+                continue
+            yield step
+            if step.finish is not None:
+                return
+
+    def _apply(self, event: TokenEvent) -> Step | None:
+        expected = len(self.tokens)
+        if event.index > expected:
+            self._fail("stream_gap", f"token stream gap: expected token {expected}, got {event.index}")
+        skip = expected - event.index  # tokens we already have (a redelivered event)
+        ids = event.token_ids[skip:]
+        logprobs = event.logprobs[skip:]
+        if not ids and event.finish_reason is None:
+            return None  # a pure duplicate
+        self._observe_timing(len(ids))
+        step = Step()
+        special = self.svc.tokenizer.special_ids
+        for i, token_id in enumerate(ids):
+            if len(self.tokens) >= self.max_new_tokens:
+                step.finish = "length"  # more than we asked for: stop here (and cancel)
+                break
+            released, hit = self._stops.push(self._detok.push(token_id))
+            token = TokenOut(index=len(self.tokens), id=token_id, text=released,
+                             logprob=logprobs[i] if i < len(logprobs) else None, special=token_id in special)
+            self.tokens.append(token)
+            step.tokens.append(token)
+            if hit:
+                step.finish = "stop_sequence"
+                break
+        if step.finish is None and event.finish_reason is not None:
+            if event.finish_reason in ("error", "cancelled"):
+                self._worker_finished = True  # the worker dropped it already
+                self._fail(f"worker_{event.finish_reason}",
+                           event.error or f"the worker ended the request ({event.finish_reason})")
+            self._worker_finished = True
+            step.finish = "eos" if event.finish_reason == "stop" else "length"
+        elif step.finish is None and len(self.tokens) >= self.max_new_tokens:
+            step.finish = "length"
+        if step.finish in ("eos", "length"):
+            released, hit = self._stops.push(self._detok.flush())
+            tail = released if hit else released + self._stops.flush()
+            if hit:
+                step.finish = "stop_sequence"
+            if step.tokens:
+                step.tokens[-1].text += tail
+            else:
+                step.tail = tail
+        if step.finish is not None:
+            self.finish_reason = step.finish
+            self.svc.metrics.success("length" if step.finish == "length" else "stop")
+            self.svc.metrics.e2e.observe(time.monotonic() - self.arrival)
+        self.svc.metrics.generation_tokens.inc(len(step.tokens))
+        return step
+
+    def _observe_timing(self, n: int) -> None:
+        if n <= 0:
+            return
+        now = time.monotonic()
+        m = self.svc.metrics
+        if not self.tokens:
+            m.ttft.observe(now - self.arrival)
+            n -= 1
+        elif self._last_token_at:
+            gap = (now - self._last_token_at) / n  # an event may carry several tokens
+            for _ in range(n):
+                m.itl.observe(gap)
+        self._last_token_at = now
+
+    def _fail(self, reason: str, message: str) -> None:
+        self._failed = True
+        self.svc.metrics.failure(reason)
+        log.warning("request %s failed: %s", self.request_id, message)
+        raise GenerationFailed(message)
+
+    # ---- end ----
+
+    def close(self) -> None:
+        """Release everything the request holds. Idempotent and synchronous (safe in `finally`)."""
+        if self._closed:
+            return
+        self._closed = True
+        svc = self.svc
+        self.stop_watching()
+        svc.router.unregister(self.request_id)
+        if self._ticket is not None:
+            svc.admission.done(self._ticket)
+        if self.finish_reason is None and not self._failed and self._sent:
+            svc.metrics.failure("client_disconnected")
+        if self._sent and not self._worker_finished:
+            # Ended by us (client gone, stop sequence, error): tell every worker to drop it.
+            reason = "stop sequence" if self.finish_reason == "stop_sequence" else (
+                "length" if self.finish_reason == "length" else "client disconnected" if not self._failed
+                else "gateway gave up")
+            svc.spawn(self._send_cancel(reason))
+
+    async def _send_cancel(self, reason: str) -> None:
+        message = Cancel(request_id=self.request_id, gateway_id=self.svc.settings.gateway_id, reason=reason)
+        try:
+            await self.svc.redis.xadd(CANCEL_STREAM, {PAYLOAD_FIELD: encode(message)},
+                                      maxlen=STREAM_MAXLEN, approximate=True)
+        except (RedisError, OSError) as exc:
+            self.svc.cluster.mark_down(exc)
+            log.warning("could not send cancel for %s: %s", self.request_id, exc)

@@ -1,0 +1,98 @@
+"""The token stream reader: one task reads this gateway's stream and routes events by request id.
+
+Workers XADD `TokenEvent`s to `baton:tokens:<gateway-id>`; this task XREADs from its last id
+(blocking), decodes each entry and puts it on the queue of the request it belongs to. Events for
+requests that are gone (finished, cancelled) are dropped. If Redis goes away the reader retries with
+backoff and resumes from the last id it saw, so no event still in the stream is skipped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from baton.protocol import PAYLOAD_FIELD, MalformedMessage, TokenEvent, decode, token_stream
+
+log = logging.getLogger(__name__)
+
+_BLOCK_MS = 1000
+_BATCH = 512
+_BACKOFF_MIN_S = 0.05
+_BACKOFF_MAX_S = 1.0
+# Trim what we have read once in a while so the stream does not grow without bound.
+_TRIM_EVERY_S = 5.0
+
+
+class TokenRouter:
+    def __init__(self, client: aioredis.Redis, gateway_id: str) -> None:
+        self._redis = client
+        self.stream = token_stream(gateway_id)
+        self._queues: dict[str, asyncio.Queue[TokenEvent]] = {}
+        self._last_id = "0-0"
+        self.connected = False
+        self.malformed = 0
+
+    def register(self, request_id: str) -> asyncio.Queue[TokenEvent]:
+        """Must be called before the prefill request is sent, so no event can arrive unrouted."""
+        queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        self._queues[request_id] = queue
+        return queue
+
+    def unregister(self, request_id: str) -> None:
+        self._queues.pop(request_id, None)
+
+    @property
+    def active(self) -> int:
+        return len(self._queues)
+
+    async def reset_stream(self) -> None:
+        """At startup: events left from an earlier process with our id belong to dead requests."""
+        await self._redis.delete(self.stream)
+        self._last_id = "0-0"
+
+    async def run(self) -> None:
+        backoff = _BACKOFF_MIN_S
+        loop = asyncio.get_running_loop()
+        last_trim = loop.time()
+        while True:
+            try:
+                reply: Any = await self._redis.xread({self.stream: self._last_id}, count=_BATCH, block=_BLOCK_MS)
+                if not self.connected:
+                    log.info("token stream %s: reading", self.stream)
+                self.connected = True
+                backoff = _BACKOFF_MIN_S
+                for _stream, entries in reply or []:
+                    for entry_id, fields in entries:
+                        self._last_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+                        self._route(fields)
+                if loop.time() - last_trim > _TRIM_EVERY_S:
+                    last_trim = loop.time()
+                    # Everything older than what we read is done with (approximate: cheap).
+                    await self._redis.xtrim(self.stream, minid=self._last_id, approximate=True)
+            except asyncio.CancelledError:
+                raise
+            except (RedisError, OSError) as exc:
+                if self.connected:
+                    log.warning("token stream %s: redis error (%s); retrying", self.stream, exc)
+                self.connected = False
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, _BACKOFF_MAX_S)
+
+    def _route(self, fields: dict[bytes, bytes]) -> None:
+        data = fields.get(PAYLOAD_FIELD)
+        if data is None:
+            self.malformed += 1
+            return
+        try:
+            event = decode(data, TokenEvent)
+        except MalformedMessage as exc:
+            self.malformed += 1
+            log.warning("dropping malformed token event: %s", exc)
+            return
+        queue = self._queues.get(event.request_id)
+        if queue is not None:
+            queue.put_nowait(event)

@@ -1,0 +1,133 @@
+"""Operational endpoints: /health, /info, /stats, /metrics, /v1/models, /openapi.json."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from typing import Any
+
+from redis.exceptions import RedisError
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from gateway.config import redact_url
+from gateway.openapi import openapi_spec
+from gateway.respond import services
+
+VERSION = "0.1.0"
+
+
+async def health(request: Request) -> Response:
+    """200 when Redis answers a PING (within a second), else 503 saying why."""
+    svc = services(request)
+    dead = [t.get_name() for t in svc.tasks if t.done()]
+    if dead:  # cannot happen unless there is a bug; then say so rather than hang requests
+        return JSONResponse({"status": "unhealthy", "error": f"internal task(s) stopped: {', '.join(dead)}",
+                             "error_type": "generation"}, status_code=503)
+    try:
+        await asyncio.wait_for(svc.redis.ping(), timeout=1.0)
+    except (RedisError, OSError, asyncio.TimeoutError) as exc:
+        svc.cluster.mark_down(exc)
+        reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        return JSONResponse({"status": "unhealthy", "redis": "unreachable",
+                             "error": f"redis at {redact_url(svc.settings.redis_url)} is unreachable ({reason})",
+                             "error_type": "unavailable"}, status_code=503)
+    workers = svc.cluster.workers
+    return JSONResponse({
+        "status": "ok",
+        "redis": "ok",
+        "token_reader": "ok" if svc.router.connected else "reconnecting",
+        "prefill_workers": len(workers.get("prefill", [])),
+        "decode_workers": len(workers.get("decode", [])),
+    })
+
+
+async def info(request: Request) -> Response:
+    """TGI's /info shape (clients read model_id and the limits from it)."""
+    s = services(request).settings
+    return JSONResponse({
+        "model_id": s.model_name,
+        "model_sha": None,
+        "model_pipeline_tag": "text-generation",
+        "model_dtype": None,
+        "model_device_type": None,
+        "router": "baton-gateway",
+        "version": VERSION,
+        "sha": None,
+        "docker_label": None,
+        "gateway_id": s.gateway_id,
+        "max_concurrent_requests": s.max_concurrent_requests,
+        "max_best_of": 1,
+        "max_stop_sequences": s.max_stop_sequences,
+        "max_input_tokens": s.max_input_tokens,
+        "max_input_length": s.max_input_tokens,  # older TGI name of the same limit
+        "max_total_tokens": s.max_total_tokens,
+        "max_batch_total_tokens": s.max_batch_total_tokens,
+        "max_queue_size": s.max_queue_size,
+        "max_queue_wait_s": s.max_queue_wait,
+        "max_client_batch_size": 1,
+        "validation_workers": 1,
+    })
+
+
+async def stats(request: Request) -> Response:
+    svc = services(request)
+    m = svc.metrics
+    return JSONResponse(_jsonable({
+        "gateway_id": svc.settings.gateway_id,
+        "model": svc.settings.model_name,
+        "time": time.time(),
+        "redis": {"ok": svc.cluster.redis_ok, "error": svc.cluster.redis_error,
+                  "token_reader_connected": svc.router.connected},
+        **svc.admission.snapshot(),
+        "rejections": dict(m.rejections_by_reason),
+        "finished": dict(m.successes_by_reason),
+        "failed": dict(m.failures_by_reason),
+        "workers": svc.cluster.workers,
+    }))
+
+
+async def metrics(request: Request) -> Response:
+    from prometheus_client import CONTENT_TYPE_LATEST
+
+    return Response(services(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+async def models(request: Request) -> Response:
+    s = services(request).settings
+    return JSONResponse({"object": "list", "data": [{
+        "id": s.model_name, "object": "model", "created": int(services(request).cluster.started_at),
+        "owned_by": "baton", "root": str(s.model_dir), "max_model_len": s.max_total_tokens,
+    }]})
+
+
+async def openapi(request: Request) -> Response:
+    return JSONResponse(openapi_spec(services(request).settings))
+
+
+def _jsonable(value: Any) -> Any:
+    """Heartbeats are whatever msgpack maps the workers wrote: make them JSON-safe."""
+    if isinstance(value, dict):
+        return {str(k if not isinstance(k, bytes) else k.decode("utf-8", "replace")): _jsonable(v)
+                for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    if isinstance(value, float) and not math.isfinite(value):
+        return None  # JSON has no NaN/Infinity
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)
+
+
+routes = [
+    Route("/health", health, methods=["GET"]),
+    Route("/info", info, methods=["GET"]),
+    Route("/stats", stats, methods=["GET"]),
+    Route("/metrics", metrics, methods=["GET"]),
+    Route("/v1/models", models, methods=["GET"]),
+    Route("/openapi.json", openapi, methods=["GET"]),
+]

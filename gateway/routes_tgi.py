@@ -1,0 +1,142 @@
+"""TGI-compatible endpoints: `POST /generate`, `POST /generate_stream`, and `POST /` (both).
+
+Wire format as text-generation-inference writes it and huggingface_hub parses it: stream events
+`data:{"index", "token": {"id", "text", "logprob", "special"}, "generated_text": null,
+"details": null}` with the last event carrying `generated_text` and (if asked) `details`; an error
+mid-stream is `data:{"error": ..., "error_type": "generation"}`. `POST /` answers a list of one
+result when not streaming, as TGI's compat route does.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from gateway.errors import ApiError
+from gateway.generation import ClientGone, Generation, GenerationFailed, Step, TokenOut
+from gateway.respond import SSEResponse, client_gone_response, run_to_end, services, start_generation
+from gateway.validation import GenerationSpec, read_json_body
+from gateway.validation_tgi import STATUS, parse_tgi
+
+FINISH = {"eos": "eos_token", "length": "length", "stop_sequence": "stop_sequence"}
+
+
+def _parser(request: Request) -> Callable[[dict[str, Any]], GenerationSpec]:
+    settings = services(request).settings
+    return lambda body: parse_tgi(body, settings)
+
+
+async def generate(request: Request, body: dict[str, Any] | None = None, as_list: bool = False) -> Response:
+    try:
+        gen = await start_generation(request, STATUS, _parser(request), body)
+    except ClientGone:
+        return client_gone_response()
+    try:
+        await run_to_end(gen)
+    except ClientGone:
+        return client_gone_response()
+    except GenerationFailed as exc:
+        return JSONResponse({"error": str(exc), "error_type": "generation"}, status_code=500)
+    finally:
+        gen.close()
+    result: dict[str, Any] = {"generated_text": _generated_text(gen)}
+    if gen.spec.details:
+        result["details"] = {
+            **_details(gen),
+            "prefill": [],  # decoder_input_details is not supported: no prompt logprobs
+            "tokens": [_token(t) for t in gen.tokens],
+            "best_of_sequences": None,
+        }
+    # TGI's compat route (`POST /`) wraps the non-streaming result in a list (api-inference shape).
+    return JSONResponse([result] if as_list else result, headers=_headers(gen))
+
+
+async def generate_stream(request: Request, body: dict[str, Any] | None = None) -> Response:
+    try:
+        gen = await start_generation(request, STATUS, _parser(request), body)
+    except ClientGone:
+        return client_gone_response()
+    gen.stop_watching()
+    return SSEResponse(_events(gen), on_close=gen.close, headers=_headers(gen))
+
+
+async def compat_generate(request: Request) -> Response:
+    """`POST /` (what huggingface_hub.InferenceClient posts to): `stream` picks the mode."""
+    svc = services(request)
+    try:
+        body = await read_json_body(request, svc.settings.max_body_bytes, STATUS)
+    except ApiError as exc:
+        svc.metrics.reject("payload_too_large" if exc.status == 413 else "validation")
+        raise
+    if body.get("stream") is True:
+        return await generate_stream(request, body)
+    return await generate(request, body, as_list=True)
+
+
+async def _events(gen: Generation) -> AsyncIterator[bytes]:
+    try:
+        async for step in gen.steps():
+            for token, final in _tokens_of(gen, step):
+                event: dict[str, Any] = {"index": token.index + 1, "token": _token(token),
+                                         "generated_text": None, "details": None}
+                if final:
+                    event["generated_text"] = _generated_text(gen)
+                    if gen.spec.details:
+                        event["details"] = _details(gen)
+                yield _sse(event)
+    except GenerationFailed as exc:
+        yield _sse({"error": str(exc), "error_type": "generation"})
+    finally:
+        gen.close()
+
+
+def _tokens_of(gen: Generation, step: Step) -> list[tuple[TokenOut, bool]]:
+    """The step's tokens, each flagged final or not. TGI attaches the end to a token, so an end
+    that arrives without one is sent on an empty special token (text: whatever was held back)."""
+    tokens = list(step.tokens)
+    if step.finish is not None and not tokens:
+        eos = gen.svc.tokenizer.eos_token_id
+        tokens = [TokenOut(index=len(gen.tokens), id=eos if eos is not None else 0, text=step.tail,
+                           logprob=None, special=True)]
+    last = len(tokens) - 1
+    return [(t, step.finish is not None and i == last) for i, t in enumerate(tokens)]
+
+
+def _generated_text(gen: Generation) -> str:
+    if gen.spec.return_full_text:
+        assert isinstance(gen.spec.prompt, str)
+        return gen.spec.prompt + gen.text
+    return gen.text
+
+
+def _details(gen: Generation) -> dict[str, Any]:
+    return {
+        "finish_reason": FINISH.get(gen.finish_reason or "", "length"),
+        "generated_tokens": len(gen.tokens),
+        "seed": gen.spec.seed,
+        "input_length": len(gen.prompt_ids),
+    }
+
+
+def _token(t: TokenOut) -> dict[str, Any]:
+    return {"id": t.id, "text": t.text, "logprob": t.logprob, "special": t.special}
+
+
+def _headers(gen: Generation) -> dict[str, str]:
+    return {"x-request-id": gen.request_id}
+
+
+def _sse(payload: dict[str, Any]) -> bytes:
+    return b"data:" + json.dumps(payload, ensure_ascii=False).encode("utf-8") + b"\n\n"
+
+
+routes = [
+    Route("/generate", generate, methods=["POST"]),
+    Route("/generate_stream", generate_stream, methods=["POST"]),
+    Route("/", compat_generate, methods=["POST"]),
+]

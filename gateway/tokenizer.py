@@ -1,0 +1,93 @@
+"""The model's tokenizer, used to count and encode prompts and to decode generated tokens.
+
+It is the Hugging Face tokenizer of the served model directory, so the gateway counts exactly the
+tokens the workers will run. Long texts are tokenized in a thread so that one big prompt does not
+stall every other stream on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoTokenizer
+
+from gateway.config import Settings
+from gateway.errors import validation_error
+from gateway.validation import GenerationSpec
+
+# Below this many characters tokenizing inline is cheaper than a thread hop.
+_INLINE_CHARS = 4096
+
+
+class PromptTokenizer:
+    def __init__(self, model_dir: Path) -> None:
+        self.hf = AutoTokenizer.from_pretrained(str(model_dir))
+        # The Rust tokenizer decodes without transformers' per-call Python overhead (hot path).
+        self.backend = self.hf.backend_tokenizer
+        self.vocab_size = len(self.hf)
+        self.special_ids = frozenset(self.hf.all_special_ids)
+        self.eos_token_id: int | None = self.hf.eos_token_id
+        self.has_chat_template = bool(getattr(self.hf, "chat_template", None))
+
+    def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.hf(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        text = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        # The template already wrote the special tokens; do not add a BOS again.
+        return list(self.hf(text, add_special_tokens=False)["input_ids"])
+
+    def decode(self, ids: list[int]) -> str:
+        return self.backend.decode(ids, skip_special_tokens=True)
+
+    def token_text(self, token_id: int) -> str:
+        return self.backend.decode([token_id], skip_special_tokens=False)
+
+    async def prompt_ids(self, spec: GenerationSpec, status: int) -> list[int]:
+        """The prompt's token ids (chat: through the chat template)."""
+        if isinstance(spec.prompt, list):
+            return list(spec.prompt)
+        if spec.messages is not None:
+            if not self.has_chat_template:
+                raise validation_error("this model has no chat template; use /v1/completions", status=status)
+            size = sum(len(m["content"]) for m in spec.messages)
+            try:
+                return await _maybe_in_thread(size, self.encode_chat, spec.messages)
+            except Exception as exc:  # jinja raises for messages the template refuses
+                raise validation_error(f"the chat template rejected the messages: {exc}",
+                                       param="messages", status=status) from None
+        assert isinstance(spec.prompt, str)
+        return await _maybe_in_thread(len(spec.prompt), self.encode_text, spec.prompt,
+                                      spec.add_special_tokens)
+
+
+async def _maybe_in_thread(size: int, fn: Callable[..., list[int]], *args: Any) -> list[int]:
+    if size <= _INLINE_CHARS:
+        return fn(*args)
+    return await asyncio.to_thread(fn, *args)
+
+
+def apply_limits(spec: GenerationSpec, prompt_ids: list[int], settings: Settings,
+                 status: int) -> tuple[list[int], int]:
+    """Check the prompt against the token limits; return it (maybe truncated) and max_new_tokens."""
+    if spec.truncate is not None and len(prompt_ids) > spec.truncate:
+        prompt_ids = prompt_ids[-spec.truncate:]  # TGI: keep the last `truncate` tokens
+    n = len(prompt_ids)
+    if n == 0:
+        raise validation_error("the prompt is empty after tokenization", status=status)
+    if n > settings.max_input_tokens:
+        raise validation_error(
+            f"the prompt has {n} tokens; it must have at most max_input_tokens={settings.max_input_tokens}",
+            status=status)
+    room = settings.max_total_tokens - n
+    if spec.max_new_tokens is None:
+        return prompt_ids, max(1, min(spec.default_max_new_tokens, room))
+    if n + spec.max_new_tokens > settings.max_total_tokens:
+        raise validation_error(
+            f"prompt tokens + max new tokens must be <= max_total_tokens={settings.max_total_tokens}; "
+            f"given {n} prompt tokens and {spec.max_new_tokens} max new tokens",
+            param="max_tokens", status=status)
+    return prompt_ids, spec.max_new_tokens

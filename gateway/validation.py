@@ -1,0 +1,221 @@
+"""Request bodies -> a checked `GenerationSpec`, or an ApiError with a clear 4xx message.
+
+Nothing a client sends may reach the tokenizer or a worker unchecked: bodies are size-capped and
+must be UTF-8 JSON objects without lone surrogates (the tokenizer would crash on them), every field
+has its type and range checked, and unknown fields are named in the error instead of silently
+ignored. TGI answers validation errors with 422, the OpenAI API with 400 (what its clients expect).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.requests import ClientDisconnect, Request
+
+from gateway.errors import ApiError, validation_error
+
+MAX_SEED = 2**64 - 1
+MIN_SEED = -(2**63)
+
+
+@dataclass
+class GenerationSpec:
+    """What to generate, independent of the API it came from (before tokenization)."""
+
+    prompt: str | list[int] | None = None  # text or token ids (None for chat)
+    messages: list[dict[str, str]] | None = None  # chat messages, normalized to {role, content}
+    max_new_tokens: int | None = None  # None: the API's default, capped by the room left
+    default_max_new_tokens: int = 100
+    temperature: float = 1.0  # 0.0 means greedy
+    top_p: float = 1.0
+    top_k: int = -1
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] = field(default_factory=list)
+    stop: list[str] = field(default_factory=list)
+    stream: bool = False
+    truncate: int | None = None
+    add_special_tokens: bool = True  # for text prompts (TGI's `add_special_tokens`)
+    # TGI only
+    details: bool = False
+    return_full_text: bool = False
+    # OpenAI only
+    include_usage: bool = False
+    model: str | None = None
+
+
+async def read_json_body(request: Request, max_bytes: int, status: int) -> dict[str, Any]:
+    """Read at most max_bytes of body and parse it as a JSON object (413 past the limit)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise ApiError(413, f"request body is {declared} bytes; the limit is {max_bytes}",
+                       kind="payload_too_large")
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_bytes:  # chunked bodies have no Content-Length: count as we read
+                raise ApiError(413, f"request body exceeds the limit of {max_bytes} bytes",
+                               kind="payload_too_large")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise validation_error("client disconnected while sending the body", status=400) from None
+    try:
+        text = b"".join(chunks).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise validation_error(f"request body is not valid UTF-8 (byte {exc.start})", status=status) from None
+    if not text.strip():
+        raise validation_error("request body is empty; expected a JSON object", status=status)
+    try:
+        data = json.loads(text)
+    except RecursionError:
+        raise validation_error("malformed JSON: nested too deeply", status=status) from None
+    except ValueError as exc:
+        raise validation_error(f"malformed JSON: {exc}", status=status) from None
+    if not isinstance(data, dict):
+        raise validation_error(f"request body must be a JSON object, got {_type_name(data)}", status=status)
+    _reject_lone_surrogates(data, status)
+    return data
+
+
+def _reject_lone_surrogates(data: Any, status: int) -> None:
+    """JSON may escape half a surrogate pair ("\\ud800"): valid JSON, but not encodable text."""
+    stack = [data]
+    while stack:  # iterative: a deep body must not blow the Python stack
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                raise validation_error("request contains an invalid unicode escape (lone surrogate)",
+                                       status=status) from None
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+
+
+def _same_value(value: Any, allowed: Any) -> bool:
+    """Equality that keeps booleans apart from numbers (JSON false is not 0) but 0 == 0.0."""
+    if isinstance(value, bool) or isinstance(allowed, bool):
+        return value is allowed
+    if isinstance(value, (int, float)) and isinstance(allowed, (int, float)):
+        return value == allowed
+    return type(value) is type(allowed) and value == allowed
+
+
+def _type_name(value: Any) -> str:
+    return {dict: "object", list: "array", str: "string", bool: "boolean", int: "integer",
+            float: "number", type(None): "null"}.get(type(value), type(value).__name__)
+
+
+class Fields:
+    """Typed, range-checked access to one JSON object's fields; errors name the field."""
+
+    def __init__(self, data: dict[str, Any], status: int, prefix: str = "") -> None:
+        self.data = data
+        self.status = status
+        self.prefix = prefix
+
+    def fail(self, key: str, message: str) -> ApiError:
+        return validation_error(f"`{self.prefix}{key}` {message}", param=self.prefix + key, status=self.status)
+
+    def reject_unknown(self, known: set[str], what: str) -> None:
+        unknown = sorted(set(self.data) - known)
+        if unknown:
+            names = ", ".join(f"`{self.prefix}{k}`" for k in unknown)
+            raise validation_error(f"unknown field(s) in {what}: {names}", param=self.prefix + unknown[0],
+                                   status=self.status)
+
+    def get(self, key: str) -> Any:
+        return self.data.get(key)
+
+    def boolean(self, key: str, default: bool) -> bool:
+        value = self.data.get(key)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise self.fail(key, f"must be a boolean, got {_type_name(value)}")
+        return value
+
+    def integer(self, key: str, lo: int | None = None, hi: int | None = None) -> int | None:
+        value = self.data.get(key)
+        if value is None:
+            return None
+        if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
+            value = int(value)  # some clients serialize 16 as 16.0
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise self.fail(key, f"must be an integer, got {_type_name(value)}")
+        if lo is not None and value < lo:
+            raise self.fail(key, f"must be >= {lo}, got {value}")
+        if hi is not None and value > hi:
+            raise self.fail(key, f"must be <= {hi}, got {value}")
+        return value
+
+    def number(self, key: str, *, gt: float | None = None, ge: float | None = None,
+              le: float | None = None) -> float | None:
+        value = self.data.get(key)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise self.fail(key, f"must be a number, got {_type_name(value)}")
+        value = float(value)
+        if not math.isfinite(value):
+            raise self.fail(key, "must be a finite number")
+        if gt is not None and not value > gt:
+            raise self.fail(key, f"must be > {gt}, got {value}")
+        if ge is not None and not value >= ge:
+            raise self.fail(key, f"must be >= {ge}, got {value}")
+        if le is not None and not value <= le:
+            raise self.fail(key, f"must be <= {le}, got {value}")
+        return value
+
+    def string(self, key: str) -> str | None:
+        value = self.data.get(key)
+        if value is None:
+            return None
+        if not isinstance(value, str):
+            raise self.fail(key, f"must be a string, got {_type_name(value)}")
+        return value
+
+    def unsupported_unless(self, key: str, allowed: tuple[Any, ...]) -> None:
+        """A known field we cannot honour: accept only its neutral values, else say so."""
+        value = self.data.get(key)
+        if value is None or any(_same_value(value, a) for a in allowed):
+            return
+        raise self.fail(key, f"is not supported by this server (got {json.dumps(value)[:60]})")
+
+    def stop_strings(self, key: str, max_count: int, max_len: int, allow_str: bool) -> list[str]:
+        value = self.data.get(key)
+        if value is None:
+            return []
+        if isinstance(value, str) and allow_str:
+            value = [value]
+        if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+            kind = "a string or a list of strings" if allow_str else "a list of strings"
+            raise self.fail(key, f"must be {kind}")
+        if len(value) > max_count:
+            raise self.fail(key, f"has {len(value)} stop sequences; at most {max_count} are allowed")
+        for s in value:
+            if not s:
+                raise self.fail(key, "must not contain an empty string")
+            if len(s) > max_len:
+                raise self.fail(key, f"contains a stop sequence of {len(s)} characters; at most {max_len}")
+        return list(dict.fromkeys(value))  # drop duplicates, keep order
+
+    def token_ids(self, key: str, vocab_size: int) -> list[int]:
+        value = self.data.get(key)
+        if value is None:
+            return []
+        if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+            raise self.fail(key, "must be a list of integers")
+        bad = [t for t in value if not 0 <= t < vocab_size]
+        if bad:
+            raise self.fail(key, f"contains token id {bad[0]} outside [0, {vocab_size})")
+        return value

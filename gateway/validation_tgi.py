@@ -1,0 +1,89 @@
+"""TGI request bodies (`/generate`, `/generate_stream`, `POST /`) -> GenerationSpec.
+
+TGI semantics kept here: `do_sample` false (the default) means greedy decoding whatever the
+temperature; `max_new_tokens` defaults to 100; a sampled request without a seed gets a random one,
+reported back in `details.seed`. Known TGI fields we cannot honour are accepted at their neutral
+value and rejected, by name, otherwise; fields TGI does not know are rejected by name.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from gateway.config import Settings
+from gateway.errors import validation_error
+from gateway.validation import MAX_SEED, Fields, GenerationSpec
+
+STATUS = 422  # TGI answers every validation error with 422
+DEFAULT_MAX_NEW_TOKENS = 100
+
+TOP_LEVEL_FIELDS = {"inputs", "parameters", "stream", "add_special_tokens"}
+PARAMETER_FIELDS = {
+    "adapter_id", "best_of", "decoder_input_details", "details", "do_sample", "frequency_penalty",
+    "grammar", "max_new_tokens", "repetition_penalty", "return_full_text", "seed", "stop",
+    "temperature", "top_k", "top_n_tokens", "top_p", "truncate", "typical_p", "watermark",
+}
+# Known TGI parameters we do not implement, with the values that mean "off".
+NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
+    "adapter_id": (),
+    "best_of": (1,),
+    "frequency_penalty": (0,),
+    "grammar": (),
+    "top_n_tokens": (0,),
+    "typical_p": (1,),
+    "watermark": (False,),
+}
+
+
+def parse_tgi(body: dict[str, Any], settings: Settings) -> GenerationSpec:
+    top = Fields(body, STATUS)
+    top.reject_unknown(TOP_LEVEL_FIELDS, "the request")
+    inputs = top.string("inputs")
+    if inputs is None:
+        raise validation_error("`inputs` is required", param="inputs", status=STATUS)
+    if inputs == "":
+        raise validation_error("`inputs` cannot be empty", param="inputs", status=STATUS)
+    stream = top.boolean("stream", False)
+    add_special_tokens = top.boolean("add_special_tokens", True)
+
+    raw = body.get("parameters")
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise validation_error("`parameters` must be an object", param="parameters", status=STATUS)
+    p = Fields(raw, STATUS, prefix="parameters.")
+    p.reject_unknown(PARAMETER_FIELDS, "`parameters`")
+    for key, neutral in NEUTRAL_VALUES.items():
+        p.unsupported_unless(key, neutral)
+    p.boolean("decoder_input_details", False)  # accepted and ignored: no prefill logprobs are returned
+
+    do_sample = p.boolean("do_sample", False)
+    temperature = p.number("temperature", ge=0.0)
+    top_p = p.number("top_p", gt=0.0, le=1.0)
+    top_k = p.integer("top_k", lo=1)
+    repetition_penalty = p.number("repetition_penalty", gt=0.0)
+    seed = p.integer("seed", lo=0, hi=MAX_SEED)
+    spec = GenerationSpec(
+        prompt=inputs,
+        max_new_tokens=p.integer("max_new_tokens", lo=1),
+        default_max_new_tokens=DEFAULT_MAX_NEW_TOKENS,
+        repetition_penalty=repetition_penalty if repetition_penalty is not None else 1.0,
+        stop=p.stop_strings("stop", settings.max_stop_sequences, settings.max_stop_length, allow_str=False),
+        stream=stream,
+        truncate=p.integer("truncate", lo=1),
+        details=p.boolean("details", False),
+        return_full_text=p.boolean("return_full_text", False),
+        add_special_tokens=add_special_tokens,
+    )
+    greedy = not do_sample or temperature == 0.0
+    if greedy:
+        # The brief's TGI rule: without do_sample the warpers are ignored and the seed is moot.
+        spec.temperature, spec.top_p, spec.top_k, spec.seed = 0.0, 1.0, -1, None
+    else:
+        spec.temperature = temperature if temperature is not None else 1.0
+        spec.top_p = top_p if top_p is not None else 1.0
+        spec.top_k = top_k if top_k is not None else -1
+        # TGI reports the seed it sampled with, so a client can replay the request.
+        spec.seed = seed if seed is not None else random.getrandbits(63)
+    return spec

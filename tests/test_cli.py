@@ -1,0 +1,319 @@
+"""The `baton` command: model fetch, the thread budget, and serve's supervision (with stand-ins).
+
+The supervision tests run `baton serve` against stand-in gateway / worker modules put first on
+PYTHONPATH, so they exercise the real supervisor (start order, readiness, signals, a child dying,
+no orphans) without the real services.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from baton.serve import ThreadPlan, add_serve_arguments, build_child_specs, plan_threads, probe_host
+
+VENV_BIN = Path(sys.executable).parent
+BATON = str(VENV_BIN / "baton") if (VENV_BIN / "baton").exists() else None
+
+
+def baton_cmd(*args: str) -> list[str]:
+    return [BATON, *args] if BATON else [sys.executable, "-m", "baton.cli", *args]
+
+
+# ------------------------------------------------------------------ model fetch
+
+def test_model_fetch_twice_prints_same_cached_dir():
+    first = subprocess.run(baton_cmd("model", "fetch"), capture_output=True, text=True, timeout=900)
+    assert first.returncode == 0, first.stderr
+    path = Path(first.stdout.strip().splitlines()[-1])
+    assert (path / "config.json").is_file()
+    assert list(path.glob("*.safetensors"))
+
+    started = time.monotonic()
+    second = subprocess.run(baton_cmd("model", "fetch"), capture_output=True, text=True, timeout=120)
+    elapsed = time.monotonic() - started
+    assert second.returncode == 0, second.stderr
+    assert second.stdout.strip().splitlines()[-1] == str(path)
+    assert "already in the cache" in second.stderr
+    assert "converting" not in second.stderr and "downloading" not in second.stderr
+    assert elapsed < 30, f"cached fetch took {elapsed:.1f}s"
+
+
+def test_bench_without_module_is_a_clear_message():
+    try:
+        import baton.bench.cli  # noqa: F401
+    except ModuleNotFoundError:
+        pass
+    else:
+        pytest.skip("baton.bench.cli exists")
+    result = subprocess.run(baton_cmd("bench", "--help"), capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "baton bench is not available" in result.stderr
+
+
+# ------------------------------------------------------------------ thread budget
+
+@pytest.mark.parametrize(
+    "cpus, p, d, expect_p, expect_d",
+    [
+        (2, 1, 1, [1], [1]),
+        (1, 1, 1, [1], [1]),
+        (4, 1, 1, [2], [2]),
+        (3, 1, 1, [2], [1]),
+        (16, 1, 1, [8], [8]),
+        (8, 1, 2, [3], [3, 2]),
+        (8, 2, 4, [2, 2], [1, 1, 1, 1]),
+        (2, 1, 3, [1], [1, 1, 1]),
+    ],
+)
+def test_plan_threads(cpus, p, d, expect_p, expect_d):
+    plan = plan_threads(cpus, p, d)
+    assert plan.prefill == expect_p and plan.decode == expect_d
+    assert all(t >= 1 for t in plan.prefill + plan.decode)
+    if p + d <= cpus:
+        assert plan.total <= cpus and plan.warning is None
+    else:
+        assert plan.warning and "oversubscribed" in plan.warning
+
+
+def test_plan_threads_never_exceeds_cores_when_it_can():
+    for cpus in range(1, 65):
+        for p in range(1, 5):
+            for d in range(1, 5):
+                plan = plan_threads(cpus, p, d)
+                # All cores are used when there are enough of them; else one thread per worker.
+                assert plan.total == (cpus if cpus >= p + d else p + d)
+
+
+def test_plan_threads_explicit_and_invalid():
+    plan = plan_threads(2, 1, 1, threads_per_worker=2)
+    assert plan.prefill == [2] and plan.decode == [2] and "oversubscribed" in plan.warning
+    assert plan_threads(8, 1, 1, threads_per_worker=2).warning is None
+    with pytest.raises(ValueError):
+        plan_threads(2, 0, 1)
+    with pytest.raises(ValueError):
+        plan_threads(2, 1, 1, threads_per_worker=0)
+
+
+def _serve_args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_child_command_lines_pass_flags_through():
+    args = _serve_args("--host", "0.0.0.0", "--port", "8123", "--dtype", "bfloat16",
+                       "--max-concurrent-requests", "64", "--max-queue-wait", "2.5", "--api-key", "k",
+                       "--num-kv-blocks", "512", "--scheduler-policy", "max-utilization",
+                       "--max-num-batched-tokens", "256", "--block-size", "16",
+                       "--worker-metrics-port", "9100", "--decode-workers", "2")
+    plan = ThreadPlan([2], [1, 1], cpus=4)
+    specs = build_child_specs(args, Path("/m"), "redis://127.0.0.1:1/0", plan, python="py")
+    assert [s.name for s in specs] == ["prefill_worker[0]", "decode_worker[0]", "decode_worker[1]", "gateway"]
+    pre, dec0, dec1, gw = (s.argv for s in specs)
+
+    def flag(argv, name):
+        return argv[argv.index(name) + 1]
+
+    assert pre[:3] == ["py", "-m", "prefill_worker"] and flag(pre, "--threads") == "2"
+    assert flag(pre, "--max-num-batched-tokens") == "256" and "--num-kv-blocks" not in pre
+    assert flag(pre, "--metrics-port") == "9100" and flag(dec0, "--metrics-port") == "9101"
+    assert flag(dec1, "--metrics-port") == "9102"
+    assert dec0[:3] == ["py", "-m", "decode_worker"] and flag(dec0, "--threads") == "1"
+    assert flag(dec0, "--num-kv-blocks") == "512" and flag(dec0, "--scheduler-policy") == "max-utilization"
+    assert flag(dec0, "--block-size") == "16" and flag(pre, "--block-size") == "16"
+    assert flag(dec0, "--dtype") == "bfloat16" and "--max-num-batched-tokens" not in dec0
+    assert gw[:3] == ["py", "-m", "gateway"] and flag(gw, "--port") == "8123"
+    assert flag(gw, "--host") == "0.0.0.0" and flag(gw, "--max-concurrent-requests") == "64"
+    assert flag(gw, "--max-queue-wait") == "2.5" and flag(gw, "--api-key") == "k"
+    assert "--threads" not in gw and "--max-input-tokens" not in gw
+    for argv in (pre, dec0, dec1, gw):
+        assert flag(argv, "--model") == "/m" and flag(argv, "--redis-url") == "redis://127.0.0.1:1/0"
+    assert specs[0].env["OMP_NUM_THREADS"] == "2" and specs[1].env["OMP_NUM_THREADS"] == "1"
+
+
+def test_probe_host():
+    assert probe_host("0.0.0.0") == "127.0.0.1"
+    assert probe_host("::") == "[::1]"
+    assert probe_host("127.0.0.1") == "127.0.0.1"
+
+
+# ------------------------------------------------------------------ supervision with stand-ins
+
+FAKE_SERVICE = r'''
+import argparse, json, os, signal, sys, threading, time
+import redis
+
+KIND = {kind!r}
+parser = argparse.ArgumentParser()
+parser.add_argument("--model"); parser.add_argument("--redis-url"); parser.add_argument("--threads")
+parser.add_argument("--host"); parser.add_argument("--port", type=int)
+args, _ = parser.parse_known_args()
+with open(os.path.join(os.environ["FAKE_LOG_DIR"], f"{{KIND}}-{{os.getpid()}}.json"), "w") as f:
+    json.dump({{"argv": sys.argv, "pid": os.getpid(), "env_redis": os.environ.get("REDIS_URL"),
+               "omp": os.environ.get("OMP_NUM_THREADS")}}, f)
+client = redis.Redis.from_url(args.redis_url)
+signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))
+die_after = float(os.environ.get("FAKE_DIE_" + KIND.upper(), "0") or 0)
+started = time.monotonic()
+if KIND == "gateway":
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+    class H(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if self.path == "/health" else 404); self.end_headers()
+        def log_message(self, *a): pass
+    server = HTTPServer((args.host, args.port), H)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+while True:
+    client.set(f"baton:heartbeat:{{KIND}}:{{os.getpid()}}", b"1", ex=3)
+    if die_after and time.monotonic() - started > die_after:
+        sys.exit(3)
+    time.sleep(0.2)
+'''
+
+
+@pytest.fixture
+def fake_services(tmp_path):
+    """Stand-in gateway/prefill/decode packages and a stand-in model directory."""
+    pkgs = tmp_path / "pkgs"
+    for module, kind in (("gateway", "gateway"), ("prefill_worker", "prefill"), ("decode_worker", "decode")):
+        (pkgs / module).mkdir(parents=True)
+        (pkgs / module / "__init__.py").write_text("")
+        (pkgs / module / "__main__.py").write_text(FAKE_SERVICE.format(kind=kind))
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"")
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    env = dict(os.environ)
+    env.pop("REDIS_URL", None)
+    env["PYTHONPATH"] = os.pathsep.join([str(pkgs), *filter(None, [env.get("PYTHONPATH")])])
+    env["FAKE_LOG_DIR"] = str(logs)
+    return {"model": model, "logs": logs, "env": env, "cwd": tmp_path}
+
+
+def _free_port() -> int:
+    from baton.redis_server import free_port
+
+    return free_port()
+
+
+def _start_serve(fake, *extra: str, env: dict | None = None) -> tuple[subprocess.Popen, list[str], list[str]]:
+    proc = subprocess.Popen(
+        baton_cmd("serve", "--model", str(fake["model"]), "--port", str(_free_port()),
+                  "--stop-timeout", "5", *extra),
+        cwd=fake["cwd"], env=env or fake["env"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True,
+    )
+    out: list[str] = []
+    err: list[str] = []
+    threading.Thread(target=lambda: out.extend(proc.stdout), daemon=True).start()
+    threading.Thread(target=lambda: err.extend(proc.stderr), daemon=True).start()
+    return proc, out, err
+
+
+def _wait_for(predicate, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _children_records(logs: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted(logs.glob("*.json"))]
+
+
+def _redis_url_from(err: list[str]) -> str:
+    return next(line.split("redis: ")[1].split()[0] for line in err if "redis: " in line)
+
+
+def test_serve_starts_reports_and_stops_cleanly(fake_services):
+    proc, out, err = _start_serve(fake_services, "--decode-workers", "2")
+    try:
+        assert _wait_for(lambda: any("Baton is serving" in l for l in out) or proc.poll() is not None, 60), err
+        assert proc.poll() is None, "".join(err)
+        line = next(l for l in out if "Baton is serving" in l)
+        assert line.startswith("Baton is serving model at http://127.0.0.1:")
+        records = _children_records(fake_services["logs"])
+        kinds = sorted(r["argv"][0].split(os.sep)[-2] for r in records)
+        assert kinds == ["decode_worker", "decode_worker", "gateway", "prefill_worker"]
+        redis_url = _redis_url_from(err)
+        assert all(r["env_redis"] == redis_url for r in records)
+        threads = [int(r["argv"][r["argv"].index("--threads") + 1]) for r in records if "--threads" in r["argv"]]
+        assert len(threads) == 3 and (sum(threads) <= (os.cpu_count() or 1) or set(threads) == {1})
+        pids = [r["pid"] for r in records]
+        assert all(_alive(pid) for pid in pids)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=30)
+    assert proc.returncode == 0, "".join(err)
+    assert _wait_for(lambda: not any(_alive(pid) for pid in pids), 10), "children left behind"
+    assert _no_process_with(redis_url.split(":")[-1].split("/")[0], "redis")
+
+
+def _no_process_with(*needles: str) -> bool:
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if all(n in cmdline for n in needles) and _alive(int(entry.name)):
+            return False
+    return True
+
+
+def test_serve_sigterm_stops_cleanly(fake_services):
+    proc, out, err = _start_serve(fake_services)
+    assert _wait_for(lambda: any("Baton is serving" in l for l in out) or proc.poll() is not None, 60), err
+    pids = [r["pid"] for r in _children_records(fake_services["logs"])]
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=30)
+    assert proc.returncode == 0
+    assert _wait_for(lambda: not any(_alive(pid) for pid in pids), 10)
+    assert any("SIGTERM: stopping" in l for l in err)
+
+
+def test_serve_stops_all_when_a_child_dies(fake_services):
+    env = dict(fake_services["env"], FAKE_DIE_DECODE="2")
+    proc, out, err = _start_serve(fake_services, env=env)
+    try:
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1
+    time.sleep(0.2)
+    text = "".join(err)
+    assert "decode_worker[0]" in text and "exited with code 3" in text, text
+    pids = [r["pid"] for r in _children_records(fake_services["logs"])]
+    assert len(pids) == 3
+    assert _wait_for(lambda: not any(_alive(pid) for pid in pids), 10), "children left behind"
+
+
+def test_serve_rejects_a_missing_model(tmp_path):
+    result = subprocess.run(baton_cmd("serve", "--model", str(tmp_path / "nope")),
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "not a model directory" in result.stderr

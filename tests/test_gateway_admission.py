@@ -1,0 +1,221 @@
+"""Admission: token budget, strict FIFO, 429 past max_concurrent_requests / a full queue,
+503 after max_queue_wait, a budget derived from decode heartbeats, and no leaked reservation."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from test_gateway_support import start_gateway, wait_until
+
+from gateway.admission import Admission
+from gateway.config import Settings
+from gateway.errors import ApiError
+from gateway.metrics import GatewayMetrics
+
+pytest_plugins = ["test_gateway_support"]  # the gw_* fixtures
+
+
+def make_admission(**kw) -> tuple[Admission, GatewayMetrics]:
+    settings = Settings(model_dir=Path("/nonexistent/m"), **kw)
+    metrics = GatewayMetrics("m")
+    return Admission(settings, metrics), metrics
+
+
+async def settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+async def test_fifo_head_of_line_and_release():
+    adm, _ = make_admission(max_batch_total_tokens=100)
+    task = asyncio.create_task(adm.run())
+    try:
+        a = adm.submit(60, 422)
+        b = adm.submit(50, 422)  # does not fit next to a: waits
+        c = adm.submit(10, 422)  # would fit, but must not jump ahead of b
+        await settle()
+        assert a.decision.done() and a.decision.result() is None
+        assert not b.decision.done() and not c.decision.done()
+        assert adm.snapshot()["requests"] == {"running": 1, "waiting": 2}
+        adm.done(a)
+        await settle()
+        assert b.decision.result() is None and c.decision.result() is None
+        assert adm.snapshot()["token_budget"]["in_use"] == 60
+        adm.done(b)
+        adm.done(c)
+        adm.done(c)  # a second done is harmless
+        await settle()
+        assert adm.snapshot()["token_budget"]["in_use"] == 0
+    finally:
+        task.cancel()
+
+
+async def test_rejections_and_withdrawal():
+    adm, metrics = make_admission(max_batch_total_tokens=100, max_concurrent_requests=3, max_queue_size=1)
+    task = asyncio.create_task(adm.run())
+    try:
+        big = adm.submit(101, 422)
+        a, b, c = adm.submit(100, 422), adm.submit(100, 422), adm.submit(100, 422)
+        await settle()
+        assert isinstance(big.decision.result(), ApiError) and big.decision.result().status == 422
+        assert a.decision.result() is None
+        assert not b.decision.done()  # queued
+        assert c.decision.result().status == 429  # queue (size 1) full
+        d = adm.submit(1, 422)
+        e = adm.submit(1, 422)
+        await settle()
+        assert d.decision.result().status == 429  # queue full
+        adm.done(b)  # b gives up waiting: leaves the queue without touching the budget
+        await settle()
+        assert adm.snapshot()["requests"] == {"running": 1, "waiting": 0}
+        assert e.decision.done()
+        for t in (big, a, c, d, e):
+            adm.done(t)
+        await settle()
+        assert adm.snapshot()["token_budget"]["in_use"] == 0
+        assert metrics.rejections_by_reason["queue_full"] >= 2
+        assert metrics.rejections_by_reason["exceeds_budget"] == 1
+    finally:
+        task.cancel()
+
+
+async def test_derived_budget_a_request_must_fit_one_decode_worker():
+    adm, _ = make_admission(max_batch_total_tokens=None)
+    task = asyncio.create_task(adm.run())
+    try:
+        waiting = adm.submit(10, 400)
+        await settle()
+        assert not waiting.decision.done()  # no decode worker yet: wait, do not reject
+        adm.set_derived_budget(300, 100)  # three workers of 100 tokens
+        too_big, fits = adm.submit(150, 400), adm.submit(100, 400)
+        await settle()
+        assert waiting.decision.result() is None and fits.decision.result() is None
+        err = too_big.decision.result()
+        assert err.status == 400 and "largest decode worker" in err.message
+    finally:
+        task.cancel()
+
+
+async def test_concurrency_limit_counts_running_and_waiting():
+    adm, metrics = make_admission(max_batch_total_tokens=100, max_concurrent_requests=2)
+    task = asyncio.create_task(adm.run())
+    try:
+        _a, _b, c = adm.submit(100, 422), adm.submit(100, 422), adm.submit(1, 422)
+        await settle()
+        assert c.decision.result().status == 429 and c.decision.result().kind == "overloaded"
+        assert c.decision.result().headers["Retry-After"] == "1"
+        assert metrics.rejections_by_reason == {"concurrency": 1}
+    finally:
+        task.cancel()
+
+
+@pytest.fixture
+def small_gateway(default_model_dir, gw_redis_url, gw_tokenizer, gw_echo_worker):
+    server = start_gateway(default_model_dir, gw_redis_url, gw_tokenizer, max_concurrent_requests=2,
+                           max_batch_total_tokens=2048, max_queue_wait=0.6)
+    yield server
+    server.stop()
+
+
+def stats(url: str) -> dict:
+    return httpx.get(url + "/stats", timeout=5).json()
+
+
+def hold_requests(url: str, n: int, max_new_tokens: int = 100) -> list[threading.Thread]:
+    def run() -> None:
+        httpx.post(url + "/generate", json={"inputs": "hold", "parameters": {"max_new_tokens": max_new_tokens}},
+                   timeout=30)
+
+    threads = [threading.Thread(target=run, daemon=True) for _ in range(n)]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def test_429_over_max_concurrent_requests_with_real_clients(small_gateway, gw_worker, monkeypatch):
+    import openai
+    from huggingface_hub import InferenceClient
+    from huggingface_hub.errors import OverloadedError
+
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    gw_worker.hold = True
+    threads = hold_requests(small_gateway.url, 2)
+    assert wait_until(lambda: stats(small_gateway.url)["requests"]["running"] == 2)
+
+    client = openai.OpenAI(base_url=small_gateway.url + "/v1", api_key="k", max_retries=0)
+    with pytest.raises(openai.RateLimitError) as info:
+        client.completions.create(model="m", prompt="hi", max_tokens=5)
+    assert info.value.response.headers["retry-after"] == "1"
+    assert info.value.body["type"] == "overloaded" and info.value.body["code"] == 429
+    with pytest.raises(OverloadedError):
+        InferenceClient(model=small_gateway.url).text_generation("hi", max_new_tokens=5)
+    r = httpx.post(small_gateway.url + "/generate_stream", json={"inputs": "hi"})
+    assert r.status_code == 429 and r.json()["error_type"] == "overloaded"
+    assert stats(small_gateway.url)["rejections"]["concurrency"] == 3
+
+    gw_worker.hold = False
+    for t in threads:
+        t.join(10)
+    assert wait_until(lambda: stats(small_gateway.url)["token_budget"]["in_use"] == 0)
+    assert httpx.post(small_gateway.url + "/generate", json={"inputs": "hi"}).status_code == 200
+
+
+def test_queue_wait_timeout_is_503_and_budget_is_returned(small_gateway, gw_worker):
+    gw_worker.hold = True
+    threads = hold_requests(small_gateway.url, 1, max_new_tokens=2000)  # takes the whole budget
+    assert wait_until(lambda: stats(small_gateway.url)["requests"]["running"] == 1)
+    t0 = time.monotonic()
+    r = httpx.post(small_gateway.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 100})
+    assert r.status_code == 503
+    assert "max_queue_wait" in r.json()["error"]["message"]
+    assert 0.5 < time.monotonic() - t0 < 5
+    assert stats(small_gateway.url)["requests"]["waiting"] == 0
+    gw_worker.hold = False
+    for t in threads:
+        t.join(10)
+    assert wait_until(lambda: stats(small_gateway.url)["token_budget"]["in_use"] == 0)
+
+
+def test_waiting_client_that_disconnects_never_reaches_prefill(small_gateway, gw_worker):
+    gw_worker.hold = True
+    before = len(gw_worker.requests)
+    threads = hold_requests(small_gateway.url, 1, max_new_tokens=2000)
+    # Admitted is not yet received: wait until the worker has the held request.
+    assert wait_until(lambda: len(gw_worker.requests) == before + 1)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(small_gateway.url + "/generate", json={"inputs": "hi"}, timeout=0.2)
+    assert wait_until(lambda: stats(small_gateway.url)["requests"]["waiting"] == 0)
+    assert stats(small_gateway.url)["rejections"].get("client_disconnected") == 1
+    gw_worker.hold = False
+    for t in threads:
+        t.join(10)
+    time.sleep(0.1)
+    assert len(gw_worker.requests) == before + 1  # the abandoned request was never sent to a worker
+
+
+def test_budget_derived_from_decode_heartbeats(default_model_dir, gw_redis_url, gw_tokenizer, gw_worker):
+    server = start_gateway(default_model_dir, gw_redis_url, gw_tokenizer, max_batch_total_tokens=None,
+                           max_queue_wait=5.0)
+    try:
+        assert stats(server.url)["token_budget"]["total"] == 0
+        result: dict[str, httpx.Response] = {}
+        thread = threading.Thread(target=lambda: result.setdefault(
+            "r", httpx.post(server.url + "/generate", json={"inputs": "hi"}, timeout=10)))
+        thread.start()
+        assert wait_until(lambda: stats(server.url)["requests"]["waiting"] == 1)  # no decode worker yet
+        gw_worker.heartbeat = {"worker_id": "echo", "num_kv_blocks_total": 256, "block_size": 16,
+                            "num_kv_blocks_used": 0, "num_requests_running": 0, "num_requests_waiting": 0,
+                            "num_preemptions": 0, "max_num_seqs": 64}
+        thread.join(10)
+        assert result["r"].status_code == 200
+        s = stats(server.url)
+        assert s["token_budget"] == {"total": 4096, "in_use": 0, "max_request_tokens": 4096,
+                                     "source": "decode_heartbeats"}
+        assert s["workers"]["decode"][0]["num_kv_blocks_total"] == 256
+    finally:
+        server.stop()
