@@ -116,7 +116,6 @@ class Scheduler:
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         bm = self.block_manager
-        pool = bm.pool
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             computed = bm.get_computed_blocks(seq)
@@ -126,14 +125,13 @@ class Scheduler:
             # runs this step: a request admitted for a chunk and then starved of blocks for the
             # next one would preempt itself, be re-admitted, and redo that chunk again (thrash).
             to_take = bm.num_blocks_to_take(seq, remaining, computed)
-            if self.config.policy == "no-evict":
-                # Reserve the request's whole future; running requests keep their reservations.
-                worst = self._max_blocks(seq) - len(seq.block_table) - len(computed)
-                worst += sum(1 for b in computed if pool.ref_counts[b] == 0)
-                if worst > pool.num_free_blocks - self._reserved_blocks():
-                    break  # strict FIFO: the head waits for room, nobody overtakes it
-            elif to_take > pool.num_free_blocks - self._watermark():
-                break  # strict FIFO, as above
+            if not self._head_fits(seq, computed, to_take):
+                # Blocks that queued requests hold (a decode worker loads a handoff's KV on
+                # arrival) must not starve the head: release them; they come back from the prefix
+                # cache, or are recomputed, when those requests' turn comes.
+                if self._release_queued_blocks():
+                    continue  # look again with the freed blocks (released at most once: terminates)
+                break  # strict FIFO: the head waits for room, nobody overtakes it
             if bm.allocate_slots(seq, remaining, computed) is None:
                 break
             bm.record_prefix_lookup(seq, computed)
@@ -143,6 +141,24 @@ class Scheduler:
             self.running.append(seq)
             out.scheduled.append((seq, num_new))
             budget -= num_new
+
+    def _head_fits(self, seq: Sequence, computed: list[int], to_take: int) -> bool:
+        pool = self.block_manager.pool
+        if self.config.policy == "no-evict":
+            # Reserve the request's whole future; running requests keep their reservations.
+            worst = self._max_blocks(seq) - len(seq.block_table) - len(computed)
+            worst += sum(1 for b in computed if pool.ref_counts[b] == 0)
+            return worst <= pool.num_free_blocks - self._reserved_blocks()
+        return to_take <= pool.num_free_blocks - self._watermark()
+
+    def _release_queued_blocks(self) -> bool:
+        """Free the blocks of queued requests behind the head; True if any were freed."""
+        released = False
+        for queued in list(self.waiting)[1:]:
+            if queued.block_table:
+                self.block_manager.free(queued)
+                released = True
+        return released
 
     def _watermark(self) -> int:
         # Keep a block per running request free when admitting (max-utilization), so admitting one
