@@ -135,3 +135,33 @@ def test_sigterm_drains_in_flight_requests(tiny_model_dir):
         results = asyncio.run(run())
         assert all(ids[-1] == -1 and len(ids) > 8 for ids in results)  # drained: every request ended properly
         assert cluster.procs["decode-0"].wait(timeout=30) == 0
+
+
+def test_gateway_death_frees_its_requests_on_the_workers(tiny_model_dir):
+    with Cluster(tiny_model_dir, prefill=1, decode=1) as cluster:
+        async def start_streams() -> None:
+            async with httpx.AsyncClient(base_url=cluster.base_url, timeout=60) as client:
+                async def one() -> None:
+                    async with client.stream("POST", "/generate_stream", json={
+                            "inputs": "a story", "parameters": {"max_new_tokens": 1500}}) as response:
+                        async for line in response.aiter_lines():
+                            if line.startswith("data:"):
+                                return  # decoding has started
+                await asyncio.gather(*(one() for _ in range(4)))
+                cluster.kill("gateway", signal.SIGKILL)
+
+        try:
+            asyncio.run(start_streams())
+        except httpx.HTTPError:
+            pass
+        # The gateway's heartbeat expires (5 s); the decode worker drops its requests and frees blocks.
+        def idle() -> bool:
+            states = cluster.worker_states("decode")
+            return (bool(states) and all(s["num_requests_running"] == 0 and s["num_kv_blocks_used"] == 0
+                                         for s in states)
+                    and cluster.client.xpending("baton:decode", "decode")["pending"] == 0)
+
+        deadline = time.time() + 30
+        while time.time() < deadline and not idle():
+            time.sleep(0.5)
+        assert idle(), (cluster.worker_states("decode"), cluster.client.xpending("baton:decode", "decode"))
