@@ -38,7 +38,7 @@ GATEWAY_FLAGS: list[tuple[str, type, str]] = [
     ("--max-total-tokens", int, "longest prompt + max_tokens accepted"),
     ("--max-batch-total-tokens", int, "cluster token budget: admitted requests' input + max_new_tokens"),
     ("--max-queue-size", int, "requests waiting for budget before 429"),
-    ("--max-queue-wait", float, "seconds a request may wait for budget before 429"),
+    ("--max-queue-wait", float, "seconds a request may wait for budget before a 503"),
     ("--api-key", str, "require 'Authorization: Bearer KEY' on the API"),
 ]
 PREFILL_FLAGS: list[tuple[str, type, str]] = [

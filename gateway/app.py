@@ -86,9 +86,12 @@ def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> 
         try:
             yield
         finally:
+            router.stop()
+            cluster.stop()
             for task in tasks:
                 task.cancel()
-            await asyncio.gather(*tasks, *svc.background, return_exceptions=True)
+            # Bounded: shutdown must never hang on a task that missed its cancellation.
+            await asyncio.wait([*tasks, *svc.background], timeout=5.0)
             with contextlib.suppress(RedisError, OSError):
                 await client.delete(heartbeat_key("gateway", settings.gateway_id))
             await client.aclose()

@@ -39,6 +39,11 @@ class Cluster:
         self.redis_error: str | None = "not connected yet"
         self.workers: dict[str, list[dict[str, Any]]] = {"prefill": [], "decode": [], "gateway": []}
         self.started_at = time.time()
+        self._stopping = False
+
+    def stop(self) -> None:
+        """Ask the loop to end (see TokenRouter.stop: cancellation alone may be lost in Redis calls)."""
+        self._stopping = True
 
     def mark_down(self, exc: BaseException) -> None:
         """Called by anyone whose Redis call failed: stop admitting until the next good probe."""
@@ -48,7 +53,7 @@ class Cluster:
         self.redis_error = f"{type(exc).__name__}: {exc}"
 
     async def run(self) -> None:
-        while True:
+        while not self._stopping:
             try:
                 await self.tick()
                 if not self.redis_ok:

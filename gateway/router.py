@@ -35,6 +35,7 @@ class TokenRouter:
         self._last_id = "0-0"
         self.connected = False
         self.malformed = 0
+        self._stopping = False
 
     def register(self, request_id: str) -> asyncio.Queue[TokenEvent]:
         """Must be called before the prefill request is sent, so no event can arrive unrouted."""
@@ -54,11 +55,17 @@ class TokenRouter:
         await self._redis.delete(self.stream)
         self._last_id = "0-0"
 
+    def stop(self) -> None:
+        """Ask the loop to end. Shutdown also cancels the task, but a cancellation that lands inside
+        a Redis call can be turned into a Redis error by the client library and lost; the flag is
+        what guarantees the loop ends (within one XREAD block)."""
+        self._stopping = True
+
     async def run(self) -> None:
         backoff = _BACKOFF_MIN_S
         loop = asyncio.get_running_loop()
         last_trim = loop.time()
-        while True:
+        while not self._stopping:
             try:
                 reply: Any = await self._redis.xread({self.stream: self._last_id}, count=_BATCH, block=_BLOCK_MS)
                 if not self.connected:
