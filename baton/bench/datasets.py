@@ -1,0 +1,96 @@
+"""Workloads for the benchmark: random token prompts (as vLLM's `random` dataset) or a file."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+@dataclass
+class SampleRequest:
+    prompt: str
+    prompt_len: int  # tokens, counted with the benchmark's tokenizer
+    expected_output_len: int  # sent as max_tokens
+
+
+def load_tokenizer(path: str | os.PathLike | None) -> Any:
+    """A Hugging Face tokenizer from a local directory (or the local HF cache): never the network."""
+    from transformers import AutoTokenizer
+
+    if path is None:
+        from baton.fetch import default_model_dir
+
+        path = default_model_dir()
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
+def _allowed_token_ids(tokenizer: Any) -> np.ndarray:
+    # Special and added tokens (<|im_start|>, <repo_name>, ...) would change what the server sees
+    # (chat markup, EOS) and re-encode unpredictably: sample only ordinary vocabulary.
+    vocab_size = len(tokenizer)
+    banned = set(tokenizer.all_special_ids)
+    banned.update(tokenizer.get_added_vocab().values())
+    return np.array([t for t in range(vocab_size) if t not in banned], dtype=np.int64)
+
+
+def _uniform_lengths(rng: np.random.Generator, length: int, ratio: float, n: int) -> np.ndarray:
+    # vLLM's rule: uniform integers in [len*(1-r), len*(1+r)], at least 1.
+    low = max(1, int(length * (1 - ratio)))
+    high = max(low, int(length * (1 + ratio)))
+    return rng.integers(low, high + 1, size=n)
+
+
+def sample_random_requests(tokenizer: Any, num_requests: int, input_len: int, output_len: int,
+                           range_ratio: float = 0.0, seed: int = 0) -> list[SampleRequest]:
+    """Prompts of random token ids, decoded to text (what is sent) and re-encoded to count them.
+
+    Decoding random ids and encoding the text again rarely gives the same ids (tokens merge at the
+    seams), so, as vLLM does, the re-encoded ids are cut to the target length and decoded again;
+    the prompt's length is what the tokenizer says of the final text.
+    """
+    if not 0 <= range_ratio < 1:
+        raise ValueError("--random-range-ratio must be in [0, 1)")
+    rng = np.random.default_rng(seed)
+    allowed = _allowed_token_ids(tokenizer)
+    input_lens = _uniform_lengths(rng, input_len, range_ratio, num_requests)
+    output_lens = _uniform_lengths(rng, output_len, range_ratio, num_requests)
+    requests = []
+    for in_len, out_len in zip(input_lens, output_lens):
+        ids = allowed[rng.integers(0, len(allowed), size=int(in_len))].tolist()
+        text = tokenizer.decode(ids)
+        re_encoded = tokenizer.encode(text, add_special_tokens=False)[: int(in_len)]
+        text = tokenizer.decode(re_encoded)
+        prompt_len = len(tokenizer.encode(text, add_special_tokens=False))
+        requests.append(SampleRequest(text, prompt_len, int(out_len)))
+    return requests
+
+
+def sample_file_requests(path: str | os.PathLike, tokenizer: Any, num_requests: int,
+                         default_output_len: int) -> list[SampleRequest]:
+    """Prompts from a file: JSON lines with "prompt" (and optional "max_tokens"), or plain text lines.
+
+    A file shorter than --num-prompts is cycled, as vLLM oversamples a small dataset.
+    """
+    entries: list[tuple[str, int]] = []
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        if not line.strip():
+            continue
+        prompt, max_tokens = line, default_output_len
+        if line.lstrip().startswith("{"):
+            obj = json.loads(line)
+            prompt = obj["prompt"]
+            max_tokens = int(obj.get("max_tokens") or default_output_len)
+        entries.append((prompt, max_tokens))
+    if not entries:
+        raise ValueError(f"{path}: no prompts")
+    requests = []
+    for i in range(num_requests):
+        prompt, max_tokens = entries[i % len(entries)]
+        prompt_len = len(tokenizer.encode(prompt, add_special_tokens=False))
+        requests.append(SampleRequest(prompt, prompt_len, max_tokens))
+    return requests
