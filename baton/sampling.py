@@ -44,10 +44,10 @@ class SamplingParams:
         return self.temperature == 0.0 or self.top_k == 1
 
 
-def _token_generator(seed: int, index: int) -> torch.Generator:
+def _token_generator(seed: int, index: int, device: torch.device | str = "cpu") -> torch.Generator:
     """A generator for draw number `index` of a request: stateless, so any process reproduces it."""
     digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
-    generator = torch.Generator()
+    generator = torch.Generator(device=device)
     generator.manual_seed(int.from_bytes(digest, "little") & ((1 << 63) - 1))
     return generator
 
@@ -99,7 +99,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], histories: list[l
         probs = torch.softmax(row_logits, dim=-1)
         # Exponential race (Gumbel-max in another form): argmax(p / E) with E ~ Exp(1) is a draw
         # from p, and the draw depends only on (seed, index).
-        noise = torch.empty_like(probs).exponential_(generator=_token_generator(p.seed, draw_indices[row]))
+        noise = torch.empty_like(probs).exponential_(
+            generator=_token_generator(p.seed, draw_indices[row], probs.device))
         token = int((probs / noise).argmax())
         token_list[row] = token
         logprob_list[row] = float(torch.log(probs[token]))

@@ -1,4 +1,20 @@
-"""Prometheus metrics of a worker process (vLLM's names under `baton:`, with a model_name label)."""
+"""Prometheus metrics of a worker process (vLLM's names under `baton:`, with a model_name label).
+
+As rendered by prometheus_client (counters get `_total`; the worker kind is Prometheus' `job`):
+
+    baton:num_requests_running, baton:num_requests_waiting, baton:kv_cache_usage_perc    gauges
+    baton:num_preemptions_total, baton:prompt_tokens_total, baton:generation_tokens_total
+    baton:prefix_cache_queries_total, baton:prefix_cache_hits_total                        (tokens)
+    baton:kv_blocks_fetched_total, baton:kv_blocks_computed_total, baton:kv_blocks_written_total
+    baton:kv_handoff_bytes_total{direction="fetched"|"written"}, baton:dead_letters_total
+    baton:worker_requests_finished_total{finished_reason}
+    baton:iteration_tokens_total, baton:engine_step_seconds, baton:kv_handoff_latency_seconds,
+    baton:request_prefill_time_seconds, baton:request_decode_time_seconds               histograms
+    baton:stream_backlog                                                                  gauge
+
+A prefill worker counts the prompt tokens and the first token of each request; the decode worker
+every later token (so prefill + decode generation_tokens = the tokens the gateway delivered).
+"""
 
 from __future__ import annotations
 
@@ -38,6 +54,12 @@ class WorkerMetrics:
         self.dead_letters = Counter("baton:dead_letters", "Malformed messages parked in the dead-letter stream", LABELS).labels(**lbl)
         self.stream_backlog = Gauge("baton:stream_backlog", "Messages not yet delivered to this worker's group", LABELS).labels(**lbl)
         self.requests_finished = Counter("baton:worker_requests_finished", "Requests this worker ended", LABELS + ["finished_reason"])
+
+        # Every label value up front, so the series exist (at 0) from the first scrape.
+        for direction in ("fetched", "written"):
+            self.handoff_bytes.labels(model_name=model_name, direction=direction)
+        for reason in ("stop", "length", "cancelled", "error"):
+            self.requests_finished.labels(model_name=model_name, finished_reason=reason)
 
     def bytes(self, direction: str, n: int) -> None:
         self.handoff_bytes.labels(model_name=self.model_name, direction=direction).inc(n)

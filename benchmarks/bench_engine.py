@@ -76,7 +76,7 @@ QUICK = Profile(16, (16, 128), (16, 64), (1, 16, 64), 128, 8)
 # helpers
 
 
-def median_time(fn, repeats: int, warmup: int = 1) -> float:
+def timings(fn, repeats: int, warmup: int = 1) -> list[float]:
     for _ in range(warmup):
         fn()
     times = []
@@ -84,7 +84,7 @@ def median_time(fn, repeats: int, warmup: int = 1) -> float:
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return times
 
 
 def loadavg() -> str:
@@ -118,23 +118,24 @@ def torch_dtype(name: str) -> torch.dtype:
 # machine limits
 
 
-def measure_bandwidth(repeats: int = 5) -> tuple[float, float]:
-    """Memory read bandwidth (sum over a 1 GiB fp32 tensor) and copy bandwidth (bytes read+written), B/s."""
+def measure_bandwidth(repeats: int = 5) -> tuple[float, float, float]:
+    """Memory read bandwidth (sum over a 1 GiB fp32 tensor): median and best of `repeats`, B/s; and
+    the median copy bandwidth (bytes read + written)."""
     src = torch.empty(GIB // 4, dtype=torch.float32).fill_(1.0)  # fill: fault the pages in first
-    read_s = median_time(lambda: src.sum(), repeats)
+    reads = timings(lambda: src.sum(), repeats)
     dst = torch.empty_like(src).fill_(0.0)
-    copy_s = median_time(lambda: dst.copy_(src), repeats)
+    copy_s = statistics.median(timings(lambda: dst.copy_(src), repeats))
     del src, dst
     gc.collect()
-    return GIB / read_s, 2 * GIB / copy_s
+    return GIB / statistics.median(reads), GIB / min(reads), 2 * GIB / copy_s
 
 
-def measure_matmul(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
-    """FLOP/s of an n^3 matmul in `dtype`."""
+def measure_matmul(dtype: torch.dtype, n: int = 2048, repeats: int = 7) -> tuple[float, float]:
+    """FLOP/s of an n^3 matmul in `dtype`: median and best."""
     a = torch.randn(n, n).to(dtype)
     b = torch.randn(n, n).to(dtype)
-    seconds = median_time(lambda: torch.mm(a, b), repeats, warmup=2)
-    return 2 * n**3 / seconds
+    times = timings(lambda: torch.mm(a, b), repeats, warmup=2)
+    return 2 * n**3 / statistics.median(times), 2 * n**3 / min(times)
 
 
 def weight_bytes_per_step(model: torch.nn.Module) -> int:
@@ -295,108 +296,101 @@ def measure_decode_steps(engine, batches, context: int, repeats: int, seed: int)
 # profile of a decode step
 
 
-class Timers:
-    """Wall time of a few engine internals, by wrapping them on the live engine (nothing is edited)."""
-
-    def __init__(self) -> None:
-        self.totals: dict[str, float] = {}
-
-    def wrap(self, owner, name: str, label: str) -> None:
-        original = getattr(owner, name)
-
-        def timed(*args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                self.totals[label] = self.totals.get(label, 0.0) + time.perf_counter() - t0
-
-        setattr(owner, name, timed)
-
-
-OP_GROUPS = [
-    ("matmul (linear)", ("aten::linear", "aten::mm", "aten::addmm", "aten::matmul")),
+OP_GROUPS = [  # top-level aten ops of the model forward, by what they do
+    ("weight matmuls (linear)", ("aten::linear", "aten::mm", "aten::addmm")),
+    ("attention (sdpa or matmul/softmax)", ("aten::scaled_dot_product_attention", "aten::matmul", "aten::bmm",
+                                            "aten::softmax", "aten::masked_fill", "aten::bitwise_not")),
     ("KV gather (index)", ("aten::index",)),
-    ("attention (sdpa)", ("aten::scaled_dot_product_attention",)),
     ("KV write (index_copy_)", ("aten::index_copy_",)),
 ]
+OTHER_OPS = "other ops (norms, rope, residual, silu, copies)"
 
 
 def profile_decode(engine, batch: int, context: int, steps: int, seed: int) -> None:
+    """Where a decode step's time goes: (a) wall time of the engine's parts, by timers wrapped around
+    them; (b) the model forward under torch.profiler: top-level aten ops by kind, and the gaps between
+    them (Python: module calls, attribute lookups, argument parsing). The profiler adds a few us per
+    op, so (b) is given as shares of the profiled forward, applied to the unprofiled forward time."""
     import baton.engine as engine_module
     from torch.profiler import ProfilerActivity, profile, record_function
 
     db = DecodeBatch(engine, batch, context, 2 * steps + 8, seed)
     for _ in range(2):
         db.step()
-    # (a) wall-time split with plain timers
-    timers = Timers()
     runner, model = engine.runner, engine.runner.model
     original_sample = engine_module.sample
-    timers.wrap(engine.scheduler, "schedule", "schedule")
-    timers.wrap(runner, "execute", "execute")
-    timers.wrap(model, "forward", "forward")
-    timers.wrap(engine_module, "sample", "sample")
-    step_times = [db.step() for _ in range(steps)]
-    engine_module.sample = original_sample
-    for owner, attr in ((engine.scheduler, "schedule"), (runner, "execute"), (model, "forward")):
-        del owner.__dict__[attr]  # the wrappers were instance attributes: the methods are back
-    step = sum(step_times) / steps
-    parts = {k: v / steps for k, v in timers.totals.items()}
-    metadata = parts["execute"] - parts["forward"]
-    bookkeeping = step - parts["schedule"] - parts["execute"] - parts["sample"]
-    forward_total = parts["forward"]
 
-    # (b) operator split (torch.profiler; it adds a few us per op): top-level aten ops, by the part
-    # of the step they run in (model forward, sampling, the rest) and by kind
-    def region(owner, name: str, label: str) -> None:
+    # (a) timers around the parts of engine.step (instance attributes shadow the methods meanwhile)
+    totals: dict[str, float] = {}
+
+    def timed(owner, name: str, label: str) -> None:
         original = getattr(owner, name)
 
-        def wrapped(*args, **kwargs):
-            with record_function(label):
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
                 return original(*args, **kwargs)
+            finally:
+                totals[label] = totals.get(label, 0.0) + time.perf_counter() - t0
 
-        setattr(owner, name, wrapped)
+        setattr(owner, name, wrapper)
 
-    region(model, "forward", "bench::forward")
-    region(engine_module, "sample", "bench::sample")
+    timed(engine.scheduler, "schedule", "schedule")
+    timed(runner, "execute", "execute")
+    timed(model, "forward", "forward")
+    timed(engine_module, "sample", "sample")
+    step = sum(db.step() for _ in range(steps)) / steps
+    engine_module.sample = original_sample
+    for owner, attr in ((engine.scheduler, "schedule"), (runner, "execute"), (model, "forward")):
+        del owner.__dict__[attr]
+    parts = {k: v / steps for k, v in totals.items()}
+    parts["runner metadata (tensors)"] = parts["execute"] - parts["forward"]
+    parts["engine bookkeeping"] = step - parts["schedule"] - parts["execute"] - parts["sample"]
+
+    # (b) the forward under the profiler
+    original_forward = model.forward
+
+    def forward_region(*args, **kwargs):
+        with record_function("bench::forward"):
+            return original_forward(*args, **kwargs)
+
+    model.forward = forward_region
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             db.step()
     del model.__dict__["forward"]
-    engine_module.sample = original_sample
-    op_time: dict[tuple[str, str], float] = {}
+    db.close()
+    region_time = 0.0
+    by_kind: dict[str, float] = {}
+    by_name: dict[str, float] = {}
     num_ops = 0
     for ev in prof.events():
+        if ev.name == "bench::forward":
+            region_time += ev.cpu_time_total / 1e6
         parent = ev.cpu_parent
-        if not ev.name.startswith("aten::") or (parent is not None and not parent.name.startswith("bench::")):
+        if parent is None or parent.name != "bench::forward" or not ev.name.startswith("aten::"):
             continue
-        where = parent.name.removeprefix("bench::") if parent is not None else "runner/engine"
         num_ops += 1
-        kind = "other"
-        if where == "forward":
-            kind = "other ops (norms, rope, residual, silu, embedding, casts)"
-            for label, names in OP_GROUPS:
-                if ev.name in names:
-                    kind = label
-        op_time[(where, kind)] = op_time.get((where, kind), 0.0) + ev.cpu_time_total / 1e6
-    db.close()
+        kind = next((label for label, names in OP_GROUPS if ev.name in names), OTHER_OPS)
+        by_kind[kind] = by_kind.get(kind, 0.0) + ev.cpu_time_total / 1e6
+        if kind == OTHER_OPS:
+            by_name[ev.name] = by_name.get(ev.name, 0.0) + ev.cpu_time_total / 1e6
+    by_kind["Python between ops"] = region_time - sum(by_kind.values())
 
-    ms = lambda s: f"{s * 1e3:7.2f} ms"  # noqa: E731
-    pct = lambda s: f"{100 * s / step:5.1f}%"  # noqa: E731
-    print(f"\n  decode step at batch {batch} (context ~{context}), mean of {steps} steps: {step * 1e3:.2f} ms")
-    print(f"    scheduler.schedule          {ms(parts['schedule'])}  {pct(parts['schedule'])}")
-    print(f"    runner metadata (tensors)   {ms(metadata)}  {pct(metadata)}")
-    print(f"    model forward               {ms(forward_total)}  {pct(forward_total)}")
-    print(f"    sample                      {ms(parts['sample'])}  {pct(parts['sample'])}")
-    print(f"    engine bookkeeping          {ms(bookkeeping)}  {pct(bookkeeping)}")
-    prof_ops = {k: v / steps for k, v in op_time.items()}
-    print(f"  top-level torch ops (profiler, {num_ops // steps} ops/step, each inflated by a few us):")
-    for (where, kind), value in sorted(prof_ops.items(), key=lambda kv: -kv[1]):
-        print(f"    {where + ': ' + kind:<68} {ms(value)}  {pct(value)}")
-    fwd_ops = sum(v for (where, _), v in prof_ops.items() if where == "forward")
-    print(f"    {'forward: Python between ops (forward wall - its op time)':<68} {ms(forward_total - fwd_ops)}  "
-          f"{pct(forward_total - fwd_ops)}")
+    ms = lambda s: f"{s * 1e3:8.2f} ms"  # noqa: E731
+    print(f"\n  batch {batch}, context ~{context}: decode step {step * 1e3:.2f} ms (mean of {steps})")
+    for label in ("schedule", "runner metadata (tensors)", "forward", "sample", "engine bookkeeping"):
+        name = {"schedule": "scheduler.schedule", "forward": "model forward", "sample": "sampling"}.get(label, label)
+        print(f"    {name:<44}{ms(parts[label])}  {100 * parts[label] / step:5.1f}% of the step")
+    forward = parts["forward"]
+    print(f"  model forward under torch.profiler ({num_ops // steps} top-level ops; profiled forward "
+          f"{region_time / steps * 1e3:.1f} ms; shares applied to the unprofiled {forward * 1e3:.1f} ms):")
+    for kind, value in sorted(by_kind.items(), key=lambda kv: -kv[1]):
+        share = value / region_time
+        print(f"    {kind:<44}{ms(share * forward)}  {100 * share:5.1f}% of the forward")
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:6]
+    print("    (largest 'other' ops: " + ", ".join(f"{n.removeprefix('aten::')} {100 * v / region_time:.1f}%"
+                                               for n, v in top) + ")")
 
 
 # --------------------------------------------------------------------------------------------
@@ -480,12 +474,13 @@ def main(argv: list[str] | None = None) -> int:
 
     # ---- decode steps vs the machine's floors
     if not args.skip_steps:
-        read_bw, copy_bw = measure_bandwidth()
-        flops = measure_matmul(dtype)
+        read_bw, best_bw, copy_bw = measure_bandwidth()
+        flops, best_flops = measure_matmul(dtype)
         weights = weight_bytes_per_step(engine.model)
         kv_tok = kv_bytes_per_token(config, dtype)
-        print(f"\nmachine: memory read {read_bw / 1e9:.1f} GB/s (sum of 1 GiB fp32), copy {copy_bw / 1e9:.1f} GB/s "
-              f"(read+write); {args.dtype} matmul 2048^3 {flops / 1e9:.0f} GFLOP/s")
+        print(f"\nmachine (medians; best in brackets): memory read {read_bw / 1e9:.1f} GB/s [{best_bw / 1e9:.1f}] "
+              f"(sum of 1 GiB fp32), copy {copy_bw / 1e9:.1f} GB/s (read+write); {args.dtype} matmul 2048^3 "
+              f"{flops / 1e9:.0f} GFLOP/s [{best_flops / 1e9:.0f}]")
         print(f"per step: weights {weights / 1e6:.0f} MB read; KV {kv_tok / 1024:.1f} KiB per context token; "
               f"{2 * matmul_params(config) / 1e6:.0f} MFLOP per token + attention")
         ctx = prof.step_context
@@ -501,7 +496,7 @@ def main(argv: list[str] | None = None) -> int:
               "compute floor = step FLOPs / 2048^3 matmul rate)")
 
     if args.profile:
-        print("\nprofile of a decode step (timers around the engine's parts, then torch.profiler):")
+        print(f"\nprofile of a decode step ({args.dtype}):")
         for batch in (1, 64):
             profile_decode(engine, batch, prof.step_context, 10, args.seed + 3)
 

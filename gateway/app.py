@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 
 from baton.protocol import heartbeat_key
-from gateway import routes_misc, routes_openai, routes_tgi
+from gateway import dashboard, routes_misc, routes_openai, routes_tgi
 from gateway.admission import Admission
 from gateway.auth import ApiKeyMiddleware
 from gateway.cluster import Cluster
@@ -67,6 +67,8 @@ def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> 
         svc = Services(settings=settings, redis=client, tokenizer=tokenizer, metrics=metrics,
                        admission=admission, router=router, cluster=cluster)
         app.state.services = svc
+        monitor = dashboard.Monitor(settings, metrics, admission, cluster, client)
+        app.state.monitor = monitor
         try:
             await router.reset_stream()
             await cluster.tick()
@@ -77,7 +79,8 @@ def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> 
                         redact_url(settings.redis_url), exc)
         tasks = [asyncio.create_task(admission.run(), name="admission"),
                  asyncio.create_task(router.run(), name="token-reader"),
-                 asyncio.create_task(cluster.run(), name="cluster")]
+                 asyncio.create_task(cluster.run(), name="cluster"),
+                 asyncio.create_task(monitor.run(), name="monitor")]
         for task in tasks:
             task.add_done_callback(_crash_logger)
         svc.tasks = tasks
@@ -88,6 +91,7 @@ def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> 
         finally:
             router.stop()
             cluster.stop()
+            monitor.stop()
             for task in tasks:
                 task.cancel()
             # Bounded: shutdown must never hang on a task that missed its cancellation.
@@ -98,7 +102,7 @@ def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> 
             await reader_client.aclose()
 
     app = Starlette(
-        routes=[*routes_tgi.routes, *routes_openai.routes, *routes_misc.routes],
+        routes=[*routes_tgi.routes, *routes_openai.routes, *routes_misc.routes, *dashboard.routes],
         middleware=[Middleware(ApiKeyMiddleware, api_key=settings.api_key)],
         exception_handlers={ApiError: handle_api_error, HTTPException: handle_http_exception,
                             Exception: handle_unexpected},

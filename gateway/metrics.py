@@ -2,10 +2,31 @@
 
 Each app gets its own registry, so several gateways can live in one process (tests) and /metrics
 shows exactly this gateway. Names follow vLLM's (`vllm:num_requests_running`, ...) so dashboards
-and aiperf's /metrics scraping work with little change.
+and aiperf's /metrics scraping work with little change. As rendered (prometheus_client appends
+`_total` to counters):
+
+    baton:num_requests_running, baton:num_requests_waiting            gauges
+    baton:token_budget_in_use, baton:token_budget_total               gauges (tokens)
+    baton:prompt_tokens_total, baton:generation_tokens_total          counters
+    baton:request_success_total{finished_reason}                      counter (stop | length)
+    baton:request_failure_total{reason}                               counter
+    baton:request_rejections_total{reason}                            counter (answered before admission)
+    baton:time_to_first_token_seconds, baton:inter_token_latency_seconds,
+    baton:e2e_request_latency_seconds, baton:request_queue_time_seconds   histograms
+    baton:stream_length{stream}, baton:stream_pending{stream}, baton:stream_lag{stream}
+        backlog of `baton:prefill` / `baton:decode` (XLEN; delivered but not acked; not yet
+        delivered to the consumer group), sampled every 2 s by the dashboard monitor
+
+Besides the Prometheus objects the gateway keeps plain numbers for /stats and /dashboard: counts
+by reason, the total of generated tokens, and the recent TTFT / ITL samples (a bounded window) from
+which the dashboard computes exact percentiles.
 """
 
 from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -13,6 +34,60 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
                     7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
 _ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
                 2.5, 5.0, 10.0, 20.0)
+
+# Label values created up front, so every series exists (at 0) from the first scrape: PromQL's
+# rate()/increase() need the zero to see the first increment, and dashboards show "0", not "no data".
+FINISHED_REASONS = ("stop", "length")
+REJECTION_REASONS = ("validation", "payload_too_large", "concurrency", "exceeds_budget", "queue_full",
+                     "queue_timeout", "client_disconnected", "redis_unavailable")
+STREAMS = ("prefill", "decode")
+
+
+class CountedCounter:
+    """A labelled Counter child that also keeps its total readable (`.total`)."""
+
+    def __init__(self, child: Counter) -> None:
+        self._child = child
+        self.total = 0.0
+
+    def inc(self, amount: float = 1) -> None:
+        self._child.inc(amount)
+        self.total += amount
+
+
+class WindowedHistogram:
+    """A labelled Histogram child that also keeps the most recent observations, with their time,
+    for exact percentiles over a sliding window (at most `max_samples` of them)."""
+
+    def __init__(self, child: Histogram, max_samples: int) -> None:
+        self._child = child
+        self.samples: deque[tuple[float, float]] = deque(maxlen=max_samples)
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        self._child.observe(value)
+        self.samples.append((time.monotonic(), value))
+        self.count += 1
+
+    def recent(self, since: float) -> list[float]:
+        """Values observed at or after `since` (a time.monotonic() instant)."""
+        samples = self.samples
+        while samples and samples[0][0] < since:
+            samples.popleft()
+        return [v for _, v in samples]
+
+
+def percentiles(values: Iterable[float], qs: Iterable[float]) -> list[float | None]:
+    """Nearest-rank percentiles (q in [0, 1]); None for no data."""
+    ordered = sorted(values)
+    n = len(ordered)
+    if n == 0:
+        return [None for _ in qs]
+    out: list[float | None] = []
+    for q in qs:
+        rank = max(1, min(n, int(-(-q * n // 1))))  # ceil(q * n), clamped to [1, n]
+        out.append(ordered[rank - 1])
+    return out
 
 
 class GatewayMetrics:
@@ -33,10 +108,10 @@ class GatewayMetrics:
         self.token_budget_total = Gauge(
             "baton:token_budget_total", "Token budget of the cluster (0: no decode worker alive).",
             m, registry=r).labels(model_name)
-        self.prompt_tokens = Counter(
-            "baton:prompt_tokens", "Prompt tokens of admitted requests.", m, registry=r).labels(model_name)
-        self.generation_tokens = Counter(
-            "baton:generation_tokens", "Generated tokens delivered.", m, registry=r).labels(model_name)
+        self.prompt_tokens = CountedCounter(Counter(
+            "baton:prompt_tokens", "Prompt tokens of admitted requests.", m, registry=r).labels(model_name))
+        self.generation_tokens = CountedCounter(Counter(
+            "baton:generation_tokens", "Generated tokens delivered.", m, registry=r).labels(model_name))
         self._success = Counter(
             "baton:request_success", "Requests that finished, by finish reason.",
             m + ["finished_reason"], registry=r)
@@ -46,22 +121,38 @@ class GatewayMetrics:
         self._rejections = Counter(
             "baton:request_rejections", "Requests answered with an error before admission, by reason.",
             m + ["reason"], registry=r)
-        self.ttft = Histogram(
+        self.ttft = WindowedHistogram(Histogram(
             "baton:time_to_first_token_seconds", "Time from arrival to the first token.", m,
-            buckets=_LATENCY_BUCKETS, registry=r).labels(model_name)
-        self.itl = Histogram(
+            buckets=_LATENCY_BUCKETS, registry=r).labels(model_name), max_samples=20_000)
+        self.itl = WindowedHistogram(Histogram(
             "baton:inter_token_latency_seconds", "Time between consecutive tokens of a request.", m,
-            buckets=_ITL_BUCKETS, registry=r).labels(model_name)
-        self.e2e = Histogram(
+            buckets=_ITL_BUCKETS, registry=r).labels(model_name), max_samples=50_000)
+        self.e2e = WindowedHistogram(Histogram(
             "baton:e2e_request_latency_seconds", "Time from arrival to the end of the request.", m,
-            buckets=_LATENCY_BUCKETS, registry=r).labels(model_name)
+            buckets=_LATENCY_BUCKETS, registry=r).labels(model_name), max_samples=20_000)
         self.queue_time = Histogram(
             "baton:request_queue_time_seconds", "Time a request waited for admission.", m,
             buckets=_LATENCY_BUCKETS, registry=r).labels(model_name)
+        stream_labels = m + ["stream"]
+        self._stream_length = Gauge(
+            "baton:stream_length", "Entries in the work stream (XLEN of baton:<stream>).",
+            stream_labels, registry=r)
+        self._stream_pending = Gauge(
+            "baton:stream_pending", "Entries delivered to the stream's consumer group and not yet acked.",
+            stream_labels, registry=r)
+        self._stream_lag = Gauge(
+            "baton:stream_lag", "Entries not yet delivered to the stream's consumer group (its lag).",
+            stream_labels, registry=r)
+        for reason in FINISHED_REASONS:
+            self._success.labels(model_name, reason)
+        for reason in REJECTION_REASONS:
+            self._rejections.labels(model_name, reason)
         # Plain counts for /stats (prometheus counters are awkward to read back).
         self.rejections_by_reason: dict[str, int] = {}
         self.failures_by_reason: dict[str, int] = {}
         self.successes_by_reason: dict[str, int] = {}
+        # The last stream sample: {"prefill": {"length", "pending", "lag"}, ...} (None: unknown).
+        self.streams: dict[str, dict[str, int | None]] = {}
 
     def reject(self, reason: str) -> None:
         self._rejections.labels(self.model_name, reason).inc()
@@ -74,6 +165,13 @@ class GatewayMetrics:
     def failure(self, reason: str) -> None:
         self._failure.labels(self.model_name, reason).inc()
         self.failures_by_reason[reason] = self.failures_by_reason.get(reason, 0) + 1
+
+    def set_stream(self, stream: str, length: int | None, pending: int | None, lag: int | None) -> None:
+        self.streams[stream] = {"length": length, "pending": pending, "lag": lag}
+        for gauge, value in ((self._stream_length, length), (self._stream_pending, pending),
+                             (self._stream_lag, lag)):
+            if value is not None:
+                gauge.labels(self.model_name, stream).set(value)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -137,6 +137,43 @@ SCHEMAS: dict[str, Any] = {
             "index": _INT, "message": {"type": "object", "properties": {
                 "role": {"type": "string"}, "content": {"type": "string"}}},
             "finish_reason": {"type": "string", "enum": ["stop", "length"]}}}}}},
+    "DashboardData": {"type": "object", "required": ["time", "now", "series", "workers"], "properties": {
+        "time": {**_NUM, "description": "Server time (Unix seconds)."},
+        "model": {"type": "string"}, "gateway_id": {"type": "string"},
+        "interval_s": {**_NUM, "description": "Seconds between points of the series."},
+        "window_s": {**_NUM, "description": "Window of the latency percentiles (seconds)."},
+        "rate_window_s": {**_NUM, "description": "Window of the headline rates (seconds)."},
+        "history_s": {**_NUM, "description": "Span the series cover when full (seconds)."},
+        "redis": {"type": "object", "properties": {"ok": _BOOL, "error": {"type": ["string", "null"]}}},
+        "now": {"type": "object", "description": "Current values; latencies in seconds (null: no sample in the window).",
+                "properties": {
+                    "running": _INT, "waiting": _INT, "budget_in_use": _INT, "budget_total": _INT,
+                    "tokens_per_s": _NUM, "requests_per_s": _NUM,
+                    "ttft_p50": {"type": ["number", "null"]}, "ttft_p99": {"type": ["number", "null"]},
+                    "itl_p50": {"type": ["number", "null"]}, "itl_p99": {"type": ["number", "null"]},
+                    "generated_tokens": _NUM, "prompt_tokens": _NUM, "preemptions": _INT, "rejections": _INT,
+                    "rejections_by_reason": {"type": "object", "additionalProperties": _INT},
+                    "finished_by_reason": {"type": "object", "additionalProperties": _INT},
+                    "failed_by_reason": {"type": "object", "additionalProperties": _INT},
+                    "streams": {"type": "object", "description": "prefill / decode: length (XLEN), pending "
+                                "(delivered, not acked), lag (not yet delivered to the group).",
+                                "additionalProperties": {"type": "object", "properties": {
+                                    "length": {"type": ["integer", "null"]}, "pending": {"type": ["integer", "null"]},
+                                    "lag": {"type": ["integer", "null"]}}}}}},
+        "series": {"type": "object", "description": "Parallel arrays, one point per interval (oldest first): `t` "
+                   "(Unix seconds), tokens_per_s, requests_per_s, ttft_p50, ttft_p99, itl_p50, itl_p99 (seconds, "
+                   "over the last window_s), running, waiting, budget_in_use, budget_total, rejections_per_s, "
+                   "preemptions_per_s, kv_usage (mean over decode workers, 0-1), prefill_backlog, decode_backlog.",
+                   "additionalProperties": {"type": "array", "items": {"type": ["number", "null"]}}},
+        "workers": {"type": "array", "items": {"type": "object", "properties": {
+            "kind": {"type": "string", "enum": ["gateway", "prefill", "decode"]}, "worker_id": {"type": "string"},
+            "age_s": {**_NUM, "description": "Seconds since its last heartbeat."},
+            "status": {"type": "string", "enum": ["ok", "stale", "lost"],
+                       "description": "lost: the heartbeat expired (listed for a minute)."},
+            "running": {"type": ["integer", "null"]}, "waiting": {"type": ["integer", "null"]},
+            "kv_used": {"type": ["integer", "null"]}, "kv_total": {"type": ["integer", "null"]},
+            "kv_usage": {"type": ["number", "null"]}, "preemptions": {"type": ["integer", "null"]},
+            "finished": {"type": ["integer", "null"]}}}}}},
     "OpenAIError": {"type": "object", "properties": {"error": {"type": "object", "properties": {
         "message": {"type": "string"}, "type": {"type": "string"}, "param": {"type": ["string", "null"]},
         "code": {"type": ["integer", "string", "null"]}}}}},
@@ -194,6 +231,13 @@ def openapi_spec(settings: Settings) -> dict[str, Any]:
             "503": _json(_ref("TgiError"), "Redis unreachable.")})},
         "/stats": {"get": op("Token budget, running/waiting requests, rejections, worker heartbeats",
                              {"200": _json({"type": "object"}, "Gateway state.")}, secured=True)},
+        "/dashboard": {"get": op("Live dashboard: one self-contained HTML page (no external assets) that polls "
+                                 "/dashboard/data every second", {
+            "200": {"description": "The dashboard page.", "content": {"text/html": {"schema": {"type": "string"}}}},
+            "401": _json(_ref("TgiError"), "Missing or wrong API key (when one is configured).")}, secured=True)},
+        "/dashboard/data": {"get": op("The dashboard's data: current state, time series, worker health", {
+            "200": _json(_ref("DashboardData"), "Sampled once a second by the gateway."),
+            "401": _json(_ref("TgiError"), "Missing or wrong API key (when one is configured).")}, secured=True)},
         "/metrics": {"get": op("Prometheus metrics (baton:*)", {
             "200": {"description": "Prometheus text format.",
                     "content": {"text/plain": {"schema": {"type": "string"}}}}})},

@@ -1,4 +1,7 @@
-"""Operational endpoints: /health, /info, /stats, /metrics, /v1/models, /openapi.json."""
+"""Operational endpoints: /health, /info, /stats, /metrics, /v1/models, /openapi.json.
+
+(The live dashboard, /dashboard and /dashboard/data, lives in gateway/dashboard.py.)
+"""
 
 from __future__ import annotations
 
@@ -85,6 +88,7 @@ async def stats(request: Request) -> Response:
         "rejections": dict(m.rejections_by_reason),
         "finished": dict(m.successes_by_reason),
         "failed": dict(m.failures_by_reason),
+        "streams": {name: dict(sample) for name, sample in m.streams.items()},
         "workers": svc.cluster.workers,
     }))
 
