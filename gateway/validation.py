@@ -144,7 +144,9 @@ class Fields:
             raise self.fail(key, f"must be a boolean, got {_type_name(value)}")
         return value
 
-    def integer(self, key: str, lo: int | None = None, hi: int | None = None) -> int | None:
+    def integer(self, key: str, lo: int | None = None, hi: float | None = None) -> int | None:
+        # Every integer is bounded: an absurd one must be a 4xx, not an overflow further down.
+        hi = (2**31 - 1) if hi is None else hi
         value = self.data.get(key)
         if value is None:
             return None
@@ -165,7 +167,10 @@ class Fields:
             return None
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise self.fail(key, f"must be a number, got {_type_name(value)}")
-        value = float(value)
+        try:
+            value = float(value)
+        except OverflowError:  # an integer beyond the float range
+            raise self.fail(key, "must be a finite number") from None
         if not math.isfinite(value):
             raise self.fail(key, "must be a finite number")
         if gt is not None and not value > gt:

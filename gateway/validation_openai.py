@@ -9,6 +9,8 @@ onto our sampling options are accepted (`top_k`, `repetition_penalty`, `ignore_e
 
 from __future__ import annotations
 
+import math
+
 from typing import Any
 
 from gateway.config import Settings
@@ -93,12 +95,12 @@ def _common(f: Fields, settings: Settings, vocab_size: int, default_max: int) ->
         include_usage = so.boolean("include_usage", False)
         so.boolean("continuous_usage_stats", False)  # accepted; usage comes once, at the end
 
-    max_tokens = f.integer("max_tokens", lo=1)
-    max_completion_tokens = f.integer("max_completion_tokens", lo=1)
+    max_tokens = f.integer("max_tokens", lo=1, hi=math.inf)  # checked against max_total_tokens below
+    max_completion_tokens = f.integer("max_completion_tokens", lo=1, hi=math.inf)
     temperature = f.number("temperature", ge=0.0, le=2.0)
     top_p = f.number("top_p", gt=0.0, le=1.0)
     top_k = f.integer("top_k", lo=-1)
-    repetition_penalty = f.number("repetition_penalty", gt=0.0)
+    repetition_penalty = f.number("repetition_penalty", gt=0.0, le=100.0)
     ignore_eos = f.boolean("ignore_eos", False)
     min_tokens = f.integer("min_tokens", lo=0)
     if min_tokens and not ignore_eos:
@@ -160,7 +162,7 @@ def _messages(value: Any) -> list[dict[str, str]]:
         if not isinstance(message, dict):
             raise validation_error(f"`{where}` must be an object", param=where, status=STATUS)
         role = message.get("role")
-        if role not in CHAT_ROLES:
+        if not isinstance(role, str) or role not in CHAT_ROLES:
             raise validation_error(f"`{where}.role` must be one of {sorted(CHAT_ROLES)}, got {role!r}",
                                    param=f"{where}.role", status=STATUS)
         out.append({"role": "system" if role == "developer" else role,

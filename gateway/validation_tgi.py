@@ -8,6 +8,8 @@ value and rejected, by name, otherwise; fields TGI does not know are rejected by
 
 from __future__ import annotations
 
+import math
+
 import random
 from typing import Any
 
@@ -59,14 +61,14 @@ def parse_tgi(body: dict[str, Any], settings: Settings) -> GenerationSpec:
     p.boolean("decoder_input_details", False)  # accepted and ignored: no prefill logprobs are returned
 
     do_sample = p.boolean("do_sample", False)
-    temperature = p.number("temperature", ge=0.0)
+    temperature = p.number("temperature", ge=0.0, le=100.0)
     top_p = p.number("top_p", gt=0.0, le=1.0)
     top_k = p.integer("top_k", lo=1)
-    repetition_penalty = p.number("repetition_penalty", gt=0.0)
+    repetition_penalty = p.number("repetition_penalty", gt=0.0, le=100.0)
     seed = p.integer("seed", lo=0, hi=MAX_SEED)
     spec = GenerationSpec(
         prompt=inputs,
-        max_new_tokens=p.integer("max_new_tokens", lo=1),
+        max_new_tokens=p.integer("max_new_tokens", lo=1, hi=math.inf),  # checked against max_total_tokens
         default_max_new_tokens=DEFAULT_MAX_NEW_TOKENS,
         repetition_penalty=repetition_penalty if repetition_penalty is not None else 1.0,
         stop=p.stop_strings("stop", settings.max_stop_sequences, settings.max_stop_length, allow_str=False),

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+pytest_plugins = ["tests.test_gateway_support"]  # the gateway tests' gw_* fixtures
+
 os.environ.setdefault("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing in tests may reach a hub
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 

@@ -10,14 +10,13 @@ from pathlib import Path
 
 import httpx
 import pytest
-from test_gateway_support import start_gateway, wait_until
+from tests.test_gateway_support import start_gateway, wait_until
 
 from gateway.admission import Admission
 from gateway.config import Settings
 from gateway.errors import ApiError
 from gateway.metrics import GatewayMetrics
 
-pytest_plugins = ["test_gateway_support"]  # the gw_* fixtures
 
 
 def make_admission(**kw) -> tuple[Admission, GatewayMetrics]:

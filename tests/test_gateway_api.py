@@ -6,9 +6,8 @@ from __future__ import annotations
 import json
 
 import httpx
-from test_gateway_support import DEFAULT_REPLY, wait_until
+from tests.test_gateway_support import DEFAULT_REPLY, wait_until
 
-pytest_plugins = ["test_gateway_support"]  # the gw_* fixtures
 
 
 def sse_events(text: str) -> list[str]:

@@ -6,11 +6,10 @@ from __future__ import annotations
 import time
 
 import httpx
-from test_gateway_support import EchoWorker, start_gateway, wait_until
+from tests.test_gateway_support import EchoWorker, start_gateway, wait_until
 
 from baton.redis_server import start_private_redis
 
-pytest_plugins = ["test_gateway_support"]  # the gw_* fixtures
 
 
 def test_redis_outage_and_recovery(default_model_dir, gw_tokenizer):

@@ -9,9 +9,8 @@ import time
 
 import httpx
 import pytest
-from test_gateway_support import start_gateway, wait_until
+from tests.test_gateway_support import start_gateway, wait_until
 
-pytest_plugins = ["test_gateway_support"]  # the gw_* fixtures
 
 MULTIBYTE = "中文测试：你好世界！🙂👍🏽🇯🇵 emoji 🧑‍🚀 ok ∑∫ 日本語テキスト"
 

@@ -8,7 +8,6 @@ from hypothesis import strategies as st
 
 from gateway.detokenizer import IncrementalDetokenizer, StopMatcher
 
-pytest_plugins = ["test_gateway_support"]  # the gw_* fixtures
 
 TEXTS = st.lists(st.sampled_from(list("ab ,.\n中文字😀🎉é—ß🇯🇵") + ["\u200d", " the", "ing"]),
                  min_size=1, max_size=30).map("".join)

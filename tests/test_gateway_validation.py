@@ -8,9 +8,8 @@ import re
 
 import httpx
 import pytest
-from test_gateway_support import start_gateway
+from tests.test_gateway_support import start_gateway
 
-pytest_plugins = ["test_gateway_support"]  # the gw_* fixtures
 
 LONG = "hello " * 1100  # > max_input_tokens (1024)
 
