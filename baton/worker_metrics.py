@@ -18,7 +18,7 @@ every later token (so prefill + decode generation_tokens = the tokens the gatewa
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram, start_http_server
+from prometheus_client import Counter, Gauge, Histogram, disable_created_metrics, start_http_server
 
 LABELS = ["model_name"]
 _TIME_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -70,4 +70,6 @@ class WorkerMetrics:
 
 def serve_metrics(port: int | None) -> None:
     if port:
+        # Counters' `_created` series only clutter the page (as the gateway's: see gateway/__main__.py).
+        disable_created_metrics()
         start_http_server(port, addr="0.0.0.0")

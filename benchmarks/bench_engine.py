@@ -173,14 +173,58 @@ def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
 # 2. Baton
 
 
-def run_baton(llm, requests: list[Request]) -> tuple[float, int, list[list[int]]]:
+def run_baton(llm, requests: list[Request]) -> tuple[float, int, list[list[int]], list[tuple[int, int, float]]]:
+    """Generate; returns wall seconds, generated tokens, the tokens, and per step (prefill tokens,
+    decode tokens, seconds), recorded by wrapping the live engine's `step` and scheduler."""
+    engine = llm.engine
+    steps: list[tuple[int, int, float]] = []
+    plans = []
+    schedule, step = engine.scheduler.schedule, engine.step
+
+    def recording_schedule():
+        plan = schedule()
+        plans.append(plan)
+        return plan
+
+    def timed_step():
+        t0 = time.perf_counter()
+        out = step()
+        seconds = time.perf_counter() - t0
+        scheduled = plans[-1].scheduled if plans else []
+        decode = sum(1 for _, n in scheduled if n == 1)
+        steps.append((sum(n for _, n in scheduled) - decode, decode, seconds))
+        plans.clear()
+        return out
+
+    engine.scheduler.schedule, engine.step = recording_schedule, timed_step
     prompts = [r.prompt for r in requests]
     params = [greedy(r.max_tokens) for r in requests]
-    t0 = time.perf_counter()
-    outputs = llm.generate(prompts, params)
-    seconds = time.perf_counter() - t0
+    try:
+        t0 = time.perf_counter()
+        outputs = llm.generate(prompts, params)
+        seconds = time.perf_counter() - t0
+    finally:
+        del engine.scheduler.schedule, engine.step  # the instance attributes: the methods are back
     tokens = [o.outputs[0].token_ids for o in outputs]
-    return seconds, sum(len(t) for t in tokens), tokens
+    return seconds, sum(len(t) for t in tokens), tokens, steps
+
+
+def describe_steps(steps: list[tuple[int, int, float]]) -> str:
+    mixed = [s for s in steps if s[0] > 0]
+    decode = [s for s in steps if s[0] == 0 and s[1] > 0]
+    total = sum(s[2] for s in steps)
+    parts = []
+    if mixed:
+        t = sum(s[2] for s in mixed)
+        parts.append(f"{len(mixed)} steps with prefill ({sum(s[0] for s in mixed)} prompt tokens, "
+                     f"{sum(s[1] for s in mixed) / len(mixed):.0f} decodes/step on average): "
+                     f"{t:.1f} s = {100 * t / total:.0f}%, {1e3 * statistics.median(s[2] for s in mixed):.0f} ms median")
+    if decode:
+        t = sum(s[2] for s in decode)
+        parts.append(f"{len(decode)} decode-only steps (batch {sum(s[1] for s in decode) / len(decode):.1f} on "
+                     f"average): {t:.1f} s = {100 * t / total:.0f}%, "
+                     f"{1e3 * statistics.median(s[2] for s in decode):.0f} ms median")
+    return "; ".join(parts)
 
 
 # --------------------------------------------------------------------------------------------
@@ -440,7 +484,7 @@ def main(argv: list[str] | None = None) -> int:
     warm = make_requests(2, config.vocab_size, (32, 64), (4, 8), args.seed + 1)
     run_baton(llm, warm)  # first-call costs (oneDNN kernel selection, allocator) are not the engine's
     steps_before, preempt_before = engine.num_steps, engine.scheduler.num_preemptions
-    baton_s, baton_tokens, baton_out = run_baton(llm, requests)
+    baton_s, baton_tokens, baton_out, baton_steps = run_baton(llm, requests)
     if baton_tokens != useful_tokens:
         raise RuntimeError(f"Baton generated {baton_tokens} tokens, expected {useful_tokens}")
     baton_rate = baton_tokens / baton_s
@@ -448,6 +492,7 @@ def main(argv: list[str] | None = None) -> int:
           f"({engine.num_steps - steps_before} steps, "
           f"{engine.scheduler.num_preemptions - preempt_before} preemptions; "
           f"{(prompt_tokens + baton_tokens) / baton_s:.0f} tok/s prompt+output)")
+    print(f"  {describe_steps(baton_steps)}")
 
     # ---- transformers, static batches
     hf_rate = None

@@ -40,7 +40,7 @@ _ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4
 FINISHED_REASONS = ("stop", "length")
 REJECTION_REASONS = ("validation", "payload_too_large", "concurrency", "exceeds_budget", "queue_full",
                      "queue_timeout", "client_disconnected", "redis_unavailable")
-STREAMS = ("prefill", "decode")
+FAILURE_REASONS = ("client_disconnected", "timeout", "stream_gap", "worker_error", "worker_cancelled")
 
 
 class CountedCounter:
@@ -147,6 +147,8 @@ class GatewayMetrics:
             self._success.labels(model_name, reason)
         for reason in REJECTION_REASONS:
             self._rejections.labels(model_name, reason)
+        for reason in FAILURE_REASONS:
+            self._failure.labels(model_name, reason)
         # Plain counts for /stats (prometheus counters are awkward to read back).
         self.rejections_by_reason: dict[str, int] = {}
         self.failures_by_reason: dict[str, int] = {}

@@ -145,10 +145,11 @@ SCHEMAS: dict[str, Any] = {
         "rate_window_s": {**_NUM, "description": "Window of the headline rates (seconds)."},
         "history_s": {**_NUM, "description": "Span the series cover when full (seconds)."},
         "redis": {"type": "object", "properties": {"ok": _BOOL, "error": {"type": ["string", "null"]}}},
-        "now": {"type": "object", "description": "Current values; latencies in seconds (null: no sample in the window).",
+        "now": {"type": "object",
+                "description": "Current values; latencies in seconds (null: no sample in the window).",
                 "properties": {
                     "running": _INT, "waiting": _INT, "budget_in_use": _INT, "budget_total": _INT,
-                    "tokens_per_s": _NUM, "requests_per_s": _NUM,
+                    "tokens_per_s": _NUM, "requests_per_s": _NUM, "rejections_per_s": _NUM,
                     "ttft_p50": {"type": ["number", "null"]}, "ttft_p99": {"type": ["number", "null"]},
                     "itl_p50": {"type": ["number", "null"]}, "itl_p99": {"type": ["number", "null"]},
                     "generated_tokens": _NUM, "prompt_tokens": _NUM, "preemptions": _INT, "rejections": _INT,

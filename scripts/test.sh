@@ -6,6 +6,12 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/bootstrap.sh
+# The dashboard test renders /dashboard in headless Chromium (Debian's package).
+if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  echo "==> installing chromium for the dashboard test (apt-get)"
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+      chromium fonts-dejavu-core; } >/dev/null 2>&1 || echo "warning: chromium not installed; the dashboard test will skip" >&2
+fi
 set +e
 .venv/bin/python -m pytest -q "$@"
 rc=$?

@@ -1,0 +1,324 @@
+"""Prometheus metrics of a whole running system, checked against what the clients received.
+
+One system (tiny model, one prefill and one decode worker, each exporting its own /metrics); a few
+real greedy requests with `ignore_eos` (so each generates exactly max_tokens) through the OpenAI
+API, streaming and not; then every counter that should have moved must have moved by exactly the
+right amount, at the gateway and at each worker. The names are checked as prometheus_client
+renders them (vLLM's names under `baton:`, counters with `_total`, a `model_name` label).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from baton.redis_server import free_port
+from tests.cluster import Cluster
+
+BLOCK_SIZE = 16  # the workers' default
+
+GATEWAY_NAMES = {
+    "baton:num_requests_running": "gauge",
+    "baton:num_requests_waiting": "gauge",
+    "baton:token_budget_in_use": "gauge",
+    "baton:token_budget_total": "gauge",
+    "baton:prompt_tokens_total": "counter",
+    "baton:generation_tokens_total": "counter",
+    "baton:request_success_total": "counter",
+    "baton:request_failure_total": "counter",
+    "baton:request_rejections_total": "counter",
+    "baton:time_to_first_token_seconds": "histogram",
+    "baton:inter_token_latency_seconds": "histogram",
+    "baton:e2e_request_latency_seconds": "histogram",
+    "baton:request_queue_time_seconds": "histogram",
+    "baton:stream_length": "gauge",
+    "baton:stream_pending": "gauge",
+    "baton:stream_lag": "gauge",
+}
+WORKER_NAMES = {
+    "baton:num_requests_running": "gauge",
+    "baton:num_requests_waiting": "gauge",
+    "baton:kv_cache_usage_perc": "gauge",
+    "baton:num_preemptions_total": "counter",
+    "baton:prompt_tokens_total": "counter",
+    "baton:generation_tokens_total": "counter",
+    "baton:prefix_cache_queries_total": "counter",
+    "baton:prefix_cache_hits_total": "counter",
+    "baton:iteration_tokens_total": "histogram",
+    "baton:request_prefill_time_seconds": "histogram",
+    "baton:request_decode_time_seconds": "histogram",
+    "baton:kv_handoff_latency_seconds": "histogram",
+    "baton:kv_handoff_bytes_total": "counter",
+    "baton:kv_blocks_fetched_total": "counter",
+    "baton:kv_blocks_computed_total": "counter",
+    "baton:worker_requests_finished_total": "counter",
+}
+
+# Distinct first words, so no two prompts share a first KV block (no prefix-cache hits).
+PROMPTS = [
+    "Alpha: the quick brown fox jumps over the lazy dog while the band plays a slow waltz in the park.",
+    "Bravo: seven sailors sang songs of distant harbours as the evening tide rolled against the pier.",
+    "Delta: rivers carry silt to the sea, building wide flat plains where farmers grow rice and wheat.",
+    "Foxtrot: mountains echo the calls of hikers who climb at dawn to watch the sun rise over the valley.",
+]
+
+
+class Scrape:
+    """One /metrics page: samples by (name, labels), and the declared type of each family."""
+
+    def __init__(self, text: str) -> None:
+        self.samples: dict[tuple[str, frozenset], float] = {}
+        self.types: dict[str, str] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                self.samples[(sample.name, frozenset(sample.labels.items()))] = sample.value
+                # The parser strips `_total` from counter family names: keep the rendered names.
+                rendered = family.name + "_total" if family.type == "counter" else family.name
+                self.types[rendered] = family.type
+
+    def value(self, name: str, **labels: str) -> float:
+        """The sum of the samples of `name` whose labels include `labels` (0 if none)."""
+        want = set(labels.items())
+        return sum(v for (n, ls), v in self.samples.items() if n == name and want <= ls)
+
+    def has(self, name: str, **labels: str) -> bool:
+        want = set(labels.items())
+        return any(n == name and want <= ls for (n, ls) in self.samples)
+
+
+def scrape(url: str) -> Scrape:
+    r = httpx.get(url, timeout=10)
+    assert r.status_code == 200, r.text
+    return Scrape(r.text)
+
+
+@pytest.fixture(scope="module")
+def system(tiny_model_dir):
+    prefill_port, decode_port = free_port(), free_port()
+    cluster = Cluster(tiny_model_dir, prefill=1, decode=1,
+                      prefill_args=("--metrics-port", str(prefill_port)),
+                      decode_args=("--metrics-port", str(decode_port)))
+    try:
+        urls = {"gateway": cluster.base_url + "/metrics",
+                "prefill": f"http://127.0.0.1:{prefill_port}/metrics",
+                "decode": f"http://127.0.0.1:{decode_port}/metrics"}
+        deadline = time.time() + 30  # the workers' HTTP servers start with them; be sure they answer
+        while True:
+            try:
+                for url in urls.values():
+                    httpx.get(url, timeout=2).raise_for_status()
+                break
+            except httpx.HTTPError:
+                if time.time() > deadline:
+                    raise
+                time.sleep(0.2)
+        yield cluster, urls
+    finally:
+        cluster.stop()
+
+
+def scrape_all(urls: dict[str, str]) -> dict[str, Scrape]:
+    return {name: scrape(url) for name, url in urls.items()}
+
+
+def complete(base: str, prompt: str, max_tokens: int) -> dict:
+    r = httpx.post(base + "/v1/completions", timeout=60, json={
+        "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["choices"][0]["finish_reason"] == "length", body
+    return body["usage"]
+
+
+def complete_stream(base: str, prompt: str, max_tokens: int) -> dict:
+    usage, chunks, finish = None, 0, None
+    with httpx.stream("POST", base + "/v1/completions", timeout=60, json={
+            "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[len("data: "):])
+            if event["choices"]:
+                chunks += 1
+                finish = event["choices"][0]["finish_reason"] or finish
+            if event.get("usage"):
+                usage = event["usage"]
+    assert finish == "length" and usage is not None
+    assert 1 <= chunks <= usage["completion_tokens"]  # one chunk per token event
+    return usage
+
+
+def test_metric_names_as_rendered(system):
+    cluster, urls = system
+    pages = scrape_all(urls)
+    for name, kind in GATEWAY_NAMES.items():
+        assert pages["gateway"].types.get(name) == kind, (name, pages["gateway"].types.get(name))
+    model = cluster.model_dir.name
+    assert pages["gateway"].has("baton:num_requests_running", model_name=model)
+    # Series that exist from the first scrape, at 0, so rate() sees the first increment.
+    for reason in ("stop", "length"):
+        assert pages["gateway"].has("baton:request_success_total", model_name=model, finished_reason=reason)
+    for reason in ("validation", "concurrency", "queue_full", "exceeds_budget"):
+        assert pages["gateway"].has("baton:request_rejections_total", reason=reason)
+    for stream in ("prefill", "decode"):  # sampled every 2 s by the gateway
+        deadline = time.time() + 10
+        while not scrape(urls["gateway"]).has("baton:stream_lag", stream=stream):
+            assert time.time() < deadline, f"no baton:stream_lag for {stream}"
+            time.sleep(0.2)
+    for kind in ("prefill", "decode"):
+        for name, family_type in WORKER_NAMES.items():
+            assert pages[kind].types.get(name) == family_type, (kind, name, pages[kind].types.get(name))
+        assert pages[kind].has("baton:generation_tokens_total", model_name=model)
+        for direction in ("fetched", "written"):
+            assert pages[kind].has("baton:kv_handoff_bytes_total", direction=direction)
+    for kind, page in pages.items():  # no `_created` clutter next to every counter
+        assert not [n for n, _ in page.samples if n.endswith("_created")], kind
+
+
+def test_counters_move_by_exactly_what_was_served(system):
+    cluster, urls = system
+    base = cluster.base_url
+    cluster.wait_idle()
+    before = scrape_all(urls)
+
+    # max_tokens=1 ends at the prefill worker (no handoff); its prompt is shorter than a block.
+    plan = [(PROMPTS[0], 5, False), (PROMPTS[1], 8, False), ("Charlie says hi.", 1, False),
+            (PROMPTS[2], 6, True), (PROMPTS[3], 9, True)]
+    usages = []
+    for prompt, max_tokens, stream in plan:
+        usage = (complete_stream if stream else complete)(base, prompt, max_tokens)
+        assert usage["completion_tokens"] == max_tokens, (usage, max_tokens)  # ignore_eos: exactly
+        assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+        usages.append(usage)
+    cluster.wait_idle()
+    after = scrape_all(urls)
+
+    assert usages[2]["prompt_tokens"] < BLOCK_SIZE  # (so it writes no block either way)
+    n = len(plan)
+    received = sum(u["completion_tokens"] for u in usages)
+    prompt_tokens = sum(u["prompt_tokens"] for u in usages)
+    assert received == sum(max_tokens for _, max_tokens, _ in plan)
+    handed_off = sum(1 for _, max_tokens, _ in plan if max_tokens > 1)  # max_tokens=1 ends at prefill
+    full_blocks = sum(u["prompt_tokens"] // BLOCK_SIZE for u in usages)
+    assert full_blocks > 0, "prompts must fill at least one KV block"
+
+    def delta(kind: str, name: str, **labels: str) -> float:
+        return after[kind].value(name, **labels) - before[kind].value(name, **labels)
+
+    # Gateway: what the clients got, exactly.
+    assert delta("gateway", "baton:generation_tokens_total") == received
+    assert delta("gateway", "baton:prompt_tokens_total") == prompt_tokens
+    assert delta("gateway", "baton:request_success_total", finished_reason="length") == n
+    assert delta("gateway", "baton:request_success_total", finished_reason="stop") == 0
+    assert delta("gateway", "baton:request_failure_total") == 0
+    assert delta("gateway", "baton:request_rejections_total") == 0
+    for hist in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds"):
+        assert delta("gateway", f"baton:{hist}_count") == n, hist
+        assert delta("gateway", f"baton:{hist}_sum") > 0, hist
+    # The first token of each request is its TTFT; every later one is an inter-token gap.
+    assert delta("gateway", "baton:inter_token_latency_seconds_count") == received - n
+    assert after["gateway"].value("baton:num_requests_running") == 0
+    assert after["gateway"].value("baton:num_requests_waiting") == 0
+    assert after["gateway"].value("baton:token_budget_in_use") == 0
+    assert after["gateway"].value("baton:token_budget_total") > 0
+
+    # Prefill worker: every prompt token, one first token per request, a prefill time per request.
+    assert delta("prefill", "baton:prompt_tokens_total") == prompt_tokens
+    assert delta("prefill", "baton:prefix_cache_queries_total") == prompt_tokens
+    assert delta("prefill", "baton:prefix_cache_hits_total") == 0  # distinct prompts
+    assert delta("prefill", "baton:generation_tokens_total") == n
+    assert delta("prefill", "baton:request_prefill_time_seconds_count") == n
+    assert delta("prefill", "baton:worker_requests_finished_total", finished_reason="length") == n - handed_off
+    # Full blocks of the handed-off prompts go to the store (the max_tokens=1 one never leaves).
+    written = sum(u["prompt_tokens"] // BLOCK_SIZE for (_, mt, _), u in zip(plan, usages) if mt > 1)
+    assert delta("prefill", "baton:kv_blocks_computed_total") == full_blocks
+    assert delta("prefill", "baton:kv_blocks_written_total") == written
+    assert delta("prefill", "baton:kv_blocks_fetched_total") == 0
+    assert delta("prefill", "baton:kv_handoff_bytes_total", direction="written") > 0
+
+    # Decode worker: every token but the first of each request, in one decode time per handoff.
+    assert delta("decode", "baton:generation_tokens_total") == received - n
+    assert delta("decode", "baton:prompt_tokens_total") == 0
+    assert delta("decode", "baton:request_decode_time_seconds_count") == handed_off
+    assert delta("decode", "baton:kv_handoff_latency_seconds_count") == handed_off
+    assert delta("decode", "baton:worker_requests_finished_total", finished_reason="length") == handed_off
+    assert delta("decode", "baton:kv_blocks_fetched_total") == written  # the prompts' KV, from the store
+    assert delta("decode", "baton:kv_handoff_bytes_total", direction="fetched") > 0
+    assert delta("decode", "baton:num_preemptions_total") == 0
+    assert delta("decode", "baton:iteration_tokens_total_count") > 0
+    assert after["decode"].value("baton:kv_cache_usage_perc") == pytest.approx(0, abs=1e-9)
+    assert after["decode"].value("baton:num_requests_running") == 0
+
+
+def test_prefix_cache_hits_are_counted(system):
+    """The same prompt again: its full blocks are found, not recomputed."""
+    cluster, urls = system
+    cluster.wait_idle()
+    before = scrape_all(urls)
+    usage = complete(cluster.base_url, PROMPTS[0] + " Once more, from the top.", 3)
+    cluster.wait_idle()
+    after = scrape_all(urls)
+    hits = after["prefill"].value("baton:prefix_cache_hits_total") - before["prefill"].value(
+        "baton:prefix_cache_hits_total")
+    queries = after["prefill"].value("baton:prefix_cache_queries_total") - before["prefill"].value(
+        "baton:prefix_cache_queries_total")
+    assert queries == usage["prompt_tokens"]
+    assert 0 < hits < queries and hits % BLOCK_SIZE == 0, (hits, queries)
+    computed = after["prefill"].value("baton:kv_blocks_computed_total") - before["prefill"].value(
+        "baton:kv_blocks_computed_total")
+    assert computed == usage["prompt_tokens"] // BLOCK_SIZE - hits // BLOCK_SIZE
+
+
+# ---- the Grafana dashboard (deploy/grafana/) queries exactly these metrics ----
+
+REPO = Path(__file__).resolve().parent.parent
+GRAFANA = REPO / "deploy" / "grafana"
+
+
+def test_grafana_dashboard_queries_metrics_that_exist(system):
+    """Every `baton:*` series a Grafana panel queries is one the system exports, under the job
+    (deploy/prometheus.yml's job names) the query selects; the dashboard JSON is well formed."""
+    cluster, urls = system
+    pages = scrape_all(urls)
+    jobs = {"gateway": "gateway", "prefill_worker": "prefill", "decode_worker": "decode"}
+    config = yaml.safe_load((REPO / "deploy/prometheus.yml").read_text())
+    scrape_jobs = {job["job_name"] for job in config["scrape_configs"]}
+    assert set(jobs) <= scrape_jobs
+
+    def exported(name: str, job: str | None) -> bool:
+        kinds = [jobs[job]] if job else list(jobs.values())
+        return any(pages[kind].has(name) for kind in kinds)
+
+    dashboard = json.loads((GRAFANA / "baton-dashboard.json").read_text())
+    ids = [p["id"] for p in dashboard["panels"]]
+    assert len(ids) == len(set(ids)), "panel ids must be unique"
+    queried = 0
+    for panel in dashboard["panels"]:
+        pos = panel["gridPos"]
+        assert 0 <= pos["x"] and pos["x"] + pos["w"] <= 24, panel["title"]
+        for tgt in panel.get("targets", []):
+            assert tgt["datasource"]["uid"] == "${datasource}", panel["title"]
+            expr = tgt["expr"]
+            assert expr.count("(") == expr.count(")") and expr.count("{") == expr.count("}"), expr
+            for m in re.finditer(r"(baton:[a-z_]+)\{([^}]*)\}", expr):
+                name, selector = m.groups()
+                job = re.search(r'job="([^"]+)"', selector)
+                assert exported(name, job.group(1) if job else None), f"{panel['title']}: {name} ({selector})"
+                queried += 1
+    assert queried >= 40
+    names = {v["name"] for v in dashboard["templating"]["list"]}
+    assert {"datasource", "model"} <= names
+
+    datasources = yaml.safe_load((GRAFANA / "provisioning/datasources/prometheus.yml").read_text())["datasources"]
+    assert datasources[0]["type"] == "prometheus" and datasources[0]["url"] == "http://prometheus:9090"
+    providers = yaml.safe_load((GRAFANA / "provisioning/dashboards/baton.yml").read_text())["providers"]
+    assert providers[0]["options"]["path"] == "/var/lib/grafana/dashboards"
