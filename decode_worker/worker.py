@@ -78,6 +78,7 @@ class DecodeWorker(WorkerBase):
         await self._drop_orphans()
         if accept_new:
             await self._accept_new()
+        self._update_gauges()  # also after cancels, when no step follows
         if not self.engine.has_unfinished():
             return
         started = time.perf_counter()

@@ -69,8 +69,13 @@ class PrefillWorker(WorkerBase):
         if not self.engine.has_unfinished():
             return
         started = time.perf_counter()
+        num_batched = sum(s.num_tokens - s.num_computed_tokens for s in self.engine.scheduler.running)
         outputs = await asyncio.to_thread(self.engine.step)
         self.metrics.step_seconds.observe(time.perf_counter() - started)
+        self.metrics.iteration_tokens.observe(max(1, num_batched))
+        self.metrics.num_requests_running.set(len(self.engine.scheduler.running))
+        self.metrics.num_requests_waiting.set(len(self.engine.scheduler.waiting))
+        self.metrics.kv_cache_usage_perc.set(self.engine.pool.usage())
         await self._publish(outputs)
 
     async def _accept_new(self) -> None:
