@@ -20,6 +20,8 @@ import dataclasses
 import logging
 import time
 
+import msgpack
+
 from baton import protocol
 from baton.engine import EngineConfig, StepOutput
 from baton.kv_transfer import adopt_blocks, warm_prefix
@@ -32,6 +34,8 @@ from kvstore.redis_backend import partial_key
 logger = logging.getLogger("baton.decode")
 
 MAX_DELIVERIES = 4
+# How many more requests than its least-loaded peer a decode worker may hold and still pull more.
+BALANCE_SLACK = 2
 
 
 @dataclasses.dataclass
@@ -59,6 +63,8 @@ class DecodeWorker(WorkerBase):
         self.num_preemptions_seen = 0
         self.num_finished = 0
         self.num_blocks_fetched = 0
+        self.peer_loads: list[int] = []
+        self.last_peer_check = 0.0
 
     def num_in_flight(self) -> int:
         return len(self.in_flight)
@@ -99,10 +105,36 @@ class DecodeWorker(WorkerBase):
             self.metrics.num_preemptions.inc(new)
             self.num_preemptions_seen = scheduler.num_preemptions
 
+    async def _refresh_peer_loads(self) -> None:
+        if time.monotonic() - self.last_peer_check < 0.5:
+            return
+        self.last_peer_check = time.monotonic()
+        loads = []
+        keys = [k async for k in self.redis.scan_iter(match=protocol.heartbeat_key(self.kind, "*"), count=100)]
+        values = await self.redis.mget(keys) if keys else []
+        for value in values:
+            if not value:
+                continue
+            try:
+                state = msgpack.unpackb(value)
+            except (ValueError, msgpack.ExtraData):
+                continue
+            if state.get("worker_id") != self.worker_id:
+                loads.append(int(state.get("num_requests_running", 0)) + int(state.get("num_requests_waiting", 0)))
+        self.peer_loads = loads
+
+    def _my_turn(self) -> bool:
+        """Pull-based balancing: a worker much busier than its least-loaded live peer leaves new
+        handoffs in the stream for that peer (an idle worker always takes work)."""
+        scheduler = self.engine.scheduler
+        my_load = len(scheduler.running) + len(scheduler.waiting)
+        return my_load == 0 or not self.peer_loads or my_load <= min(self.peer_loads) + BALANCE_SLACK
+
     async def _accept_new(self) -> None:
         scheduler = self.engine.scheduler
         room = scheduler.config.max_num_seqs - len(scheduler.running) - len(scheduler.waiting)
-        if room > 0 and not scheduler.waiting:
+        await self._refresh_peer_loads()
+        if room > 0 and not scheduler.waiting and self._my_turn():
             block_ms = None if self.engine.has_unfinished() else 100
             for message_id, fields in await read_group(self.redis, self.stream, self.group, self.worker_id,
                                                        min(room, 8), block_ms):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httpx
 import pytest
@@ -52,6 +53,7 @@ def test_32_concurrent_requests_all_correct_and_spread(cluster, reference, tiny_
     expected = reference.generate(prompts, [SamplingParams(temperature=0, max_tokens=m) for m in max_tokens])
     for got, exp in zip(results, expected):
         assert got == exp.outputs[0].token_ids
+    time.sleep(1.5)  # heartbeats refresh every second
     served = [d["num_requests_finished"] for d in cluster.worker_states("decode")]
     assert len(served) == 2 and all(n > 0 for n in served), served
     cluster.wait_idle()
