@@ -325,13 +325,13 @@ class DecodeBatch:
             self.engine.abort_request(s.seq_id)
 
 
-def measure_decode_steps(engine, batches, context: int, repeats: int, seed: int) -> dict[int, float]:
+def measure_decode_steps(engine, batches, context: int, repeats: int, seed: int) -> dict[int, list[float]]:
     results = {}
     for batch in batches:
         db = DecodeBatch(engine, batch, context, repeats + 2, seed)
         for _ in range(2):
             db.step()  # warm: first decode step at this shape
-        results[batch] = statistics.median(db.step() for _ in range(repeats))
+        results[batch] = [db.step() for _ in range(repeats)]
         db.close()
     return results
 
@@ -531,12 +531,13 @@ def main(argv: list[str] | None = None) -> int:
         ctx = prof.step_context
         steps = measure_decode_steps(engine, prof.step_batches, ctx, prof.step_repeats, args.seed + 2)
         print(f"decode steps (engine.step, decode tokens only, context ~{ctx}, median of {prof.step_repeats}):")
-        for batch, seconds in steps.items():
+        for batch, times in steps.items():
+            seconds = statistics.median(times)
             bw_floor = (weights + batch * ctx * kv_tok) / read_bw
             compute_floor = step_flops(config, batch, ctx) / flops
             print(f"  batch {batch:>2}: {seconds * 1e3:6.1f} ms/step (floor: bandwidth {bw_floor * 1e3:.1f} ms, "
                   f"compute {compute_floor * 1e3:.1f} ms) -> {batch / seconds:.0f} tok/s  "
-                  f"[{seconds / max(bw_floor, compute_floor):.1f}x the floor]")
+                  f"[{seconds / max(bw_floor, compute_floor):.1f}x the floor; best step {min(times) * 1e3:.1f} ms]")
         print("  (bandwidth floor = (weights + batch x context x KV bytes/token) / read bandwidth; "
               "compute floor = step FLOPs / 2048^3 matmul rate)")
 
