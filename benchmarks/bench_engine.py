@@ -5,7 +5,8 @@ One run does all of it, in one process, with the same torch thread count through
 1. builds N requests from a fixed seed (random token ids >= 100, prompts of 16-512 tokens,
    max_tokens 16-256, greedy, ignore_eos);
 2. runs them through `baton.LLM.generate` (continuous batching, chunked prefill, paged KV) and
-   reports generated tokens / wall time;
+   reports generated tokens / wall time, and how that time splits between steps carrying prefill
+   chunks and decode-only steps;
 3. runs them through transformers `generate` in static batches of 8 (left-padded, generating to the
    batch's longest max_tokens) and reports USEFUL tokens / wall time (each request's own max_tokens)
    and the share of generated slots wasted;
@@ -57,7 +58,7 @@ class Request:
 
 
 @dataclass
-class Profile:
+class Sizes:
     """Knobs of a run: --quick shrinks everything."""
 
     num_requests: int
@@ -68,8 +69,8 @@ class Profile:
     step_repeats: int  # timed decode steps per batch size
 
 
-FULL = Profile(64, (16, 512), (16, 256), (1, 16, 64), 256, 20)
-QUICK = Profile(16, (16, 128), (16, 64), (1, 16, 64), 128, 8)
+FULL = Sizes(64, (16, 512), (16, 256), (1, 16, 64), 256, 20)
+QUICK = Sizes(16, (16, 128), (16, 64), (1, 16, 64), 128, 8)
 
 
 # --------------------------------------------------------------------------------------------
@@ -121,11 +122,11 @@ def torch_dtype(name: str) -> torch.dtype:
 def measure_bandwidth(repeats: int = 5) -> tuple[float, float, float]:
     """Memory read bandwidth (sum over a 1 GiB fp32 tensor): median and best of `repeats`, B/s; and
     the median copy bandwidth (bytes read + written)."""
-    src = torch.empty(GIB // 4, dtype=torch.float32).fill_(1.0)  # fill: fault the pages in first
-    reads = timings(lambda: src.sum(), repeats)
-    dst = torch.empty_like(src).fill_(0.0)
-    copy_s = statistics.median(timings(lambda: dst.copy_(src), repeats))
-    del src, dst
+    tensors = [torch.empty(GIB // 4, dtype=torch.float32).fill_(1.0)]  # fill: fault the pages in first
+    reads = timings(lambda: tensors[0].sum(), repeats)
+    tensors.append(torch.empty_like(tensors[0]).fill_(0.0))
+    copy_s = statistics.median(timings(lambda: tensors[1].copy_(tensors[0]), repeats))
+    tensors.clear()
     gc.collect()
     return GIB / statistics.median(reads), GIB / min(reads), 2 * GIB / copy_s
 
@@ -218,7 +219,8 @@ def describe_steps(steps: list[tuple[int, int, float]]) -> str:
         t = sum(s[2] for s in mixed)
         parts.append(f"{len(mixed)} steps with prefill ({sum(s[0] for s in mixed)} prompt tokens, "
                      f"{sum(s[1] for s in mixed) / len(mixed):.0f} decodes/step on average): "
-                     f"{t:.1f} s = {100 * t / total:.0f}%, {1e3 * statistics.median(s[2] for s in mixed):.0f} ms median")
+                     f"{t:.1f} s = {100 * t / total:.0f}%, "
+                     f"{1e3 * statistics.median(s[2] for s in mixed):.0f} ms median")
     if decode:
         t = sum(s[2] for s in decode)
         parts.append(f"{len(decode)} decode-only steps (batch {sum(s[1] for s in decode) / len(decode):.1f} on "
@@ -279,9 +281,9 @@ def run_hf(model, requests: list[Request], batch_size: int, pad_id: int):
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> tuple[int, int]:
     """Requests whose greedy outputs are identical, and the median common prefix length."""
-    same = sum(x == y for x, y in zip(a, b))
+    same = sum(x == y for x, y in zip(a, b, strict=True))
     prefixes = []
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=True):
         n = 0
         while n < min(len(x), len(y)) and x[n] == y[n]:
             n += 1
@@ -355,8 +357,9 @@ def profile_decode(engine, batch: int, context: int, steps: int, seed: int) -> N
     them; (b) the model forward under torch.profiler: top-level aten ops by kind, and the gaps between
     them (Python: module calls, attribute lookups, argument parsing). The profiler adds a few us per
     op, so (b) is given as shares of the profiled forward, applied to the unprofiled forward time."""
-    import baton.engine as engine_module
     from torch.profiler import ProfilerActivity, profile, record_function
+
+    import baton.engine as engine_module
 
     db = DecodeBatch(engine, batch, context, 2 * steps + 8, seed)
     for _ in range(2):
@@ -421,7 +424,9 @@ def profile_decode(engine, batch: int, context: int, steps: int, seed: int) -> N
             by_name[ev.name] = by_name.get(ev.name, 0.0) + ev.cpu_time_total / 1e6
     by_kind["Python between ops"] = region_time - sum(by_kind.values())
 
-    ms = lambda s: f"{s * 1e3:8.2f} ms"  # noqa: E731
+    def ms(seconds: float) -> str:
+        return f"{seconds * 1e3:8.2f} ms"
+
     print(f"\n  batch {batch}, context ~{context}: decode step {step * 1e3:.2f} ms (mean of {steps})")
     for label in ("schedule", "runner metadata (tensors)", "forward", "sample", "engine bookkeeping"):
         name = {"schedule": "scheduler.schedule", "forward": "model forward", "sample": "sampling"}.get(label, label)
@@ -456,8 +461,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="also split a decode step at batch 1 and 64 into its parts")
     args = parser.parse_args(argv)
 
-    prof = QUICK if args.quick else FULL
-    num_requests = args.num_requests or prof.num_requests
+    sizes = QUICK if args.quick else FULL
+    num_requests = args.num_requests or sizes.num_requests
     torch.set_num_threads(args.threads)
     dtype = torch_dtype(args.dtype)
 
@@ -470,11 +475,12 @@ def main(argv: list[str] | None = None) -> int:
           f"vocab {config.vocab_size}; dtype {args.dtype}; torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads")
     print(f"before: {loadavg()}")
-    requests = make_requests(num_requests, config.vocab_size, prof.prompt_len, prof.max_tokens, args.seed)
+    probe_start = measure_matmul(dtype, repeats=5)[0]
+    requests = make_requests(num_requests, config.vocab_size, sizes.prompt_len, sizes.max_tokens, args.seed)
     prompt_tokens = sum(len(r.prompt) for r in requests)
     useful_tokens = sum(r.max_tokens for r in requests)
-    print(f"{num_requests} requests (seed {args.seed}): prompts {prof.prompt_len[0]}-{prof.prompt_len[1]} "
-          f"tokens ({prompt_tokens} in all), max_tokens {prof.max_tokens[0]}-{prof.max_tokens[1]} "
+    print(f"{num_requests} requests (seed {args.seed}): prompts {sizes.prompt_len[0]}-{sizes.prompt_len[1]} "
+          f"tokens ({prompt_tokens} in all), max_tokens {sizes.max_tokens[0]}-{sizes.max_tokens[1]} "
           f"({useful_tokens} in all), greedy, ignore_eos")
 
     # ---- Baton
@@ -495,7 +501,6 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  {describe_steps(baton_steps)}")
 
     # ---- transformers, static batches
-    hf_rate = None
     if not args.skip_transformers:
         hf = load_hf(model_dir, dtype)
         pad_id = llm.tokenizer.pad_token_id
@@ -528,9 +533,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{flops / 1e9:.0f} GFLOP/s [{best_flops / 1e9:.0f}]")
         print(f"per step: weights {weights / 1e6:.0f} MB read; KV {kv_tok / 1024:.1f} KiB per context token; "
               f"{2 * matmul_params(config) / 1e6:.0f} MFLOP per token + attention")
-        ctx = prof.step_context
-        steps = measure_decode_steps(engine, prof.step_batches, ctx, prof.step_repeats, args.seed + 2)
-        print(f"decode steps (engine.step, decode tokens only, context ~{ctx}, median of {prof.step_repeats}):")
+        ctx = sizes.step_context
+        steps = measure_decode_steps(engine, sizes.step_batches, ctx, sizes.step_repeats, args.seed + 2)
+        print(f"decode steps (engine.step, decode tokens only, context ~{ctx}, median of {sizes.step_repeats}):")
         for batch, times in steps.items():
             seconds = statistics.median(times)
             bw_floor = (weights + batch * ctx * kv_tok) / read_bw
@@ -544,9 +549,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile:
         print(f"\nprofile of a decode step ({args.dtype}):")
         for batch in (1, 64):
-            profile_decode(engine, batch, prof.step_context, 10, args.seed + 3)
+            profile_decode(engine, batch, sizes.step_context, 10, args.seed + 3)
 
+    probe_end = measure_matmul(dtype, repeats=5)[0]
     print(f"\nafter: {loadavg()}")
+    slower = min(probe_start, probe_end) / max(probe_start, probe_end)
+    print(f"noise check: {args.dtype} 2048^3 matmul {probe_start / 1e9:.0f} GFLOP/s at the start, "
+          f"{probe_end / 1e9:.0f} at the end" + ("" if slower > 0.85 else
+                                                  " -- they differ: other processes ran, distrust this run"))
     return 0
 
 
