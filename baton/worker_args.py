@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 import os
 import re
 
@@ -35,3 +36,27 @@ def add_common_args(parser: argparse.ArgumentParser, kind: str) -> None:
                         help="a message unacked this long by a consumer whose heartbeat stopped is claimed")
     parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish in-flight work on SIGTERM")
     parser.add_argument("--log-level", default=os.environ.get("BATON_LOG_LEVEL", "INFO"))
+
+
+def run_worker(kind: str, argv: list[str] | None, extra: Callable[[argparse.ArgumentParser], None] | None = None) -> None:
+    """Parse a worker's flags and run it on uvloop (`python -m prefill_worker` / `decode_worker`)."""
+    import asyncio
+    import importlib
+
+    from baton.worker_runtime import setup_logging
+
+    parser = argparse.ArgumentParser(prog=f"python -m {kind}_worker", description=f"Baton {kind} worker")
+    add_common_args(parser, kind)
+    if extra is not None:
+        extra(parser)
+    args = parser.parse_args(argv)
+    setup_logging(args.log_level)
+    module = importlib.import_module(f"{kind}_worker.worker")
+    worker_class = getattr(module, f"{kind.capitalize()}Worker")
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    asyncio.run(worker_class(args).run())

@@ -23,10 +23,15 @@ class WorkerBase:
     stream = ""
     group = ""
 
-    def __init__(self, args: argparse.Namespace, engine_config: EngineConfig) -> None:
+    def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.worker_id = args.worker_id or default_worker_id(self.kind)
-        self.engine = LLMEngine(engine_config)
+        self.engine = LLMEngine(EngineConfig(
+            model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
+            num_kv_blocks=args.num_kv_blocks, kv_cache_memory=args.kv_cache_memory,
+            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+            scheduler_policy=getattr(args, "scheduler_policy", "max-utilization"), num_threads=args.threads,
+        ))
         self.redis = connect(args.redis_url)
         self.store = RedisBlockStore(self.redis)
         self.cancels = CancelWatcher(self.redis)

@@ -23,7 +23,7 @@ import time
 import msgpack
 
 from baton import protocol
-from baton.engine import EngineConfig, StepOutput
+from baton.engine import StepOutput
 from baton.kv_transfer import adopt_blocks, warm_prefix
 from baton.sampling import SamplingParams
 from baton.sequence import Sequence
@@ -52,12 +52,7 @@ class DecodeWorker(WorkerBase):
     group = protocol.DECODE_GROUP
 
     def __init__(self, args: argparse.Namespace) -> None:
-        super().__init__(args, EngineConfig(
-            model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
-            num_kv_blocks=args.num_kv_blocks, kv_cache_memory=args.kv_cache_memory,
-            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-            scheduler_policy=args.scheduler_policy, num_threads=args.threads,
-        ))
+        super().__init__(args)
         self.in_flight: dict[str, InFlight] = {}
         self.last_gateway_check = 0.0
         self.num_preemptions_seen = 0

@@ -18,7 +18,7 @@ import time
 from collections import OrderedDict
 
 from baton import protocol
-from baton.engine import EngineConfig, StepOutput
+from baton.engine import StepOutput
 from baton.kv_transfer import encode_seq_blocks, warm_prefix
 from baton.sampling import SamplingParams
 from baton.sequence import Sequence
@@ -36,12 +36,7 @@ class PrefillWorker(WorkerBase):
     group = protocol.PREFILL_GROUP
 
     def __init__(self, args: argparse.Namespace) -> None:
-        super().__init__(args, EngineConfig(
-            model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
-            num_kv_blocks=args.num_kv_blocks, kv_cache_memory=args.kv_cache_memory,
-            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-            num_threads=args.threads,
-        ))
+        super().__init__(args)
         # request id -> (stream message id, request, admission time)
         self.in_flight: dict[str, tuple[bytes, protocol.PrefillRequest, float]] = {}
         # Hashes known to be in the store (written or fetched here): not sent again.
