@@ -114,7 +114,9 @@ def adopt_blocks(engine: LLMEngine, seq: Sequence, num_tokens: int, partial_valu
         if stored_tokens != partial_tokens:
             return False
     revived = sum(1 for b in blocks if pool.ref_counts[b] == 0)
-    if revived + (1 if partial_tokens else 0) > pool.num_free_blocks:
+    # Only blocks no running request may still claim (no-evict reservations, the watermark):
+    # taking reserved ones would force a preemption that no-evict promises never happens.
+    if revived + (1 if partial_tokens else 0) > engine.scheduler.spare_blocks():
         return False
     for block in blocks:
         pool.touch(block)

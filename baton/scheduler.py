@@ -151,6 +151,13 @@ class Scheduler:
             return worst <= pool.num_free_blocks - self._reserved_blocks()
         return to_take <= pool.num_free_blocks - self._watermark()
 
+    def spare_blocks(self) -> int:
+        """Free blocks that nothing running may still claim: what a newcomer may take now."""
+        pool = self.block_manager.pool
+        if self.config.policy == "no-evict":
+            return pool.num_free_blocks - self._reserved_blocks()
+        return pool.num_free_blocks - self._watermark()
+
     def _release_queued_blocks(self) -> bool:
         """Free the blocks of queued requests behind the head; True if any were freed."""
         released = False
