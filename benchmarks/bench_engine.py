@@ -475,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
           f"vocab {config.vocab_size}; dtype {args.dtype}; torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads")
     print(f"before: {loadavg()}")
-    probe_start = measure_matmul(dtype, repeats=5)[0]
+    probes = [measure_matmul(dtype, repeats=5)[0]]  # the same rate start, middle and end: a quiet run
     requests = make_requests(num_requests, config.vocab_size, sizes.prompt_len, sizes.max_tokens, args.seed)
     prompt_tokens = sum(len(r.prompt) for r in requests)
     useful_tokens = sum(r.max_tokens for r in requests)
@@ -526,6 +526,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_steps:
         read_bw, best_bw, copy_bw = measure_bandwidth()
         flops, best_flops = measure_matmul(dtype)
+        probes.append(flops)
         weights = weight_bytes_per_step(engine.model)
         kv_tok = kv_bytes_per_token(config, dtype)
         print(f"\nmachine (medians; best in brackets): memory read {read_bw / 1e9:.1f} GB/s [{best_bw / 1e9:.1f}] "
@@ -551,12 +552,12 @@ def main(argv: list[str] | None = None) -> int:
         for batch in (1, 64):
             profile_decode(engine, batch, sizes.step_context, 10, args.seed + 3)
 
-    probe_end = measure_matmul(dtype, repeats=5)[0]
+    probes.append(measure_matmul(dtype, repeats=5)[0])
     print(f"\nafter: {loadavg()}")
-    slower = min(probe_start, probe_end) / max(probe_start, probe_end)
-    print(f"noise check: {args.dtype} 2048^3 matmul {probe_start / 1e9:.0f} GFLOP/s at the start, "
-          f"{probe_end / 1e9:.0f} at the end" + ("" if slower > 0.85 else
-                                                  " -- they differ: other processes ran, distrust this run"))
+    steady = min(probes) / max(probes) > 0.85
+    print(f"noise check: {args.dtype} 2048^3 matmul at the start, {'middle, ' if len(probes) > 2 else ''}end: "
+          + ", ".join(f"{p / 1e9:.0f}" for p in probes) + " GFLOP/s"
+          + ("" if steady else " -- they differ: other processes ran, distrust this run"))
     return 0
 
 
