@@ -8,7 +8,7 @@ import torch
 from safetensors import safe_open
 
 from baton.config import ModelConfig
-from baton.model import LlamaModel, rope_inv_freq
+from baton.model import LlamaModel
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
@@ -92,7 +92,6 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto",
         raise ValueError(f"checkpoint does not match the model: missing {missing}, unexpected {unexpected}")
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    inv_freq, _ = rope_inv_freq(config)  # buffers were built on the meta device
-    model.inv_freq = inv_freq.to(device)
     model.eval()
+    model.prepare()
     return model, config

@@ -2,46 +2,31 @@
 
 Selective batching (Orca): embeddings, norms, projections and the MLP run over every token of the
 step flattened to `[T, H]`, whatever request it belongs to; only attention is split, each request
-attending over its own KV blocks. Decode tokens (one query each) are attended in one padded batch;
-each prefill chunk is attended on its own (there are few per step and they are long).
+attending over its own KV blocks (`baton.attention`).
 
-The KV cache is one tensor `[num_layers, 2, num_slots, num_kv_heads, head_dim]` where a slot is
-`block_id * block_size + offset`. Block 0 is reserved and never allocated, so padding of gathers
-points at slot 0 and is masked out.
+Two numeric paths share this code. float32 computes exactly as the reference (transformers) does:
+it is the parity path of the tests. bf16 is the CPU fast path, written for the fewest ops per layer
+(a decode step at batch 1 is ~30 layers x ~30 ops, and each op costs microseconds of dispatch):
+fused RMSNorm, RoPE once over the q|k slice from a precomputed table, matmuls through prepacked
+weights (`baton.linear`), in-place residual adds.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from baton.attention import AttentionMetadata, TorchAttention
 from baton.config import ModelConfig
+from baton.linear import LinearOp, make_linear_op
 
 
-@dataclass
-class PrefillSpan:
-    """One prefill chunk of a request inside the flattened step."""
-
-    start: int  # first token of the chunk in the flattened batch
-    length: int  # tokens in the chunk (queries)
-    context_len: int  # tokens attended: already-computed prefix + this chunk
-    gather_slots: torch.Tensor | None  # [context_len] slots; None when the chunk is the whole context
-    mask: torch.Tensor | None  # [1, 1, length, context_len] bool, True = attend; None when causal
-
-
-@dataclass
-class AttentionMetadata:
-    """Built once per step; every layer reuses it (Python work per layer is the enemy at batch 1)."""
-
-    slot_mapping: torch.Tensor  # [T] slot each new token's K/V is written to
-    num_decode_tokens: int  # the first Bd tokens of the step are decode tokens, one per request
-    decode_gather: torch.Tensor | None  # [Bd, L] slots of each decode request's context, padded
-    decode_mask: torch.Tensor | None  # [Bd, 1, 1, L] bool, True = attend
-    prefills: list[PrefillSpan]
+def set_op(module: nn.Module, name: str, op: LinearOp) -> None:
+    # object.__setattr__: an nn.Linear stored here must not become a second registered submodule
+    object.__setattr__(module, name, op)
 
 
 class RMSNorm(nn.Module):
@@ -51,11 +36,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [T, H] -> [T, H]; computed in fp32 like the reference implementation
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        # x: [T, H] -> [T, H]
+        if x.dtype != torch.float32:
+            # one fused kernel (it accumulates in fp32) instead of eight ops
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        # fp32: the reference's exact sequence of ops (the parity path)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x
 
 
 def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
@@ -84,9 +71,33 @@ def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
     return inv_freq, 1.0
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def rope_table(config: ModelConfig, num_positions: int, dtype: torch.dtype,
+               device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sign-folded sin for positions [0, num_positions): [P, head_dim] each, in `dtype`.
+
+    Computed in fp32 as the reference does (position * inv_freq, then cos/sin), so a lookup equals
+    the on-the-fly value. The sin table carries rotate_half's sign (-sin on the first half), so that
+    rope(x) = x * cos + roll(x, half) * sin_signed: three ops.
+    """
+    inv_freq, scaling = rope_inv_freq(config)
+    positions = torch.arange(num_positions, dtype=torch.int64).float()
+    freqs = positions.unsqueeze(-1) * inv_freq.float().unsqueeze(0)  # [P, d/2]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos() * scaling, emb.sin() * scaling
+    half = config.head_dim // 2
+    sin[:, :half] = -sin[:, :half]
+    return cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    # x: [T, heads, d]; cos, sin_signed: [T, 1, d] -> [T, heads, d]
+    if x.dtype == torch.float32:
+        # the reference's rotate_half, op for op (the parity path)
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        sin = torch.cat((-sin_signed[..., :half], sin_signed[..., half:]), dim=-1)
+        return x * cos + rotated * sin
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin_signed)
 
 
 class Attention(nn.Module):
@@ -102,69 +113,39 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
         self.scale = self.head_dim**-0.5
+        self.backend = TorchAttention(config.num_heads, config.num_kv_heads, config.head_dim)
+        # The ops the forward calls (see `prepare`); plain attributes, not submodules.
+        set_op(self, "qkv", self.qkv_proj)
+        set_op(self, "o", self.o_proj)
 
     def forward(
         self,
         x: torch.Tensor,  # [T, H]
-        cos: torch.Tensor,  # [T, head_dim]
-        sin: torch.Tensor,  # [T, head_dim]
-        kv_cache: torch.Tensor,  # [2, num_slots, kv_heads, head_dim] (this layer's)
+        cos: torch.Tensor,  # [T, 1, head_dim]
+        sin: torch.Tensor,  # [T, 1, head_dim], sign-folded (see rope_table)
+        kv_cache: torch.Tensor,  # [2, kv_heads, num_slots, head_dim] (this layer's)
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, H]
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        cos_h, sin_h = cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, head_dim]
-        q = (q * cos_h + rotate_half(q) * sin_h).to(x.dtype)
-        k = (k * cos_h + rotate_half(k) * sin_h).to(x.dtype)
-        k_cache, v_cache = kv_cache[0], kv_cache[1]
-        k_cache.index_copy_(0, meta.slot_mapping, k)
-        v_cache.index_copy_(0, meta.slot_mapping, v)
-
-        out = torch.empty_like(q)  # [T, heads, head_dim]
-        num_decode = meta.num_decode_tokens
-        if num_decode:
-            # [Bd, heads, 1, d] against the padded context [Bd, kv_heads, L, d] of each request
-            kd = k_cache[meta.decode_gather].transpose(1, 2)
-            vd = v_cache[meta.decode_gather].transpose(1, 2)
-            if x.dtype == torch.float32:
-                # fp32 is the parity path: the same kernel the reference uses
-                qd = q[:num_decode].unsqueeze(2)
-                od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=self.scale,
-                                                    enable_gqa=True)
-                out[:num_decode] = od.squeeze(2)
-            else:
-                out[:num_decode] = self._decode_attention_grouped(q[:num_decode], kd, vd, meta.decode_mask)
-        for span in meta.prefills:
-            s, e = span.start, span.start + span.length
-            qp = q[s:e].transpose(0, 1).unsqueeze(0)  # [1, heads, n, d]
-            if span.gather_slots is None:
-                kp, vp = k[s:e], v[s:e]  # the chunk is the whole context: no cache read needed
-            else:
-                kp, vp = k_cache[span.gather_slots], v_cache[span.gather_slots]
-            kp = kp.transpose(0, 1).unsqueeze(0)  # [1, kv_heads, ctx, d]
-            vp = vp.transpose(0, 1).unsqueeze(0)
-            op = F.scaled_dot_product_attention(
-                qp, kp, vp, attn_mask=span.mask, is_causal=span.mask is None, scale=self.scale, enable_gqa=True
-            )
-            out[s:e] = op.squeeze(0).transpose(0, 1)
-        return self.o_proj(out.view(num_tokens, self.q_size))
-
-
-    def _decode_attention_grouped(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                                  mask: torch.Tensor) -> torch.Tensor:
-        # q: [Bd, heads, d]; k, v: [Bd, kv_heads, L, d]; mask: [Bd, 1, 1, L] -> [Bd, heads, d]
-        # On CPU, SDPA with a mask in bf16 falls back to a slow path (25x slower at batch 16 than
-        # this): the query heads sharing a KV head are batched as rows of one matmul instead.
-        batch, kv_heads = k.shape[0], self.num_kv_heads
-        group = self.num_heads // kv_heads
-        qg = q.view(batch, kv_heads, group, self.head_dim)
-        scores = torch.matmul(qg, k.transpose(-1, -2)).float() * self.scale  # [Bd, kv_heads, group, L]
-        scores = scores.masked_fill(~mask, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(v.dtype)
-        return torch.matmul(probs, v).view(batch, self.num_heads, self.head_dim)
+        num_q_heads, num_kv_heads = self.num_heads, self.num_kv_heads
+        qkv = self.qkv(x).view(num_tokens, num_q_heads + 2 * num_kv_heads, self.head_dim)
+        # RoPE once over the q|k heads together
+        qk = apply_rope(qkv[:, :num_q_heads + num_kv_heads], cos, sin)
+        q, k = qk[:, :num_q_heads], qk[:, num_q_heads:]
+        v = qkv[:, num_q_heads + num_kv_heads:]
+        backend = self.backend
+        backend.write_kv(kv_cache, k, v, meta)
+        if not meta.prefills and len(meta.decode_groups) == 1:
+            out = backend.decode(q, kv_cache, meta.decode_groups[0], meta.block_size)  # the common case
+        else:
+            out = torch.empty_like(q)  # [T, heads, head_dim]
+            for group in meta.decode_groups:
+                s, e = group.start, group.start + group.count
+                out[s:e] = backend.decode(q[s:e], kv_cache, group, meta.block_size)
+            for span in meta.prefills:
+                s, e = span.start, span.start + span.length
+                out[s:e] = backend.prefill(q[s:e], k[s:e], v[s:e], kv_cache, span)
+        return self.o(out.reshape(num_tokens, self.q_size))
 
 
 class MLP(nn.Module):
@@ -173,11 +154,13 @@ class MLP(nn.Module):
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        set_op(self, "gate_up", self.gate_up_proj)
+        set_op(self, "down", self.down_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, H] -> [T, H]
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate, up = self.gate_up(x).split(self.intermediate_size, dim=-1)
+        return self.down(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -190,9 +173,10 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        # x: [T, H] -> [T, H]
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        # x: [T, H] -> [T, H] (x is the step's own residual stream: updated in place)
+        x += self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+        x += self.mlp(self.post_attention_layernorm(x))
+        return x
 
 
 class LlamaModel(nn.Module):
@@ -205,28 +189,58 @@ class LlamaModel(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        inv_freq, self.attention_scaling = rope_inv_freq(config)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        set_op(self, "head", self.lm_head)
+        self.rope_cos: torch.Tensor | None = None  # [P, head_dim], built on first use (see rope)
+        self.rope_sin: torch.Tensor | None = None
 
-    def rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions: [T] -> cos, sin: [T, head_dim] in fp32 (as the reference computes them)
-        freqs = positions.float().unsqueeze(-1) * self.inv_freq.float().unsqueeze(0)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
+    def prepare(self, fast_linears: bool = True, native_kernels: bool = True) -> list[str]:
+        """After the weights are loaded: pick the fastest matmul per projection (`baton.linear`) and,
+        for bf16 on the CPU, the native paged-attention kernel (`baton.kernels`; built on first
+        use). Returns the names of the matmul ops chosen, for the log."""
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            set_op(attn, "qkv", make_linear_op(attn.qkv_proj, fast_linears))
+            set_op(attn, "o", make_linear_op(attn.o_proj, fast_linears))
+            set_op(mlp, "gate_up", make_linear_op(mlp.gate_up_proj, fast_linears))
+            set_op(mlp, "down", make_linear_op(mlp.down_proj, fast_linears))
+        set_op(self, "head", make_linear_op(self.lm_head, fast_linears))
+        self.rope_cos = self.rope_sin = None
+        param = self.embed_tokens.weight
+        if native_kernels and param.dtype == torch.bfloat16 and param.device.type == "cpu":
+            from baton import kernels
+
+            kernel = kernels.load()
+            for layer in self.layers:
+                layer.self_attn.backend.use_native_kernel(kernel)
+        return sorted({type(op).__name__ for op in self.linear_ops()})
+
+    def linear_ops(self) -> list[LinearOp]:
+        ops: list[LinearOp] = [self.head]
+        for layer in self.layers:
+            ops += [layer.self_attn.qkv, layer.self_attn.o, layer.mlp.gate_up, layer.mlp.down]
+        return ops
+
+    def rope(self, positions: torch.Tensor, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions: [T] -> cos, sin_signed: [T, 1, head_dim] in the model's dtype
+        if self.rope_cos is None or max_position >= self.rope_cos.shape[0]:
+            size = max(self.config.max_position_embeddings, 2 * (max_position + 1))
+            param = self.embed_tokens.weight
+            self.rope_cos, self.rope_sin = rope_table(self.config, size, param.dtype, param.device)
+        return self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
 
     @torch.inference_mode()
     def forward(
         self,
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
-        kv_cache: torch.Tensor,  # [num_layers, 2, num_slots, kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [num_layers, 2, kv_heads, num_slots, head_dim]
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,  # [S] tokens whose next-token logits are needed
+        max_position: int,  # the largest value in positions (known to the caller without a sync)
     ) -> torch.Tensor:  # [S, vocab] fp32
         x = self.embed_tokens(input_ids)
-        cos, sin = self.rope_tables(positions)
-        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        cos, sin = self.rope(positions, max_position)
         for layer, layer_cache in zip(self.layers, kv_cache):
             x = layer(x, cos, sin, layer_cache, meta)
         x = self.norm(x[logits_indices])
-        return self.lm_head(x).float()
+        return self.head(x).float()

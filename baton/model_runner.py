@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from baton.config import ModelConfig
-from baton.model import AttentionMetadata, LlamaModel, PrefillSpan
+from baton.attention import AttentionMetadata, DecodeGroup, PrefillSpan, group_by_context
+from baton.model import LlamaModel
 from baton.sequence import Sequence
 
 
@@ -22,87 +23,111 @@ class ModelRunner:
         param = next(model.parameters())
         self.device = param.device
         self.dtype = param.dtype
-        # [layers, k/v, slots, kv_heads, head_dim]; slot = block * block_size + offset
+        # [layers, k/v, kv_heads, slots, head_dim]; slot = block * block_size + offset (head-major:
+        # see baton.attention)
+        self.pads_decode = model.layers[0].self_attn.backend.pads_decode if len(model.layers) else True
         self.kv_cache = torch.zeros(
-            config.num_layers, 2, num_blocks * block_size, config.num_kv_heads, config.head_dim,
+            config.num_layers, 2, config.num_kv_heads, num_blocks * block_size, config.head_dim,
             dtype=self.dtype, device=self.device,
         )
 
-    def _slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
-        # slots of positions [start, end) of a request: [end - start]
-        positions = torch.arange(start, end)
-        table = torch.tensor(block_table, dtype=torch.long)
-        return table[positions // self.block_size] * self.block_size + positions % self.block_size
+    def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
+        # slots of positions [start, end) of a request
+        bs = self.block_size
+        return [block_table[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def _decode_groups(self, context_lens: list[int]) -> list[tuple[int, int]]:
+        if self.pads_decode:
+            return group_by_context(context_lens, self.block_size)
+        # the native kernel reads only each request's own blocks: one group, no padding cost
+        return [(0, len(context_lens))] if context_lens else []
 
     def execute(self, scheduled: list[tuple[Sequence, int]]) -> tuple[list[Sequence], torch.Tensor]:
-        """Run one step. Returns the requests that get a new token and their logits [S, vocab]."""
-        bs = self.block_size
+        """Run one step. Returns the requests that get a new token and their logits [S, vocab].
+
+        Decode requests (one new token each) come first, reordered by context length so that
+        requests of similar length form one padded attention group; prefill chunks follow.
+        """
+        bs, device = self.block_size, self.device
+        decode = sorted((seq for seq, n in scheduled if n == 1 and seq.num_computed_tokens + 1 == seq.num_tokens),
+                        key=lambda s: s.num_computed_tokens)
+        decode_ids = {id(s) for s in decode}
+        chunks = [(seq, n) for seq, n in scheduled if id(seq) not in decode_ids]
         input_ids: list[int] = []
-        positions: list[torch.Tensor] = []
-        slots: list[torch.Tensor] = []
+        positions: list[int] = []
+        slots: list[int] = []
         logits_indices: list[int] = []
         sample_seqs: list[Sequence] = []
-        decode_seqs: list[Sequence] = []
+        for seq in decode:
+            pos = seq.num_computed_tokens
+            input_ids.append(seq.token_ids[pos])
+            positions.append(pos)
+            slots.append(seq.block_table[pos // bs] * bs + pos % bs)
+        logits_indices.extend(range(len(decode)))
+        sample_seqs.extend(decode)
+        groups = []
+        context_lens = [s.num_computed_tokens + 1 for s in decode]
+        for start, count in self._decode_groups(context_lens):
+            members = decode[start:start + count]
+            num_blocks = -(-(members[-1].num_computed_tokens + 1) // bs)
+            block_ids = []
+            for seq in members:
+                table = seq.block_table[:num_blocks]
+                block_ids.extend(table)
+                block_ids.extend([0] * (num_blocks - len(table)))  # padding -> reserved block 0
+            lengths = torch.tensor(context_lens[start:start + count], dtype=torch.long)
+            bias = mask = None
+            if self.pads_decode:
+                mask = torch.arange(num_blocks * bs).unsqueeze(0) < lengths.unsqueeze(1)  # [count, L]
+                bias = torch.zeros(mask.shape, dtype=torch.float32).masked_fill_(~mask, float("-inf"))
+                bias, mask = bias.view(1, count, 1, -1).to(device), mask.view(count, 1, 1, -1).to(device)
+            block_ids_t = torch.tensor(block_ids, dtype=torch.long, device=device)
+            groups.append(DecodeGroup(start, count, num_blocks, block_ids_t, lengths.to(device), bias, mask))
         prefills: list[PrefillSpan] = []
-        for seq, num_new in scheduled:
+        for seq, num_new in chunks:
             start = seq.num_computed_tokens
             end = start + num_new
             offset = len(input_ids)
             input_ids.extend(seq.token_ids[start:end])
-            positions.append(torch.arange(start, end))
-            slots.append(self._slots(seq.block_table, start, end))
-            if num_new == 1:
-                decode_seqs.append(seq)
+            positions.extend(range(start, end))
+            slots.extend(self._slots(seq.block_table, start, end))
+            if start == 0:
+                gather, mask = None, None  # plain causal attention over the chunk itself
             else:
-                if start == 0:
-                    gather, mask = None, None  # plain causal attention over the chunk itself
-                else:
-                    gather = self._slots(seq.block_table, 0, end)
-                    # query i sits at position start + i and sees keys 0 .. start + i
-                    mask = (torch.arange(end).unsqueeze(0) <= torch.arange(start, end).unsqueeze(1))
-                    mask = mask.view(1, 1, num_new, end).to(self.device)
-                    gather = gather.to(self.device)
-                prefills.append(PrefillSpan(offset, num_new, end, gather, mask))
+                gather = torch.tensor(self._slots(seq.block_table, 0, end), dtype=torch.long, device=device)
+                # query i sits at position start + i and sees keys 0 .. start + i
+                mask = (torch.arange(end).unsqueeze(0) <= torch.arange(start, end).unsqueeze(1))
+                mask = mask.view(1, 1, num_new, end).to(device)
+            prefills.append(PrefillSpan(offset, num_new, end, gather, mask))
             if end == seq.num_tokens:  # the whole sequence is computed: its next token is due
                 logits_indices.append(offset + num_new - 1)
                 sample_seqs.append(seq)
-        num_decode = len(decode_seqs)
-        assert all(n == 1 for _, n in scheduled[:num_decode]), "decode tokens must come first"
-        decode_gather = decode_mask = None
-        if num_decode:
-            context_lens = torch.tensor([s.num_computed_tokens + 1 for s in decode_seqs])
-            max_len = int(context_lens.max())
-            max_blocks = -(-max_len // bs)
-            tables = torch.zeros(num_decode, max_blocks, dtype=torch.long)  # padding -> block 0
-            for row, seq in enumerate(decode_seqs):
-                table = seq.block_table[:max_blocks]
-                tables[row, :len(table)] = torch.tensor(table, dtype=torch.long)
-            pos = torch.arange(max_len)
-            decode_gather = (tables[:, pos // bs] * bs + pos % bs).to(self.device)  # [Bd, L]
-            decode_mask = (pos.unsqueeze(0) < context_lens.unsqueeze(1)).view(num_decode, 1, 1, max_len).to(self.device)
         meta = AttentionMetadata(
-            slot_mapping=torch.cat(slots).to(self.device),
-            num_decode_tokens=num_decode,
-            decode_gather=decode_gather,
-            decode_mask=decode_mask,
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+            num_decode_tokens=len(decode),
+            decode_groups=groups,
             prefills=prefills,
+            block_size=bs,
         )
         logits = self.model(
-            torch.tensor(input_ids, dtype=torch.long, device=self.device),
-            torch.cat(positions).to(self.device),
+            torch.tensor(input_ids, dtype=torch.long, device=device),
+            torch.tensor(positions, dtype=torch.long, device=device),
             self.kv_cache,
             meta,
-            torch.tensor(logits_indices, dtype=torch.long, device=self.device),
+            torch.tensor(logits_indices, dtype=torch.long, device=device),
+            max(positions),
         )
         return sample_seqs, logits
 
     # --- moving blocks in and out (the disaggregated workers hand KV through the store) ---
 
     def read_block(self, block: int) -> torch.Tensor:
-        """A block's KV: [layers, 2, block_size, kv_heads, head_dim] (a copy, on the CPU)."""
+        """A block's KV in the store's format: [layers, 2, block_size, kv_heads, head_dim] (a copy,
+        on the CPU; the cache itself is head-major)."""
         s = block * self.block_size
-        return self.kv_cache[:, :, s:s + self.block_size].to("cpu", copy=True)
+        return self.kv_cache[:, :, :, s:s + self.block_size].transpose(2, 3).to("cpu", copy=True).contiguous()
 
     def write_block(self, block: int, data: torch.Tensor) -> None:
+        # data: [layers, 2, block_size, kv_heads, head_dim] (the store's format)
         s = block * self.block_size
-        self.kv_cache[:, :, s:s + self.block_size] = data.to(self.device, self.dtype)
+        self.kv_cache[:, :, :, s:s + self.block_size] = data.to(self.device, self.dtype).transpose(2, 3)

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from baton import kernels as native_kernels
+
 
 @dataclass
 class SamplingParams:
@@ -61,6 +63,19 @@ def apply_repetition_penalty(logits: torch.Tensor, token_ids: list[int], penalty
     logits[ids] = torch.where(scores > 0, scores / penalty, scores * penalty)
 
 
+def greedy_pick(logits: torch.Tensor) -> tuple[list[int], list[float]]:
+    """argmax per row (first index on ties) and its log-probability. logits: [S, V] fp32."""
+    kernels = native_kernels.loaded()
+    if kernels is not None and logits.device.type == "cpu":
+        tokens, logprobs = kernels.greedy_pick(logits)
+    else:
+        tokens = logits.argmax(dim=-1)
+        # log p(token) = logit - logsumexp(logits): one reduction per row instead of a full
+        # [S, V] log_softmax followed by a gather
+        logprobs = logits.gather(1, tokens.unsqueeze(1)).squeeze(1) - torch.logsumexp(logits, dim=-1)
+    return tokens.tolist(), logprobs.tolist()
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams], histories: list[list[int]],
            draw_indices: list[int]) -> tuple[list[int], list[float]]:
     """Pick one token per row.
@@ -77,11 +92,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], histories: list[l
     for row, p in enumerate(params):
         if p.repetition_penalty != 1.0:
             apply_repetition_penalty(logits[row], histories[row], p.repetition_penalty)
-    tokens = logits.argmax(dim=-1)
-    logprobs = torch.log_softmax(logits, dim=-1)
-    chosen_logprobs = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
-    token_list = tokens.tolist()
-    logprob_list = chosen_logprobs.tolist()
+    token_list, logprob_list = greedy_pick(logits)
     for row, p in enumerate(params):
         if p.greedy:
             continue

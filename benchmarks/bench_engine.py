@@ -343,10 +343,10 @@ def measure_decode_steps(engine, batches, context: int, repeats: int, seed: int)
 
 
 OP_GROUPS = [  # top-level aten ops of the model forward, by what they do
-    ("weight matmuls (linear)", ("aten::linear", "aten::mm", "aten::addmm")),
+    ("weight matmuls (linear)", ("aten::linear", "aten::mm", "aten::addmm", "mkldnn::_linear_pointwise")),
     ("attention (sdpa or matmul/softmax)", ("aten::scaled_dot_product_attention", "aten::matmul", "aten::bmm",
                                             "aten::softmax", "aten::masked_fill", "aten::bitwise_not")),
-    ("KV gather (index)", ("aten::index",)),
+    ("KV gather (index, index_select)", ("aten::index", "aten::index_select")),
     ("KV write (index_copy_)", ("aten::index_copy_",)),
 ]
 OTHER_OPS = "other ops (norms, rope, residual, silu, copies)"
@@ -415,7 +415,7 @@ def profile_decode(engine, batch: int, context: int, steps: int, seed: int) -> N
         if ev.name == "bench::forward":
             region_time += ev.cpu_time_total / 1e6
         parent = ev.cpu_parent
-        if parent is None or parent.name != "bench::forward" or not ev.name.startswith("aten::"):
+        if parent is None or parent.name != "bench::forward" or not ev.name.startswith(("aten::", "mkldnn::")):
             continue
         num_ops += 1
         kind = next((label for label, names in OP_GROUPS if ev.name in names), OTHER_OPS)

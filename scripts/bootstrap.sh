@@ -97,7 +97,13 @@ else
   say "redis-server: $("$PY" -c 'from baton.redis_server import find_redis_server; print(find_redis_server())')"
 fi
 
-# 5. The default model ---------------------------------------------------------------------------
+# 5. Native CPU kernels (paged decode attention, greedy pick), built once per machine; where no
+#    compiler is available Baton runs their torch fallback.
+if [ "${BATON_NATIVE_KERNELS:-1}" != 0 ]; then
+  say "$("$PY" -m baton.kernels 2>/dev/null | tail -n 1)"
+fi
+
+# 6. The default model ---------------------------------------------------------------------------
 if [ "${BATON_SKIP_FETCH:-0}" != 1 ]; then
   say "default model"
   model_dir="$("$VENV/bin/baton" model fetch | tail -n 1)"

@@ -1,0 +1,154 @@
+"""Attention over the paged KV cache, behind a small backend interface.
+
+A backend does three things for one layer: write the step's new K/V into their slots, attend decode
+tokens (one query each) through their block tables, and attend prefill chunks. The model calls only
+these; the metadata they read is built once per step by the model runner.
+
+KV cache layout, per layer: `[2, kv_heads, num_slots, head_dim]` with `slot = block * block_size +
+offset`. Head-major, so that the blocks of a request gathered by block id come out as
+`[kv_heads, batch, context, head_dim]`, and `K^T` for the score matmul is a free transpose of the
+last two dimensions (the earlier slot-major layout made every attention matmul copy its operand
+again). Block 0 is reserved and never allocated: padding of block tables points at it, and its
+columns are masked out.
+
+`TorchAttention` is the portable backend (CPU and CUDA, plain torch ops). Its bf16 decode gathers
+whole blocks with one `index_select` per K and V (a memcpy of `block_size * head_dim` elements per
+block and head), then one batched matmul / softmax / matmul with the query heads that share a KV
+head folded into the rows. Requests are grouped by context length so that one long request does
+not pad 63 short ones to its length. float32 keeps the reference SDPA kernel: it is the parity
+path against transformers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSpan:
+    """One prefill chunk of a request inside the flattened step."""
+
+    start: int  # first token of the chunk in the flattened batch
+    length: int  # tokens in the chunk (queries)
+    context_len: int  # tokens attended: already-computed prefix + this chunk
+    gather_slots: torch.Tensor | None  # [context_len] slots; None when the chunk is the whole context
+    mask: torch.Tensor | None  # [1, 1, length, context_len] bool, True = attend; None when causal
+
+
+@dataclass
+class DecodeGroup:
+    """Decode requests of similar context length, attended as one padded batch."""
+
+    start: int  # first of the group's tokens in the flattened step (decode tokens come first)
+    count: int  # requests (= query tokens) in the group
+    num_blocks: int  # padded block-table width: context padded to num_blocks * block_size
+    block_ids: torch.Tensor  # [count * num_blocks] the block tables, flattened; padding -> block 0
+    context_lens: torch.Tensor  # [count] int64 tokens attended by each request
+    # for the padded torch path only (None when the native kernel runs):
+    bias: torch.Tensor | None  # [1, count, 1, L] fp32 additive mask: 0 attend, -inf padding
+    mask: torch.Tensor | None  # [count, 1, 1, L] bool, True = attend (the fp32 SDPA path)
+
+
+@dataclass
+class AttentionMetadata:
+    """Built once per step; every layer reuses it (Python work per layer is the enemy at batch 1)."""
+
+    slot_mapping: torch.Tensor  # [T] slot each new token's K/V is written to
+    num_decode_tokens: int  # the first Bd tokens of the step are decode tokens, one per request
+    decode_groups: list[DecodeGroup]
+    prefills: list[PrefillSpan]
+    block_size: int
+
+
+class TorchAttention:
+    """Paged attention in plain torch ops (CPU and CUDA); bf16 CPU decode through the native
+    in-place kernel (`baton.kernels`) when one was built."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.group = num_heads // num_kv_heads
+        self.scale = head_dim**-0.5
+        self.paged_kernel: Any = None  # the compiled module; set by `use_native_kernel`
+
+    def use_native_kernel(self, kernel: Any) -> None:
+        self.paged_kernel = kernel
+
+    @property
+    def pads_decode(self) -> bool:
+        """Whether decode pays for padding to the group's longest context (then group by length)."""
+        return self.paged_kernel is None
+
+    def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
+        # kv_cache: [2, kv_heads, slots, d]; k, v: [T, kv_heads, d]
+        kv_cache[0].index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+        kv_cache[1].index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+
+    def decode(self, q: torch.Tensor, kv_cache: torch.Tensor, group: DecodeGroup, block_size: int) -> torch.Tensor:
+        # q: [B, heads, d] (this group's queries); kv_cache: [2, kv_heads, slots, d] -> [B, heads, d]
+        kv_heads, d, batch = self.num_kv_heads, self.head_dim, group.count
+        if self.paged_kernel is not None and q.dtype != torch.float32:
+            return self.paged_kernel.paged_decode(q, kv_cache[0], kv_cache[1], group.block_ids.view(batch, -1),
+                                                  group.context_lens, block_size, self.scale)
+        blocks = kv_cache.view(2, kv_heads, -1, block_size, d)
+        length = group.num_blocks * block_size
+        k = blocks[0].index_select(1, group.block_ids).view(kv_heads, batch, length, d)
+        v = blocks[1].index_select(1, group.block_ids).view(kv_heads, batch, length, d)
+        if q.dtype == torch.float32:
+            # fp32 is the parity path: the same kernel the reference uses, on [B, kv_heads, L, d] views
+            out = F.scaled_dot_product_attention(q.unsqueeze(2), k.transpose(0, 1), v.transpose(0, 1),
+                                                 attn_mask=group.mask, scale=self.scale, enable_gqa=True)
+            return out.squeeze(2)
+        # The query heads that share a KV head are rows of one matmul: [kv_heads, B, group, d].
+        # (CPU SDPA with a mask in bf16 falls back to a path 25x slower than this at batch 16.)
+        qg = q.view(batch, kv_heads, self.group, d).transpose(0, 1)
+        scores = torch.matmul(qg, k.transpose(-1, -2))  # [kv_heads, B, group, L]
+        scores = torch.add(group.bias, scores, alpha=self.scale)  # fp32: mask and scale in one op
+        probs = torch.softmax(scores, dim=-1).to(v.dtype)
+        out = torch.matmul(probs, v)  # [kv_heads, B, group, d]
+        return out.transpose(0, 1).reshape(batch, self.num_heads, d)
+
+    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                span: PrefillSpan) -> torch.Tensor:
+        # q: [n, heads, d]; k, v: [n, kv_heads, d] (this chunk's); kv_cache: [2, kv_heads, slots, d]
+        # -> [n, heads, d]
+        qp = q.transpose(0, 1).unsqueeze(0)  # [1, heads, n, d]
+        if span.gather_slots is None:  # the chunk is the whole context: no cache read needed
+            kp, vp = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+        else:
+            kp = kv_cache[0].index_select(1, span.gather_slots).unsqueeze(0)  # [1, kv_heads, ctx, d]
+            vp = kv_cache[1].index_select(1, span.gather_slots).unsqueeze(0)
+        out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=span.mask, is_causal=span.mask is None,
+                                             scale=self.scale, enable_gqa=True)
+        return out.squeeze(0).transpose(0, 1)
+
+
+def group_by_context(context_lens: list[int], block_size: int, overhead_tokens: int = 512) -> list[tuple[int, int]]:
+    """Split decode requests, sorted by context length ascending, into contiguous groups.
+
+    A group is padded to its longest member; each extra group costs a fixed number of ops per layer.
+    Minimises  sum over groups of (overhead_tokens + count * padded max length)  by dynamic
+    programming over the sorted lengths (O(n^2), n <= max_num_seqs). Returns (start, count) pairs.
+    """
+    n = len(context_lens)
+    if n <= 1:
+        return [(0, n)] if n else []
+    padded = [-(-c // block_size) * block_size for c in context_lens]
+    if padded[-1] * n <= sum(padded) + overhead_tokens:  # one group wastes less than a split costs
+        return [(0, n)]
+    best = [0.0] * (n + 1)
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):
+        width = padded[j - 1]
+        best[j], cut[j] = min((best[i] + overhead_tokens + (j - i) * width, i) for i in range(j))
+    groups = []
+    j = n
+    while j > 0:
+        groups.append((cut[j], j - cut[j]))
+        j = cut[j]
+    return groups[::-1]

@@ -1,0 +1,5 @@
+import sys
+
+from baton.kernels import main
+
+sys.exit(main())

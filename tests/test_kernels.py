@@ -1,0 +1,73 @@
+"""The native CPU kernels equal their torch fallbacks (skipped where no compiler can build them)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from baton import kernels
+from baton.attention import DecodeGroup, TorchAttention
+from baton.sampling import greedy_pick
+
+native = kernels.load()
+needs_native = pytest.mark.skipif(native is None, reason="native kernels cannot be built on this machine")
+
+
+def paged(batch: int, lengths: list[int], head_dim: int, dtype: torch.dtype, block_size: int = 16):
+    gen = torch.Generator().manual_seed(batch + head_dim)
+    heads, kv_heads = 9, 3
+    width = max(-(-n // block_size) for n in lengths)
+    num_blocks = 1 + batch * width + 5
+    cache = torch.randn(2, kv_heads, num_blocks * block_size, head_dim, generator=gen).to(dtype)
+    ids = (torch.randperm(num_blocks - 1, generator=gen)[:batch * width] + 1).view(batch, width)
+    for row, n in enumerate(lengths):  # unused table entries point at block 0, as the runner pads
+        ids[row, -(-n // block_size):] = 0
+    q = torch.randn(batch, heads, head_dim, generator=gen).to(dtype)
+    lens = torch.tensor(lengths, dtype=torch.long)
+    mask = torch.arange(width * block_size).unsqueeze(0) < lens.unsqueeze(1)
+    bias = torch.zeros(mask.shape).masked_fill_(~mask, float("-inf"))
+    group = DecodeGroup(0, batch, width, ids.flatten(), lens, bias.view(1, batch, 1, -1), mask.view(batch, 1, 1, -1))
+    return cache, q, group
+
+
+@needs_native
+@pytest.mark.parametrize("head_dim", [64, 128, 48])  # 64/128: the AVX-512 path where built; 48: generic loops
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_paged_decode_kernel_equals_torch_path(head_dim, dtype):
+    lengths = [1, 15, 16, 17, 100, 257]
+    cache, q, group = paged(len(lengths), lengths, head_dim, dtype)
+    torch_path = TorchAttention(9, 3, head_dim)
+    expected = torch_path.decode(q.float(), cache.float(), group, 16)  # fp32 SDPA over the padded gather
+    got = native.paged_decode(q, cache[0], cache[1], group.block_ids.view(len(lengths), -1), group.context_lens,
+                              16, head_dim**-0.5)
+    assert got.dtype == dtype and got.shape == q.shape
+    assert (got.float() - expected).abs().max() < (2e-2 if dtype == torch.bfloat16 else 1e-5)
+    # the backend routes bf16 decode through the kernel once it is attached
+    torch_path.use_native_kernel(native)
+    assert not torch_path.pads_decode
+    if dtype == torch.bfloat16:
+        assert torch.equal(torch_path.decode(q, cache, group, 16), got)
+
+
+@needs_native
+def test_paged_decode_kernel_rejects_a_context_beyond_its_table():
+    cache, q, group = paged(2, [5, 16], 64, torch.bfloat16)
+    with pytest.raises(RuntimeError, match="context length"):
+        native.paged_decode(q, cache[0], cache[1], group.block_ids.view(2, -1), torch.tensor([5, 17]), 16, 0.125)
+
+
+@pytest.mark.parametrize("use_native", [False, True])
+def test_greedy_pick_equals_argmax_and_log_softmax(use_native, monkeypatch):
+    if use_native and native is None:
+        pytest.skip("native kernels cannot be built on this machine")
+    if not use_native:
+        monkeypatch.setattr(kernels, "loaded", lambda: None)
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(7, 49153, generator=gen) * 5  # odd width: a tail after the last full vector
+    logits[2, 10] = logits[2, 40000] = 30.0  # a tie: the first index wins, as torch.argmax
+    logits[5, -1] = 30.0  # the maximum in the tail
+    tokens, logprobs = greedy_pick(logits)
+    assert tokens == logits.argmax(-1).tolist()
+    assert tokens[2] == 10 and tokens[5] == 49152
+    expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens).unsqueeze(1)).squeeze(1)
+    assert torch.allclose(torch.tensor(logprobs), expected, atol=1e-4)
