@@ -76,6 +76,31 @@ def greedy_pick(logits: torch.Tensor) -> tuple[list[int], list[float]]:
     return tokens.tolist(), logprobs.tolist()
 
 
+def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature, top-k and top-p for every sampled row at once (one sort for the batch, not one
+    per row); each row keeps its own parameters. logits: [R, V] fp32 -> probabilities [R, V]."""
+    num_rows, vocab = logits.shape
+    device = logits.device
+    temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=device)
+    logits = logits / temperature.unsqueeze(1)
+    top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    top_p = [p.top_p for p in params]
+    if all(k == vocab for k in top_k) and all(q >= 1.0 for q in top_p):
+        return torch.softmax(logits, dim=-1)
+    sorted_logits, sorted_idx = torch.sort(logits, dim=-1, descending=True)
+    # top-k: drop what is below the k-th largest value (ties with it stay, as in transformers)
+    kth = sorted_logits.gather(1, torch.tensor(top_k, device=device).unsqueeze(1) - 1)
+    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    # top-p on what top-k left: drop tokens once the mass before them already reaches top_p (the top
+    # one always stays)
+    sorted_probs = torch.softmax(sorted_logits, dim=-1)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    drop = mass_before >= torch.tensor(top_p, dtype=logits.dtype, device=device).unsqueeze(1)
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    filtered = torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
+    return torch.softmax(filtered, dim=-1)
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams], histories: list[list[int]],
            draw_indices: list[int]) -> tuple[list[int], list[float]]:
     """Pick one token per row.
@@ -93,26 +118,17 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], histories: list[l
         if p.repetition_penalty != 1.0:
             apply_repetition_penalty(logits[row], histories[row], p.repetition_penalty)
     token_list, logprob_list = greedy_pick(logits)
-    for row, p in enumerate(params):
-        if p.greedy:
-            continue
-        row_logits = logits[row] / p.temperature  # [V]
-        if p.top_k > 0 and p.top_k < row_logits.shape[-1]:
-            kth = torch.topk(row_logits, p.top_k).values[-1]
-            row_logits = row_logits.masked_fill(row_logits < kth, float("-inf"))
-        if p.top_p < 1.0:
-            sorted_logits, sorted_idx = torch.sort(row_logits, descending=True)
-            cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
-            # Drop tokens once the mass before them already reaches top_p (the top one always stays).
-            drop_sorted = (cumulative - torch.softmax(sorted_logits, dim=-1)) >= p.top_p
-            drop = torch.zeros_like(drop_sorted).scatter(0, sorted_idx, drop_sorted)
-            row_logits = row_logits.masked_fill(drop, float("-inf"))
-        probs = torch.softmax(row_logits, dim=-1)
+    rows = [row for row, p in enumerate(params) if not p.greedy]
+    if not rows:
+        return token_list, logprob_list
+    probs = _filtered_probs(logits[rows], [params[row] for row in rows])  # [R, V]
+    for i, row in enumerate(rows):
+        p = params[row]
         # Exponential race (Gumbel-max in another form): argmax(p / E) with E ~ Exp(1) is a draw
-        # from p, and the draw depends only on (seed, index).
-        noise = torch.empty_like(probs).exponential_(
+        # from p, and the draw depends only on (seed, index): not on the batch, nor the worker.
+        noise = torch.empty_like(probs[i]).exponential_(
             generator=_token_generator(p.seed, draw_indices[row], probs.device))
-        token = int((probs / noise).argmax())
+        token = int((probs[i] / noise).argmax())
         token_list[row] = token
-        logprob_list[row] = float(torch.log(probs[token]))
+        logprob_list[row] = float(torch.log(probs[i, token]))
     return token_list, logprob_list

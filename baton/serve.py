@@ -368,10 +368,10 @@ def gateway_healthy(host: str, port: int, timeout: float = 2.0) -> bool:
 
 def heartbeat_roles(redis_client) -> set[str]:
     """The kinds of process that have a live heartbeat key (baton:heartbeat:<kind>:<id>)."""
-    from baton.protocol import HEARTBEAT_PATTERN
+    from baton import heartbeats
 
     kinds: set[str] = set()
-    for key in redis_client.scan_iter(match=HEARTBEAT_PATTERN, count=1000):
+    for key, _value in heartbeats.live_sync(redis_client):
         key = key.decode() if isinstance(key, bytes) else key
         parts = key.split(":")
         if len(parts) >= 3:

@@ -6,6 +6,8 @@ import argparse
 import asyncio
 import logging
 import time
+from collections.abc import Coroutine
+from typing import Any
 
 from baton import protocol
 from baton.engine import EngineConfig, LLMEngine
@@ -49,6 +51,13 @@ class WorkerBase:
     def num_in_flight(self) -> int:
         raise NotImplementedError
 
+    def background_tasks(self) -> list[Coroutine[Any, Any, None]]:
+        """Coroutines that run beside the loop until exit (after `flush`)."""
+        return []
+
+    async def flush(self, timeout: float) -> None:
+        """Before exit: write out whatever output is still queued."""
+
     async def run(self) -> None:
         install_signal_handlers(self.stopping)
         serve_metrics(self.args.metrics_port)
@@ -57,6 +66,7 @@ class WorkerBase:
         self.tasks = [
             asyncio.create_task(heartbeat_loop(self.redis, self.kind, self.worker_id, self.state, self.stopping)),
             asyncio.create_task(self.cancels.run(self.stopping)),
+            *(asyncio.create_task(coro) for coro in self.background_tasks()),
         ]
         logger.info("%s worker %s ready (%s)", self.kind, self.worker_id, self.engine.model_dir.name)
         backoff = 0.1
@@ -86,6 +96,7 @@ class WorkerBase:
                 await self.iteration(accept_new=False)
             except REDIS_ERRORS:
                 await asyncio.sleep(0.2)
+        await self.flush(timeout=max(1.0, deadline - time.monotonic()))
         for task in self.tasks:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)

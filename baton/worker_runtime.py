@@ -18,7 +18,7 @@ from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError, TimeoutError as RedisTimeoutError
 
-from baton import protocol
+from baton import heartbeats, protocol
 
 logger = logging.getLogger("baton.worker")
 
@@ -145,11 +145,12 @@ class CancelWatcher:
 
 async def heartbeat_loop(redis: Redis, kind: str, worker_id: str, state: Callable[[], dict[str, Any]],
                          stopping: asyncio.Event) -> None:
-    key = protocol.heartbeat_key(kind, worker_id)
     while not stopping.is_set():
         try:
             payload = {"worker_id": worker_id, "kind": kind, "time": time.time(), **state()}
-            await redis.set(key, msgpack.packb(payload), ex=HEARTBEAT_TTL_S)
+            pipe = redis.pipeline(transaction=False)
+            heartbeats.queue_beat(pipe, kind, worker_id, payload, HEARTBEAT_TTL_S)
+            await pipe.execute()
         except REDIS_ERRORS as exc:
             logger.warning("heartbeat failed (%s)", exc)
         try:
@@ -157,7 +158,9 @@ async def heartbeat_loop(redis: Redis, kind: str, worker_id: str, state: Callabl
         except asyncio.TimeoutError:
             pass
     try:
-        await redis.delete(key)  # a clean exit withdraws its capacity at once
+        pipe = redis.pipeline(transaction=False)
+        heartbeats.queue_withdraw(pipe, kind, worker_id)  # a clean exit withdraws its capacity at once
+        await pipe.execute()
     except REDIS_ERRORS:
         pass
 
@@ -165,10 +168,10 @@ async def heartbeat_loop(redis: Redis, kind: str, worker_id: str, state: Callabl
 async def live_gateways(redis: Redis) -> set[str] | None:
     """Ids of gateways whose heartbeat is alive (None if Redis cannot tell us now)."""
     try:
-        keys = [k async for k in redis.scan_iter(match=protocol.heartbeat_key("gateway", "*"), count=200)]
+        beats = await heartbeats.live(redis, "gateway")
     except REDIS_ERRORS:
         return None
-    return {k.decode().rsplit(":", 1)[-1] for k in keys}
+    return {heartbeats.worker_id_of(key) for key, _ in beats}
 
 
 def install_signal_handlers(stopping: asyncio.Event) -> None:

@@ -88,6 +88,24 @@ def timings(fn, repeats: int, warmup: int = 1) -> list[float]:
     return times
 
 
+def cpu_model() -> str:
+    """The CPU's name, with family/model numbers (a VM often shows only "Intel(R) Xeon(R) Processor")."""
+    try:
+        info = {}
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            info.setdefault(key.strip(), value.strip())
+        flags = info.get("flags", "").split()
+        extras = [f for f in ("avx512_bf16", "amx_bf16") if f in flags]
+        return (f"{info.get('model name', '?')} (family {info.get('cpu family', '?')} model {info.get('model', '?')}; "
+                f"{', '.join(extras) or 'no bf16 instructions'})")
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or "unknown"
+
+
 def loadavg() -> str:
     try:
         one, five, _ = os.getloadavg()
@@ -279,6 +297,26 @@ def run_hf(model, requests: list[Request], batch_size: int, pad_id: int):
     return time.perf_counter() - t0, useful, slots, tokens
 
 
+def run_hf_continuous(model, requests: list[Request]) -> tuple[float, int]:
+    """transformers' own continuous batching (`continuous_batching_context_manager`, what
+    `generate_batch` uses), each request with its own max_new_tokens, greedy. Returns wall seconds
+    and tokens generated."""
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(do_sample=False, num_beams=1, max_new_tokens=max(r.max_tokens for r in requests))
+    t0 = time.perf_counter()
+    results = {}
+    with model.continuous_batching_context_manager(generation_config=config, block=True, timeout=5) as manager:
+        ids = [manager.add_request(r.prompt, max_new_tokens=r.max_tokens, eos_token_id=-1) for r in requests]
+        deadline = time.monotonic() + 3600
+        while len(results) < len(ids) and time.monotonic() < deadline:
+            result = manager.get_result(timeout=1)
+            if result is not None and result.is_finished():
+                results[result.request_id] = result
+    seconds = time.perf_counter() - t0
+    return seconds, sum(len(r.generated_tokens) for r in results.values())
+
+
 def agreement(a: list[list[int]], b: list[list[int]]) -> tuple[int, int]:
     """Requests whose greedy outputs are identical, and the median common prefix length."""
     same = sum(x == y for x, y in zip(a, b, strict=True))
@@ -457,6 +495,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hf-batch-size", type=int, default=8, help="transformers static batch size")
     parser.add_argument("--skip-transformers", action="store_true", help="do not run the transformers baseline")
     parser.add_argument("--skip-steps", action="store_true", help="do not time decode steps / machine limits")
+    parser.add_argument("--skip-hf-continuous", action="store_true",
+                        help="do not run transformers' continuous batching baseline")
+    parser.add_argument("--step-threads", type=int, default=1,
+                        help="torch threads for the decode-step timings and their floors (default 1: what "
+                             "`baton serve` gives a decode worker on 2 cores)")
     parser.add_argument("--profile", action="store_true",
                         help="also split a decode step at batch 1 and 64 into its parts")
     args = parser.parse_args(argv)
@@ -515,8 +558,18 @@ def main(argv: list[str] | None = None) -> int:
         same, prefix = agreement(baton_out, hf_out)
         print(f"greedy outputs identical for {same}/{num_requests} requests (median common prefix {prefix} "
               f"tokens; {args.dtype} numerics differ between the implementations)")
-        print(f"\n==> Baton {baton_rate:.1f} tok/s vs transformers {hf_rate:.1f} tok/s: "
+        print(f"\n==> Baton {baton_rate:.1f} tok/s vs transformers static batches {hf_rate:.1f} tok/s: "
               f"{baton_rate / hf_rate:.2f}x")
+        if not args.skip_hf_continuous:
+            try:
+                run_hf_continuous(hf, warm)
+                cb_s, cb_tokens = run_hf_continuous(hf, requests)
+                cb_rate = cb_tokens / cb_s
+                print(f"==> Baton {baton_rate:.1f} tok/s vs transformers continuous batching "
+                      f"(generate_batch's manager; {cb_tokens} tokens in {cb_s:.1f} s) {cb_rate:.1f} tok/s: "
+                      f"{baton_rate / cb_rate:.2f}x")
+            except Exception as exc:  # noqa: BLE001 - an optional baseline; say why it is missing
+                print(f"transformers continuous batching unavailable here: {type(exc).__name__}: {exc}")
         del hf
         gc.collect()
     else:
@@ -524,6 +577,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # ---- decode steps vs the machine's floors
     if not args.skip_steps:
+        torch.set_num_threads(args.step_threads)
+        print(f"\ndecode steps and floors on {torch.get_num_threads()} thread(s), CPU: {cpu_model()}")
         read_bw, best_bw, copy_bw = measure_bandwidth()
         flops, best_flops = measure_matmul(dtype)
         probes.append(flops)
@@ -546,6 +601,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"[{seconds / max(bw_floor, compute_floor):.1f}x the floor; best step {min(times) * 1e3:.1f} ms]")
         print("  (bandwidth floor = (weights + batch x context x KV bytes/token) / read bandwidth; "
               "compute floor = step FLOPs / 2048^3 matmul rate)")
+        torch.set_num_threads(args.threads)
 
     if args.profile:
         print(f"\nprofile of a decode step ({args.dtype}):")

@@ -1,9 +1,10 @@
 """The decode worker's continuous-batching loop.
 
-Each iteration: apply cancels (and drop requests of gateways that died), take handoffs from
-`baton:decode` while the engine has room, load their blocks from the store into the local pool,
-run one engine step over every running request, publish every new token in one pipelined write,
-and ack the handoffs of finished requests. A handoff stays unacked while its request decodes, so a
+Each iteration: apply cancels (and drop requests of gateways that died), admit the handoffs read
+during the previous step (load their blocks from the store into the local pool), then run one
+engine step over every running request in a thread while this loop reads the next handoffs from
+`baton:decode`, and hand the step's tokens to the publisher task, which writes them (one XADD per
+gateway) and acks the handoffs of finished requests while the next step computes. A handoff stays unacked while its request decodes, so a
 decode worker that dies leaves it pending: a live one claims it, reloads the prompt's blocks and
 regenerates; the gateway drops the tokens it already has (same tokens: greedy is deterministic and
 sampling draws are seeded per (seed, position)).
@@ -19,16 +20,20 @@ import asyncio
 import dataclasses
 import logging
 import time
+from collections import deque
+from collections.abc import Coroutine
+from typing import Any
 
 import msgpack
 
-from baton import protocol
+from baton import heartbeats, protocol
 from baton.engine import StepOutput
 from baton.kv_transfer import adopt_blocks, warm_prefix
 from baton.sampling import SamplingParams
 from baton.sequence import Sequence
 from baton.worker_base import WorkerBase
-from baton.worker_runtime import claim_from_dead, dead_letter, live_gateways, read_group
+from baton.publisher import EventPublisher, Publication
+from baton.worker_runtime import REDIS_ERRORS, claim_from_dead, dead_letter, live_gateways, read_group
 from kvstore.redis_backend import partial_key
 
 logger = logging.getLogger("baton.decode")
@@ -60,6 +65,15 @@ class DecodeWorker(WorkerBase):
         self.num_blocks_fetched = 0
         self.peer_loads: list[int] = []
         self.last_peer_check = 0.0
+        self.pending: deque[tuple[bytes, dict, int]] = deque()  # handoffs read, not yet admitted
+        self.publisher = EventPublisher(self.redis, self.stream, self.group)
+
+    def background_tasks(self) -> list[Coroutine[Any, Any, None]]:
+        return [self.publisher.run()]
+
+    async def flush(self, timeout: float) -> None:
+        if not await self.publisher.flush(timeout):
+            logger.error("%d steps of tokens could not be published before exit", self.publisher.backlog)
 
     def num_in_flight(self) -> int:
         return len(self.in_flight)
@@ -78,17 +92,31 @@ class DecodeWorker(WorkerBase):
             await self._drop(request_id, "cancelled")
         await self._drop_orphans()
         if accept_new:
-            await self._accept_new()
+            await self._admit_pending()
         self._update_gauges()  # also after cancels, when no step follows
         if not self.engine.has_unfinished():
+            if accept_new:
+                await self._read_new(block_ms=100)  # idle: wait for work
             return
         started = time.perf_counter()
         num_batched = sum(s.num_tokens - s.num_computed_tokens for s in self.engine.scheduler.running)
-        outputs = await asyncio.to_thread(self.engine.step)
+        # The step runs in a thread; meanwhile this loop reads the next handoffs (the previous
+        # step's tokens are being written by the publisher task). Nothing here touches the engine
+        # until the step is done: the handoffs read now are admitted at the next iteration.
+        step = asyncio.ensure_future(asyncio.to_thread(self.engine.step))
+        read_error: BaseException | None = None
+        if accept_new:
+            try:
+                await self._read_new(block_ms=None)
+            except REDIS_ERRORS as exc:
+                read_error = exc
+        outputs = await step
         self.metrics.step_seconds.observe(time.perf_counter() - started)
         self.metrics.iteration_tokens.observe(max(1, num_batched))
         self._update_gauges()
-        await self._publish(outputs)
+        self._publish(outputs)
+        if read_error is not None:
+            raise read_error
 
     def _update_gauges(self) -> None:
         scheduler = self.engine.scheduler
@@ -105,11 +133,7 @@ class DecodeWorker(WorkerBase):
             return
         self.last_peer_check = time.monotonic()
         loads = []
-        keys = [k async for k in self.redis.scan_iter(match=protocol.heartbeat_key(self.kind, "*"), count=100)]
-        values = await self.redis.mget(keys) if keys else []
-        for value in values:
-            if not value:
-                continue
+        for _key, value in await heartbeats.live(self.redis, self.kind):
             try:
                 state = msgpack.unpackb(value)
             except (ValueError, msgpack.ExtraData):
@@ -125,20 +149,26 @@ class DecodeWorker(WorkerBase):
         my_load = len(scheduler.running) + len(scheduler.waiting)
         return my_load == 0 or not self.peer_loads or my_load <= min(self.peer_loads) + BALANCE_SLACK
 
-    async def _accept_new(self) -> None:
+    async def _read_new(self, block_ms: int | None) -> None:
+        """Take handoffs from the stream while there is room (and claim those of dead peers); they
+        are admitted into the engine at the start of the next iteration."""
         scheduler = self.engine.scheduler
-        room = scheduler.config.max_num_seqs - len(scheduler.running) - len(scheduler.waiting)
+        room = scheduler.config.max_num_seqs - len(scheduler.running) - len(scheduler.waiting) - len(self.pending)
         await self._refresh_peer_loads()
         if room > 0 and not scheduler.waiting and self._my_turn():
-            block_ms = None if self.engine.has_unfinished() else 100
             for message_id, fields in await read_group(self.redis, self.stream, self.group, self.worker_id,
                                                        min(room, 8), block_ms):
-                await self._admit(message_id, fields, 1)
+                self.pending.append((message_id, fields, 1))
         if time.monotonic() - self.last_claim > 1.0:
             self.last_claim = time.monotonic()
-            for message_id, fields, deliveries in await claim_from_dead(
-                    self.redis, self.stream, self.group, self.worker_id, self.kind, self.args.claim_idle_ms):
-                await self._admit(message_id, fields, deliveries)
+            self.pending.extend(await claim_from_dead(self.redis, self.stream, self.group, self.worker_id,
+                                                      self.kind, self.args.claim_idle_ms))
+
+    async def _admit_pending(self) -> None:
+        while self.pending:
+            message_id, fields, deliveries = self.pending[0]
+            await self._admit(message_id, fields, deliveries)
+            self.pending.popleft()
 
     async def _admit(self, message_id: bytes, fields: dict, deliveries: int) -> None:
         try:
@@ -202,10 +232,12 @@ class DecodeWorker(WorkerBase):
             if entry.handoff.gateway_id not in alive:
                 await self._drop(request_id, "gateway gone")
 
-    async def _publish(self, outputs: list[StepOutput]) -> None:
+    def _publish(self, outputs: list[StepOutput]) -> None:
+        """Hand this step's token events to the publisher (one XADD per gateway, written while
+        the next step runs). Local bookkeeping changes now; the publisher retries until written."""
         if not outputs:
             return
-        pipe = self.redis.pipeline(transaction=False)
+        publication = Publication()
         for out in outputs:
             seq = out.seq
             entry = self.in_flight.get(seq.seq_id)
@@ -226,12 +258,12 @@ class DecodeWorker(WorkerBase):
                 error="the request does not fit in this worker's KV pool" if seq.finish_reason == "error" else None,
                 num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens,
                 worker_id=self.worker_id)
-            self.queue_event(pipe, entry.handoff.gateway_id, event)
+            publication.add(entry.handoff.gateway_id, event)
             if out.finished:
                 del self.in_flight[seq.seq_id]
                 self.num_finished += 1
-                pipe.xack(self.stream, self.group, entry.message_id)
-                pipe.delete(partial_key(seq.seq_id))
+                publication.acks.append(entry.message_id)
+                publication.finished_ids.append(seq.seq_id)
                 self.metrics.finished(seq.finish_reason or "stop")
                 self.metrics.request_decode_time.observe(time.time() - entry.admitted)
-        await pipe.execute()
+        self.publisher.submit(publication)

@@ -20,7 +20,7 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 
-from baton.protocol import heartbeat_key
+from baton import heartbeats
 from gateway import dashboard, routes_misc, routes_openai, routes_tgi
 from gateway.admission import Admission
 from gateway.auth import ApiKeyMiddleware
@@ -97,7 +97,9 @@ def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> 
             # Bounded: shutdown must never hang on a task that missed its cancellation.
             await asyncio.wait([*tasks, *svc.background], timeout=5.0)
             with contextlib.suppress(RedisError, OSError):
-                await client.delete(heartbeat_key("gateway", settings.gateway_id))
+                pipe = client.pipeline(transaction=False)
+                heartbeats.queue_withdraw(pipe, "gateway", settings.gateway_id)
+                await pipe.execute()
             await client.aclose()
             await reader_client.aclose()
 

@@ -18,7 +18,8 @@ import msgpack
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from baton.protocol import HEARTBEAT_PATTERN, heartbeat_key, token_stream
+from baton import heartbeats
+from baton.protocol import token_stream
 from gateway.admission import Admission
 from gateway.config import Settings, redact_url
 
@@ -70,14 +71,11 @@ class Cluster:
         beat = {"worker_id": s.gateway_id, "kind": "gateway", "time": time.time(),
                 "started_at": self.started_at, "model_name": s.model_name, **self._gateway_stats()}
         async with self._redis.pipeline(transaction=False) as pipe:
-            pipe.set(heartbeat_key("gateway", s.gateway_id), msgpack.packb(beat, use_bin_type=True),
-                     px=int(s.heartbeat_ttl * 1000))
+            heartbeats.queue_beat(pipe, "gateway", s.gateway_id, beat, s.heartbeat_ttl)
             pipe.expire(token_stream(s.gateway_id), TOKEN_STREAM_TTL_S)
             await pipe.execute()
-        keys = [k async for k in self._redis.scan_iter(match=HEARTBEAT_PATTERN, count=1000)]
-        values = await self._redis.mget(keys) if keys else []
         workers: dict[str, list[dict[str, Any]]] = {"prefill": [], "decode": [], "gateway": []}
-        for key, value in zip(keys, values, strict=True):
+        for key, value in await heartbeats.live(self._redis):
             parsed = _parse(key, value)
             if parsed is not None:
                 workers.setdefault(parsed[0], []).append(parsed[1])
@@ -99,7 +97,7 @@ class Cluster:
 
 def _parse(key: bytes | str, value: bytes | str | None) -> tuple[str, dict[str, Any]] | None:
     """`baton:heartbeat:<kind>:<id>` + msgpack map -> (kind, map); None for anything malformed."""
-    if value is None:  # expired between SCAN and MGET
+    if value is None:  # expired between the index read and MGET
         return None
     name = key.decode() if isinstance(key, bytes) else key
     parts = name.split(":", 3)

@@ -15,7 +15,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from baton.protocol import PAYLOAD_FIELD, MalformedMessage, TokenEvent, decode, token_stream
+from baton.protocol import PAYLOAD_FIELD, MalformedMessage, TokenBatch, TokenEvent, decode, token_stream
 
 log = logging.getLogger(__name__)
 
@@ -95,11 +95,14 @@ class TokenRouter:
             self.malformed += 1
             return
         try:
-            event = decode(data, TokenEvent)
+            message = decode(data)
+            if not isinstance(message, (TokenEvent, TokenBatch)):
+                raise MalformedMessage(f"expected token events, got {type(message).__name__}")
         except MalformedMessage as exc:
             self.malformed += 1
             log.warning("dropping malformed token event: %s", exc)
             return
-        queue = self._queues.get(event.request_id)
-        if queue is not None:
-            queue.put_nowait(event)
+        for event in message.events if isinstance(message, TokenBatch) else (message,):
+            queue = self._queues.get(event.request_id)
+            if queue is not None:
+                queue.put_nowait(event)

@@ -170,7 +170,9 @@ if KIND == "gateway":
     server = HTTPServer((args.host, args.port), H)
     threading.Thread(target=server.serve_forever, daemon=True).start()
 while True:
-    client.set(f"baton:heartbeat:{{KIND}}:{{os.getpid()}}", b"1", ex=3)
+    key = f"baton:heartbeat:{{KIND}}:{{os.getpid()}}"
+    client.set(key, b"1", ex=3)
+    client.zadd("baton:heartbeats", {{key: time.time() + 3}})  # the heartbeat index (baton.heartbeats)
     if die_after and time.monotonic() - started > die_after:
         sys.exit(3)
     time.sleep(0.2)

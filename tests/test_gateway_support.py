@@ -18,11 +18,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-import msgpack
 import pytest
 import redis.asyncio as aioredis
 import uvicorn
 
+from baton import heartbeats
 from baton.protocol import (
     CANCEL_STREAM,
     PAYLOAD_FIELD,
@@ -34,7 +34,6 @@ from baton.protocol import (
     TokenEvent,
     decode,
     encode,
-    heartbeat_key,
     token_stream,
 )
 
@@ -197,7 +196,9 @@ class EchoWorker:
     async def _heartbeats(self, r: aioredis.Redis) -> None:
         while True:
             if self.heartbeat is not None:
-                await r.set(heartbeat_key("decode", "echo"), msgpack.packb(self.heartbeat), px=1500)
+                pipe = r.pipeline(transaction=False)
+                heartbeats.queue_beat(pipe, "decode", "echo", self.heartbeat, 1.5)
+                await pipe.execute()
             await asyncio.sleep(0.2)
 
 

@@ -14,7 +14,7 @@ import uuid
 import pytest
 import redis
 
-from baton import protocol
+from baton import heartbeats, protocol
 
 
 def start_worker(module: str, model_dir, redis_url: str, *extra: str) -> subprocess.Popen:
@@ -43,7 +43,9 @@ class Gateway:
         self.gateway_id = "test-" + uuid.uuid4().hex[:8]
         self.last_id = b"0-0"
         self.events: dict[str, list[protocol.TokenEvent]] = {}
-        client.set(protocol.heartbeat_key("gateway", self.gateway_id), b"x", ex=3600)
+        pipe = client.pipeline(transaction=False)
+        heartbeats.queue_beat(pipe, "gateway", self.gateway_id, {"worker_id": self.gateway_id}, 3600)
+        pipe.execute()
 
     def submit(self, prompt_ids: list[int], max_tokens: int, **sampling) -> str:
         request_id = uuid.uuid4().hex
@@ -62,8 +64,10 @@ class Gateway:
         for _, entries in reply or []:
             for message_id, fields in entries:
                 self.last_id = message_id
-                event = protocol.decode(fields[protocol.PAYLOAD_FIELD], protocol.TokenEvent)
-                self.events.setdefault(event.request_id, []).append(event)
+                message = protocol.decode(fields[protocol.PAYLOAD_FIELD])
+                events = message.events if isinstance(message, protocol.TokenBatch) else [message]
+                for event in events:
+                    self.events.setdefault(event.request_id, []).append(event)
 
     def finished(self, request_id: str) -> bool:
         return any(e.finish_reason for e in self.events[request_id])

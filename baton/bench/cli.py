@@ -26,6 +26,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="max_tokens of random prompts; also of file prompts without their own max_tokens")
     p.add_argument("--random-range-ratio", type=float, default=0.0,
                    help="lengths uniform in [len*(1-r), len*(1+r)]")
+    p.add_argument("--random-output-range-ratio", type=float, default=None,
+                   help="the same for output lengths only (default: --random-range-ratio); 0: exactly "
+                        "--random-output-len tokens each")
     p.add_argument("--prompts-file", default=None,
                    help='JSON lines with "prompt" (and optional "max_tokens"), or one plain-text prompt a line')
     p.add_argument("--ignore-eos", action="store_true", help="send ignore_eos: generate exactly max_tokens")

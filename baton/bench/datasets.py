@@ -46,19 +46,21 @@ def _uniform_lengths(rng: np.random.Generator, length: int, ratio: float, n: int
 
 
 def sample_random_requests(tokenizer: Any, num_requests: int, input_len: int, output_len: int,
-                           range_ratio: float = 0.0, seed: int = 0) -> list[SampleRequest]:
+                           range_ratio: float = 0.0, seed: int = 0,
+                           output_range_ratio: float | None = None) -> list[SampleRequest]:
     """Prompts of random token ids, decoded to text (what is sent) and re-encoded to count them.
 
     Decoding random ids and encoding the text again rarely gives the same ids (tokens merge at the
     seams), so, as vLLM does, the re-encoded ids are cut to the target length and decoded again;
     the prompt's length is what the tokenizer says of the final text.
     """
-    if not 0 <= range_ratio < 1:
-        raise ValueError("--random-range-ratio must be in [0, 1)")
+    output_range_ratio = range_ratio if output_range_ratio is None else output_range_ratio
+    if not 0 <= range_ratio < 1 or not 0 <= output_range_ratio < 1:
+        raise ValueError("--random-range-ratio and --random-output-range-ratio must be in [0, 1)")
     rng = np.random.default_rng(seed)
     allowed = _allowed_token_ids(tokenizer)
     input_lens = _uniform_lengths(rng, input_len, range_ratio, num_requests)
-    output_lens = _uniform_lengths(rng, output_len, range_ratio, num_requests)
+    output_lens = _uniform_lengths(rng, output_len, output_range_ratio, num_requests)
     requests = []
     for in_len, out_len in zip(input_lens, output_lens):
         ids = allowed[rng.integers(0, len(allowed), size=int(in_len))].tolist()

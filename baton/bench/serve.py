@@ -91,7 +91,8 @@ def load_requests(args: argparse.Namespace, tokenizer: Any) -> list[SampleReques
             raise SystemExit("--dataset-name file needs --prompts-file")
         return sample_file_requests(args.prompts_file, tokenizer, args.num_prompts, args.random_output_len)
     return sample_random_requests(tokenizer, args.num_prompts, args.random_input_len, args.random_output_len,
-                                  args.random_range_ratio, args.seed)
+                                  args.random_range_ratio, args.seed,
+                                  output_range_ratio=getattr(args, "random_output_range_ratio", None))
 
 
 def parse_rate(text: str) -> float:

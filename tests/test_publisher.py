@@ -1,0 +1,133 @@
+"""Token output of the decode worker: batched per gateway, in order, retried; heartbeats by index."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import msgpack
+import pytest
+import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+from baton import heartbeats, protocol
+from baton.publisher import EventPublisher, Publication
+
+
+def event(request_id: str, index: int, finish: str | None = None) -> protocol.TokenEvent:
+    return protocol.TokenEvent(request_id, index, [index + 100], [-0.5], finish_reason=finish, worker_id="w")
+
+
+def test_token_batch_round_trip_and_strict_decoding():
+    events = [event("a", 0), event("b", 3, "length")]
+    decoded = protocol.decode(protocol.encode_token_batch(events))
+    assert isinstance(decoded, protocol.TokenBatch) and decoded.events == events
+    bad = msgpack.packb({"v": protocol.SCHEMA_VERSION, "kind": "token_batch", "events": [{"request_id": 1}]})
+    with pytest.raises(protocol.MalformedMessage):
+        protocol.decode(bad)
+    nested = msgpack.packb({"v": protocol.SCHEMA_VERSION, "kind": "token_batch",
+                            "events": [{"kind": "cancel", "request_id": "x", "gateway_id": "g"}]})
+    with pytest.raises(protocol.MalformedMessage):
+        protocol.decode(nested)
+
+
+async def read_stream(client: aioredis.Redis, gateway: str) -> list[list[protocol.TokenEvent]]:
+    entries = await client.xrange(protocol.token_stream(gateway))
+    return [protocol.decode(fields[protocol.PAYLOAD_FIELD]).events for _, fields in entries]
+
+
+async def test_publisher_writes_one_entry_per_gateway_per_step_in_order_then_acks(redis_url):
+    client = aioredis.from_url(redis_url)
+    stream, group = "test:pub:" + str(time.time_ns()), "g"
+    await client.xgroup_create(stream, group, id="0", mkstream=True)
+    ids = [await client.xadd(stream, {"m": b"x"}) for _ in range(2)]
+    await client.xreadgroup(group, "me", {stream: ">"})
+    publisher = EventPublisher(client, stream, group)
+    task = asyncio.create_task(publisher.run())
+    try:
+        gw1, gw2 = f"gw1-{time.time_ns()}", f"gw2-{time.time_ns()}"
+        first = Publication()
+        first.add(gw1, event("a", 0))
+        first.add(gw1, event("b", 0))
+        first.add(gw2, event("c", 0))
+        second = Publication()
+        second.add(gw1, event("a", 1, "length"))
+        second.acks.append(ids[0])
+        second.finished_ids.append("a")
+        publisher.submit(first)
+        publisher.submit(second)
+        publisher.submit(Publication())  # empty: nothing written
+        assert await publisher.flush(5)
+        assert [[(e.request_id, e.index) for e in batch] for batch in await read_stream(client, gw1)] == \
+            [[("a", 0), ("b", 0)], [("a", 1)]]
+        assert [[e.request_id for e in batch] for batch in await read_stream(client, gw2)] == [["c"]]
+        pending = await client.xpending(stream, group)
+        assert pending["pending"] == 1  # the finished request's handoff is acked, the other is not
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await client.aclose()
+
+
+async def test_a_failed_write_is_retried_and_nothing_is_lost(redis_url, monkeypatch):
+    client = aioredis.from_url(redis_url)
+    publisher = EventPublisher(client, "test:pub:none", "g")
+    failures = [2]
+    real_pipeline = client.pipeline
+
+    def flaky_pipeline(*args, **kwargs):
+        pipe = real_pipeline(*args, **kwargs)
+        real_execute = pipe.execute
+
+        async def execute(*a, **k):
+            if failures[0] > 0:  # the connection drops before the write reaches Redis
+                failures[0] -= 1
+                await pipe.reset()
+                raise RedisConnectionError("connection reset by peer")
+            return await real_execute(*a, **k)
+
+        pipe.execute = execute
+        return pipe
+
+    monkeypatch.setattr(client, "pipeline", flaky_pipeline)
+    task = asyncio.create_task(publisher.run())
+    try:
+        gw = f"gw-{time.time_ns()}"
+        for i in range(3):
+            step = Publication()
+            step.add(gw, event("r", i))
+            publisher.submit(step)
+        assert await publisher.flush(10)
+        assert publisher.num_retries == 2
+        assert [[e.index for e in batch] for batch in await read_stream(client, gw)] == [[0], [1], [2]]
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await client.aclose()
+
+
+async def test_heartbeats_are_found_through_the_index_not_by_scanning(redis_url):
+    client = aioredis.from_url(redis_url)
+    suffix = str(time.time_ns())
+    try:
+        pipe = client.pipeline(transaction=False)
+        heartbeats.queue_beat(pipe, "decode", "d" + suffix, {"num_requests_running": 3}, 5)
+        heartbeats.queue_beat(pipe, "prefill", "p" + suffix, {}, 5)
+        heartbeats.queue_beat(pipe, "decode", "short" + suffix, {}, 0.2)
+        await pipe.execute()
+        await client.set(protocol.heartbeat_key("decode", "unindexed" + suffix), b"x")  # not registered: unseen
+        decode_ids = {heartbeats.worker_id_of(k) for k, _ in await heartbeats.live(client, "decode")}
+        assert {"d" + suffix, "short" + suffix} <= decode_ids and "unindexed" + suffix not in decode_ids
+        assert "p" + suffix not in decode_ids
+        await asyncio.sleep(0.4)  # the short one's key expired: its index entry is skipped
+        beats = dict(await heartbeats.live(client, "decode"))
+        ids = {heartbeats.worker_id_of(k) for k in beats}
+        assert "short" + suffix not in ids and "d" + suffix in ids
+        assert msgpack.unpackb(beats[protocol.heartbeat_key("decode", "d" + suffix).encode()]) == \
+            {"num_requests_running": 3}
+        pipe = client.pipeline(transaction=False)
+        heartbeats.queue_withdraw(pipe, "decode", "d" + suffix)
+        await pipe.execute()
+        assert "d" + suffix not in {heartbeats.worker_id_of(k) for k, _ in await heartbeats.live(client, "decode")}
+    finally:
+        await client.aclose()
