@@ -14,6 +14,7 @@ weights (`baton.linear`), in-place residual adds.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -190,6 +191,7 @@ class LlamaModel(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         set_op(self, "head", self.lm_head)
+        self.fused_norm: Any = None  # the native add + RMSNorm (bf16 on the CPU; see prepare)
         self.rope_cos: torch.Tensor | None = None  # [P, head_dim], built on first use (see rope)
         self.rope_sin: torch.Tensor | None = None
 
@@ -206,12 +208,14 @@ class LlamaModel(nn.Module):
         set_op(self, "head", make_linear_op(self.lm_head, fast_linears))
         self.rope_cos = self.rope_sin = None
         param = self.embed_tokens.weight
+        kernel = None
         if native_kernels and param.dtype == torch.bfloat16 and param.device.type == "cpu":
             from baton import kernels
 
             kernel = kernels.load()
-            for layer in self.layers:
-                layer.self_attn.backend.use_native_kernel(kernel)
+        for layer in self.layers:
+            layer.self_attn.backend.use_native_kernel(kernel)
+        self.fused_norm = kernel.add_rms_norm if kernel is not None else None
         return sorted({type(op).__name__ for op in self.linear_ops()})
 
     def linear_ops(self) -> list[LinearOp]:
@@ -240,7 +244,24 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:  # [S, vocab] fp32
         x = self.embed_tokens(input_ids)
         cos, sin = self.rope(positions, max_position)
+        if self.fused_norm is not None:
+            return self._forward_fused(x, cos, sin, kv_cache, meta, logits_indices)
         for layer, layer_cache in zip(self.layers, kv_cache):
             x = layer(x, cos, sin, layer_cache, meta)
         x = self.norm(x[logits_indices])
         return self.head(x).float()
+
+    def _forward_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
+                       meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
+        # x: [T, H] bf16 -> [S, vocab] fp32. Each residual add is fused with the norm that follows
+        # it (the next layer's input norm, or the final norm): one native call instead of ~10 ops.
+        add_rms_norm = self.fused_norm
+        norms = [(layer.input_layernorm, layer.post_attention_layernorm) for layer in self.layers]
+        first = norms[0][0] if norms else self.norm
+        h = add_rms_norm(x, None, first.weight, first.eps)
+        for i, (layer, layer_cache) in enumerate(zip(self.layers, kv_cache)):
+            post = norms[i][1]
+            h = add_rms_norm(x, layer.self_attn(h, cos, sin, layer_cache, meta), post.weight, post.eps)
+            following = norms[i + 1][0] if i + 1 < len(norms) else self.norm
+            h = add_rms_norm(x, layer.mlp(h), following.weight, following.eps)
+        return self.head(h[logits_indices]).float()

@@ -25,7 +25,6 @@ class ModelRunner:
         self.dtype = param.dtype
         # [layers, k/v, kv_heads, slots, head_dim]; slot = block * block_size + offset (head-major:
         # see baton.attention)
-        self.pads_decode = model.layers[0].self_attn.backend.pads_decode if len(model.layers) else True
         self.kv_cache = torch.zeros(
             config.num_layers, 2, config.num_kv_heads, num_blocks * block_size, config.head_dim,
             dtype=self.dtype, device=self.device,
@@ -35,6 +34,11 @@ class ModelRunner:
         # slots of positions [start, end) of a request
         bs = self.block_size
         return [block_table[p // bs] * bs + p % bs for p in range(start, end)]
+
+    @property
+    def pads_decode(self) -> bool:
+        """Whether decode attention pads to the longest context (the torch path): then group."""
+        return self.model.layers[0].self_attn.backend.pads_decode if len(self.model.layers) else True
 
     def _decode_groups(self, context_lens: list[int]) -> list[tuple[int, int]]:
         if self.pads_decode:

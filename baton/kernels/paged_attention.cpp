@@ -163,58 +163,117 @@ inline void softmax_rows_avx512(float* scores, int64_t G, int64_t L) {
   }
 }
 
-template <int NC>
+inline void prefetch_block(const c10::BFloat16* p, int64_t elements) {
+  const char* bytes = reinterpret_cast<const char*>(p);
+  for (int64_t offset = 0; offset < elements * 2; offset += 64) _mm_prefetch(bytes + offset, _MM_HINT_T0);
+}
+
+// One (request, KV head) item: G query heads against L tokens of K/V, NC vectors of 16 per row.
+// K rows are read once for all G heads (with AVX512-BF16, as bf16 pair dot products on the raw
+// rows: no conversion); V rows are converted once and accumulated into G x NC registers.
+template <int NC, int G>
+void decode_item_avx512(const c10::BFloat16* q, const c10::BFloat16* kh, const c10::BFloat16* vh,
+                        const int64_t* table, int64_t L, int64_t block_size, float scale, float* scores,
+                        c10::BFloat16* out) {
+  constexpr int64_t D = 16 * NC;
+#if defined(__AVX512BF16__)
+  __m512bh qb[G][NC / 2];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < NC / 2; ++c) qb[g][c] = (__m512bh)_mm512_loadu_si512(q + g * D + 32 * c);
+#else
+  __m512 qv[G][NC];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < NC; ++c) qv[g][c] = load_bf16x16(q + g * D + 16 * c);
+#endif
+  const int64_t num_blocks = (L + block_size - 1) / block_size;
+  prefetch_block(kh + table[0] * block_size * D, std::min(block_size, L) * D);
+  for (int64_t t0 = 0; t0 < L; t0 += block_size) {
+    const int64_t i = t0 / block_size;
+    const c10::BFloat16* kblock = kh + table[i] * block_size * D;
+    const int64_t n = std::min(block_size, L - t0);
+    // Blocks sit anywhere in the pool: the hardware prefetcher cannot guess the next one.
+    if (i + 1 < num_blocks) prefetch_block(kh + table[i + 1] * block_size * D, block_size * D);
+    else prefetch_block(vh + table[0] * block_size * D, std::min(block_size, L) * D);
+    for (int64_t j = 0; j < n; ++j) {
+      const c10::BFloat16* krow = kblock + j * D;
+#if defined(__AVX512BF16__)
+      __m512bh kb[NC / 2];
+      for (int c = 0; c < NC / 2; ++c) kb[c] = (__m512bh)_mm512_loadu_si512(krow + 32 * c);
+      for (int g = 0; g < G; ++g) {
+        __m512 acc = _mm512_dpbf16_ps(_mm512_setzero_ps(), qb[g][0], kb[0]);
+        for (int c = 1; c < NC / 2; ++c) acc = _mm512_dpbf16_ps(acc, qb[g][c], kb[c]);
+        scores[g * L + t0 + j] = _mm512_reduce_add_ps(acc) * scale;
+      }
+#else
+      __m512 kr[NC];
+      for (int c = 0; c < NC; ++c) kr[c] = load_bf16x16(krow + 16 * c);
+      for (int g = 0; g < G; ++g) {
+        __m512 acc = _mm512_mul_ps(qv[g][0], kr[0]);
+        for (int c = 1; c < NC; ++c) acc = _mm512_fmadd_ps(qv[g][c], kr[c], acc);
+        scores[g * L + t0 + j] = _mm512_reduce_add_ps(acc) * scale;
+      }
+#endif
+    }
+  }
+  softmax_rows_avx512(scores, G, L);
+  __m512 acc[G][NC];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < NC; ++c) acc[g][c] = _mm512_setzero_ps();
+  for (int64_t t0 = 0; t0 < L; t0 += block_size) {
+    const int64_t i = t0 / block_size;
+    const c10::BFloat16* vblock = vh + table[i] * block_size * D;
+    const int64_t n = std::min(block_size, L - t0);
+    if (i + 1 < num_blocks) prefetch_block(vh + table[i + 1] * block_size * D, block_size * D);
+    for (int64_t j = 0; j < n; ++j) {
+      __m512 vr[NC];
+      for (int c = 0; c < NC; ++c) vr[c] = load_bf16x16(vblock + j * D + 16 * c);
+      for (int g = 0; g < G; ++g) {
+        const __m512 p = _mm512_set1_ps(scores[g * L + t0 + j]);
+        for (int c = 0; c < NC; ++c) acc[g][c] = _mm512_fmadd_ps(p, vr[c], acc[g][c]);
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    alignas(64) float tmp[D];
+    for (int c = 0; c < NC; ++c) _mm512_store_ps(tmp + 16 * c, acc[g][c]);
+    for (int64_t d = 0; d < D; ++d) out[g * D + d] = static_cast<c10::BFloat16>(tmp[d]);
+  }
+}
+
+template <int NC, int G>
 void decode_kernel_avx512(const c10::BFloat16* q, const c10::BFloat16* k_cache, const c10::BFloat16* v_cache,
                           const int64_t* block_ids, const int64_t* context_lens, c10::BFloat16* out, int64_t B,
                           int64_t H, int64_t KVH, int64_t S, int64_t W, int64_t block_size, float scale) {
   constexpr int64_t D = 16 * NC;
-  const int64_t G = H / KVH;
   at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
-    std::vector<__m512> qv(G * NC);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / KVH, h = item % KVH;
       const int64_t L = context_lens[b];
-      const int64_t* table = block_ids + b * W;
       scores.resize(G * L);
-      for (int64_t g = 0; g < G; ++g)
-        for (int c = 0; c < NC; ++c)
-          qv[g * NC + c] = _mm512_mul_ps(load_bf16x16(q + (b * H + h * G + g) * D + 16 * c), _mm512_set1_ps(scale));
-      const c10::BFloat16* kh = k_cache + h * S * D;
-      const c10::BFloat16* vh = v_cache + h * S * D;
-      for (int64_t t0 = 0; t0 < L; t0 += block_size) {
-        const c10::BFloat16* kblock = kh + table[t0 / block_size] * block_size * D;
-        const int64_t n = std::min(block_size, L - t0);
-        for (int64_t j = 0; j < n; ++j) {
-          __m512 kr[NC];
-          for (int c = 0; c < NC; ++c) kr[c] = load_bf16x16(kblock + j * D + 16 * c);
-          for (int64_t g = 0; g < G; ++g) {
-            __m512 acc = _mm512_mul_ps(qv[g * NC], kr[0]);
-            for (int c = 1; c < NC; ++c) acc = _mm512_fmadd_ps(qv[g * NC + c], kr[c], acc);
-            scores[g * L + t0 + j] = _mm512_reduce_add_ps(acc);
-          }
-        }
-      }
-      softmax_rows_avx512(scores.data(), G, L);
-      for (int64_t g = 0; g < G; ++g) {
-        __m512 acc[NC];
-        for (int c = 0; c < NC; ++c) acc[c] = _mm512_setzero_ps();
-        const float* pg = scores.data() + g * L;
-        for (int64_t t0 = 0; t0 < L; t0 += block_size) {
-          const c10::BFloat16* vblock = vh + table[t0 / block_size] * block_size * D;
-          const int64_t n = std::min(block_size, L - t0);
-          for (int64_t j = 0; j < n; ++j) {
-            const __m512 p = _mm512_set1_ps(pg[t0 + j]);
-            for (int c = 0; c < NC; ++c) acc[c] = _mm512_fmadd_ps(p, load_bf16x16(vblock + j * D + 16 * c), acc[c]);
-          }
-        }
-        c10::BFloat16* orow = out + (b * H + h * G + g) * D;
-        alignas(64) float tmp[D];
-        for (int c = 0; c < NC; ++c) _mm512_store_ps(tmp + 16 * c, acc[c]);
-        for (int64_t d = 0; d < D; ++d) orow[d] = static_cast<c10::BFloat16>(tmp[d]);
-      }
+      decode_item_avx512<NC, G>(q + (b * H + h * G) * D, k_cache + h * S * D, v_cache + h * S * D,
+                                block_ids + b * W, L, block_size, scale, scores.data(), out + (b * H + h * G) * D);
     }
   });
+}
+
+using AvxKernel = void (*)(const c10::BFloat16*, const c10::BFloat16*, const c10::BFloat16*, const int64_t*,
+                           const int64_t*, c10::BFloat16*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                           float);
+
+template <int NC>
+AvxKernel pick_avx512_kernel(int64_t G) {
+  switch (G) {
+    case 1: return decode_kernel_avx512<NC, 1>;
+    case 2: return decode_kernel_avx512<NC, 2>;
+    case 3: return decode_kernel_avx512<NC, 3>;
+    case 4: return decode_kernel_avx512<NC, 4>;
+    case 5: return decode_kernel_avx512<NC, 5>;
+    case 6: return decode_kernel_avx512<NC, 6>;
+    case 7: return decode_kernel_avx512<NC, 7>;
+    case 8: return decode_kernel_avx512<NC, 8>;
+    default: return nullptr;
+  }
 }
 #endif
 
@@ -242,8 +301,10 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
     TORCH_CHECK(lens[b] >= 1 && lens[b] <= W * block_size, "context length outside its block table");
   auto out = torch::empty_like(q);
 #if defined(__AVX512F__)
-  if (q.scalar_type() == at::kBFloat16 && (D == 64 || D == 128)) {
-    auto kernel = D == 64 ? decode_kernel_avx512<4> : decode_kernel_avx512<8>;
+  AvxKernel kernel = q.scalar_type() != at::kBFloat16 ? nullptr
+                     : D == 64 ? pick_avx512_kernel<4>(H / KVH)
+                     : D == 128 ? pick_avx512_kernel<8>(H / KVH) : nullptr;
+  if (kernel != nullptr) {
     kernel(q.data_ptr<c10::BFloat16>(), k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>(),
            block_ids.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(), out.data_ptr<c10::BFloat16>(), B, H,
            KVH, S, W, block_size, static_cast<float>(scale));
@@ -307,4 +368,48 @@ std::vector<torch::Tensor> greedy_pick(torch::Tensor logits) {
     }
   });
   return {tokens, logprobs};
+}
+
+// The residual stream's `x += delta` fused with the next RMSNorm: returns weight * rms_norm(x), and
+// updates x in place. One pass over x instead of the add plus the norm's several ops. bf16: the sum
+// is rounded to bf16 (as torch's add), the norm computed in fp32, rounded, then scaled by the
+// weight (the reference's order). x, delta: [T, H]; weight: [H].
+torch::Tensor add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> delta, torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16, "x must be contiguous [T, H] bf16");
+  TORCH_CHECK(weight.numel() == x.size(1) && weight.scalar_type() == at::kBFloat16, "weight must be [H] bf16");
+  const int64_t T = x.size(0), H = x.size(1);
+  torch::Tensor d;
+  if (delta.has_value()) {
+    d = delta->contiguous();
+    TORCH_CHECK(d.sizes() == x.sizes() && d.scalar_type() == at::kBFloat16, "delta must match x");
+  }
+  weight = weight.contiguous();
+  auto out = torch::empty_like(x);
+  c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
+  const c10::BFloat16* dp = d.defined() ? d.data_ptr<c10::BFloat16>() : nullptr;
+  const c10::BFloat16* wp = weight.data_ptr<c10::BFloat16>();
+  c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(H);
+    for (int64_t t = begin; t < end; ++t) {
+      c10::BFloat16* xr = xp + t * H;
+      float sum_sq = 0.f;
+      for (int64_t i = 0; i < H; ++i) {
+        float v = static_cast<float>(xr[i]);
+        if (dp != nullptr) {
+          xr[i] = static_cast<c10::BFloat16>(v + static_cast<float>(dp[t * H + i]));
+          v = static_cast<float>(xr[i]);
+        }
+        row[i] = v;
+        sum_sq += v * v;
+      }
+      const float inv = 1.f / std::sqrt(sum_sq / static_cast<float>(H) + static_cast<float>(eps));
+      c10::BFloat16* orow = op + t * H;
+      for (int64_t i = 0; i < H; ++i) {
+        const float normed = static_cast<float>(static_cast<c10::BFloat16>(row[i] * inv));
+        orow[i] = static_cast<c10::BFloat16>(normed * static_cast<float>(wp[i]));
+      }
+    }
+  });
+  return out;
 }
