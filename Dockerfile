@@ -13,6 +13,12 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     BATON_CACHE=/opt/baton/cache \
     TOKENIZERS_PARALLELISM=false
 
+# A C++ compiler for Baton's native CPU kernels (paged decode attention, fused norms), built once at
+# first use for the CPU the container runs on; without one Baton runs their torch fallbacks.
+RUN apt-get update \
+    && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends g++ \
+    && rm -rf /var/lib/apt/lists/*
+
 # torch first and pinned, in its own layer. PyPI's Linux x86_64 wheel bundles CUDA libraries (a few
 # GB); pass TORCH_INDEX_URL to take the same version from an index of CPU-only builds instead.
 ARG TORCH_VERSION=2.13.0
@@ -43,5 +49,8 @@ RUN pip install --no-deps . \
 # Nothing may reach a model hub at run time: the model is in the image.
 ENV HF_HUB_OFFLINE=1
 USER baton
+# Build the native kernels now for this build host's CPU (a container on another CPU builds its own
+# at first start, into the same cache).
+RUN python -m baton.kernels
 EXPOSE 8000 9100
 CMD ["baton", "serve", "--host", "0.0.0.0", "--port", "8000"]

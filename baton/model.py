@@ -157,10 +157,14 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
         set_op(self, "gate_up", self.gate_up_proj)
         set_op(self, "down", self.down_proj)
+        self.silu_mul: Any = None  # the native silu(gate) * up, when prepared with native kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, H] -> [T, H]
-        gate, up = self.gate_up(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up(x)  # [T, 2I]
+        if self.silu_mul is not None:
+            return self.down(self.silu_mul(gate_up))  # native, bf16 on the CPU (see LlamaModel.prepare)
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down(F.silu(gate) * up)
 
 
@@ -215,6 +219,7 @@ class LlamaModel(nn.Module):
             kernel = kernels.load()
         for layer in self.layers:
             layer.self_attn.backend.use_native_kernel(kernel)
+            layer.mlp.silu_mul = kernel.silu_mul if kernel is not None else None
         self.fused_norm = kernel.add_rms_norm if kernel is not None else None
         return sorted({type(op).__name__ for op in self.linear_ops()})
 

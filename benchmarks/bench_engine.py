@@ -376,6 +376,25 @@ def measure_decode_steps(engine, batches, context: int, repeats: int, seed: int)
     return results
 
 
+def measure_prefill(engine, length: int, repeats: int, seed: int) -> list[float]:
+    """Seconds of the engine step that prefills one `length`-token prompt in one chunk (prefix
+    caching cannot help: every prompt is new)."""
+    rng = random.Random(seed)
+    vocab = engine.model_config.vocab_size
+    times = []
+    for i in range(repeats + 1):
+        seq = Sequence(f"prefill-{seed}-{i}", [rng.randrange(MIN_TOKEN_ID, vocab) for _ in range(length)], greedy(1))
+        engine.add_request(seq)
+        t0 = time.perf_counter()
+        engine.step()
+        if i:  # the first is a warm-up
+            times.append(time.perf_counter() - t0)
+        if seq.num_output_tokens != 1:
+            raise RuntimeError("the prompt was not prefilled in one step: raise max_num_batched_tokens")
+        engine.abort_request(seq.seq_id)
+    return times
+
+
 # --------------------------------------------------------------------------------------------
 # profile of a decode step
 
@@ -543,6 +562,40 @@ def main(argv: list[str] | None = None) -> int:
           f"{(prompt_tokens + baton_tokens) / baton_s:.0f} tok/s prompt+output)")
     print(f"  {describe_steps(baton_steps)}")
 
+    # ---- decode steps vs the machine's floors (before transformers runs, so that nothing it leaves
+    # behind, threads or memory, can disturb these timings)
+    if not args.skip_steps:
+        torch.set_num_threads(args.step_threads)
+        print(f"\ndecode steps and floors on {torch.get_num_threads()} thread(s), CPU: {cpu_model()}")
+        read_bw, best_bw, copy_bw = measure_bandwidth()
+        flops, best_flops = measure_matmul(dtype)
+        probes.append(flops)
+        weights = weight_bytes_per_step(engine.model)
+        kv_tok = kv_bytes_per_token(config, dtype)
+        print(f"\nmachine (medians; best in brackets): memory read {read_bw / 1e9:.1f} GB/s [{best_bw / 1e9:.1f}] "
+              f"(sum of 1 GiB fp32), copy {copy_bw / 1e9:.1f} GB/s (read+write); {args.dtype} matmul 2048^3 "
+              f"{flops / 1e9:.0f} GFLOP/s [{best_flops / 1e9:.0f}]")
+        print(f"per step: weights {weights / 1e6:.0f} MB read; KV {kv_tok / 1024:.1f} KiB per context token; "
+              f"{2 * matmul_params(config) / 1e6:.0f} MFLOP per token + attention")
+        ctx = sizes.step_context
+        steps = measure_decode_steps(engine, sizes.step_batches, ctx, sizes.step_repeats, args.seed + 2)
+        print(f"decode steps (engine.step, decode tokens only, context ~{ctx}, median of {sizes.step_repeats}):")
+        for batch, times in steps.items():
+            seconds = statistics.median(times)
+            bw_floor = (weights + batch * ctx * kv_tok) / read_bw
+            compute_floor = step_flops(config, batch, ctx) / flops
+            print(f"  batch {batch:>2}: {seconds * 1e3:6.1f} ms/step (floor: bandwidth {bw_floor * 1e3:.1f} ms, "
+                  f"compute {compute_floor * 1e3:.1f} ms) -> {batch / seconds:.0f} tok/s  "
+                  f"[{seconds / max(bw_floor, compute_floor):.1f}x the floor; best step {min(times) * 1e3:.1f} ms]")
+        prefill_times = measure_prefill(engine, 512, 5, args.seed + 4)
+        prefill_s = statistics.median(prefill_times)
+        prefill_floor = step_flops(config, 512, 256) / flops  # 512 tokens attending ~256 on average
+        print(f"  prefill of one 512-token prompt: {prefill_s * 1e3:6.1f} ms (compute floor {prefill_floor * 1e3:.1f} ms)"
+              f" -> {512 / prefill_s:.0f} prompt tok/s [{prefill_s / prefill_floor:.1f}x the floor]")
+        print("  (bandwidth floor = (weights + batch x context x KV bytes/token) / read bandwidth; "
+              "compute floor = step FLOPs / 2048^3 matmul rate)")
+        torch.set_num_threads(args.threads)
+
     # ---- transformers, static batches
     if not args.skip_transformers:
         hf = load_hf(model_dir, dtype)
@@ -574,34 +627,6 @@ def main(argv: list[str] | None = None) -> int:
         gc.collect()
     else:
         print(f"\n==> Baton {baton_rate:.1f} tok/s (transformers skipped)")
-
-    # ---- decode steps vs the machine's floors
-    if not args.skip_steps:
-        torch.set_num_threads(args.step_threads)
-        print(f"\ndecode steps and floors on {torch.get_num_threads()} thread(s), CPU: {cpu_model()}")
-        read_bw, best_bw, copy_bw = measure_bandwidth()
-        flops, best_flops = measure_matmul(dtype)
-        probes.append(flops)
-        weights = weight_bytes_per_step(engine.model)
-        kv_tok = kv_bytes_per_token(config, dtype)
-        print(f"\nmachine (medians; best in brackets): memory read {read_bw / 1e9:.1f} GB/s [{best_bw / 1e9:.1f}] "
-              f"(sum of 1 GiB fp32), copy {copy_bw / 1e9:.1f} GB/s (read+write); {args.dtype} matmul 2048^3 "
-              f"{flops / 1e9:.0f} GFLOP/s [{best_flops / 1e9:.0f}]")
-        print(f"per step: weights {weights / 1e6:.0f} MB read; KV {kv_tok / 1024:.1f} KiB per context token; "
-              f"{2 * matmul_params(config) / 1e6:.0f} MFLOP per token + attention")
-        ctx = sizes.step_context
-        steps = measure_decode_steps(engine, sizes.step_batches, ctx, sizes.step_repeats, args.seed + 2)
-        print(f"decode steps (engine.step, decode tokens only, context ~{ctx}, median of {sizes.step_repeats}):")
-        for batch, times in steps.items():
-            seconds = statistics.median(times)
-            bw_floor = (weights + batch * ctx * kv_tok) / read_bw
-            compute_floor = step_flops(config, batch, ctx) / flops
-            print(f"  batch {batch:>2}: {seconds * 1e3:6.1f} ms/step (floor: bandwidth {bw_floor * 1e3:.1f} ms, "
-                  f"compute {compute_floor * 1e3:.1f} ms) -> {batch / seconds:.0f} tok/s  "
-                  f"[{seconds / max(bw_floor, compute_floor):.1f}x the floor; best step {min(times) * 1e3:.1f} ms]")
-        print("  (bandwidth floor = (weights + batch x context x KV bytes/token) / read bandwidth; "
-              "compute floor = step FLOPs / 2048^3 matmul rate)")
-        torch.set_num_threads(args.threads)
 
     if args.profile:
         print(f"\nprofile of a decode step ({args.dtype}):")

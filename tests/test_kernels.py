@@ -111,3 +111,12 @@ def test_bf16_model_with_native_kernels_matches_its_torch_path(tiny_model_dir):
     agree = sum(a == b for f, s in zip(fast_out, slow_out)
                 for a, b in zip(f.outputs[0].token_ids, s.outputs[0].token_ids))
     assert agree >= 0.9 * sum(len(f.outputs[0].token_ids) for f in fast_out)
+
+
+@needs_native
+def test_silu_mul_equals_torch_bit_for_bit():
+    gen = torch.Generator().manual_seed(4)
+    gate_up = (torch.randn(9, 2 * 200, generator=gen) * 4).to(torch.bfloat16)  # 200: a tail after 12 x 16
+    gate_up[0, :4] = torch.tensor([90.0, -90.0, 0.0, 1e-3]).to(torch.bfloat16)  # saturation and zero
+    gate, up = gate_up.split(200, dim=-1)
+    assert torch.equal(native.silu_mul(gate_up), torch.nn.functional.silu(gate) * up)

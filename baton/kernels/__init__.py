@@ -89,7 +89,7 @@ def _build() -> ModuleType | None:
         return load_inline(
             name=f"baton_paged_attention_{digest}_{_cpu_signature()}",
             cpp_sources=[source],
-            functions=["paged_decode", "greedy_pick", "add_rms_norm"],
+            functions=["paged_decode", "greedy_pick", "add_rms_norm", "silu_mul"],
             extra_cflags=["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno"],
             verbose=False,
         )

@@ -413,3 +413,50 @@ torch::Tensor add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> delta, 
   });
   return out;
 }
+
+// SwiGLU's activation on the fused gate|up projection: out = silu(gate) * up, one pass instead of
+// three ops (bf16 silu alone is ~1.3 ns per element in torch on one thread). gate_up: [T, 2I] bf16;
+// silu(gate) is rounded to bf16 before the product, as torch computes silu(gate) * up.
+torch::Tensor silu_mul(torch::Tensor gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0 && gate_up.scalar_type() == at::kBFloat16,
+              "gate_up must be [T, 2I] bf16");
+  gate_up = gate_up.contiguous();
+  const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
+  auto out = torch::empty({T, I}, gate_up.options());
+  const c10::BFloat16* in = gate_up.data_ptr<c10::BFloat16>();
+  c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
+  at::parallel_for(0, T, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const c10::BFloat16* gate = in + t * 2 * I;
+      const c10::BFloat16* up = gate + I;
+      c10::BFloat16* orow = op + t * I;
+      int64_t i = 0;
+#if defined(__AVX512F__)
+      const __m512 one = _mm512_set1_ps(1.f);
+      for (; i + 16 <= I; i += 16) {
+        const __m512 g = load_bf16x16(gate + i);
+        const __m512 s = _mm512_div_ps(g, _mm512_add_ps(one, exp_avx512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+#if defined(__AVX512BF16__)
+        // round silu(gate) to bf16 and back (torch's intermediate), multiply, round to bf16
+        const __m256i s16 = (__m256i)_mm512_cvtneps_pbh(s);
+        const __m512 s_rounded = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(s16), 16));
+        const __m512 prod = _mm512_mul_ps(s_rounded, load_bf16x16(up + i));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(orow + i), (__m256i)_mm512_cvtneps_pbh(prod));
+#else
+        alignas(64) float tmp[16];
+        _mm512_store_ps(tmp, s);
+        for (int k = 0; k < 16; ++k)
+          orow[i + k] = static_cast<c10::BFloat16>(static_cast<float>(static_cast<c10::BFloat16>(tmp[k])) *
+                                                   static_cast<float>(up[i + k]));
+#endif
+      }
+#endif
+      for (; i < I; ++i) {
+        const float g = static_cast<float>(gate[i]);
+        const float s = static_cast<float>(static_cast<c10::BFloat16>(g / (1.f + std::exp(-g))));
+        orow[i] = static_cast<c10::BFloat16>(s * static_cast<float>(up[i]));
+      }
+    }
+  });
+  return out;
+}
