@@ -235,14 +235,27 @@ class StopRequested(Exception):
 
 
 class Supervisor:
-    """Starts children, watches them, and stops all of them in order."""
+    """Starts children, restarts the ones that die, and stops all of them in order.
 
-    def __init__(self, stop_timeout: float = 10.0, log=None):
+    A child that dies is restarted after a backoff (0.5 s, doubling, at most 10 s); the survivors
+    keep serving meanwhile (a dead worker's unacked requests are claimed by its peers or by its
+    replacement). A child that dies more than `max_restarts` times within `restart_window` seconds
+    is given up on, and that is fatal only when it leaves its pool empty (or it is the gateway).
+    A watched process (the private redis-server) dying is fatal.
+    """
+
+    def __init__(self, stop_timeout: float = 10.0, log=None, max_restarts: int = 5,
+                 restart_window: float = 60.0):
         self.children: list[tuple[ChildSpec, subprocess.Popen]] = []
         self.watched: list[tuple[str, subprocess.Popen]] = []  # stopped by their owners, not by us
         self.stop_timeout = stop_timeout
         self.stop_signal: int | None = None
         self.log = log or (lambda msg: print(f"baton: {msg}", file=sys.stderr, flush=True))
+        self.max_restarts = max_restarts
+        self.restart_window = restart_window
+        self.deaths: dict[str, list[float]] = {}
+        self.pending_restarts: list[tuple[float, ChildSpec]] = []  # (when, what)
+        self.num_restarts = 0
 
     # signals ---------------------------------------------------------------------------------
     def install_signal_handlers(self) -> None:
@@ -278,18 +291,45 @@ class Supervisor:
         self.watched.append((name, proc))
 
     def check(self) -> None:
-        """Raise StopRequested on a signal, ChildExited if any child has exited."""
+        """Raise StopRequested on a signal; restart children that died (ChildExited when one
+        cannot be, or when a watched process exited)."""
         if self.stop_signal is not None:
             raise StopRequested()
-        for name, proc in [(spec.name, proc) for spec, proc in self.children] + self.watched:
-            code = proc.poll()
-            if code is not None:
-                # A terminal Ctrl-C may reach a shared-group process (redis) a moment before we
-                # see the signal ourselves: give the signal a chance to arrive first.
-                time.sleep(0.2)
-                if self.stop_signal is not None:
-                    raise StopRequested()
-                raise ChildExited(name, proc.pid, code)
+        exited = [(spec, proc, proc.poll()) for spec, proc in self.children if proc.poll() is not None]
+        watched = [(name, proc, proc.poll()) for name, proc in self.watched if proc.poll() is not None]
+        if exited or watched:
+            # A terminal Ctrl-C may reach a shared-group process (redis) a moment before we
+            # see the signal ourselves: give the signal a chance to arrive first.
+            time.sleep(0.2)
+            if self.stop_signal is not None:
+                raise StopRequested()
+        for name, proc, code in watched:
+            raise ChildExited(name, proc.pid, code)
+        for spec, proc, code in exited:
+            self._on_death(spec, proc, code)
+        now = time.monotonic()
+        due = [(when, spec) for when, spec in self.pending_restarts if when <= now]
+        for entry in due:
+            self.pending_restarts.remove(entry)
+            self.num_restarts += 1
+            self.start(entry[1])
+
+    def _on_death(self, spec: ChildSpec, proc: subprocess.Popen, code: int) -> None:
+        self.children.remove((spec, proc))
+        death = ChildExited(spec.name, proc.pid, code)
+        now = time.monotonic()
+        deaths = [t for t in self.deaths.get(spec.name, []) if now - t < self.restart_window] + [now]
+        self.deaths[spec.name] = deaths
+        if len(deaths) > self.max_restarts:
+            self.log(f"{death}: it died {len(deaths)} times within {self.restart_window:g}s; giving up on it")
+            pool_left = any(s.role == spec.role for s, _ in self.children) or any(
+                s.role == spec.role for _, s in self.pending_restarts)
+            if spec.role == "gateway" or not pool_left:
+                raise death
+            return
+        delay = min(10.0, 0.5 * 2 ** (len(deaths) - 1))
+        self.log(f"{death}; restarting it in {delay:g}s")
+        self.pending_restarts.append((now + delay, spec))
 
     def sleep(self, seconds: float) -> None:
         deadline = time.monotonic() + seconds

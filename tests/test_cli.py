@@ -293,11 +293,14 @@ def test_serve_sigterm_stops_cleanly(fake_services):
     assert any("SIGTERM: stopping" in l for l in err)
 
 
-def test_serve_stops_all_when_a_child_dies(fake_services):
-    env = dict(fake_services["env"], FAKE_DIE_DECODE="2")
+def test_serve_restarts_a_dying_child_then_gives_up_and_stops_all(fake_services):
+    # The only decode worker exits 1 s after every start: it is restarted with backoff (0.5, 1, 2,
+    # 4, 8 s), and after its sixth death within a minute `baton serve` gives up on it; no decode
+    # worker is left, so everything stops with a non-zero exit and no child is left behind.
+    env = dict(fake_services["env"], FAKE_DIE_DECODE="1")
     proc, out, err = _start_serve(fake_services, env=env)
     try:
-        proc.wait(timeout=60)
+        proc.wait(timeout=90)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -305,9 +308,32 @@ def test_serve_stops_all_when_a_child_dies(fake_services):
     time.sleep(0.2)
     text = "".join(err)
     assert "decode_worker[0]" in text and "exited with code 3" in text, text
-    pids = [r["pid"] for r in _children_records(fake_services["logs"])]
-    assert len(pids) == 3
+    assert text.count("restarting it in") == 5 and "giving up on it" in text, text
+    records = _children_records(fake_services["logs"])
+    decode = [r for r in records if r["argv"][0].split(os.sep)[-2] == "decode_worker"]
+    assert len(decode) == 6  # the first start and five restarts
+    pids = [r["pid"] for r in records]
     assert _wait_for(lambda: not any(_alive(pid) for pid in pids), 10), "children left behind"
+
+
+def test_serve_keeps_serving_while_a_dead_worker_is_replaced(fake_services):
+    # Two decode workers; one is killed: the other and the gateway keep running, the dead one is
+    # restarted with a new pid, and `baton serve` itself never stops.
+    proc, out, err = _start_serve(fake_services, "--decode-workers", "2")
+    try:
+        assert _wait_for(lambda: any("Baton is serving" in l for l in out) or proc.poll() is not None, 60), err
+        records = _children_records(fake_services["logs"])
+        victim = next(r["pid"] for r in records if r["argv"][0].split(os.sep)[-2] == "decode_worker")
+        others = [r["pid"] for r in records if r["pid"] != victim]
+        os.kill(victim, signal.SIGKILL)
+        assert _wait_for(lambda: len(_children_records(fake_services["logs"])) == len(records) + 1, 30), err
+        assert proc.poll() is None
+        assert all(_alive(pid) for pid in others), "a survivor was stopped"
+        assert any("was killed by signal 9; restarting it in" in l for l in err), "".join(err)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+    assert proc.returncode == 0
 
 
 def test_serve_rejects_a_missing_model(tmp_path):

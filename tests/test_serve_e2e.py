@@ -1,7 +1,8 @@
 """End to end: `baton serve` with the real gateway and workers on the tiny model.
 
-Starts the whole deployment as a user would (its own private Redis), sends one completion, then
-Ctrl-C (SIGINT) and checks that nothing it started is left running.
+Starts the whole deployment as a user would (its own private Redis), sends one completion, kills
+the decode worker with SIGKILL and checks that it is replaced and the next completion is served,
+then Ctrl-C (SIGINT) and checks that nothing it started is left running.
 """
 
 from __future__ import annotations
@@ -109,13 +110,37 @@ def test_baton_serve_end_to_end(tiny_model_dir):
             except (httpx.HTTPError, ValueError):
                 pass
             resp = client.post("/v1/completions",
-                               json={"model": model, "prompt": "Hello, my name is", "max_tokens": 8})
+                               json={"model": model, "prompt": "Hello, my name is", "max_tokens": 8,
+                                     "temperature": 0})
         assert resp.status_code == 200, resp.text
         body = resp.json()
         usage = body.get("usage") or {}
         assert usage.get("prompt_tokens", 0) > 0, body
         assert usage.get("completion_tokens", 0) > 0, body
         assert body["choices"] and isinstance(body["choices"][0].get("text"), str), body
+
+        # kill -9 the decode worker: baton serve restarts it and serves the next request
+        decode_pid = int(next(l for l in err if "started decode_worker[0] (pid " in l)
+                         .split("(pid ")[1].split(")")[0])
+        os.kill(decode_pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while not any("decode_worker[0]" in l and "restarting it" in l for l in err):
+            assert proc.poll() is None, f"baton serve exited after a worker died:\n{log()}"
+            assert time.monotonic() < deadline, f"the dead decode worker was not restarted:\n{log()}"
+            time.sleep(0.2)
+        deadline = time.monotonic() + STARTUP_TIMEOUT
+        while True:
+            with httpx.Client(base_url=base, timeout=120) as client:
+                again = client.post("/v1/completions",
+                                    json={"model": model, "prompt": "Hello, my name is", "max_tokens": 8,
+                                     "temperature": 0})
+            if again.status_code == 200 or time.monotonic() > deadline:
+                break
+            time.sleep(1)  # 503/429 while no decode worker is up yet
+        assert again.status_code == 200, again.text
+        assert again.json()["choices"][0]["text"] == body["choices"][0]["text"]  # greedy: the same text
+        assert proc.poll() is None
+        child_pids |= {pid for pid, (ppid, _) in _processes().items() if ppid == proc.pid}
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
