@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import secrets
 import signal
 import socket
 import time
@@ -28,7 +29,10 @@ HEARTBEAT_TTL_S = 5
 
 
 def default_worker_id(kind: str) -> str:
-    return f"{kind}-{socket.gethostname()}-{os.getpid()}"
+    """kind-host-pid plus a per-boot random part: a restarted container keeps its hostname and
+    often its pid (1 under an init), and must not inherit its dead predecessor's identity (whose
+    pending messages are only claimed once that identity's heartbeat has expired)."""
+    return f"{kind}-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
 
 
 def connect(url: str) -> Redis:

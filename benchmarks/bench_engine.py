@@ -568,8 +568,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.step_threads)
         print(f"\ndecode steps and floors on {torch.get_num_threads()} thread(s), CPU: {cpu_model()}")
         read_bw, best_bw, copy_bw = measure_bandwidth()
-        flops, best_flops = measure_matmul(dtype)
-        probes.append(flops)
+        flops, best_flops = measure_matmul(dtype)  # the compute floor at the worker's thread count
         weights = weight_bytes_per_step(engine.model)
         kv_tok = kv_bytes_per_token(config, dtype)
         print(f"\nmachine (medians; best in brackets): memory read {read_bw / 1e9:.1f} GB/s [{best_bw / 1e9:.1f}] "
@@ -595,6 +594,7 @@ def main(argv: list[str] | None = None) -> int:
         print("  (bandwidth floor = (weights + batch x context x KV bytes/token) / read bandwidth; "
               "compute floor = step FLOPs / 2048^3 matmul rate)")
         torch.set_num_threads(args.threads)
+        probes.append(measure_matmul(dtype, repeats=5)[0])  # the noise probe, at the run's thread count
 
     # ---- transformers, static batches
     if not args.skip_transformers:

@@ -1,4 +1,4 @@
-"""Token output of the decode worker: batched per gateway, in order, retried; heartbeats by index."""
+"""Worker I/O: token output batched per gateway, in order, retried; heartbeats by index; boot ids."""
 
 from __future__ import annotations
 
@@ -131,3 +131,11 @@ async def test_heartbeats_are_found_through_the_index_not_by_scanning(redis_url)
         assert "d" + suffix not in {heartbeats.worker_id_of(k) for k, _ in await heartbeats.live(client, "decode")}
     finally:
         await client.aclose()
+
+
+def test_each_boot_gets_its_own_worker_id(monkeypatch):
+    from baton.worker_runtime import default_worker_id
+
+    monkeypatch.setattr("os.getpid", lambda: 1)  # a container restarted under an init: same pid
+    first, second = default_worker_id("decode"), default_worker_id("decode")
+    assert first != second and first.startswith("decode-") and second.startswith("decode-")
