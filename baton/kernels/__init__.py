@@ -24,7 +24,8 @@ from types import ModuleType
 
 logger = logging.getLogger("baton.kernels")
 
-_SOURCE = Path(__file__).with_name("paged_attention.cpp")
+_DIR = Path(__file__).parent
+_SOURCES = ("paged_attention.cpp", "pointwise.cpp")  # both include vec.h
 _lock = threading.Lock()
 _loaded: dict[str, ModuleType | None] = {}
 
@@ -84,11 +85,12 @@ def _build() -> ModuleType | None:
 
         _put_ninja_on_path()
 
-        source = _SOURCE.read_text()
-        digest = hashlib.sha256(source.encode()).hexdigest()[:10]
+        sources = [(_DIR / name).read_text() for name in _SOURCES]
+        digest = hashlib.sha256("".join([*sources, (_DIR / "vec.h").read_text()]).encode()).hexdigest()[:10]
         return load_inline(
-            name=f"baton_paged_attention_{digest}_{_cpu_signature()}",
-            cpp_sources=[source],
+            name=f"baton_kernels_{digest}_{_cpu_signature()}",
+            cpp_sources=sources,
+            extra_include_paths=[str(_DIR)],
             functions=["paged_decode", "greedy_pick", "add_rms_norm", "silu_mul"],
             extra_cflags=["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno"],
             verbose=False,
