@@ -11,6 +11,9 @@ import torch
 from baton import kernels as native_kernels
 
 
+GREEDY_TEMPERATURE = 1e-5  # below this, sampling is greedy
+
+
 @dataclass
 class SamplingParams:
     """What a request wants generated. temperature 0 means greedy."""
@@ -43,7 +46,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        # A temperature this small is greedy in effect; dividing by it would overflow the logits
+        # to inf and the probabilities to NaN (vLLM draws the same line).
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
 
 def _token_generator(seed: int, index: int, device: torch.device | str = "cpu") -> torch.Generator:

@@ -218,3 +218,12 @@ def test_repetition_penalty_on_inference_mode_logits_leaves_them_untouched():
     tokens, _ = sample(logits, params, [[top], []], [0, 0])
     assert tokens[0] != top and tokens[1] == int(logits[1].argmax())
     assert torch.equal(logits, before)
+
+
+def test_a_vanishing_temperature_is_greedy_not_nan():
+    logits = torch.tensor([[0.0, 3.0, 1.0], [5.0, -2.0, 4.9]])
+    params = [SamplingParams(temperature=1e-39, seed=1), SamplingParams(temperature=1e-6, seed=2)]
+    assert all(p.greedy for p in params)
+    tokens, logprobs = sample(logits, params, [[], []], [0, 0])
+    assert tokens == [1, 0]
+    assert all(lp == lp and lp <= 0 for lp in logprobs)  # finite log-probabilities, no NaN
