@@ -41,29 +41,27 @@ def queue_withdraw(pipe: Any, kind: str, worker_id: str) -> None:
     pipe.zrem(REGISTRY, key)
 
 
-def _prefix(kind: str | None) -> bytes:
-    return heartbeat_key(kind, "").encode() if kind else b"baton:heartbeat:"
+def _of_kind(indexed: list[bytes | str], kind: str | None) -> list[bytes]:
+    # the index's keys (bytes or str, by client) that belong to `kind` (or to any kind), as bytes
+    prefix = heartbeat_key(kind, "").encode() if kind else b"baton:heartbeat:"
+    keys = [k if isinstance(k, bytes) else k.encode() for k in indexed]
+    return [k for k in keys if k.startswith(prefix)]
+
+
+def _present(keys: list[bytes], values: list[Any]) -> list[tuple[bytes, bytes]]:
+    return [(k, v) for k, v in zip(keys, values) if v is not None]  # None: expired since the index read
 
 
 async def live(redis: Any, kind: str | None = None) -> list[tuple[bytes, bytes]]:
     """(key, raw value) of every live heartbeat, optionally of one kind (async Redis client)."""
-    keys = [k for k in await redis.zrangebyscore(REGISTRY, time.time() - SKEW_S, "+inf")
-            if k.startswith(_prefix(kind))]
-    if not keys:
-        return []
-    values = await redis.mget(keys)
-    return [(k, v) for k, v in zip(keys, values) if v is not None]
+    keys = _of_kind(await redis.zrangebyscore(REGISTRY, time.time() - SKEW_S, "+inf"), kind)
+    return _present(keys, await redis.mget(keys)) if keys else []
 
 
 def live_sync(redis: Any, kind: str | None = None) -> list[tuple[bytes, bytes]]:
     """`live` for a synchronous client (baton serve's readiness checks, tests)."""
-    keys = [k if isinstance(k, bytes) else k.encode()
-            for k in redis.zrangebyscore(REGISTRY, time.time() - SKEW_S, "+inf")]
-    keys = [k for k in keys if k.startswith(_prefix(kind))]
-    if not keys:
-        return []
-    values = redis.mget(keys)
-    return [(k, v) for k, v in zip(keys, values) if v is not None]
+    keys = _of_kind(redis.zrangebyscore(REGISTRY, time.time() - SKEW_S, "+inf"), kind)
+    return _present(keys, redis.mget(keys)) if keys else []
 
 
 def worker_id_of(key: bytes | str) -> str:
