@@ -58,8 +58,7 @@ class AttentionMetadata:
     """Built once per step; every layer reuses it (Python work per layer is the enemy at batch 1)."""
 
     slot_mapping: torch.Tensor  # [T] slot each new token's K/V is written to
-    num_decode_tokens: int  # the first Bd tokens of the step are decode tokens, one per request
-    decode_groups: list[DecodeGroup]
+    decode_groups: list[DecodeGroup]  # the step's first tokens are decode tokens, one per request
     prefills: list[PrefillSpan]
     block_size: int
 

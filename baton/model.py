@@ -199,10 +199,10 @@ class LlamaModel(nn.Module):
         self.rope_cos: torch.Tensor | None = None  # [P, head_dim], built on first use (see rope)
         self.rope_sin: torch.Tensor | None = None
 
-    def prepare(self, fast_linears: bool = True, native_kernels: bool = True) -> list[str]:
+    def prepare(self, fast_linears: bool = True, native_kernels: bool = True) -> None:
         """After the weights are loaded: pick the fastest matmul per projection (`baton.linear`) and,
         for bf16 on the CPU, the native paged-attention kernel (`baton.kernels`; built on first
-        use). Returns the names of the matmul ops chosen, for the log."""
+        use)."""
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
             set_op(attn, "qkv", make_linear_op(attn.qkv_proj, fast_linears))
@@ -221,13 +221,6 @@ class LlamaModel(nn.Module):
             layer.self_attn.backend.use_native_kernel(kernel)
             layer.mlp.silu_mul = kernel.silu_mul if kernel is not None else None
         self.fused_norm = kernel.add_rms_norm if kernel is not None else None
-        return sorted({type(op).__name__ for op in self.linear_ops()})
-
-    def linear_ops(self) -> list[LinearOp]:
-        ops: list[LinearOp] = [self.head]
-        for layer in self.layers:
-            ops += [layer.self_attn.qkv, layer.self_attn.o, layer.mlp.gate_up, layer.mlp.down]
-        return ops
 
     def rope(self, positions: torch.Tensor, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [T] -> cos, sin_signed: [T, 1, head_dim] in the model's dtype

@@ -108,7 +108,6 @@ class ModelRunner:
                 sample_seqs.append(seq)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
-            num_decode_tokens=len(decode),
             decode_groups=groups,
             prefills=prefills,
             block_size=bs,

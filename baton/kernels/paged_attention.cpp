@@ -30,6 +30,23 @@ inline void softmax_rows(float* scores, int64_t G, int64_t L) {
   }
 }
 
+// Calls f(t, row) for the L rows of one head's K or V, in order, each converted to fp32 into
+// `row` [D]. Walks block by block: a block's rows are contiguous, and no division per token.
+template <typename T, typename F>
+inline void for_each_row(const T* head, const int64_t* table, int64_t L, int64_t block_size, int64_t D,
+                         float* row, F&& f) {
+  for (int64_t t0 = 0; t0 < L; t0 += block_size) {
+    const T* block = head + table[t0 / block_size] * block_size * D;
+    const int64_t n = std::min(block_size, L - t0);
+    for (int64_t j = 0; j < n; ++j) {
+      const T* src = block + j * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) row[d] = to_float(src[d]);
+      f(t0 + j, row);
+    }
+  }
+}
+
 template <typename T>
 void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_ids,
                    const int64_t* context_lens, T* out, int64_t B, int64_t H, int64_t KVH, int64_t D,
@@ -49,41 +66,27 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
       }
       const T* kh = k_cache + h * S * D;
       const T* vh = v_cache + h * S * D;
-      // scores[g, t] = q_g . k_t, block by block (no division per token: a block's rows are contiguous)
-      for (int64_t t0 = 0; t0 < L; t0 += block_size) {
-        const T* kblock = kh + table[t0 / block_size] * block_size * D;
-        const int64_t n = std::min(block_size, L - t0);
-        for (int64_t j = 0; j < n; ++j) {
-          const T* krow = kblock + j * D;
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) row[d] = to_float(krow[d]);
-          for (int64_t g = 0; g < G; ++g) {
-            const float* qg = qf.data() + g * D;
-            float s = 0.f;
+      // scores[g, t] = q_g . k_t
+      for_each_row(kh, table, L, block_size, D, row.data(), [&](int64_t t, const float* k) {
+        for (int64_t g = 0; g < G; ++g) {
+          const float* qg = qf.data() + g * D;
+          float s = 0.f;
 #pragma omp simd reduction(+ : s)
-            for (int64_t d = 0; d < D; ++d) s += qg[d] * row[d];
-            scores[g * L + t0 + j] = s;
-          }
+          for (int64_t d = 0; d < D; ++d) s += qg[d] * k[d];
+          scores[g * L + t] = s;
         }
-      }
+      });
       softmax_rows(scores.data(), G, L);
       // out_g = sum_t p[g, t] v_t
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t0 = 0; t0 < L; t0 += block_size) {
-        const T* vblock = vh + table[t0 / block_size] * block_size * D;
-        const int64_t n = std::min(block_size, L - t0);
-        for (int64_t j = 0; j < n; ++j) {
-          const T* vrow = vblock + j * D;
+      for_each_row(vh, table, L, block_size, D, row.data(), [&](int64_t t, const float* v) {
+        for (int64_t g = 0; g < G; ++g) {
+          const float p = scores[g * L + t];
+          float* ag = acc.data() + g * D;
 #pragma omp simd
-          for (int64_t d = 0; d < D; ++d) row[d] = to_float(vrow[d]);
-          for (int64_t g = 0; g < G; ++g) {
-            const float p = scores[g * L + t0 + j];
-            float* ag = acc.data() + g * D;
-#pragma omp simd
-            for (int64_t d = 0; d < D; ++d) ag[d] += p * row[d];
-          }
+          for (int64_t d = 0; d < D; ++d) ag[d] += p * v[d];
         }
-      }
+      });
       for (int64_t g = 0; g < G; ++g) {
         T* orow = out + (b * H + h * G + g) * D;
         for (int64_t d = 0; d < D; ++d) orow[d] = static_cast<T>(acc[g * D + d]);
