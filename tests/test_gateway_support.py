@@ -118,6 +118,9 @@ class EchoWorker:
         if self._loop is not None and self._stop is not None:
             self._loop.call_soon_threadsafe(self._stop.set)
         self._thread.join(timeout=10)
+        # A worker left running would keep taking prefill requests meant for the next module's
+        # worker, and answer them with its own (reset) reply.
+        assert not self._thread.is_alive(), "echo worker did not stop"
 
     async def _main(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -138,7 +141,7 @@ class EchoWorker:
 
     async def _serve_prefill(self, r: aioredis.Redis) -> None:
         running: set[asyncio.Task] = set()
-        while True:
+        while not self._stop.is_set():  # also ends if a cancellation is swallowed mid-read
             reply = await r.xreadgroup(PREFILL_GROUP, "echo", {PREFILL_STREAM: ">"}, count=64, block=100)
             for _stream, entries in reply or []:
                 for entry_id, fields in entries:
@@ -186,7 +189,7 @@ class EchoWorker:
 
     async def _listen_cancels(self, r: aioredis.Redis) -> None:
         last = "$"
-        while True:
+        while not self._stop.is_set():
             reply = await r.xread({CANCEL_STREAM: last}, count=100, block=100)
             for _stream, entries in reply or []:
                 for entry_id, fields in entries:
@@ -194,7 +197,7 @@ class EchoWorker:
                     self.cancels.append(decode(fields[PAYLOAD_FIELD], Cancel))
 
     async def _heartbeats(self, r: aioredis.Redis) -> None:
-        while True:
+        while not self._stop.is_set():
             if self.heartbeat is not None:
                 pipe = r.pipeline(transaction=False)
                 heartbeats.queue_beat(pipe, "decode", "echo", self.heartbeat, 1.5)
