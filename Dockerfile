@@ -51,6 +51,6 @@ ENV HF_HUB_OFFLINE=1
 USER baton
 # Build the native kernels now for this build host's CPU (a container on another CPU builds its own
 # at first start, into the same cache).
-RUN python -m baton.kernels
+RUN python -m baton.engine.kernels
 EXPOSE 8000 9100
 CMD ["baton", "serve", "--host", "0.0.0.0", "--port", "8000"]

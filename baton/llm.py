@@ -7,9 +7,9 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Any
 
-from baton.engine import EngineConfig, LLMEngine
-from baton.sampling import SamplingParams
-from baton.sequence import Sequence
+from baton.engine.llm_engine import EngineConfig, LLMEngine
+from baton.sampling_params import SamplingParams
+from baton.engine.sequence import Sequence
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """The message contract between gateway, prefill workers and decode workers.
 
 Every message that crosses a process boundary is defined here, as a msgpack map carrying a schema
-version (`v`). Services import this module and nothing else to talk to each other, so a change of
+version (`v`). Services import this module (and the `SamplingParams` it carries) and nothing else to talk to each other, so a change of
 contract is a change of this file. Decoding is strict: a message that is not a map, has an unknown
 version or misses a required field raises `MalformedMessage`; workers log such a message and ack it
 into the dead-letter stream instead of crashing on it.
@@ -15,7 +15,9 @@ from typing import Any, TypeVar
 
 import msgpack
 
-SCHEMA_VERSION = 1
+from baton.sampling_params import SamplingParams
+
+SCHEMA_VERSION = 2  # 2: one SamplingParams type; a handoff's partial_block_key is the store key
 
 # Streams and groups. Prefill and decode use consumer groups (one message, one worker);
 # cancels are read by every worker without a group (a broadcast).
@@ -49,27 +51,13 @@ class MalformedMessage(ValueError):
 
 
 @dataclass
-class SamplingOptions:
-    """Per-request sampling parameters as they travel between services."""
-
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    repetition_penalty: float = 1.0
-    seed: int | None = None
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-
-
-@dataclass
 class PrefillRequest:
     """gateway -> prefill worker: run this prompt, publish the first token, hand off to decode."""
 
     request_id: str
     gateway_id: str
     prompt_token_ids: list[int]
-    sampling: SamplingOptions
+    sampling: SamplingParams
     arrival_time: float  # wall clock (time.time()) when the gateway admitted the request
     kind: str = "prefill_request"
 
@@ -78,9 +66,11 @@ class PrefillRequest:
 class Handoff:
     """prefill worker -> decode worker: the prompt's KV is in the store; continue from here.
 
-    `block_hashes` are the store ids of the prompt's full blocks, in order. The prompt's last,
-    partial block (if any) is stored under the request (`partial_block_key`). `output_token_ids`
-    holds the tokens already generated (the first token; more after a resume on another worker).
+    `block_hashes` are the store ids of the prompt's full blocks, in order: the decode worker loads
+    them by these ids (and seeds its own block ids with them). The prompt's last, partial block (if
+    any) is stored under `partial_block_key`, the store key to read (and delete when done).
+    `output_token_ids` holds the tokens already generated (the first token; more after a resume on
+    another worker).
     """
 
     request_id: str
@@ -89,7 +79,7 @@ class Handoff:
     output_token_ids: list[int]
     block_hashes: list[str]
     partial_block_key: str | None
-    sampling: SamplingOptions
+    sampling: SamplingParams
     arrival_time: float
     first_token_time: float
     kind: str = "handoff"
@@ -178,9 +168,9 @@ def decode(data: bytes, expected: type[T] | None = None) -> T:
         if "sampling" in payload:
             if not isinstance(payload["sampling"], dict):
                 raise TypeError("sampling must be a map")
-            payload["sampling"] = SamplingOptions(**payload["sampling"])
+            payload["sampling"] = SamplingParams(**payload["sampling"])
         message = cls(**payload)
-    except TypeError as exc:
+    except (TypeError, ValueError) as exc:
         raise MalformedMessage(f"bad fields for {cls.__name__}: {exc}") from exc
     _check_types(message)
     return message  # type: ignore[return-value]
@@ -220,3 +210,7 @@ def _check_types(message: Any) -> None:
                 raise MalformedMessage(f"{f.name} must be a list of ints")
         elif f.name in ("request_id", "gateway_id") and not isinstance(value, str):
             raise MalformedMessage(f"{f.name} must be a string")
+        elif f.name == "block_hashes" and (not isinstance(value, list) or not all(isinstance(h, str) for h in value)):
+            raise MalformedMessage("block_hashes must be a list of strings")
+        elif f.name == "partial_block_key" and value is not None and not isinstance(value, str):
+            raise MalformedMessage("partial_block_key must be a string or nil")

@@ -43,9 +43,9 @@ import torch
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from baton.config import ModelConfig  # noqa: E402
-from baton.sampling import SamplingParams  # noqa: E402
-from baton.sequence import Sequence  # noqa: E402
+from baton.engine.config import ModelConfig  # noqa: E402
+from baton.sampling_params import SamplingParams  # noqa: E402
+from baton.engine.sequence import Sequence  # noqa: E402
 
 MIN_TOKEN_ID = 100  # random prompts avoid the special tokens at the start of the vocabulary
 GIB = 1 << 30
@@ -416,7 +416,7 @@ def profile_decode(engine, batch: int, context: int, steps: int, seed: int) -> N
     op, so (b) is given as shares of the profiled forward, applied to the unprofiled forward time."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    import baton.engine as engine_module
+    import baton.engine.llm_engine as engine_module
 
     db = DecodeBatch(engine, batch, context, 2 * steps + 8, seed)
     for _ in range(2):
@@ -528,7 +528,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     dtype = torch_dtype(args.dtype)
 
-    from baton.fetch import resolve_model
+    from baton.ops.fetch import resolve_model
     from baton.llm import LLM
 
     model_dir = resolve_model(args.model)

@@ -36,8 +36,8 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 from baton.bench.datasets import SampleRequest, load_tokenizer, sample_random_requests  # noqa: E402
 from baton.bench.metrics import calculate_metrics, format_result  # noqa: E402
 from baton.bench.serve import run_requests  # noqa: E402
-from baton.fetch import resolve_model  # noqa: E402
-from baton.redis_server import free_port  # noqa: E402
+from baton.ops.fetch import resolve_model  # noqa: E402
+from baton.ops.redis_server import free_port  # noqa: E402
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 

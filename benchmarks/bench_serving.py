@@ -39,7 +39,7 @@ def free_port() -> int:
 def start_server(tree: Path, port: int, extra: list[str]) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(tree))
     log = open(tempfile.mktemp(prefix=f"serve-{tree.name}-", suffix=".log"), "w")
-    proc = subprocess.Popen([sys.executable, "-m", "baton.cli", "serve", "--port", str(port), *extra],
+    proc = subprocess.Popen([sys.executable, "-m", "baton.ops.cli", "serve", "--port", str(port), *extra],
                             cwd=tree, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
@@ -62,7 +62,7 @@ def stop_server(proc: subprocess.Popen) -> None:
 
 def bench(port: int, concurrency: int, num_prompts: int, out_dir: Path, tag: str) -> dict:
     name = f"{tag}-c{concurrency}.json"
-    cmd = [sys.executable, "-m", "baton.cli", "bench", "serve", "--base-url", f"http://127.0.0.1:{port}",
+    cmd = [sys.executable, "-m", "baton.ops.cli", "bench", "serve", "--base-url", f"http://127.0.0.1:{port}",
            "--num-prompts", str(num_prompts), "--max-concurrency", str(concurrency), "--request-rate", "inf",
            "--random-input-len", "125", "--random-range-ratio", "0.6", "--random-output-len", "128",
            "--random-output-range-ratio", "0", "--ignore-eos", "--percentile-metrics", "ttft,tpot,itl,e2el",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from baton.worker_args import run_worker
+from baton.worker.args import run_worker
 
 
 def _decode_args(parser: argparse.ArgumentParser) -> None:

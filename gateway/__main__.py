@@ -42,7 +42,7 @@ def parse_args(argv: list[str] | None = None) -> Settings:
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     args = p.parse_args(argv)
 
-    from baton.fetch import resolve_model
+    from baton.ops.fetch import resolve_model
 
     settings = Settings(
         model_dir=resolve_model(args.model), model_name=args.model_name, host=args.host, port=args.port,

@@ -27,10 +27,10 @@ from baton.protocol import (
     STREAM_MAXLEN,
     Cancel,
     PrefillRequest,
-    SamplingOptions,
     TokenEvent,
     encode,
 )
+from baton.sampling_params import SamplingParams
 from gateway.admission import Ticket
 from gateway.detokenizer import IncrementalDetokenizer, StopMatcher
 from gateway.errors import ApiError, unavailable
@@ -158,9 +158,9 @@ class Generation:
     def client_gone(self) -> asyncio.Task[None] | None:
         return self._watcher
 
-    def _sampling(self) -> SamplingOptions:
+    def _sampling(self) -> SamplingParams:
         s = self.spec
-        return SamplingOptions(
+        return SamplingParams(
             max_tokens=self.max_new_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
             repetition_penalty=s.repetition_penalty, seed=s.seed, stop_token_ids=list(s.stop_token_ids),
             ignore_eos=s.ignore_eos)

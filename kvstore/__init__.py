@@ -1,6 +1,2 @@
-"""Paged KV block store: block ids (chained hashes), the local block pool, the Redis backend."""
-
-from kvstore.block_pool import BlockPool
-from kvstore.hashing import hash_block, hash_blocks
-
-__all__ = ["BlockPool", "hash_block", "hash_blocks"]
+"""The KV block store: stable block ids (chained hashes), its backends (Redis, in memory) and the
+connector through which an engine's scheduler loads and saves blocks."""

@@ -56,29 +56,27 @@ class RedisBlockStore:
         self.redis = redis
         self.ttl_s = ttl_s
 
-    async def exists(self, block_hashes: Sequence[str]) -> list[bool]:
-        if not block_hashes:
+    async def exists(self, keys: Sequence[str]) -> list[bool]:
+        """Which of these keys are present; one round trip."""
+        if not keys:
             return []
         pipe = self.redis.pipeline(transaction=False)
-        for block_hash in block_hashes:
-            pipe.exists(block_key(block_hash))
+        for key in keys:
+            pipe.exists(key)
         return [bool(n) for n in await pipe.execute()]
 
-    async def get_blocks(self, block_hashes: Sequence[str]) -> list[bytes | None]:
-        """Raw values of the given blocks (None where absent); one round trip."""
-        if not block_hashes:
+    async def get(self, keys: Sequence[str]) -> list[bytes | None]:
+        """Raw values of these keys (None where absent); one round trip."""
+        if not keys:
             return []
-        return await self.redis.mget([block_key(h) for h in block_hashes])
-
-    async def get_partial(self, request_id: str) -> bytes | None:
-        return await self.redis.get(partial_key(request_id))
+        return await self.redis.mget(list(keys))
 
     def queue_put_block(self, pipe, block_hash: str, value: bytes) -> None:
         """Add a full block's write to a pipeline (the caller batches it with its other writes)."""
         pipe.set(block_key(block_hash), value, ex=self.ttl_s, nx=True)
 
-    def queue_put_partial(self, pipe, request_id: str, value: bytes) -> None:
-        pipe.set(partial_key(request_id), value, ex=self.ttl_s)
-
-    async def delete_partial(self, request_id: str) -> None:
-        await self.redis.delete(partial_key(request_id))
+    def queue_put_partial(self, pipe, request_id: str, value: bytes) -> str:
+        """Add the partial block's write to a pipeline; returns its key (the handoff carries it)."""
+        key = partial_key(request_id)
+        pipe.set(key, value, ex=self.ttl_s)
+        return key

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from baton.worker_args import run_worker
+from baton.worker.args import run_worker
 
 
 def main(argv: list[str] | None = None) -> None:

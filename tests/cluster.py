@@ -13,7 +13,7 @@ import httpx
 import msgpack
 import redis
 
-from baton.redis_server import PrivateRedis, free_port, start_private_redis
+from baton.ops.redis_server import PrivateRedis, free_port, start_private_redis
 
 
 class Cluster:

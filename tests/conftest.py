@@ -16,7 +16,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 @pytest.fixture(scope="session")
 def redis_server():
-    from baton.redis_server import start_private_redis
+    from baton.ops.redis_server import start_private_redis
 
     server = start_private_redis()
     yield server
@@ -30,7 +30,7 @@ def redis_url(redis_server) -> str:
 
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
-    from baton.fetch import resolve_model
+    from baton.ops.fetch import resolve_model
 
     return resolve_model(None)
 
@@ -64,3 +64,15 @@ def tiny_model_dir(tmp_path_factory, default_model_dir) -> Path:
         if name.startswith("tokenizer") or name.endswith(".jinja") or name == "special_tokens_map.json":
             shutil.copy(default_model_dir / name, out / name)
     return out
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny matmuls gain nothing from threads, and on a busy 2-core machine two threads spin
+    against each other (a step goes from ~5 ms to ~250 ms)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

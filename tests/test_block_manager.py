@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from baton.block_manager import BlockManager, blocks_for
-from baton.sampling import SamplingParams
-from baton.sequence import Sequence
-from kvstore.block_pool import BlockPool
+from baton.engine.block_manager import BlockManager, blocks_for
+from baton.sampling_params import SamplingParams
+from baton.engine.sequence import Sequence
+from baton.engine.block_pool import BlockPool
 from kvstore.hashing import hash_blocks
 
 BS = 16

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.block_pool import BlockPool
+from baton.engine.block_pool import BlockPool
 from kvstore.hashing import hash_block, hash_blocks
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

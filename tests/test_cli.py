@@ -19,14 +19,14 @@ from pathlib import Path
 
 import pytest
 
-from baton.serve import ThreadPlan, add_serve_arguments, build_child_specs, plan_threads, probe_host
+from baton.ops.serve import ThreadPlan, add_serve_arguments, build_child_specs, plan_threads, probe_host
 
 VENV_BIN = Path(sys.executable).parent
 BATON = str(VENV_BIN / "baton") if (VENV_BIN / "baton").exists() else None
 
 
 def baton_cmd(*args: str) -> list[str]:
-    return [BATON, *args] if BATON else [sys.executable, "-m", "baton.cli", *args]
+    return [BATON, *args] if BATON else [sys.executable, "-m", "baton.ops.cli", *args]
 
 
 # ------------------------------------------------------------------ model fetch
@@ -201,7 +201,7 @@ def fake_services(tmp_path):
 
 
 def _free_port() -> int:
-    from baton.redis_server import free_port
+    from baton.ops.redis_server import free_port
 
     return free_port()
 

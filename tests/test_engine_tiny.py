@@ -17,21 +17,14 @@ import pytest
 import torch
 
 from baton.llm import LLM
-from baton.sampling import SamplingParams
+from baton.sampling_params import SamplingParams
 
 N = 8
 PROMPT_LENS = (1, 5, 17, 40, 70)
 MODELS = ("tiny_model_dir",)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Tiny matmuls gain nothing from threads, and on a busy 2-core machine two threads spin
-    against each other (a step goes from ~5 ms to ~250 ms)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
@@ -245,7 +238,7 @@ def test_eos_stops_unless_ignored(mixing_model_dir, prompts):
     ref = hf_greedy(mixing_model_dir, prompt)
     eos_at = next(i for i in range(1, N) if ref[i] not in ref[:i])
     llm = make_llm(mixing_model_dir)
-    llm.engine.model_config.eos_token_ids = [ref[eos_at]]  # pretend the model emits its EOS there
+    llm.engine.scheduler.eos_token_ids = {ref[eos_at]}  # pretend the model emits its EOS there
     [out] = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=N))
     assert (out.outputs[0].finish_reason, out.outputs[0].token_ids) == ("stop", ref[:eos_at + 1])
     [out] = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=N, ignore_eos=True))

@@ -100,7 +100,7 @@ def test_redis_outage_gives_503_then_recovers(tiny_model_dir):
         assert response.status_code == 503 and time.time() - started < 5, response.text
         assert httpx.get(cluster.base_url + "/health", timeout=10).status_code == 503
         # Redis comes back (empty, as a restarted cache would) on the same port.
-        from baton.redis_server import start_private_redis
+        from baton.ops.redis_server import start_private_redis
 
         cluster.redis = start_private_redis(port=port)
         deadline = time.time() + 60

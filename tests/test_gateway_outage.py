@@ -8,7 +8,7 @@ import time
 import httpx
 from tests.test_gateway_support import EchoWorker, start_gateway, wait_until
 
-from baton.redis_server import start_private_redis
+from baton.ops.redis_server import start_private_redis
 
 
 

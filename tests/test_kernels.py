@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from baton import kernels
-from baton.attention import DecodeGroup, TorchAttention
-from baton.sampling import greedy_pick
+from baton.engine import kernels
+from baton.engine.attention import DecodeGroup, TorchAttention
+from baton.engine.sampling import greedy_pick
 
 native = kernels.load()
 needs_native = pytest.mark.skipif(native is None, reason="native kernels cannot be built on this machine")
@@ -97,7 +97,7 @@ def test_bf16_model_with_native_kernels_matches_its_torch_path(tiny_model_dir):
     """The same bf16 weights through the native kernels (fused norms, paged decode, packed matmuls)
     and through plain torch ops give the same greedy tokens and near-equal logprobs."""
     from baton.llm import LLM
-    from baton.sampling import SamplingParams
+    from baton.sampling_params import SamplingParams
 
     prompts = [[5 + i for i in range(n)] for n in (3, 17, 40, 70)]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)

@@ -11,7 +11,8 @@ import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from baton import heartbeats, protocol
-from baton.publisher import EventPublisher, Publication
+from baton.worker.core import Effects
+from baton.worker.publisher import EventPublisher
 
 
 def event(request_id: str, index: int, finish: str | None = None) -> protocol.TokenEvent:
@@ -46,17 +47,17 @@ async def test_publisher_writes_one_entry_per_gateway_per_step_in_order_then_ack
     task = asyncio.create_task(publisher.run())
     try:
         gw1, gw2 = f"gw1-{time.time_ns()}", f"gw2-{time.time_ns()}"
-        first = Publication()
-        first.add(gw1, event("a", 0))
-        first.add(gw1, event("b", 0))
-        first.add(gw2, event("c", 0))
-        second = Publication()
-        second.add(gw1, event("a", 1, "length"))
+        first = Effects()
+        first.add_event(gw1, event("a", 0))
+        first.add_event(gw1, event("b", 0))
+        first.add_event(gw2, event("c", 0))
+        second = Effects()
+        second.add_event(gw1, event("a", 1, "length"))
         second.acks.append(ids[0])
-        second.finished_ids.append("a")
+        second.deletes.append("baton:kv:partial:a")
         publisher.submit(first)
         publisher.submit(second)
-        publisher.submit(Publication())  # empty: nothing written
+        publisher.submit(Effects())  # empty: nothing written
         assert await publisher.flush(5)
         assert [[(e.request_id, e.index) for e in batch] for batch in await read_stream(client, gw1)] == \
             [[("a", 0), ("b", 0)], [("a", 1)]]
@@ -94,8 +95,8 @@ async def test_a_failed_write_is_retried_and_nothing_is_lost(redis_url, monkeypa
     try:
         gw = f"gw-{time.time_ns()}"
         for i in range(3):
-            step = Publication()
-            step.add(gw, event("r", i))
+            step = Effects()
+            step.add_event(gw, event("r", i))
             publisher.submit(step)
         assert await publisher.flush(10)
         assert publisher.num_retries == 2
@@ -134,7 +135,7 @@ async def test_heartbeats_are_found_through_the_index_not_by_scanning(redis_url)
 
 
 def test_each_boot_gets_its_own_worker_id(monkeypatch):
-    from baton.worker_runtime import default_worker_id
+    from baton.worker.runtime import default_worker_id
 
     monkeypatch.setattr("os.getpid", lambda: 1)  # a container restarted under an init: same pid
     first, second = default_worker_id("decode"), default_worker_id("decode")

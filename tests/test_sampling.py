@@ -8,7 +8,8 @@ from collections import Counter
 import pytest
 import torch
 
-from baton.sampling import SamplingParams, apply_repetition_penalty, sample
+from baton.engine.sampling import apply_repetition_penalty, sample
+from baton.sampling_params import SamplingParams
 
 V = 64
 

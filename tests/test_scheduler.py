@@ -1,8 +1,8 @@
 """The iteration-level scheduler, driven without a model.
 
-`Sim` plays the engine: after each `schedule()` it advances every scheduled request by its tokens,
-registers full blocks, appends a token to every request whose tokens are all computed, and finishes
-the ones that reached `max_tokens`. A request's i-th output token is a fixed function of (request,
+`Sim` plays the model: after each `schedule()` it samples a token for every request whose tokens are
+all computed and applies the step with the scheduler's own `update_from_output` (which advances
+the counts, registers full blocks and finishes the requests that reached `max_tokens`). A request's i-th output token is a fixed function of (request,
 i), so a request that was preempted and recomputed must end with exactly the expected tokens.
 """
 
@@ -12,11 +12,13 @@ import logging
 
 import pytest
 
-from baton.block_manager import BlockManager
-from baton.sampling import SamplingParams
-from baton.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from baton.sequence import Sequence, SequenceStatus
-from kvstore.block_pool import BlockPool
+from baton.engine.block_manager import BlockManager
+from baton.sampling_params import SamplingParams
+from baton.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from baton.engine.sequence import Sequence, SequenceStatus
+from baton.engine.block_pool import BlockPool
+from kvstore.connector import KVConnector, RemoteKV
+from kvstore.hashing import hash_blocks
 
 
 def out_token(seq_id: str, index: int) -> int:
@@ -29,7 +31,8 @@ class Sim:
         self.pool = BlockPool(num_blocks, block_size)
         self.bm = BlockManager(self.pool, "test-model")
         self.config = SchedulerConfig(max_num_seqs, budget, policy, max_model_len)
-        self.sched = Scheduler(self.config, self.bm)
+        self.connector = KVConnector(block_size, "test-model")
+        self.sched = Scheduler(self.config, self.bm, connector=self.connector)
         self.seqs: dict[str, Sequence] = {}
         self.steps: list[SchedulerOutput] = []
         # outputs each request had when it was preempted, in order
@@ -49,14 +52,10 @@ class Sim:
         self._check(out)
         for seq in out.preempted:
             self.preempted_at.setdefault(seq.seq_id, []).append(seq.num_output_tokens)
-        for seq, n in out.scheduled:
-            seq.num_computed_tokens += n
-            self.bm.cache_full_blocks(seq)
-        for seq, _ in out.scheduled:
-            if seq.num_computed_tokens == seq.num_tokens:
-                seq.append_token(out_token(seq.seq_id, seq.num_output_tokens), 0.0)
-                if seq.num_output_tokens >= seq.sampling_params.max_tokens:
-                    self.sched.finish(seq, "length")
+        # The model: every request whose tokens are all computed after this step gets one more.
+        sampled = [seq for seq, n in out.scheduled if seq.num_computed_tokens + n == seq.num_tokens]
+        tokens = [out_token(seq.seq_id, seq.num_output_tokens) for seq in sampled]
+        self.sched.update_from_output(out, sampled, tokens, [0.0] * len(tokens))  # the engine's real step
         self.pool.check_invariants()
         return [(seq.seq_id, n) for seq, n in out.scheduled]
 
@@ -225,7 +224,7 @@ def test_max_utilization_preempts_the_newest_running_request(caplog):
         sim.add(seq_id, 4, 8)
     assert sim.step() == [("req-a", 4), ("req-b", 4), ("req-c", 4)]
     sim.add("req-d", 4, 1)  # arrives later: it waits behind the running requests
-    with caplog.at_level(logging.WARNING, logger="baton.scheduler"):
+    with caplog.at_level(logging.WARNING, logger="baton.engine.scheduler"):
         for _ in range(4):
             sim.step()
             assert not sim.steps[-1].preempted
@@ -356,5 +355,92 @@ def test_abort_of_a_preempted_request():
     assert c in sim.sched.waiting
     assert sim.sched.abort("c") is c and c.finish_reason == "cancelled"
     del sim.seqs["c"]
+    sim.run()
+    sim.assert_all_done()
+
+
+# ------------------------------------------------------------------ KV from the store (the connector)
+def remote(seq: Sequence, num_blocks: int, partial: int = 0) -> RemoteKV:
+    hashes = hash_blocks(seq.token_ids, 4, "test-model")[:num_blocks]
+    return RemoteKV(hashes, "partial-key" if partial else None, partial)
+
+
+def test_stored_tokens_are_allocated_with_the_rest_and_the_request_waits_for_its_kv():
+    sim = Sim(num_blocks=16)
+    seq = sim.add("a", 12, 2)
+    seq.remote_kv = remote(seq, 2)
+    out = sim.sched.schedule()
+    assert out.scheduled == [] and seq.status is SequenceStatus.WAITING_FOR_KV
+    assert seq.block_table == [1, 2, 3]  # local + external tokens in one allocation
+    [load] = out.kv_loads
+    assert [(b.block_id, b.block_hash) for b in load.blocks] == list(zip([1, 2], seq.remote_kv.block_hashes))
+    assert [b.token_ids for b in load.blocks] == [seq.token_ids[0:4], seq.token_ids[4:8]]
+    assert sim.sched.schedule().scheduled == []  # still loading: nothing to run, nothing failed
+    assert sim.sched.finish_kv_load("a", 8) is seq
+    assert seq.status is SequenceStatus.RUNNING and seq.num_computed_tokens == 8 and seq.num_cached_tokens == 8
+    assert [sim.pool.block_hashes[b] is not None for b in seq.block_table] == [True, True, False]
+    assert sim.step() == [("a", 4)]  # only the tokens the store did not have
+    sim.run()
+    sim.assert_all_done()
+
+
+def test_a_partial_load_keeps_the_valid_prefix_and_computes_the_rest():
+    sim = Sim(num_blocks=16)
+    seq = sim.add("a", 14, 1)
+    seq.remote_kv = remote(seq, 3, partial=1)  # 3 blocks + 1 token; at least one is left to compute
+    [load] = sim.sched.schedule().kv_loads
+    assert [len(b.token_ids) for b in load.blocks] == [4, 4, 4, 1] and load.blocks[-1].block_hash is None
+    sim.sched.finish_kv_load("a", 4)  # only the first block arrived intact
+    assert sim.step() == [("a", 10)]
+    sim.assert_all_done()
+
+
+def test_the_load_starts_after_the_local_prefix_cache_hits():
+    sim = Sim(num_blocks=16)
+    first = sim.add("a", 9, 1)
+    sim.run()  # a's first two blocks are now in the local prefix cache
+    seq = Sequence("b", first.prompt_token_ids[:8] + [7, 7, 7, 7, 7], SamplingParams(max_tokens=1))
+    seq.remote_kv = remote(seq, 3)
+    sim.sched.add(seq)
+    sim.seqs["b"] = seq
+    [load] = sim.sched.schedule().kv_loads
+    assert seq.num_computed_tokens == 8 and len(load.blocks) == 1  # the third block only
+    assert load.blocks[0].token_ids == [7, 7, 7, 7]
+    sim.sched.finish_kv_load("b", 4)
+    assert sim.step() == [("b", 1)]
+
+
+def test_abort_while_loading_frees_the_blocks_and_refuses_the_late_result():
+    sim = Sim(num_blocks=16)
+    seq = sim.add("a", 12, 2)
+    seq.remote_kv = remote(seq, 2)
+    sim.sched.schedule()
+    assert sim.sched.abort("a") is seq and seq.finish_reason == "cancelled"
+    assert sim.sched.finish_kv_load("a", 8) is None
+    assert sim.pool.num_free_blocks == 15 and not sim.sched.has_work()
+
+
+def test_loading_requests_count_against_max_num_seqs_and_no_evict_reservations():
+    sim = Sim(num_blocks=9, max_num_seqs=2, policy="no-evict")  # 8 usable blocks
+    a = sim.add("a", 8, 8)  # reserves 4 blocks (16 tokens)
+    a.remote_kv = remote(a, 1)
+    sim.add("b", 8, 8)  # 4 more: fits beside a's reservation
+    sim.add("c", 1, 1)
+    out = sim.sched.schedule()
+    assert [s.seq_id for s, _ in out.scheduled] == ["b"] and len(out.kv_loads) == 1
+    assert [s.seq_id for s in sim.sched.waiting] == ["c"]  # 2 admitted: max_num_seqs holds
+    sim.sched.finish_kv_load("a", 4)
+    sim.run()
+    sim.assert_all_done()
+    assert sim.sched.num_preemptions == 0
+
+
+def test_a_request_larger_than_the_pool_fails_instead_of_blocking_the_queue():
+    sim = Sim(num_blocks=4)  # 3 usable blocks of 4 tokens
+    big = sim.add("big", 20, 1)
+    sim.add("small", 3, 1)
+    out = sim.sched.schedule()
+    assert out.failed == [big] and big.finish_reason == "error" and big.block_table == []
+    del sim.seqs["big"]
     sim.run()
     sim.assert_all_done()

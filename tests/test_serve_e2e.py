@@ -30,14 +30,14 @@ STOP_TIMEOUT = 30
 
 
 def _free_port() -> int:
-    from baton.redis_server import free_port
+    from baton.ops.redis_server import free_port
 
     return free_port()
 
 
 def _baton() -> list[str]:
     exe = Path(sys.executable).parent / "baton"
-    return [str(exe)] if exe.exists() else [sys.executable, "-m", "baton.cli"]
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "baton.ops.cli"]
 
 
 def _processes() -> dict[int, tuple[int, str]]:

@@ -15,6 +15,7 @@ import pytest
 import redis
 
 from baton import heartbeats, protocol
+from baton.sampling_params import SamplingParams
 
 
 def start_worker(module: str, model_dir, redis_url: str, *extra: str) -> subprocess.Popen:
@@ -50,7 +51,7 @@ class Gateway:
     def submit(self, prompt_ids: list[int], max_tokens: int, **sampling) -> str:
         request_id = uuid.uuid4().hex
         request = protocol.PrefillRequest(request_id, self.gateway_id, prompt_ids,
-                                          protocol.SamplingOptions(max_tokens=max_tokens, **sampling), time.time())
+                                          SamplingParams(max_tokens=max_tokens, **sampling), time.time())
         self.client.xadd(protocol.PREFILL_STREAM, {protocol.PAYLOAD_FIELD: protocol.encode(request)})
         self.events[request_id] = []
         return request_id
@@ -148,7 +149,7 @@ def test_seeded_sampling_is_reproducible_across_processes(pipeline, reference_ll
 
 
 def test_shared_prefix_blocks_are_fetched_not_recomputed(pipeline, tiny_model_dir):
-    from baton.config import ModelConfig
+    from baton.engine.config import ModelConfig
     from kvstore.hashing import hash_blocks
 
     client, _ = pipeline

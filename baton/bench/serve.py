@@ -150,7 +150,7 @@ def benchmark_level(args: argparse.Namespace, tokenizer: Any, model: str, reques
 def prepare(args: argparse.Namespace) -> tuple[Any, str, list[SampleRequest]]:
     """Tokenizer, model name and the workload: shared by serve and sweep (a sweep samples once)."""
     if args.tokenizer is None:
-        from baton.fetch import default_model_dir
+        from baton.ops.fetch import default_model_dir
 
         args.tokenizer = str(default_model_dir())
     args.tokenizer_id = args.tokenizer

@@ -43,7 +43,7 @@ def run_worker(kind: str, argv: list[str] | None, extra: Callable[[argparse.Argu
     import asyncio
     import importlib
 
-    from baton.worker_runtime import setup_logging
+    from baton.worker.runtime import setup_logging
 
     parser = argparse.ArgumentParser(prog=f"python -m {kind}_worker", description=f"Baton {kind} worker")
     add_common_args(parser, kind)

@@ -18,42 +18,44 @@ every later token (so prefill + decode generation_tokens = the tokens the gatewa
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram, disable_created_metrics, start_http_server
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, start_http_server
 
 LABELS = ["model_name"]
 _TIME_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
 class WorkerMetrics:
-    def __init__(self, model_name: str, kind: str) -> None:
+    def __init__(self, model_name: str, kind: str, registry: CollectorRegistry = REGISTRY) -> None:
+        """`registry`: a private one lets several workers' metrics live in one process (tests)."""
         self.model_name = model_name
+        r = registry
         lbl = {"model_name": model_name}
-        self.num_requests_running = Gauge("baton:num_requests_running", "Requests in the engine's batch", LABELS).labels(**lbl)
-        self.num_requests_waiting = Gauge("baton:num_requests_waiting", "Requests waiting in the engine", LABELS).labels(**lbl)
-        self.kv_cache_usage_perc = Gauge("baton:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)", LABELS).labels(**lbl)
-        self.num_preemptions = Counter("baton:num_preemptions", "Preemptions", LABELS).labels(**lbl)
-        self.prompt_tokens = Counter("baton:prompt_tokens", "Prompt tokens processed", LABELS).labels(**lbl)
-        self.generation_tokens = Counter("baton:generation_tokens", "Tokens generated", LABELS).labels(**lbl)
-        self.prefix_cache_queries = Counter("baton:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", LABELS).labels(**lbl)
-        self.prefix_cache_hits = Counter("baton:prefix_cache_hits", "Prompt tokens found in the prefix cache", LABELS).labels(**lbl)
+        self.num_requests_running = Gauge("baton:num_requests_running", "Requests in the engine's batch", LABELS, registry=r).labels(**lbl)
+        self.num_requests_waiting = Gauge("baton:num_requests_waiting", "Requests waiting in the engine", LABELS, registry=r).labels(**lbl)
+        self.kv_cache_usage_perc = Gauge("baton:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)", LABELS, registry=r).labels(**lbl)
+        self.num_preemptions = Counter("baton:num_preemptions", "Preemptions", LABELS, registry=r).labels(**lbl)
+        self.prompt_tokens = Counter("baton:prompt_tokens", "Prompt tokens processed", LABELS, registry=r).labels(**lbl)
+        self.generation_tokens = Counter("baton:generation_tokens", "Tokens generated", LABELS, registry=r).labels(**lbl)
+        self.prefix_cache_queries = Counter("baton:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", LABELS, registry=r).labels(**lbl)
+        self.prefix_cache_hits = Counter("baton:prefix_cache_hits", "Prompt tokens found in the prefix cache", LABELS, registry=r).labels(**lbl)
         self.iteration_tokens = Histogram("baton:iteration_tokens_total", "Tokens per engine step", LABELS,
-                                          buckets=(1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)).labels(**lbl)
+                                          buckets=(1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048), registry=r).labels(**lbl)
         self.step_seconds = Histogram("baton:engine_step_seconds", "Wall time of one engine step", LABELS,
-                                      buckets=_TIME_BUCKETS).labels(**lbl)
-        self.blocks_fetched = Counter("baton:kv_blocks_fetched", "Full KV blocks loaded from the store", LABELS).labels(**lbl)
-        self.blocks_computed = Counter("baton:kv_blocks_computed", "Full KV blocks computed here", LABELS).labels(**lbl)
-        self.blocks_written = Counter("baton:kv_blocks_written", "KV blocks written to the store", LABELS).labels(**lbl)
-        self.handoff_bytes = Counter("baton:kv_handoff_bytes", "Bytes of KV moved through the store", LABELS + ["direction"])
+                                      buckets=_TIME_BUCKETS, registry=r).labels(**lbl)
+        self.blocks_fetched = Counter("baton:kv_blocks_fetched", "Full KV blocks loaded from the store", LABELS, registry=r).labels(**lbl)
+        self.blocks_computed = Counter("baton:kv_blocks_computed", "Full KV blocks computed here", LABELS, registry=r).labels(**lbl)
+        self.blocks_written = Counter("baton:kv_blocks_written", "KV blocks written to the store", LABELS, registry=r).labels(**lbl)
+        self.handoff_bytes = Counter("baton:kv_handoff_bytes", "Bytes of KV moved through the store", LABELS + ["direction"], registry=r)
         self.handoff_latency = Histogram("baton:kv_handoff_latency_seconds",
                                          "First token to decode-side admission (decode) / publish time (prefill)",
-                                         LABELS, buckets=_TIME_BUCKETS).labels(**lbl)
+                                         LABELS, buckets=_TIME_BUCKETS, registry=r).labels(**lbl)
         self.request_prefill_time = Histogram("baton:request_prefill_time_seconds", "Prefill time of a request",
-                                              LABELS, buckets=_TIME_BUCKETS).labels(**lbl)
+                                              LABELS, buckets=_TIME_BUCKETS, registry=r).labels(**lbl)
         self.request_decode_time = Histogram("baton:request_decode_time_seconds", "Decode time of a request",
-                                             LABELS, buckets=_TIME_BUCKETS).labels(**lbl)
-        self.dead_letters = Counter("baton:dead_letters", "Malformed messages parked in the dead-letter stream", LABELS).labels(**lbl)
-        self.stream_backlog = Gauge("baton:stream_backlog", "Messages not yet delivered to this worker's group", LABELS).labels(**lbl)
-        self.requests_finished = Counter("baton:worker_requests_finished", "Requests this worker ended", LABELS + ["finished_reason"])
+                                             LABELS, buckets=_TIME_BUCKETS, registry=r).labels(**lbl)
+        self.dead_letters = Counter("baton:dead_letters", "Malformed messages parked in the dead-letter stream", LABELS, registry=r).labels(**lbl)
+        self.stream_backlog = Gauge("baton:stream_backlog", "Messages not yet delivered to this worker's group", LABELS, registry=r).labels(**lbl)
+        self.requests_finished = Counter("baton:worker_requests_finished", "Requests this worker ended", LABELS + ["finished_reason"], registry=r)
 
         # Every label value up front, so the series exist (at 0) from the first scrape.
         for direction in ("fetched", "written"):

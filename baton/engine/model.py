@@ -2,13 +2,13 @@
 
 Selective batching (Orca): embeddings, norms, projections and the MLP run over every token of the
 step flattened to `[T, H]`, whatever request it belongs to; only attention is split, each request
-attending over its own KV blocks (`baton.attention`).
+attending over its own KV blocks (`baton.engine.attention`).
 
 Two numeric paths share this code. float32 computes exactly as the reference (transformers) does:
 it is the parity path of the tests. bf16 is the CPU fast path, written for the fewest ops per layer
 (a decode step at batch 1 is ~30 layers x ~30 ops, and each op costs microseconds of dispatch):
 fused RMSNorm, RoPE once over the q|k slice from a precomputed table, matmuls through prepacked
-weights (`baton.linear`), in-place residual adds.
+weights (`baton.engine.linear`), in-place residual adds.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from baton.attention import AttentionMetadata, TorchAttention
-from baton.config import ModelConfig
-from baton.linear import LinearOp, make_linear_op
+from baton.engine.attention import AttentionMetadata, TorchAttention
+from baton.engine.config import ModelConfig
+from baton.engine.linear import LinearOp, make_linear_op
 
 
 def set_op(module: nn.Module, name: str, op: LinearOp) -> None:
@@ -200,8 +200,8 @@ class LlamaModel(nn.Module):
         self.rope_sin: torch.Tensor | None = None
 
     def prepare(self, fast_linears: bool = True, native_kernels: bool = True) -> None:
-        """After the weights are loaded: pick the fastest matmul per projection (`baton.linear`) and,
-        for bf16 on the CPU, the native paged-attention kernel (`baton.kernels`; built on first
+        """After the weights are loaded: pick the fastest matmul per projection (`baton.engine.linear`) and,
+        for bf16 on the CPU, the native paged-attention kernel (`baton.engine.kernels`; built on first
         use)."""
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -214,7 +214,7 @@ class LlamaModel(nn.Module):
         param = self.embed_tokens.weight
         kernel = None
         if native_kernels and param.dtype == torch.bfloat16 and param.device.type == "cpu":
-            from baton import kernels
+            from baton.engine import kernels
 
             kernel = kernels.load()
         for layer in self.layers:

@@ -6,8 +6,8 @@ whole or returns None with nothing changed.
 
 from __future__ import annotations
 
-from kvstore.block_pool import BlockPool
-from baton.sequence import Sequence
+from baton.engine.block_pool import BlockPool
+from baton.engine.sequence import Sequence
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:

@@ -1,5 +1,5 @@
 """What every worker process shares: Redis connection, consumer groups, heartbeats, cancels,
-dead letters, claiming a dead consumer's messages, signal handling."""
+claiming a dead consumer's messages, signal handling."""
 
 from __future__ import annotations
 
@@ -47,18 +47,6 @@ async def ensure_group(redis: Redis, stream: str, group: str) -> None:
     except ResponseError as exc:
         if "BUSYGROUP" not in str(exc):
             raise
-
-
-async def dead_letter(redis: Redis, stream: str, group: str, message_id: bytes, fields: dict, error: str) -> None:
-    """Park an undecodable message in the dead-letter stream and ack it: it must not crash-loop."""
-    logger.error("dead-lettering message %s from %s: %s", message_id, stream, error)
-    pipe = redis.pipeline(transaction=False)
-    pipe.xadd(protocol.DEAD_LETTER_STREAM,
-              {b"stream": stream, b"id": message_id, b"error": error[:500],
-               protocol.PAYLOAD_FIELD: fields.get(protocol.PAYLOAD_FIELD, b"")},
-              maxlen=protocol.STREAM_MAXLEN, approximate=True)
-    pipe.xack(stream, group, message_id)
-    await pipe.execute()
 
 
 async def read_group(redis: Redis, stream: str, group: str, consumer: str, count: int,

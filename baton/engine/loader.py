@@ -7,8 +7,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from baton.config import ModelConfig
-from baton.model import LlamaModel
+from baton.engine.config import ModelConfig
+from baton.engine.model import LlamaModel
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:

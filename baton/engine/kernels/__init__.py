@@ -22,7 +22,7 @@ import threading
 from pathlib import Path
 from types import ModuleType
 
-logger = logging.getLogger("baton.kernels")
+logger = logging.getLogger("baton.engine.kernels")
 
 _DIR = Path(__file__).parent
 _SOURCES = ("paged_attention.cpp", "pointwise.cpp")  # both include vec.h
@@ -102,7 +102,7 @@ def _build() -> ModuleType | None:
 
 
 def main() -> int:
-    """`python -m baton.kernels`: build (or find) the kernels now and say which path will run."""
+    """`python -m baton.engine.kernels`: build (or find) the kernels now and say which path will run."""
     logging.basicConfig(level="INFO", format="%(message)s")
     module = load()
     if module is None:

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-logger = logging.getLogger("baton.linear")
+logger = logging.getLogger("baton.engine.linear")
 
 LinearOp = Callable[[torch.Tensor], torch.Tensor]  # [..., in] -> [..., out]
 

@@ -459,7 +459,7 @@ def wait_until_ready(sup: Supervisor, host: str, port: int, redis_url: str, time
 # --------------------------------------------------------------------------------------------
 
 def run(args: argparse.Namespace) -> int:
-    from baton.fetch import resolve_model
+    from baton.ops.fetch import resolve_model
 
     log = lambda msg: print(f"baton: {msg}", file=sys.stderr, flush=True)  # noqa: E731
     if args.prefill_workers < 1 or args.decode_workers < 1:
@@ -491,7 +491,7 @@ def run(args: argparse.Namespace) -> int:
         if redis_url:
             log(f"redis: {redis_url}")
         else:
-            from baton.redis_server import start_private_redis
+            from baton.ops.redis_server import start_private_redis
 
             private_redis = start_private_redis()
             redis_url = private_redis.url

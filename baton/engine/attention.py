@@ -65,7 +65,7 @@ class AttentionMetadata:
 
 class TorchAttention:
     """Paged attention in plain torch ops (CPU and CUDA); bf16 CPU decode through the native
-    in-place kernel (`baton.kernels`) when one was built."""
+    in-place kernel (`baton.engine.kernels`) when one was built."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         self.num_heads = num_heads

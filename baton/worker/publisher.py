@@ -1,10 +1,10 @@
 """The decode worker's token output, written off the step's critical path.
 
-One task owns the writes: the loop hands it each step's `Publication` and goes on to the next step
-at once, so the Redis round trip overlaps the next forward pass instead of following it. Each
-publication is one pipeline: one XADD per gateway carrying a `TokenBatch` of that step's events,
-then the acks (and partial-block deletes) of the requests that finished in it, so a handoff is
-acked only after its last tokens are published. Publications go out in step order. A failed write
+One task owns the writes: the loop hands it each step's `Effects` and goes on to the next step at
+once, so the Redis round trip overlaps the next forward pass instead of following it. Each step's
+effects are one pipeline: one XADD per gateway carrying a `TokenBatch` of that step's events, then
+the acks (and partial-block deletes) of the requests that finished in it, so a handoff is acked
+only after its last tokens are published. Effects go out in step order. A failed write
 is retried, same content, with backoff (the gateway drops duplicate tokens by index): a step's
 tokens are never lost to one failed `execute()`.
 """
@@ -14,28 +14,13 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from dataclasses import dataclass, field
 
 from redis.asyncio import Redis
 
-from baton import protocol
-from baton.worker_runtime import REDIS_ERRORS
-from kvstore.redis_backend import partial_key
+from baton.worker.core import Effects, queue_effects
+from baton.worker.runtime import REDIS_ERRORS
 
-logger = logging.getLogger("baton.publisher")
-
-
-@dataclass
-class Publication:
-    events: dict[str, list[protocol.TokenEvent]] = field(default_factory=dict)  # by gateway id
-    acks: list[bytes] = field(default_factory=list)  # handoff messages of finished requests
-    finished_ids: list[str] = field(default_factory=list)  # their partial blocks are deleted
-
-    def add(self, gateway_id: str, event: protocol.TokenEvent) -> None:
-        self.events.setdefault(gateway_id, []).append(event)
-
-    def __bool__(self) -> bool:
-        return bool(self.events or self.acks)
+logger = logging.getLogger("baton.worker.publisher")
 
 
 class EventPublisher:
@@ -43,16 +28,16 @@ class EventPublisher:
         self.redis = redis
         self.stream = stream
         self.group = group
-        self.queue: deque[Publication] = deque()
+        self.queue: deque[Effects] = deque()
         self.wakeup = asyncio.Event()
         self.idle = asyncio.Event()
         self.idle.set()
         self.num_retries = 0
 
-    def submit(self, publication: Publication) -> None:
-        if not publication:
+    def submit(self, effects: Effects) -> None:
+        if not effects:
             return
-        self.queue.append(publication)
+        self.queue.append(effects)
         self.idle.clear()
         self.wakeup.set()
 
@@ -89,14 +74,7 @@ class EventPublisher:
             backoff = 0.05
             self.queue.popleft()
 
-    async def _write(self, publication: Publication) -> None:
+    async def _write(self, effects: Effects) -> None:
         pipe = self.redis.pipeline(transaction=False)
-        for gateway_id, events in publication.events.items():
-            pipe.xadd(protocol.token_stream(gateway_id),
-                      {protocol.PAYLOAD_FIELD: protocol.encode_token_batch(events)},
-                      maxlen=protocol.STREAM_MAXLEN, approximate=True)
-        if publication.acks:
-            pipe.xack(self.stream, self.group, *publication.acks)
-        for request_id in publication.finished_ids:
-            pipe.delete(partial_key(request_id))
+        queue_effects(pipe, effects, self.stream, self.group)
         await pipe.execute()

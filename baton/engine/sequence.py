@@ -5,19 +5,22 @@ from __future__ import annotations
 import enum
 import time
 
-from baton.sampling import SamplingParams
+from baton.sampling_params import SamplingParams
+from kvstore.connector import RemoteKV
 from kvstore.hashing import hash_block
 
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_KV = "waiting_for_kv"  # admitted: blocks allocated, their KV loading from the store
     RUNNING = "running"
     FINISHED = "finished"
 
 
 class Sequence:
     def __init__(self, seq_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                 arrival_time: float | None = None, output_token_ids: list[int] | None = None) -> None:
+                 arrival_time: float | None = None, output_token_ids: list[int] | None = None,
+                 remote_kv: RemoteKV | None = None, remote_decode: bool = False) -> None:
         if not prompt_token_ids:
             raise ValueError("a prompt needs at least one token")
         self.seq_id = seq_id
@@ -37,6 +40,15 @@ class Sequence:
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self._block_hashes: list[str] = []
+        # What the block store holds of this request's leading tokens (the KV connector loads it).
+        self.remote_kv = remote_kv
+        # Finish after the first token with reason "handoff", saving the prompt's blocks: a prefill
+        # worker's request, which a decode worker continues.
+        self.remote_decode = remote_decode
+        if remote_kv is not None:
+            # A handoff carries its prompt's block ids (chained over the same tokens, by the same
+            # model and block size): they are not hashed again.
+            self._block_hashes = list(remote_kv.block_hashes)
 
     @property
     def num_tokens(self) -> int:

@@ -1,6 +1,6 @@
 """The `baton` command: `baton model fetch`, `baton serve`, `baton bench`.
 
-Process supervision lives in baton/serve.py; this module only parses arguments and dispatches.
+Process supervision lives in baton/ops/serve.py; this module only parses arguments and dispatches.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from baton.serve import add_serve_arguments
+    from baton.ops.serve import add_serve_arguments
 
     parser = argparse.ArgumentParser(
         prog="baton",
@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_model_fetch(args: argparse.Namespace) -> int:
-    from baton.fetch import fetch_default_model
+    from baton.ops.fetch import fetch_default_model
 
     path = fetch_default_model(force=args.force)
     print(path, flush=True)
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "model" and args.model_command == "fetch":
             return cmd_model_fetch(args)
         if args.command == "serve":
-            from baton.serve import run
+            from baton.ops.serve import run
 
             return run(args)
         return 2

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from baton.config import ModelConfig
-from baton.attention import AttentionMetadata, DecodeGroup, PrefillSpan, group_by_context
-from baton.model import LlamaModel
-from baton.sequence import Sequence
+from baton.engine.config import ModelConfig
+from baton.engine.attention import AttentionMetadata, DecodeGroup, PrefillSpan, group_by_context
+from baton.engine.model import LlamaModel
+from baton.engine.sequence import Sequence
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -24,7 +24,7 @@ class ModelRunner:
         self.device = param.device
         self.dtype = param.dtype
         # [layers, k/v, kv_heads, slots, head_dim]; slot = block * block_size + offset (head-major:
-        # see baton.attention)
+        # see baton.engine.attention)
         self.kv_cache = torch.zeros(
             config.num_layers, 2, config.num_kv_heads, num_blocks * block_size, config.head_dim,
             dtype=self.dtype, device=self.device,

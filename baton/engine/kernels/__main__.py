@@ -1,0 +1,5 @@
+import sys
+
+from baton.engine.kernels import main
+
+sys.exit(main())

@@ -1,5 +1,0 @@
-import sys
-
-from baton.kernels import main
-
-sys.exit(main())

@@ -1,0 +1,1 @@
+"""Operations: the `baton` command, `baton serve`, model fetching, the private Redis server."""

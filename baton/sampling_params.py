@@ -1,0 +1,46 @@
+"""What a request wants generated (vLLM's names): one type, used by the gateway, on the wire and in
+the engine. No torch here: the gateway imports it."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+GREEDY_TEMPERATURE = 1e-5  # below this, sampling is greedy
+
+
+@dataclass
+class SamplingParams:
+    """What a request wants generated. temperature 0 means greedy."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0: off
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    n: int = 1
+
+    def __post_init__(self) -> None:
+        if self.n != 1:
+            raise ValueError("only n=1 is supported")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.seed is None:
+            # A request without a seed still gets one, fixed at creation: its stream of random
+            # draws then survives preemption and a move to another worker unchanged.
+            self.seed = int.from_bytes(os.urandom(7), "little")
+
+    @property
+    def greedy(self) -> bool:
+        # A temperature this small is greedy in effect; dividing by it would overflow the logits
+        # to inf and the probabilities to NaN (vLLM draws the same line).
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1

@@ -1,0 +1,148 @@
+"""The pure part of a worker: it takes messages and engine outputs and returns `Effects`, the Redis
+writes to make; the shell (`baton.worker.shell`) reads the streams, runs the engine's steps and the
+KV loads, and writes the effects. No I/O here, so the worker cores are unit-tested without Redis.
+
+What both kinds share lives here once: the opening of a stream message (decode it or dead-letter
+it, drop it if cancelled or already in flight, fail it past the delivery cap) and the error event.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+from redis.asyncio.client import Pipeline
+
+from baton import protocol
+from baton.engine.llm_engine import LLMEngine
+from baton.worker.metrics import WorkerMetrics
+from kvstore.redis_backend import block_key, DEFAULT_TTL_S
+
+logger = logging.getLogger("baton.worker")
+
+M = TypeVar("M", protocol.PrefillRequest, protocol.Handoff)
+
+
+@dataclass
+class Effects:
+    """Redis writes, applied in this order in one pipeline: a handoff is never visible before its
+    blocks, and a message is acked only after what it produced is written."""
+
+    dead_letters: list[tuple[bytes, dict, str]] = field(default_factory=list)  # (message id, fields, error)
+    events: dict[str, list[protocol.TokenEvent]] = field(default_factory=dict)  # by gateway id
+    block_puts: list[tuple[str, bytes]] = field(default_factory=list)  # full blocks by id (SET NX)
+    partial_puts: list[tuple[str, bytes]] = field(default_factory=list)  # (store key, value)
+    handoffs: list[protocol.Handoff] = field(default_factory=list)
+    acks: list[bytes] = field(default_factory=list)
+    deletes: list[str] = field(default_factory=list)  # store keys no longer needed
+
+    def add_event(self, gateway_id: str, event: protocol.TokenEvent) -> None:
+        self.events.setdefault(gateway_id, []).append(event)
+
+    def extend(self, other: Effects) -> None:
+        self.dead_letters += other.dead_letters
+        for gateway_id, events in other.events.items():
+            self.events.setdefault(gateway_id, []).extend(events)
+        self.block_puts += other.block_puts
+        self.partial_puts += other.partial_puts
+        self.handoffs += other.handoffs
+        self.acks += other.acks
+        self.deletes += other.deletes
+
+    def __bool__(self) -> bool:
+        return bool(self.dead_letters or self.events or self.block_puts or self.partial_puts or self.handoffs
+                    or self.acks or self.deletes)
+
+
+def queue_effects(pipe: Pipeline, effects: Effects, stream: str, group: str, ttl_s: int = DEFAULT_TTL_S) -> None:
+    """Add `effects` to a pipeline (the caller chooses MULTI/EXEC or not and executes it)."""
+    for message_id, fields, error in effects.dead_letters:
+        pipe.xadd(protocol.DEAD_LETTER_STREAM,
+                  {b"stream": stream, b"id": message_id, b"error": error[:500],
+                   protocol.PAYLOAD_FIELD: fields.get(protocol.PAYLOAD_FIELD, b"")},
+                  maxlen=protocol.STREAM_MAXLEN, approximate=True)
+    for gateway_id, events in effects.events.items():
+        pipe.xadd(protocol.token_stream(gateway_id), {protocol.PAYLOAD_FIELD: protocol.encode_token_batch(events)},
+                  maxlen=protocol.STREAM_MAXLEN, approximate=True)
+    for block_hash, value in effects.block_puts:
+        pipe.set(block_key(block_hash), value, ex=ttl_s, nx=True)  # the first write wins (same content)
+    for key, value in effects.partial_puts:
+        pipe.set(key, value, ex=ttl_s)
+    for handoff in effects.handoffs:
+        pipe.xadd(protocol.DECODE_STREAM, {protocol.PAYLOAD_FIELD: protocol.encode(handoff)},
+                  maxlen=protocol.STREAM_MAXLEN, approximate=True)
+    ids = [m for m, _, _ in effects.dead_letters] + effects.acks
+    if ids:
+        pipe.xack(stream, group, *ids)
+    if effects.deletes:
+        pipe.delete(*effects.deletes)
+
+
+class Opening(enum.Enum):
+    ADMIT = "admit"  # new work: the kind's core takes it
+    SKIP = "skip"  # cancelled, or already in flight here: ack, nothing else
+    DEAD_LETTER = "dead_letter"  # undecodable: parked with the reason, acked
+    FAIL = "fail"  # delivered too often (it crashed workers): an error event, acked
+
+
+@dataclass
+class Opened(Generic[M]):
+    outcome: Opening
+    message: M | None = None
+    error: str = ""
+
+
+class WorkerCore(Generic[M]):
+    """State both kinds keep: the engine, the requests in flight, the error path."""
+
+    kind = "worker"
+    message_type: type = protocol.PrefillRequest
+    max_deliveries = 3
+
+    def __init__(self, engine: LLMEngine, worker_id: str, metrics: WorkerMetrics) -> None:
+        self.engine = engine
+        self.worker_id = worker_id
+        self.metrics = metrics
+        self.num_finished = 0
+
+    def is_in_flight(self, request_id: str) -> bool:
+        raise NotImplementedError
+
+    def open(self, fields: dict, deliveries: int, cancelled: set[str] | dict[str, float]) -> Opened[M]:
+        """Decide what a stream message is, before it costs anything."""
+        try:
+            message = protocol.decode(fields[protocol.PAYLOAD_FIELD], self.message_type)
+        except (protocol.MalformedMessage, KeyError) as exc:
+            return Opened(Opening.DEAD_LETTER, error=str(exc))
+        if message.request_id in cancelled or self.is_in_flight(message.request_id):
+            return Opened(Opening.SKIP, message)
+        if deliveries > self.max_deliveries:
+            return Opened(Opening.FAIL, message, f"{self.kind} failed after {deliveries - 1} attempts")
+        return Opened(Opening.ADMIT, message)
+
+    def opening_effects(self, message_id: bytes, fields: dict, opened: Opened[M]) -> Effects:
+        """The effects of a message that is not admitted."""
+        effects = Effects()
+        if opened.outcome is Opening.DEAD_LETTER:
+            logger.error("dead-lettering message %s: %s", message_id, opened.error)
+            self.metrics.dead_letters.inc()
+            effects.dead_letters.append((message_id, fields, opened.error))
+        elif opened.outcome is Opening.SKIP:
+            effects.acks.append(message_id)
+        elif opened.outcome is Opening.FAIL:
+            assert opened.message is not None
+            effects.extend(self.fail(message_id, opened.message, opened.error))
+        return effects
+
+    def fail(self, message_id: bytes, message: M, error: str) -> Effects:
+        """End a request with an error event (never silence) and ack its message."""
+        logger.error("request %s failed: %s", message.request_id, error)
+        index = len(message.output_token_ids) if isinstance(message, protocol.Handoff) else 0
+        effects = Effects(acks=[message_id])
+        effects.add_event(message.gateway_id, protocol.TokenEvent(
+            message.request_id, index, [], [], finish_reason="error", error=error,
+            num_prompt_tokens=len(message.prompt_token_ids), worker_id=self.worker_id))
+        self.metrics.finished("error")
+        return effects

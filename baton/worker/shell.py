@@ -1,0 +1,214 @@
+"""The I/O shell both worker kinds share around their core: start-up, the loop with Redis backoff,
+the opening of stream messages, the KV loads the scheduler asks for, writing effects, graceful drain.
+
+The shell never touches the scheduler, the block pool or the model runner: it talks to the engine
+(add, abort, step, KV loads, stats) and to its core (messages in, effects out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import time
+from collections.abc import Coroutine
+from typing import Any
+
+from redis.exceptions import ResponseError
+
+from baton.engine.llm_engine import EngineConfig, LLMEngine
+from baton.engine.scheduler import StepOutput
+from baton.worker.core import Effects, Opening, WorkerCore, queue_effects
+from baton.worker.metrics import WorkerMetrics, serve_metrics
+from baton.worker.runtime import (REDIS_ERRORS, CancelWatcher, connect, default_worker_id, ensure_group,
+                                  heartbeat_loop, install_signal_handlers)
+from kvstore.connector import LoadedKV, fetch
+from kvstore.redis_backend import RedisBlockStore
+
+logger = logging.getLogger("baton.worker")
+
+
+def build_engine(args: argparse.Namespace) -> LLMEngine:
+    return LLMEngine(EngineConfig(
+        model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks, kv_cache_memory=args.kv_cache_memory,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        scheduler_policy=getattr(args, "scheduler_policy", "max-utilization"), num_threads=args.threads,
+        kv_connector=True,
+    ))
+
+
+class WorkerShell:
+    kind = "worker"
+    stream = ""
+    group = ""
+
+    def __init__(self, args: argparse.Namespace, core: WorkerCore) -> None:
+        self.args = args
+        self.core = core
+        self.engine = core.engine
+        self.worker_id = core.worker_id
+        self.metrics = core.metrics
+        self.redis = connect(args.redis_url)
+        self.store = RedisBlockStore(self.redis)
+        self.cancels = CancelWatcher(self.redis)
+        self.stopping = asyncio.Event()
+        self.last_claim = 0.0
+        self.tasks: list[asyncio.Task] = []
+        self.loads: list[asyncio.Task[LoadedKV]] = []  # KV loads in flight, in the order scheduled
+        self.num_blocks_fetched = 0
+        self.num_preemptions_seen = 0
+
+    @classmethod
+    def create_core(cls, args: argparse.Namespace) -> WorkerCore:
+        raise NotImplementedError
+
+    def state(self) -> dict:
+        """What the heartbeat advertises."""
+        raise NotImplementedError
+
+    async def iteration(self, accept_new: bool) -> None:
+        raise NotImplementedError
+
+    def num_in_flight(self) -> int:
+        raise NotImplementedError
+
+    def background_tasks(self) -> list[Coroutine[Any, Any, None]]:
+        """Coroutines that run beside the loop until exit (after `flush`)."""
+        return []
+
+    async def flush(self, timeout: float) -> None:
+        """Before exit: write out whatever output is still queued."""
+
+    async def run(self) -> None:
+        install_signal_handlers(self.stopping)
+        serve_metrics(self.args.metrics_port)
+        await self._wait_for_redis()
+        await ensure_group(self.redis, self.stream, self.group)
+        self.tasks = [
+            asyncio.create_task(heartbeat_loop(self.redis, self.kind, self.worker_id, self.state, self.stopping)),
+            asyncio.create_task(self.cancels.run(self.stopping)),
+            *(asyncio.create_task(coro) for coro in self.background_tasks()),
+        ]
+        logger.info("%s worker %s ready (%s)", self.kind, self.worker_id, self.engine.model_dir.name)
+        backoff = 0.1
+        while not self.stopping.is_set():
+            try:
+                await self.iteration(accept_new=True)
+                backoff = 0.1
+            except REDIS_ERRORS as exc:
+                logger.warning("redis unavailable (%s); retrying in %.1fs", exc, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+            except ResponseError as exc:
+                if "NOGROUP" not in str(exc):
+                    raise
+                # Redis came back empty (restarted without persistence): recreate our group.
+                logger.warning("consumer group missing (%s); recreating it", exc)
+                await ensure_group(self.redis, self.stream, self.group)
+        await self.drain()
+
+    async def drain(self) -> None:
+        """SIGTERM: take nothing new, finish what is in flight within the drain time, then exit.
+        Whatever is left stays unacked in its stream, for a live worker of the same kind to claim."""
+        deadline = time.monotonic() + self.args.drain_timeout
+        logger.info("draining %d requests (at most %.0fs)", self.num_in_flight(), self.args.drain_timeout)
+        while self.engine.has_unfinished() and time.monotonic() < deadline:
+            try:
+                await self.iteration(accept_new=False)
+            except REDIS_ERRORS:
+                await asyncio.sleep(0.2)
+        await self.flush(timeout=max(1.0, deadline - time.monotonic()))
+        for task in [*self.tasks, *self.loads]:
+            task.cancel()
+        await asyncio.gather(*self.tasks, *self.loads, return_exceptions=True)
+        await self.redis.aclose()
+        logger.info("%s worker %s stopped", self.kind, self.worker_id)
+
+    async def _wait_for_redis(self) -> None:
+        backoff = 0.1
+        while not self.stopping.is_set():
+            try:
+                await self.redis.ping()
+                return
+            except REDIS_ERRORS as exc:
+                logger.warning("waiting for redis (%s)", exc)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+
+    # ---- messages ----
+
+    async def open(self, message_id: bytes, fields: dict, deliveries: int) -> Any:
+        """The shared opening: the message to admit, or None once a message that is not admitted
+        (dead letter, cancelled or duplicate, past its delivery cap) has been dealt with."""
+        opened = self.core.open(fields, deliveries, self.cancels.cancelled)
+        if opened.outcome is Opening.ADMIT:
+            return opened.message
+        await self.write(self.core.opening_effects(message_id, fields, opened))
+        return None
+
+    async def write(self, effects: Effects, transaction: bool = False) -> None:
+        """Write effects now, in one pipeline (MULTI/EXEC if `transaction`)."""
+        if not effects:
+            return
+        pipe = self.redis.pipeline(transaction=transaction)
+        queue_effects(pipe, effects, self.stream, self.group, self.store.ttl_s)
+        await pipe.execute()
+
+    # ---- the engine step and its KV loads ----
+
+    async def step(self, overlap: Coroutine[Any, Any, None] | None = None) -> list[StepOutput]:
+        """One engine step in a thread (the engine is not touched meanwhile); `overlap` runs on the
+        loop during it. Starts the KV loads the step's schedule asked for."""
+        started = time.perf_counter()
+        step = asyncio.ensure_future(asyncio.to_thread(self.engine.step))
+        overlap_error: BaseException | None = None
+        if overlap is not None:
+            try:
+                await overlap
+            except REDIS_ERRORS as exc:
+                overlap_error = exc
+        outputs = await step
+        self.metrics.step_seconds.observe(time.perf_counter() - started)
+        self.metrics.iteration_tokens.observe(max(1, self.engine.last_num_batched_tokens))
+        for load in self.engine.take_kv_loads():
+            self.loads.append(asyncio.create_task(self._fetch(load)))
+        self.update_gauges()
+        if overlap_error is not None:
+            raise overlap_error
+        return outputs
+
+    async def _fetch(self, load) -> LoadedKV:
+        try:
+            return await fetch(self.store, load)
+        except REDIS_ERRORS as exc:  # not fatal: the request computes what it could not load
+            logger.warning("loading the KV of %s failed (%s); computing it here", load.seq_id, exc)
+            return LoadedKV(load.seq_id)
+
+    async def finish_loads(self) -> None:
+        """Hand the finished KV loads to the engine (between steps). When nothing else could run,
+        wait for them: a step now would have nothing to compute."""
+        if self.loads and not self.engine.has_runnable():
+            await asyncio.wait(self.loads)
+        done = [task for task in self.loads if task.done()]
+        if not done:
+            return
+        self.loads = [task for task in self.loads if not task.done()]
+        results = [task.result() for task in done]
+        self.engine.finish_kv_loads(results)
+        for result in results:
+            self.num_blocks_fetched += len(result.block_hashes)
+            self.metrics.blocks_fetched.inc(len(result.block_hashes))
+            self.metrics.bytes("fetched", result.num_bytes)
+            if result.num_tokens == 0:
+                logger.info("request %s: its KV is not in the store; computing it here", result.seq_id)
+
+    def update_gauges(self) -> None:
+        stats = self.engine.stats()
+        self.metrics.num_requests_running.set(stats["num_requests_running"] + stats["num_requests_loading_kv"])
+        self.metrics.num_requests_waiting.set(stats["num_requests_waiting"])
+        self.metrics.kv_cache_usage_perc.set(stats["kv_cache_usage"])
+        new = stats["num_preemptions"] - self.num_preemptions_seen
+        if new:
+            self.metrics.num_preemptions.inc(new)
+            self.num_preemptions_seen = stats["num_preemptions"]

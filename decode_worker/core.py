@@ -1,0 +1,111 @@
+"""The decode worker's core: handoffs in, token events and acks out (no I/O; see `worker.py`).
+
+A handoff stays unacked while its request decodes, so a decode worker that dies leaves it pending:
+a live one claims it, loads the prompt's blocks again and regenerates; the gateway drops the tokens
+it already has (the same tokens: greedy is deterministic and sampling draws are seeded per (seed,
+position)). `next_index` keeps a resumed request from sending those tokens again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+from baton import protocol
+from baton.engine.scheduler import StepOutput
+from baton.engine.sequence import Sequence
+from baton.worker.core import Effects, WorkerCore
+from kvstore.connector import RemoteKV
+
+logger = logging.getLogger("baton.decode")
+
+
+@dataclasses.dataclass
+class InFlight:
+    message_id: bytes
+    handoff: protocol.Handoff
+    admitted: float
+    next_index: int  # output position of the next token the gateway does not have yet
+
+
+class DecodeCore(WorkerCore[protocol.Handoff]):
+    kind = "decode"
+    message_type = protocol.Handoff
+    max_deliveries = 4
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.in_flight: dict[str, InFlight] = {}
+
+    def is_in_flight(self, request_id: str) -> bool:
+        return request_id in self.in_flight
+
+    def admit(self, message_id: bytes, handoff: protocol.Handoff) -> Effects:
+        """Add an opened handoff to the engine; the scheduler loads its blocks when its turn comes
+        (what is missing from the store is recomputed here)."""
+        num_prompt = len(handoff.prompt_token_ids)
+        partial_tokens = num_prompt - len(handoff.block_hashes) * self.engine.block_size
+        remote = RemoteKV(handoff.block_hashes, handoff.partial_block_key,
+                          partial_tokens if handoff.partial_block_key else 0)
+        try:
+            seq = Sequence(handoff.request_id, handoff.prompt_token_ids, handoff.sampling,
+                           arrival_time=handoff.arrival_time, output_token_ids=handoff.output_token_ids,
+                           remote_kv=remote)
+            seq.first_token_time = handoff.first_token_time
+            self.engine.add_request(seq)
+        except (ValueError, TypeError) as exc:
+            return self.fail(message_id, handoff, str(exc))
+        self.metrics.handoff_latency.observe(max(0.0, time.time() - handoff.first_token_time))
+        self.in_flight[handoff.request_id] = InFlight(message_id, handoff, time.time(), len(handoff.output_token_ids))
+        return Effects()
+
+    def drop(self, request_id: str, reason: str) -> Effects:
+        """Stop a request (cancelled, or its gateway is gone): free it, ack its handoff."""
+        entry = self.in_flight.pop(request_id, None)
+        if entry is None:
+            return Effects()
+        self.engine.abort_request(request_id)
+        self.metrics.finished(reason)
+        logger.info("dropped request %s (%s)", request_id, reason)
+        return Effects(acks=[entry.message_id], deletes=self._partial_keys(entry))
+
+    def orphans(self, live_gateway_ids: set[str]) -> list[str]:
+        """Requests whose gateway is gone: nobody to stream to."""
+        return [rid for rid, e in self.in_flight.items() if e.handoff.gateway_id not in live_gateway_ids]
+
+    def on_step(self, outputs: list[StepOutput]) -> Effects:
+        """This step's token events (grouped by gateway), and the acks of finished requests."""
+        effects = Effects()
+        for out in outputs:
+            seq = out.seq
+            entry = self.in_flight.get(seq.seq_id)
+            if entry is None:
+                continue
+            first_index = seq.num_output_tokens - len(out.new_token_ids)
+            # After a resume on this worker, tokens the gateway already has are not sent again.
+            skip = max(0, entry.next_index - first_index)
+            tokens, logprobs = out.new_token_ids[skip:], out.new_logprobs[skip:]
+            entry.next_index = max(entry.next_index, seq.num_output_tokens)
+            self.metrics.generation_tokens.inc(len(out.new_token_ids))
+            if not tokens and not out.finished:
+                continue
+            effects.add_event(entry.handoff.gateway_id, protocol.TokenEvent(
+                seq.seq_id, first_index + skip, tokens, logprobs,
+                finish_reason=seq.finish_reason if out.finished else None,
+                error="the request does not fit in this worker's KV pool" if seq.finish_reason == "error" else None,
+                num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens,
+                worker_id=self.worker_id))
+            if out.finished:
+                del self.in_flight[seq.seq_id]
+                self.num_finished += 1
+                effects.acks.append(entry.message_id)
+                effects.deletes += self._partial_keys(entry)
+                self.metrics.finished(seq.finish_reason or "stop")
+                self.metrics.request_decode_time.observe(time.time() - entry.admitted)
+        return effects
+
+    @staticmethod
+    def _partial_keys(entry: InFlight) -> list[str]:
+        key = entry.handoff.partial_block_key
+        return [key] if key else []

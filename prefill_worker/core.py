@@ -1,0 +1,107 @@
+"""The prefill worker's core: prompts in; first tokens, blocks, handoffs and acks out (no I/O; see
+`worker.py`).
+
+A request finishes here by handoff: its engine sequence is `remote_decode`, so the scheduler ends
+it after the first token and the engine encodes its prompt's blocks (those the store may not hold
+yet, and the partial last block) before freeing them. `on_step` turns that into one set of effects
+that the shell writes in one MULTI/EXEC, in this order: first token, blocks, handoff, ack. A worker
+dying mid-write leaves either all of it or none, never a handoff without its ack (which would
+decode twice) nor one before its blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from baton import protocol
+from baton.engine.scheduler import StepOutput
+from baton.engine.sequence import Sequence
+from baton.worker.core import Effects, WorkerCore
+from kvstore.connector import RemoteKV
+from kvstore.redis_backend import partial_key
+
+logger = logging.getLogger("baton.prefill")
+
+
+class PrefillCore(WorkerCore[protocol.PrefillRequest]):
+    kind = "prefill"
+    message_type = protocol.PrefillRequest
+    max_deliveries = 3
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # request id -> (stream message id, request, admission time)
+        self.in_flight: dict[str, tuple[bytes, protocol.PrefillRequest, float]] = {}
+        self.num_prefix_hit_tokens = 0
+
+    def is_in_flight(self, request_id: str) -> bool:
+        return request_id in self.in_flight
+
+    def admit(self, message_id: bytes, request: protocol.PrefillRequest, stored_hashes: list[str]) -> Effects:
+        """Add an opened request; `stored_hashes` are its prompt's leading block ids that a probe
+        found in the store (the scheduler loads those beyond the local prefix cache)."""
+        try:
+            seq = Sequence(request.request_id, request.prompt_token_ids, request.sampling,
+                           arrival_time=request.arrival_time, remote_kv=RemoteKV(stored_hashes) if stored_hashes else None,
+                           remote_decode=True)
+            self.engine.add_request(seq)
+        except (ValueError, TypeError) as exc:
+            return self.fail(message_id, request, str(exc))
+        self.in_flight[request.request_id] = (message_id, request, time.time())
+        return Effects()
+
+    def cancel(self, request_id: str) -> Effects:
+        entry = self.in_flight.pop(request_id, None)
+        if entry is None:
+            return Effects()
+        self.engine.abort_request(request_id)
+        self.metrics.finished("cancelled")
+        logger.info("cancelled request %s", request_id)
+        return Effects(acks=[entry[0]])
+
+    def on_step(self, outputs: list[StepOutput]) -> Effects:
+        effects = Effects()
+        bs = self.engine.block_size
+        for out in outputs:
+            seq = out.seq
+            entry = self.in_flight.pop(seq.seq_id, None)
+            if entry is None:
+                continue
+            message_id, request, admitted = entry
+            num_prompt = seq.num_prompt_tokens
+            self.metrics.prompt_tokens.inc(num_prompt)
+            self.metrics.prefix_cache_queries.inc(num_prompt)
+            self.metrics.prefix_cache_hits.inc(seq.num_cached_tokens)
+            self.num_prefix_hit_tokens += seq.num_cached_tokens
+            self.num_finished += 1
+            self.metrics.request_prefill_time.observe(time.time() - admitted)
+            self.metrics.generation_tokens.inc(len(out.new_token_ids))
+            handoff = out.kv_save is not None
+            effects.add_event(request.gateway_id, protocol.TokenEvent(
+                seq.seq_id, 0, out.new_token_ids, out.new_logprobs,
+                finish_reason=None if handoff else seq.finish_reason,
+                error="the request does not fit in the KV pool" if seq.finish_reason == "error" else None,
+                num_prompt_tokens=num_prompt, num_cached_tokens=seq.num_cached_tokens, worker_id=self.worker_id))
+            if not handoff:  # EOS as the first token, max_tokens=1, or an error: no handoff
+                self.metrics.finished(seq.finish_reason or "stop")
+            else:
+                save = out.kv_save
+                assert save is not None
+                effects.block_puts += save.full
+                self.metrics.blocks_written.inc(len(save.full))
+                self.metrics.bytes("written", sum(len(v) for _, v in save.full))
+                self.metrics.blocks_computed.inc(save.num_full_blocks - seq.num_cached_tokens // bs)
+                key = None
+                if save.partial is not None:
+                    key = partial_key(seq.seq_id)
+                    effects.partial_puts.append((key, save.partial))
+                    self.metrics.bytes("written", len(save.partial))
+                effects.handoffs.append(protocol.Handoff(
+                    request_id=seq.seq_id, gateway_id=request.gateway_id, prompt_token_ids=seq.prompt_token_ids,
+                    output_token_ids=seq.output_token_ids,
+                    block_hashes=seq.block_hashes(bs, self.engine.model_id)[:save.num_full_blocks],
+                    partial_block_key=key, sampling=seq.sampling_params, arrival_time=request.arrival_time,
+                    first_token_time=seq.first_token_time or time.time()))
+            effects.acks.append(message_id)
+        return effects
