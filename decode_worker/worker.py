@@ -23,6 +23,8 @@ from typing import Any
 
 import msgpack
 
+from prometheus_client import REGISTRY, CollectorRegistry
+
 from baton import heartbeats, protocol
 from baton.worker.metrics import WorkerMetrics
 from baton.worker.publisher import EventPublisher
@@ -41,10 +43,10 @@ class DecodeWorker(WorkerShell):
     stream = protocol.DECODE_STREAM
     group = protocol.DECODE_GROUP
 
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace, registry: CollectorRegistry = REGISTRY) -> None:
         engine = build_engine(args)
         core = DecodeCore(engine, args.worker_id or default_worker_id(self.kind),
-                          WorkerMetrics(engine.model_dir.name, self.kind))
+                          WorkerMetrics(engine.model_dir.name, self.kind, registry))
         super().__init__(args, core)
         self.core: DecodeCore = core
         self.last_gateway_check = 0.0
@@ -96,7 +98,7 @@ class DecodeWorker(WorkerShell):
                 state = msgpack.unpackb(value)
             except (ValueError, msgpack.ExtraData):
                 continue
-            if state.get("worker_id") != self.worker_id:
+            if state.get("worker_id") != self.worker_id and not state.get("draining"):
                 loads.append(int(state.get("num_requests_running", 0)) + int(state.get("num_requests_waiting", 0)))
         self.peer_loads = loads
 

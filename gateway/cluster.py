@@ -89,6 +89,8 @@ class Cluster:
         """KV capacity of each live decode worker, in tokens (their sum is the token budget)."""
         out = []
         for w in self.workers.get("decode", []):
+            if w.get("draining"):  # finishing what it holds, taking nothing new
+                continue
             blocks, block_size = w.get("num_kv_blocks_total"), w.get("block_size")
             if isinstance(blocks, int) and isinstance(block_size, int) and blocks > 0 and block_size > 0:
                 out.append(blocks * block_size)

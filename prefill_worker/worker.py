@@ -13,6 +13,9 @@ from __future__ import annotations
 import argparse
 import logging
 import time
+from collections import deque
+
+from prometheus_client import REGISTRY, CollectorRegistry
 
 from baton import protocol
 from baton.worker.metrics import WorkerMetrics
@@ -30,12 +33,15 @@ class PrefillWorker(WorkerShell):
     stream = protocol.PREFILL_STREAM
     group = protocol.PREFILL_GROUP
 
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace, registry: CollectorRegistry = REGISTRY) -> None:
         engine = build_engine(args)
         core = PrefillCore(engine, args.worker_id or default_worker_id(self.kind),
-                           WorkerMetrics(engine.model_dir.name, self.kind))
+                           WorkerMetrics(engine.model_dir.name, self.kind, registry))
         super().__init__(args, core)
         self.core: PrefillCore = core
+        # Prompts read from the stream, not yet admitted: one leaves only once admitted (or failed,
+        # with that written), so a Redis error mid-admission loses nothing.
+        self.pending: deque[tuple[bytes, dict, int]] = deque()
 
     def num_in_flight(self) -> int:
         return len(self.core.in_flight)
@@ -58,28 +64,29 @@ class PrefillWorker(WorkerShell):
             return
         outputs = await self.step()
         effects = self.core.on_step(outputs)
-        await self.write(effects, transaction=True)
-        # Only now, with the write done, are these blocks known to be in the store.
-        self.engine.connector.mark_stored([block_hash for block_hash, _ in effects.block_puts])
+        if await self.write_until_done(effects, transaction=True):
+            # Only now, with the write done, are these blocks known to be in the store.
+            self.engine.connector.mark_stored([block_hash for block_hash, _ in effects.block_puts])
 
     async def _accept_new(self) -> None:
-        room = self.engine.num_free_seqs()
+        room = self.engine.num_free_seqs() - len(self.pending)
         # Keep only a short local queue: the rest stays in the stream for other prefill workers.
-        if room <= 0 or self.engine.stats()["num_requests_waiting"] >= 2:
-            return
-        block_ms = None if self.engine.has_unfinished() else 100
-        messages = [(mid, fields, 1) for mid, fields in await read_group(
-            self.redis, self.stream, self.group, self.worker_id, min(room, 4), block_ms)]
+        if room > 0 and self.engine.stats()["num_requests_waiting"] < 2:
+            block_ms = None if self.engine.has_unfinished() or self.pending else 100
+            for message_id, fields in await read_group(self.redis, self.stream, self.group, self.worker_id,
+                                                       min(room, 4), block_ms):
+                self.pending.append((message_id, fields, 1))
         if time.monotonic() - self.last_claim > 1.0:
             self.last_claim = time.monotonic()
-            messages += await claim_from_dead(self.redis, self.stream, self.group, self.worker_id, self.kind,
-                                              self.args.claim_idle_ms)
-        for message_id, fields, deliveries in messages:
+            self.pending.extend(await claim_from_dead(self.redis, self.stream, self.group, self.worker_id,
+                                                      self.kind, self.args.claim_idle_ms))
+        while self.pending:
+            message_id, fields, deliveries = self.pending[0]
             request = await self.open(message_id, fields, deliveries)
-            if request is None:
-                continue
-            # Which of the prompt's blocks the store holds (computed by any prefill worker): the
-            # scheduler loads those its local prefix cache lacks instead of computing them.
-            hashes = hash_blocks(request.prompt_token_ids, self.engine.block_size, self.engine.model_id)
-            stored = await probe(self.store, hashes)
-            await self.write(self.core.admit(message_id, request, stored))
+            if request is not None:
+                # Which of the prompt's blocks the store holds (computed by any prefill worker):
+                # the scheduler loads those its local prefix cache lacks instead of computing them.
+                hashes = hash_blocks(request.prompt_token_ids, self.engine.block_size, self.engine.model_id)
+                stored = await probe(self.store, hashes)
+                await self.write(self.core.admit(message_id, request, stored))
+            self.pending.popleft()

@@ -137,6 +137,46 @@ def test_sigterm_drains_in_flight_requests(tiny_model_dir):
         assert cluster.procs["decode-0"].wait(timeout=30) == 0
 
 
+def test_a_draining_worker_stays_alive_to_peers_and_still_applies_cancels(tiny_model_dir):
+    # Issue 11 (2a): the heartbeat and the cancel reader ran only until SIGTERM, so peers claimed a
+    # draining worker's requests (decoding them twice) and cancels during the drain were lost.
+    with Cluster(tiny_model_dir, prefill=1, decode=1) as cluster:
+        def decode_state() -> dict:
+            states = cluster.worker_states("decode")
+            return states[0] if states else {}
+
+        def wait_for(predicate, timeout: float = 10) -> dict:
+            deadline = time.time() + timeout
+            while time.time() < deadline:
+                state = decode_state()
+                if predicate(state):
+                    return state
+                time.sleep(0.1)
+            raise AssertionError(f"decode worker state never matched: {decode_state()}")
+
+        async def run() -> None:
+            async with httpx.AsyncClient(base_url=cluster.base_url, timeout=120) as client:
+                started = asyncio.Event()
+                counter = [0]
+                tasks = [asyncio.create_task(stream_ids(client, f"story {i}", 1900, started, counter))
+                         for i in range(8)]
+                await asyncio.to_thread(wait_for, lambda s: s.get("num_requests_running") == 8, 60)
+                cluster.kill("decode-0", signal.SIGTERM)
+                state = await asyncio.to_thread(wait_for, lambda s: s.get("draining") is True, 5)
+                assert state["num_requests_running"] == 8  # draining, alive, still holding its requests
+                tasks[0].cancel()  # this client leaves during the drain: its request must stop there
+                await asyncio.to_thread(wait_for, lambda s: s.get("num_requests_running") == 7, 5)
+                assert cluster.procs["decode-0"].poll() is None
+                for task in tasks[1:]:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+        asyncio.run(run())
+        assert cluster.procs["decode-0"].wait(timeout=30) == 0
+        assert not cluster.worker_states("decode")  # a clean exit withdraws its heartbeat
+        assert cluster.client.xpending("baton:decode", "decode")["pending"] == 0  # cancels acked
+
+
 def test_gateway_death_frees_its_requests_on_the_workers(tiny_model_dir):
     with Cluster(tiny_model_dir, prefill=1, decode=1) as cluster:
         async def start_streams() -> None:

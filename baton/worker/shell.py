@@ -52,20 +52,27 @@ class WorkerShell:
         self.redis = connect(args.redis_url)
         self.store = RedisBlockStore(self.redis)
         self.cancels = CancelWatcher(self.redis)
-        self.stopping = asyncio.Event()
+        self.stopping = asyncio.Event()  # SIGTERM: take nothing new, drain
+        self.exiting = asyncio.Event()  # the drain is over: heartbeat and cancel reader stop now
         self.last_claim = 0.0
         self.tasks: list[asyncio.Task] = []
         self.loads: list[asyncio.Task[LoadedKV]] = []  # KV loads in flight, in the order scheduled
         self.num_blocks_fetched = 0
         self.num_preemptions_seen = 0
+        self.drain_deadline: float | None = None  # monotonic; set when a drain starts
 
     @classmethod
     def create_core(cls, args: argparse.Namespace) -> WorkerCore:
         raise NotImplementedError
 
     def state(self) -> dict:
-        """What the heartbeat advertises."""
+        """What the heartbeat advertises (counts of this kind of worker)."""
         raise NotImplementedError
+
+    def heartbeat(self) -> dict:
+        # A draining worker is alive (its requests are not claimable) but takes nothing new: the
+        # gateway leaves its capacity out of the budget, and peers out of their balancing.
+        return {**self.state(), "draining": self.stopping.is_set()}
 
     async def iteration(self, accept_new: bool) -> None:
         raise NotImplementedError
@@ -86,8 +93,10 @@ class WorkerShell:
         await self._wait_for_redis()
         await ensure_group(self.redis, self.stream, self.group)
         self.tasks = [
-            asyncio.create_task(heartbeat_loop(self.redis, self.kind, self.worker_id, self.state, self.stopping)),
-            asyncio.create_task(self.cancels.run(self.stopping)),
+            # Both run through the drain: peers must see this worker alive (or they would claim and
+            # decode its requests a second time), and cancels must still stop its requests.
+            asyncio.create_task(heartbeat_loop(self.redis, self.kind, self.worker_id, self.heartbeat, self.exiting)),
+            asyncio.create_task(self.cancels.run(self.exiting)),
             *(asyncio.create_task(coro) for coro in self.background_tasks()),
         ]
         logger.info("%s worker %s ready (%s)", self.kind, self.worker_id, self.engine.model_dir.name)
@@ -111,7 +120,7 @@ class WorkerShell:
     async def drain(self) -> None:
         """SIGTERM: take nothing new, finish what is in flight within the drain time, then exit.
         Whatever is left stays unacked in its stream, for a live worker of the same kind to claim."""
-        deadline = time.monotonic() + self.args.drain_timeout
+        deadline = self.drain_deadline = time.monotonic() + self.args.drain_timeout
         logger.info("draining %d requests (at most %.0fs)", self.num_in_flight(), self.args.drain_timeout)
         while self.engine.has_unfinished() and time.monotonic() < deadline:
             try:
@@ -119,6 +128,8 @@ class WorkerShell:
             except REDIS_ERRORS:
                 await asyncio.sleep(0.2)
         await self.flush(timeout=max(1.0, deadline - time.monotonic()))
+        self.exiting.set()  # the heartbeat withdraws itself: what is left unacked is now claimable
+        await asyncio.wait(self.tasks[:2], timeout=2.0)
         for task in [*self.tasks, *self.loads]:
             task.cancel()
         await asyncio.gather(*self.tasks, *self.loads, return_exceptions=True)
@@ -154,6 +165,24 @@ class WorkerShell:
         pipe = self.redis.pipeline(transaction=transaction)
         queue_effects(pipe, effects, self.stream, self.group, self.store.ttl_s)
         await pipe.execute()
+
+    async def write_until_done(self, effects: Effects, transaction: bool = False) -> bool:
+        """Write effects whose state change already happened (a step's output): retried with
+        backoff until Redis takes them, so an outage delays them but never loses them. Gives up
+        (False) only when a drain runs out of time: the messages stay unacked, and once this
+        worker's heartbeat is gone a peer claims and redoes them."""
+        backoff = 0.05
+        while True:
+            try:
+                await self.write(effects, transaction)
+                return True
+            except REDIS_ERRORS as exc:
+                if self.drain_deadline is not None and time.monotonic() > self.drain_deadline:
+                    logger.error("could not write a step's output before exit (%s); peers will redo it", exc)
+                    return False
+                logger.warning("writing a step's output failed (%s); retrying in %.2fs", exc, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
 
     # ---- the engine step and its KV loads ----
 
