@@ -34,8 +34,26 @@ PAYLOAD_FIELD = b"m"
 
 
 def token_stream(gateway_id: str) -> str:
-    """The stream of token events a gateway reads (one per gateway process)."""
+    """The stream of token events a gateway reads (one per gateway process).
+
+    Only its gateway creates it (`create_token_stream`) and keeps its TTL fresh; workers add to it
+    with NOMKSTREAM, so events for a gateway that is gone are dropped instead of re-creating its
+    stream without a TTL (a leak that nothing would ever read).
+    """
     return f"baton:tokens:{gateway_id}"
+
+
+async def create_token_stream(redis: Any, gateway_id: str, ttl_s: int) -> None:
+    """Create a gateway's (empty) token stream if it does not exist, with its TTL."""
+    from redis.exceptions import ResponseError
+
+    try:
+        # An empty stream can only be created through a consumer group; nothing reads this one.
+        await redis.xgroup_create(token_stream(gateway_id), "keepalive", id="$", mkstream=True)
+    except ResponseError as exc:
+        if "BUSYGROUP" not in str(exc):
+            raise
+    await redis.expire(token_stream(gateway_id), ttl_s)
 
 
 def heartbeat_key(kind: str, worker_id: str) -> str:

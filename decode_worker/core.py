@@ -70,9 +70,8 @@ class DecodeCore(WorkerCore[protocol.Handoff]):
         logger.info("dropped request %s (%s)", request_id, reason)
         return Effects(acks=[entry.message_id], deletes=self._partial_keys(entry))
 
-    def orphans(self, live_gateway_ids: set[str]) -> list[str]:
-        """Requests whose gateway is gone: nobody to stream to."""
-        return [rid for rid, e in self.in_flight.items() if e.handoff.gateway_id not in live_gateway_ids]
+    def gateway_of(self, request_id: str) -> str:
+        return self.in_flight[request_id].handoff.gateway_id
 
     def on_step(self, outputs: list[StepOutput]) -> Effects:
         """This step's token events (grouped by gateway), and the acks of finished requests."""

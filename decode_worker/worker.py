@@ -28,7 +28,7 @@ from prometheus_client import REGISTRY, CollectorRegistry
 from baton import heartbeats, protocol
 from baton.worker.metrics import WorkerMetrics
 from baton.worker.publisher import EventPublisher
-from baton.worker.runtime import claim_from_dead, default_worker_id, live_gateways, read_group
+from baton.worker.runtime import default_worker_id, read_group
 from baton.worker.shell import WorkerShell, build_engine
 from decode_worker.core import DecodeCore
 
@@ -49,7 +49,6 @@ class DecodeWorker(WorkerShell):
                           WorkerMetrics(engine.model_dir.name, self.kind, registry))
         super().__init__(args, core)
         self.core: DecodeCore = core
-        self.last_gateway_check = 0.0
         self.peer_loads: list[int] = []
         self.last_peer_check = 0.0
         self.pending: deque[tuple[bytes, dict, int]] = deque()  # handoffs read, not yet admitted
@@ -124,10 +123,7 @@ class DecodeWorker(WorkerShell):
             for message_id, fields in await read_group(self.redis, self.stream, self.group, self.worker_id,
                                                        min(room, 8), block_ms):
                 self.pending.append((message_id, fields, 1))
-        if time.monotonic() - self.last_claim > 1.0:
-            self.last_claim = time.monotonic()
-            self.pending.extend(await claim_from_dead(self.redis, self.stream, self.group, self.worker_id,
-                                                      self.kind, self.args.claim_idle_ms))
+        self.pending.extend(await self.claim())
 
     async def _admit_pending(self) -> None:
         while self.pending:
@@ -138,12 +134,12 @@ class DecodeWorker(WorkerShell):
             self.pending.popleft()
 
     async def _drop_orphans(self) -> None:
-        """Requests whose gateway died have nobody to stream to: free their blocks."""
-        if not self.core.in_flight or time.monotonic() - self.last_gateway_check < 2.0:
+        """Requests whose gateway is gone have nobody to stream to: free their blocks."""
+        if not self.core.in_flight:
             return
-        self.last_gateway_check = time.monotonic()
-        alive = await live_gateways(self.redis)
-        if alive is None:
-            return
-        for request_id in self.core.orphans(alive):
+        await self.gateways.refresh(self.redis)
+        orphans = [rid for rid in self.core.in_flight if self.gateways.is_gone(self.core.gateway_of(rid))]
+        if orphans:
+            logger.warning("no gateway heartbeat for %.0fs: dropping %d requests", self.gateways.grace_s, len(orphans))
+        for request_id in orphans:
             self.publisher.submit(self.core.drop(request_id, "gateway gone"))

@@ -19,7 +19,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from baton import heartbeats
-from baton.protocol import token_stream
+from baton.protocol import create_token_stream, token_stream
 from gateway.admission import Admission
 from gateway.config import Settings, redact_url
 
@@ -73,7 +73,11 @@ class Cluster:
         async with self._redis.pipeline(transaction=False) as pipe:
             heartbeats.queue_beat(pipe, "gateway", s.gateway_id, beat, s.heartbeat_ttl)
             pipe.expire(token_stream(s.gateway_id), TOKEN_STREAM_TTL_S)
-            await pipe.execute()
+            *_, stream_exists = await pipe.execute()
+        if not stream_exists:
+            # Workers write with NOMKSTREAM (a dead gateway's stream must not come back without
+            # a TTL), so the gateway makes its own stream: at start, and after a Redis restart.
+            await create_token_stream(self._redis, s.gateway_id, TOKEN_STREAM_TTL_S)
         workers: dict[str, list[dict[str, Any]]] = {"prefill": [], "decode": [], "gateway": []}
         for key, value in await heartbeats.live(self._redis):
             parsed = _parse(key, value)

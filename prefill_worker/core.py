@@ -51,14 +51,17 @@ class PrefillCore(WorkerCore[protocol.PrefillRequest]):
         self.in_flight[request.request_id] = (message_id, request, time.time())
         return Effects()
 
-    def cancel(self, request_id: str) -> Effects:
+    def cancel(self, request_id: str, reason: str = "cancelled") -> Effects:
         entry = self.in_flight.pop(request_id, None)
         if entry is None:
             return Effects()
         self.engine.abort_request(request_id)
         self.metrics.finished("cancelled")
-        logger.info("cancelled request %s", request_id)
+        logger.info("dropped request %s (%s)", request_id, reason)
         return Effects(acks=[entry[0]])
+
+    def gateway_of(self, request_id: str) -> str:
+        return self.in_flight[request_id][1].gateway_id
 
     def on_step(self, outputs: list[StepOutput]) -> Effects:
         effects = Effects()

@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import argparse
 import logging
-import time
 from collections import deque
 
 from prometheus_client import REGISTRY, CollectorRegistry
 
 from baton import protocol
+from baton.worker.core import Effects
 from baton.worker.metrics import WorkerMetrics
-from baton.worker.runtime import claim_from_dead, default_worker_id, read_group
+from baton.worker.runtime import default_worker_id, read_group
 from baton.worker.shell import WorkerShell, build_engine
 from kvstore.connector import probe
 from kvstore.hashing import hash_blocks
@@ -57,6 +57,9 @@ class PrefillWorker(WorkerShell):
     async def iteration(self, accept_new: bool) -> None:
         for request_id in self.cancels.pop_new():
             await self.write(self.core.cancel(request_id))
+        await self.gateways.refresh(self.redis)
+        for request_id in [r for r in self.core.in_flight if self.gateways.is_gone(self.core.gateway_of(r))]:
+            await self.write(self.core.cancel(request_id, "gateway gone"))
         if accept_new:
             await self._accept_new()
         await self.finish_loads()
@@ -76,14 +79,15 @@ class PrefillWorker(WorkerShell):
             for message_id, fields in await read_group(self.redis, self.stream, self.group, self.worker_id,
                                                        min(room, 4), block_ms):
                 self.pending.append((message_id, fields, 1))
-        if time.monotonic() - self.last_claim > 1.0:
-            self.last_claim = time.monotonic()
-            self.pending.extend(await claim_from_dead(self.redis, self.stream, self.group, self.worker_id,
-                                                      self.kind, self.args.claim_idle_ms))
+        self.pending.extend(await self.claim())
         while self.pending:
             message_id, fields, deliveries = self.pending[0]
             request = await self.open(message_id, fields, deliveries)
-            if request is not None:
+            if request is not None and self.gateways.is_gone(request.gateway_id):
+                # Nobody will read its tokens: a dead gateway's backlog is not prefilled.
+                logger.info("request %s: its gateway is gone; dropped unread", request.request_id)
+                await self.write(Effects(acks=[message_id]))
+            elif request is not None:
                 # Which of the prompt's blocks the store holds (computed by any prefill worker):
                 # the scheduler loads those its local prefix cache lacks instead of computing them.
                 hashes = hash_blocks(request.prompt_token_ids, self.engine.block_size, self.engine.model_id)

@@ -178,7 +178,7 @@ def test_a_draining_worker_stays_alive_to_peers_and_still_applies_cancels(tiny_m
 
 
 def test_gateway_death_frees_its_requests_on_the_workers(tiny_model_dir):
-    with Cluster(tiny_model_dir, prefill=1, decode=1) as cluster:
+    with Cluster(tiny_model_dir, prefill=1, decode=1, decode_args=("--gateway-grace", "3")) as cluster:
         async def start_streams() -> None:
             async with httpx.AsyncClient(base_url=cluster.base_url, timeout=60) as client:
                 async def one() -> None:
@@ -194,7 +194,8 @@ def test_gateway_death_frees_its_requests_on_the_workers(tiny_model_dir):
             asyncio.run(start_streams())
         except httpx.HTTPError:
             pass
-        # The gateway's heartbeat expires (5 s); the decode worker drops its requests and frees blocks.
+        # The gateway's heartbeat expires (5 s) and stays gone for the grace (3 s): the decode worker
+        # drops its requests and frees their blocks.
         def idle() -> bool:
             states = cluster.worker_states("decode")
             return (bool(states) and all(s["num_requests_running"] == 0 and s["num_kv_blocks_used"] == 0

@@ -47,6 +47,8 @@ async def test_publisher_writes_one_entry_per_gateway_per_step_in_order_then_ack
     task = asyncio.create_task(publisher.run())
     try:
         gw1, gw2 = f"gw1-{time.time_ns()}", f"gw2-{time.time_ns()}"
+        for gw in (gw1, gw2):
+            await protocol.create_token_stream(client, gw, 60)
         first = Effects()
         first.add_event(gw1, event("a", 0))
         first.add_event(gw1, event("b", 0))
@@ -94,6 +96,7 @@ async def test_a_failed_write_is_retried_and_nothing_is_lost(redis_url, monkeypa
     task = asyncio.create_task(publisher.run())
     try:
         gw = f"gw-{time.time_ns()}"
+        await protocol.create_token_stream(client, gw, 60)
         for i in range(3):
             step = Effects()
             step.add_event(gw, event("r", i))
@@ -140,3 +143,56 @@ def test_each_boot_gets_its_own_worker_id(monkeypatch):
     monkeypatch.setattr("os.getpid", lambda: 1)  # a container restarted under an init: same pid
     first, second = default_worker_id("decode"), default_worker_id("decode")
     assert first != second and first.startswith("decode-") and second.startswith("decode-")
+
+
+async def test_a_dead_consumers_message_is_claimed_behind_a_live_peers_many(redis_url):
+    # Issue 11 (2g): the claim scan read the 50 oldest pending entries of all consumers; a live
+    # peer's older entries hid a dead worker's, which then stayed pending forever.
+    from baton.worker.runtime import claim_from_dead, remove_dead_consumers
+
+    client = aioredis.from_url(redis_url)
+    suffix = str(time.time_ns())
+    stream, group, live, dead = "test:claim:" + suffix, "g", "live-" + suffix, "dead-" + suffix
+    try:
+        await client.xgroup_create(stream, group, id="0", mkstream=True)
+        for _ in range(60):
+            await client.xadd(stream, {"m": b"live"})
+        await client.xreadgroup(group, live, {stream: ">"})
+        dead_id = await client.xadd(stream, {"m": b"dead"})
+        await client.xreadgroup(group, dead, {stream: ">"})
+        pipe = client.pipeline(transaction=False)
+        heartbeats.queue_beat(pipe, "decode", live, {}, 30)  # only the live one beats
+        await pipe.execute()
+        await asyncio.sleep(0.05)
+        claimed = await claim_from_dead(client, stream, group, "me-" + suffix, "decode", min_idle_ms=10)
+        assert [(mid, fields, n) for mid, fields, n in claimed] == [(dead_id, {b"m": b"dead"}, 1)]
+        # The dead consumer now holds nothing: it is removed from the group; the live one stays.
+        removed = await remove_dead_consumers(client, stream, group, "decode", min_idle_ms=0)
+        assert removed == [dead]
+        names = {c["name"] for c in await client.xinfo_consumers(stream, group)}
+        assert names == {live.encode(), ("me-" + suffix).encode()}
+    finally:
+        await client.delete(stream)
+        await client.aclose()
+
+
+async def test_events_for_a_gateway_without_a_stream_do_not_recreate_it(redis_url):
+    # Issue 11 (2h): workers re-created a dead gateway's expired token stream, without a TTL.
+    client = aioredis.from_url(redis_url)
+    publisher = EventPublisher(client, "test:pub:gone", "g")
+    task = asyncio.create_task(publisher.run())
+    try:
+        gone, alive = f"gone-{time.time_ns()}", f"alive-{time.time_ns()}"
+        await protocol.create_token_stream(client, alive, 60)
+        effects = Effects()
+        effects.add_event(gone, event("a", 0))
+        effects.add_event(alive, event("b", 0))
+        publisher.submit(effects)
+        assert await publisher.flush(5)
+        assert not await client.exists(protocol.token_stream(gone))
+        assert [[e.request_id for e in batch] for batch in await read_stream(client, alive)] == [["b"]]
+        assert 0 < await client.ttl(protocol.token_stream(alive)) <= 60
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await client.aclose()

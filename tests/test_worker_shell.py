@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import time
 
 import pytest
@@ -10,7 +11,7 @@ import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from baton import protocol
+from baton import heartbeats, protocol
 from baton.sampling_params import SamplingParams
 from baton.worker.args import add_common_args
 from baton.worker.runtime import ensure_group
@@ -19,11 +20,12 @@ from prefill_worker.worker import PrefillWorker
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def worker_args(model_dir, redis_url: str) -> argparse.Namespace:
+def worker_args(model_dir, redis_url: str, *extra: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     add_common_args(parser, "prefill")
     return parser.parse_args(["--model", str(model_dir), "--redis-url", redis_url, "--dtype", "float32",
-                              "--threads", "1", "--num-kv-blocks", "64", "--worker-id", f"prefill-{time.time_ns()}"])
+                              "--threads", "1", "--num-kv-blocks", "64", "--worker-id", f"prefill-{time.time_ns()}",
+                              *extra])
 
 
 def fail_transactions(client, count: int) -> list[int]:
@@ -58,6 +60,7 @@ async def test_a_failed_prefill_write_is_retried_and_nothing_is_lost(tiny_model_
     try:
         await ensure_group(worker.redis, worker.stream, worker.group)
         gateway_id = f"gw-{time.time_ns()}"
+        await protocol.create_token_stream(client, gateway_id, 60)
         request = protocol.PrefillRequest("req-1", gateway_id, list(range(300, 340)),
                                           SamplingParams(temperature=0, max_tokens=8), time.time())
         await client.xadd(protocol.PREFILL_STREAM, {protocol.PAYLOAD_FIELD: protocol.encode(request)})
@@ -75,6 +78,37 @@ async def test_a_failed_prefill_write_is_retried_and_nothing_is_lost(tiny_model_
         assert [(e.index, e.token_ids) for e in events] == [(0, handoff.output_token_ids)]  # once, not lost
         assert (await client.xpending(protocol.PREFILL_STREAM, protocol.PREFILL_GROUP))["pending"] == 0
         assert worker.engine.stats()["num_kv_blocks_used"] == 0
+    finally:
+        await worker.redis.aclose()
+        await client.aclose()
+
+
+async def test_a_dead_gateways_backlog_is_not_prefilled(tiny_model_dir, redis_url):
+    # Issue 11 (2h): the prefill worker prefilled the whole backlog of a gateway that had died.
+    client = aioredis.from_url(redis_url)
+    await client.flushall()
+    worker = PrefillWorker(worker_args(tiny_model_dir, redis_url, "--gateway-grace", "2"), registry=CollectorRegistry())
+    try:
+        await ensure_group(worker.redis, worker.stream, worker.group)
+        live = f"gw-{time.time_ns()}"
+        pipe = client.pipeline(transaction=False)
+        heartbeats.queue_beat(pipe, "gateway", live, {"worker_id": live}, 60)
+        await pipe.execute()
+        await protocol.create_token_stream(client, live, 60)
+        for request_id, gateway_id in (("orphan", "gw-dead"), ("kept", live)):
+            request = protocol.PrefillRequest(request_id, gateway_id, list(range(300, 340)),
+                                              SamplingParams(temperature=0, max_tokens=8), time.time())
+            await client.xadd(protocol.PREFILL_STREAM, {protocol.PAYLOAD_FIELD: protocol.encode(request)})
+        await asyncio.sleep(2.2)  # longer than the grace: "gw-dead" has had no heartbeat all along
+        for _ in range(20):
+            await worker.iteration(accept_new=True)
+            if await client.xlen(protocol.DECODE_STREAM):
+                break
+        handoffs = [protocol.decode(f[protocol.PAYLOAD_FIELD]) for _, f in await client.xrange(protocol.DECODE_STREAM)]
+        assert [h.request_id for h in handoffs] == ["kept"]
+        assert worker.engine.num_generated_tokens == 1  # the orphan was never computed
+        assert (await client.xpending(protocol.PREFILL_STREAM, protocol.PREFILL_GROUP))["pending"] == 0
+        assert not await client.exists(protocol.token_stream("gw-dead"))
     finally:
         await worker.redis.aclose()
         await client.aclose()

@@ -46,6 +46,8 @@ class Gateway:
         self.events: dict[str, list[protocol.TokenEvent]] = {}
         pipe = client.pipeline(transaction=False)
         heartbeats.queue_beat(pipe, "gateway", self.gateway_id, {"worker_id": self.gateway_id}, 3600)
+        # A gateway makes its own token stream (workers never create it): empty, through a group.
+        pipe.xgroup_create(protocol.token_stream(self.gateway_id), "keepalive", id="$", mkstream=True)
         pipe.execute()
 
     def submit(self, prompt_ids: list[int], max_tokens: int, **sampling) -> str:

@@ -35,6 +35,8 @@ def add_common_args(parser: argparse.ArgumentParser, kind: str) -> None:
     parser.add_argument("--claim-idle-ms", type=int, default=15000,
                         help="a message unacked this long by a consumer whose heartbeat stopped is claimed")
     parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish in-flight work on SIGTERM")
+    parser.add_argument("--gateway-grace", type=float, default=15.0,
+                        help="seconds without a gateway heartbeat before its requests are dropped as orphans")
     parser.add_argument("--log-level", default=os.environ.get("BATON_LOG_LEVEL", "INFO"))
 
 

@@ -65,7 +65,7 @@ def queue_effects(pipe: Pipeline, effects: Effects, stream: str, group: str, ttl
                   maxlen=protocol.STREAM_MAXLEN, approximate=True)
     for gateway_id, events in effects.events.items():
         pipe.xadd(protocol.token_stream(gateway_id), {protocol.PAYLOAD_FIELD: protocol.encode_token_batch(events)},
-                  maxlen=protocol.STREAM_MAXLEN, approximate=True)
+                  maxlen=protocol.STREAM_MAXLEN, approximate=True, nomkstream=True)
     for block_hash, value in effects.block_puts:
         pipe.set(block_key(block_hash), value, ex=ttl_s, nx=True)  # the first write wins (same content)
     for key, value in effects.partial_puts:

@@ -57,31 +57,53 @@ async def read_group(redis: Redis, stream: str, group: str, consumer: str, count
     return list(reply[0][1])
 
 
+async def _dead_consumers(redis: Redis, kind: str, names: list[bytes]) -> list[bytes]:
+    """The consumers among `names` whose heartbeat has expired."""
+    if not names:
+        return []
+    pipe = redis.pipeline(transaction=False)
+    for name in names:
+        pipe.exists(protocol.heartbeat_key(kind, name.decode()))
+    return [name for name, alive in zip(names, await pipe.execute()) if not alive]
+
+
 async def claim_from_dead(redis: Redis, stream: str, group: str, consumer: str, kind: str,
                           min_idle_ms: int, count: int = 50) -> list[tuple[bytes, dict, int]]:
     """Claim messages taken by consumers that died (heartbeat expired) and idle >= min_idle_ms.
 
     Idle time alone cannot tell a dead consumer from a slow one (a decode worker holds a handoff
-    unacked until the request finishes), so the owner's heartbeat decides. Returns
-    (id, fields, times delivered) for each message now ours.
+    unacked until the request finishes), so the owner's heartbeat decides. The scan is per dead
+    consumer: a live peer's many older entries must not hide a dead one's. Returns (id, fields,
+    times delivered) for each message now ours.
     """
-    pending = await redis.xpending_range(stream, group, min="-", max="+", count=count, idle=min_idle_ms)
-    owners = {p["consumer"] for p in pending if p["consumer"] != consumer.encode()}
-    if not owners:
-        return []
-    pipe = redis.pipeline(transaction=False)
-    for owner in owners:
-        pipe.exists(protocol.heartbeat_key(kind, owner.decode()))
-    alive = {owner for owner, n in zip(owners, await pipe.execute()) if n}
-    stale = [p for p in pending if p["consumer"] in owners and p["consumer"] not in alive]
-    if not stale:
-        return []
-    deliveries = {p["message_id"]: p["times_delivered"] for p in stale}
-    claimed = await redis.xclaim(stream, group, consumer, min_idle_time=min_idle_ms,
-                                 message_ids=list(deliveries))
-    for owner in owners - alive:
-        logger.warning("claimed messages of dead %s consumer %s", kind, owner.decode())
-    return [(mid, fields, deliveries.get(mid, 1)) for mid, fields in claimed if fields]
+    summary = await redis.xpending(stream, group)
+    owners = [c["name"] for c in summary.get("consumers") or [] if c["name"] != consumer.encode()]
+    claimed: list[tuple[bytes, dict, int]] = []
+    for owner in await _dead_consumers(redis, kind, owners):
+        pending = await redis.xpending_range(stream, group, min="-", max="+", count=count,
+                                             consumername=owner, idle=min_idle_ms)
+        if not pending:
+            continue
+        deliveries = {p["message_id"]: p["times_delivered"] for p in pending}
+        got = await redis.xclaim(stream, group, consumer, min_idle_time=min_idle_ms, message_ids=list(deliveries))
+        logger.warning("claimed %d messages of dead %s consumer %s", len(got), kind, owner.decode())
+        claimed += [(mid, fields, deliveries.get(mid, 1)) for mid, fields in got if fields]
+    return claimed
+
+
+async def remove_dead_consumers(redis: Redis, stream: str, group: str, kind: str, min_idle_ms: int = 60_000) -> list[str]:
+    """Delete consumers that hold nothing, are long idle and have no heartbeat: every boot of a
+    worker is a new consumer (its id is per boot), so without this the group grows forever."""
+    idle = [c["name"] for c in await redis.xinfo_consumers(stream, group)
+            if c["pending"] == 0 and c["idle"] >= min_idle_ms]
+    idle = [name if isinstance(name, bytes) else name.encode() for name in idle]
+    removed = []
+    for name in await _dead_consumers(redis, kind, idle):
+        await redis.xgroup_delconsumer(stream, group, name)
+        removed.append(name.decode())
+    if removed:
+        logger.info("removed %d dead %s consumers from %s", len(removed), kind, stream)
+    return removed
 
 
 class CancelWatcher:
@@ -155,6 +177,37 @@ async def heartbeat_loop(redis: Redis, kind: str, worker_id: str, state: Callabl
         await pipe.execute()
     except REDIS_ERRORS:
         pass
+
+
+class GatewayWatch:
+    """Which gateways are gone. A gateway whose heartbeat lapsed may only be stalled (a long
+    event-loop pause), and dropping its requests is final, so "gone" is an explicit decision: no
+    heartbeat seen for `grace_s`, judged only while Redis answers."""
+
+    def __init__(self, grace_s: float) -> None:
+        self.grace_s = grace_s
+        self.started = time.monotonic()
+        self.last_seen: dict[str, float] = {}
+        self.last_refresh = 0.0
+        self.last_answer = 0.0  # when Redis last told us who is alive
+
+    async def refresh(self, redis: Redis, every_s: float = 1.0) -> None:
+        now = time.monotonic()
+        if now - self.last_refresh < every_s:
+            return
+        self.last_refresh = now
+        alive = await live_gateways(redis)
+        if alive is None:
+            return
+        self.last_answer = now
+        for gateway_id in alive:
+            self.last_seen[gateway_id] = now
+
+    def is_gone(self, gateway_id: str) -> bool:
+        now = time.monotonic()
+        if now - self.last_answer > 5.0:
+            return False  # no recent answer from Redis: no verdict
+        return now - self.last_seen.get(gateway_id, self.started) > self.grace_s
 
 
 async def live_gateways(redis: Redis) -> set[str] | None:

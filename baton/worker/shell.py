@@ -20,8 +20,8 @@ from baton.engine.llm_engine import EngineConfig, LLMEngine
 from baton.engine.scheduler import StepOutput
 from baton.worker.core import Effects, Opening, WorkerCore, queue_effects
 from baton.worker.metrics import WorkerMetrics, serve_metrics
-from baton.worker.runtime import (REDIS_ERRORS, CancelWatcher, connect, default_worker_id, ensure_group,
-                                  heartbeat_loop, install_signal_handlers)
+from baton.worker.runtime import (REDIS_ERRORS, CancelWatcher, GatewayWatch, claim_from_dead, connect,
+                                  ensure_group, heartbeat_loop, install_signal_handlers, remove_dead_consumers)
 from kvstore.connector import LoadedKV, fetch
 from kvstore.redis_backend import RedisBlockStore
 
@@ -52,9 +52,11 @@ class WorkerShell:
         self.redis = connect(args.redis_url)
         self.store = RedisBlockStore(self.redis)
         self.cancels = CancelWatcher(self.redis)
+        self.gateways = GatewayWatch(args.gateway_grace)
         self.stopping = asyncio.Event()  # SIGTERM: take nothing new, drain
         self.exiting = asyncio.Event()  # the drain is over: heartbeat and cancel reader stop now
         self.last_claim = 0.0
+        self.last_consumer_cleanup = time.monotonic()
         self.tasks: list[asyncio.Task] = []
         self.loads: list[asyncio.Task[LoadedKV]] = []  # KV loads in flight, in the order scheduled
         self.num_blocks_fetched = 0
@@ -157,6 +159,19 @@ class WorkerShell:
             return opened.message
         await self.write(self.core.opening_effects(message_id, fields, opened))
         return None
+
+    async def claim(self) -> list[tuple[bytes, dict, int]]:
+        """Messages of dead peers, claimed at most once a second (and, twice a minute, dead
+        consumers that hold nothing are removed from the group)."""
+        now = time.monotonic()
+        if now - self.last_consumer_cleanup > 30.0:
+            self.last_consumer_cleanup = now
+            await remove_dead_consumers(self.redis, self.stream, self.group, self.kind)
+        if now - self.last_claim < 1.0:
+            return []
+        self.last_claim = now
+        return await claim_from_dead(self.redis, self.stream, self.group, self.worker_id, self.kind,
+                                     self.args.claim_idle_ms)
 
     async def write(self, effects: Effects, transaction: bool = False) -> None:
         """Write effects now, in one pipeline (MULTI/EXEC if `transaction`)."""
