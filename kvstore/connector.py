@@ -14,14 +14,13 @@ Loading, in three steps, each owned by one party:
    request resumes from that valid prefix and computes the rest.
 
 Saving: when a prefill worker's request finishes by handoff, the scheduler keeps its blocks until
-`build_save` has encoded those the store does not hold yet (and the partial last block); the shell
-writes them in the same MULTI/EXEC as the handoff.
+`build_save` has encoded those the store did not hold (and the partial last block); the shell writes
+them, and refreshes the TTL of the others, in the same MULTI/EXEC as the handoff.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 from collections.abc import Callable, Sequence as Seq
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
@@ -74,6 +73,7 @@ class LoadedKV:
     num_tokens: int = 0
     num_bytes: int = 0
     block_hashes: list[str] = field(default_factory=list)  # of the full blocks among them
+    num_missing: int = 0  # blocks of the load that did not arrive intact (computed instead)
 
 
 @dataclass
@@ -82,6 +82,7 @@ class KVSave:
 
     full: list[tuple[str, bytes]] = field(default_factory=list)
     partial: bytes | None = None
+    refresh: list[str] = field(default_factory=list)  # ids already in the store: TTL refreshed only
     num_full_blocks: int = 0  # full blocks of the prompt, including those the store already had
 
 
@@ -90,12 +91,9 @@ class BlockReader(Protocol):
 
 
 class KVConnector:
-    def __init__(self, block_size: int, model_id: str, capacity: int = 100_000) -> None:
+    def __init__(self, block_size: int, model_id: str) -> None:
         self.block_size = block_size
         self.model_id = model_id
-        # Ids known to be in the store (written or read here): not written again. Bounded LRU.
-        self.known_stored: OrderedDict[str, None] = OrderedDict()
-        self.capacity = capacity
 
     # ---- scheduler side: no I/O, no side effects ----
 
@@ -135,13 +133,17 @@ class KVConnector:
         return KVLoad(seq.seq_id, blocks)
 
     def build_save(self, seq: Sequence, num_tokens: int, read_block: Callable[[int], torch.Tensor]) -> KVSave:
-        """Encode the first `num_tokens` tokens' blocks of `seq` that the store may not hold yet."""
+        """Encode the first `num_tokens` tokens' blocks of `seq`, except those the store held when
+        the request arrived (`seq.remote_kv`, from a fresh probe): those only get their TTL
+        refreshed, so a prefix in use does not expire under the requests that share it."""
         bs = self.block_size
         hashes = seq.block_hashes(bs, self.model_id)
+        present = set(seq.remote_kv.block_hashes) if seq.remote_kv is not None else set()
         num_full = num_tokens // bs
         save = KVSave(num_full_blocks=num_full)
         for index in range(num_full):
-            if hashes[index] in self.known_stored:
+            if hashes[index] in present:
+                save.refresh.append(hashes[index])
                 continue
             tokens = seq.token_ids[index * bs:(index + 1) * bs]
             save.full.append((hashes[index], encode_block(tokens, read_block(seq.block_table[index]))))
@@ -150,18 +152,10 @@ class KVConnector:
                                         read_block(seq.block_table[num_full]))
         return save
 
-    def mark_stored(self, block_hashes: Seq[str]) -> None:
-        """The store now holds these blocks (written by us, or read from it)."""
-        for block_hash in block_hashes:
-            self.known_stored[block_hash] = None
-            self.known_stored.move_to_end(block_hash)
-        while len(self.known_stored) > self.capacity:
-            self.known_stored.popitem(last=False)
-
 
 async def fetch(store: BlockReader, load: KVLoad) -> LoadedKV:
     """Read a load's blocks (one round trip); keep the leading ones that hold the expected tokens."""
-    result = LoadedKV(load.seq_id)
+    result = LoadedKV(load.seq_id, num_missing=len(load.blocks))
     values = await store.get([b.key for b in load.blocks])
     for block, value in zip(load.blocks, values):
         if value is None:
@@ -175,6 +169,7 @@ async def fetch(store: BlockReader, load: KVLoad) -> LoadedKV:
             logger.warning("block %s holds other tokens than expected; recomputing", block.key)
             break
         result.kv.append(kv)
+        result.num_missing -= 1
         result.num_tokens += len(block.token_ids)
         result.num_bytes += len(value)
         if block.block_hash is not None:

@@ -92,6 +92,7 @@ class PrefillCore(WorkerCore[protocol.PrefillRequest]):
                 save = out.kv_save
                 assert save is not None
                 effects.block_puts += save.full
+                effects.block_refreshes += save.refresh
                 self.metrics.blocks_written.inc(len(save.full))
                 self.metrics.bytes("written", sum(len(v) for _, v in save.full))
                 self.metrics.blocks_computed.inc(save.num_full_blocks - seq.num_cached_tokens // bs)

@@ -67,9 +67,7 @@ class PrefillWorker(WorkerShell):
             return
         outputs = await self.step()
         effects = self.core.on_step(outputs)
-        if await self.write_until_done(effects, transaction=True):
-            # Only now, with the write done, are these blocks known to be in the store.
-            self.engine.connector.mark_stored([block_hash for block_hash, _ in effects.block_puts])
+        await self.write_until_done(effects, transaction=True)
 
     async def _accept_new(self) -> None:
         room = self.engine.num_free_seqs() - len(self.pending)

@@ -258,3 +258,17 @@ def test_the_opening_dead_letters_skips_and_caps(tiny_model_dir):
     assert "4 attempts" in event.error
     decode.admit(b"3-0", handoff)
     assert decode.open(fields_of(handoff), 1, set()).outcome is Opening.SKIP  # already decoding here
+
+
+def test_a_block_the_store_dropped_is_written_again_and_the_others_kept_alive(tiny_model_dir):
+    # Issue 11 (2i): a prefill worker remembered what it had stored and never wrote it again, so
+    # once Redis dropped a block (TTL, eviction, restart) every later handoff missed it.
+    store = InMemoryBlockStore()
+    core = prefill_core(tiny_model_dir)
+    first, handoff, _ = prefill(tiny_model_dir, store, core=core, request_id="first")
+    hashes = handoff.block_hashes
+    del store.values[block_key(hashes[1])]
+    second, handoff, _ = prefill(tiny_model_dir, store, core=core, request_id="second")
+    assert [h for h, _ in second.block_puts] == hashes[1:]  # block 1 and the one chained after the gap
+    assert second.block_refreshes == hashes[:1]  # still stored: only its TTL is refreshed
+    assert all(block_key(h) in store.values for h in hashes)

@@ -159,8 +159,6 @@ class LLMEngine:
             for offset, kv in enumerate(result.kv):
                 self.runner.write_block(seq.block_table[first + offset], kv)
             self.scheduler.finish_kv_load(result.seq_id, result.num_tokens)
-            if self.connector is not None:
-                self.connector.mark_stored(result.block_hashes)
 
     def stats(self) -> dict[str, Any]:
         """Counts for heartbeats and metrics."""

@@ -33,6 +33,7 @@ class Effects:
     dead_letters: list[tuple[bytes, dict, str]] = field(default_factory=list)  # (message id, fields, error)
     events: dict[str, list[protocol.TokenEvent]] = field(default_factory=dict)  # by gateway id
     block_puts: list[tuple[str, bytes]] = field(default_factory=list)  # full blocks by id (SET NX)
+    block_refreshes: list[str] = field(default_factory=list)  # ids of blocks in use: TTL refreshed
     partial_puts: list[tuple[str, bytes]] = field(default_factory=list)  # (store key, value)
     handoffs: list[protocol.Handoff] = field(default_factory=list)
     acks: list[bytes] = field(default_factory=list)
@@ -46,14 +47,15 @@ class Effects:
         for gateway_id, events in other.events.items():
             self.events.setdefault(gateway_id, []).extend(events)
         self.block_puts += other.block_puts
+        self.block_refreshes += other.block_refreshes
         self.partial_puts += other.partial_puts
         self.handoffs += other.handoffs
         self.acks += other.acks
         self.deletes += other.deletes
 
     def __bool__(self) -> bool:
-        return bool(self.dead_letters or self.events or self.block_puts or self.partial_puts or self.handoffs
-                    or self.acks or self.deletes)
+        return bool(self.dead_letters or self.events or self.block_puts or self.block_refreshes
+                    or self.partial_puts or self.handoffs or self.acks or self.deletes)
 
 
 def queue_effects(pipe: Pipeline, effects: Effects, stream: str, group: str, ttl_s: int = DEFAULT_TTL_S) -> None:
@@ -68,6 +70,8 @@ def queue_effects(pipe: Pipeline, effects: Effects, stream: str, group: str, ttl
                   maxlen=protocol.STREAM_MAXLEN, approximate=True, nomkstream=True)
     for block_hash, value in effects.block_puts:
         pipe.set(block_key(block_hash), value, ex=ttl_s, nx=True)  # the first write wins (same content)
+    for block_hash in effects.block_refreshes:
+        pipe.expire(block_key(block_hash), ttl_s)
     for key, value in effects.partial_puts:
         pipe.set(key, value, ex=ttl_s)
     for handoff in effects.handoffs:

@@ -5,7 +5,8 @@ As rendered by prometheus_client (counters get `_total`; the worker kind is Prom
     baton:num_requests_running, baton:num_requests_waiting, baton:kv_cache_usage_perc    gauges
     baton:num_preemptions_total, baton:prompt_tokens_total, baton:generation_tokens_total
     baton:prefix_cache_queries_total, baton:prefix_cache_hits_total                        (tokens)
-    baton:kv_blocks_fetched_total, baton:kv_blocks_computed_total, baton:kv_blocks_written_total
+    baton:kv_blocks_fetched_total, baton:kv_blocks_missing_total, baton:kv_blocks_computed_total,
+    baton:kv_blocks_written_total
     baton:kv_handoff_bytes_total{direction="fetched"|"written"}, baton:dead_letters_total
     baton:worker_requests_finished_total{finished_reason}
     baton:iteration_tokens_total, baton:engine_step_seconds, baton:kv_handoff_latency_seconds,
@@ -43,6 +44,7 @@ class WorkerMetrics:
         self.step_seconds = Histogram("baton:engine_step_seconds", "Wall time of one engine step", LABELS,
                                       buckets=_TIME_BUCKETS, registry=r).labels(**lbl)
         self.blocks_fetched = Counter("baton:kv_blocks_fetched", "Full KV blocks loaded from the store", LABELS, registry=r).labels(**lbl)
+        self.blocks_missing = Counter("baton:kv_blocks_missing", "KV blocks a load expected that the store no longer had (computed instead)", LABELS, registry=r).labels(**lbl)
         self.blocks_computed = Counter("baton:kv_blocks_computed", "Full KV blocks computed here", LABELS, registry=r).labels(**lbl)
         self.blocks_written = Counter("baton:kv_blocks_written", "KV blocks written to the store", LABELS, registry=r).labels(**lbl)
         self.handoff_bytes = Counter("baton:kv_handoff_bytes", "Bytes of KV moved through the store", LABELS + ["direction"], registry=r)

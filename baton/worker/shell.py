@@ -244,8 +244,10 @@ class WorkerShell:
             self.num_blocks_fetched += len(result.block_hashes)
             self.metrics.blocks_fetched.inc(len(result.block_hashes))
             self.metrics.bytes("fetched", result.num_bytes)
-            if result.num_tokens == 0:
-                logger.info("request %s: its KV is not in the store; computing it here", result.seq_id)
+            self.metrics.blocks_missing.inc(result.num_missing)
+            if result.num_missing:
+                logger.info("request %s: %d of its blocks are no longer in the store; computing them here",
+                            result.seq_id, result.num_missing)
 
     def update_gauges(self) -> None:
         stats = self.engine.stats()
