@@ -2,6 +2,7 @@
 
 Map of the package (one responsibility per module):
     __main__        `python -m gateway`: flags -> Settings -> uvicorn (uvloop)
+    http_protocol   uvicorn's h11 protocol with a deadline for request headers (slowloris)
     config          Settings dataclass
     app             create_app(): routes, auth middleware, lifespan (Redis clients, background tasks)
     services        the long-lived parts shared by handlers
@@ -17,5 +18,6 @@ Map of the package (one responsibility per module):
     routes_openai   /v1/completions, /v1/chat/completions
     routes_misc     /health, /info, /stats, /metrics, /v1/models, /openapi.json
     openapi         the hand-written OpenAPI document
+    hosts           the Host header check (DNS rebinding)
     auth, errors, metrics
 """

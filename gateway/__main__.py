@@ -39,6 +39,20 @@ def parse_args(argv: list[str] | None = None) -> Settings:
     p.add_argument("--gateway-id", default=None, help="names the token stream and heartbeat (default: random)")
     p.add_argument("--event-timeout", type=float, default=120.0,
                    help="end a request with an error after this many seconds without a token event")
+    p.add_argument("--allowed-hosts", default=os.environ.get("BATON_ALLOWED_HOSTS") or None,
+                   help="comma-separated Host names to answer besides loopback ones, `*` for any "
+                        "(default: $BATON_ALLOWED_HOSTS; else loopback only when bound to loopback, "
+                        "any otherwise)")
+    p.add_argument("--max-chat-messages", type=int, default=1024,
+                   help="most messages in one chat request (default 1024)")
+    p.add_argument("--max-stop-token-ids", type=int, default=128,
+                   help="most stop_token_ids in one request (default 128)")
+    p.add_argument("--header-read-timeout", type=float, default=30.0,
+                   help="seconds a client may take to send a request's headers (default 30)")
+    p.add_argument("--body-read-timeout", type=float, default=30.0,
+                   help="seconds a client may take to send a request's body; then 408 (default 30)")
+    p.add_argument("--stream-write-timeout", type=float, default=30.0,
+                   help="cancel a stream whose client reads nothing for this many seconds (default 30)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     args = p.parse_args(argv)
 
@@ -51,10 +65,19 @@ def parse_args(argv: list[str] | None = None) -> Settings:
         max_batch_total_tokens=args.max_batch_total_tokens, max_queue_size=args.max_queue_size,
         max_queue_wait=args.max_queue_wait, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
         event_timeout=args.event_timeout, log_level=args.log_level,
+        allowed_hosts=_host_list(args.allowed_hosts), max_chat_messages=args.max_chat_messages,
+        max_stop_token_ids=args.max_stop_token_ids, header_read_timeout=args.header_read_timeout,
+        body_read_timeout=args.body_read_timeout, stream_write_timeout=args.stream_write_timeout,
     )
     if args.gateway_id:
         settings.gateway_id = args.gateway_id
     return settings
+
+
+def _host_list(value: str | None) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    return tuple(name.strip() for name in value.split(",") if name.strip())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,9 +93,11 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     from gateway.app import create_app
+    from gateway.http_protocol import http_protocol
 
     app = create_app(settings)
     uvicorn.run(app, host=settings.host, port=settings.port, loop="uvloop", log_level=level,
+                http=http_protocol(settings), timeout_keep_alive=settings.keep_alive_timeout,
                 timeout_graceful_shutdown=5)
     return 0
 

@@ -27,6 +27,7 @@ from gateway.auth import ApiKeyMiddleware
 from gateway.cluster import Cluster
 from gateway.config import Settings, redact_url
 from gateway.errors import ApiError, handle_api_error, handle_http_exception, handle_unexpected
+from gateway.hosts import HostCheckMiddleware, allowed_names
 from gateway.metrics import GatewayMetrics
 from gateway.router import TokenRouter
 from gateway.services import Services
@@ -105,7 +106,8 @@ def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> 
 
     app = Starlette(
         routes=[*routes_tgi.routes, *routes_openai.routes, *routes_misc.routes, *dashboard.routes],
-        middleware=[Middleware(ApiKeyMiddleware, api_key=settings.api_key)],
+        middleware=[Middleware(HostCheckMiddleware, allowed=allowed_names(settings)),
+                    Middleware(ApiKeyMiddleware, api_key=settings.api_key)],
         exception_handlers={ApiError: handle_api_error, HTTPException: handle_http_exception,
                             Exception: handle_unexpected},
         lifespan=lifespan,

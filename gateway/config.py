@@ -49,6 +49,22 @@ class Settings:
     heartbeat_ttl: float = 5.0
     max_stop_sequences: int = 16
     max_stop_length: int = 128  # characters per stop string
+    # Every list a request carries is capped: each is copied into every worker message and Redis
+    # entry, and chat messages are templated one by one (tens of thousands stalled the loop).
+    max_stop_token_ids: int = 128
+    max_chat_messages: int = 1024
+    # None: only loopback Host names when bound to loopback (DNS rebinding), any Host otherwise.
+    # A list of names allows those (plus loopback); "*" allows any.
+    allowed_hosts: tuple[str, ...] | None = None
+    # Slow clients must not hold a connection, a slot or token budget forever (slowloris, and an SSE
+    # reader that stops reading): seconds to receive a request's headers, then its body, and for
+    # one stream event to be accepted by the client's connection.
+    header_read_timeout: float = 30.0
+    body_read_timeout: float = 30.0
+    stream_write_timeout: float = 30.0
+    # Longer than the clients' pool expiry (httpx, so openai and huggingface_hub: 5 s), so that the
+    # client, not the server, closes an idle connection and never reuses one being closed.
+    keep_alive_timeout: int = 10
     retry_after_s: int = 1  # Retry-After on 429/503 answers
     log_level: str = "info"
 
@@ -76,3 +92,8 @@ class Settings:
             raise ValueError("--max-body-bytes must be >= 1024")
         if self.event_timeout <= 0:
             raise ValueError("--event-timeout must be > 0")
+        if self.max_stop_token_ids < 0 or self.max_chat_messages < 1:
+            raise ValueError("max_stop_token_ids must be >= 0 and max_chat_messages >= 1")
+        for name in ("header_read_timeout", "body_read_timeout", "stream_write_timeout", "keep_alive_timeout"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be > 0")

@@ -23,6 +23,8 @@ _OPENAI_TYPES = {
     "authentication": "authentication_error",
     "not_found": "not_found_error",
     "payload_too_large": "invalid_request_error",
+    "unsupported_media_type": "invalid_request_error",
+    "invalid_host": "invalid_request_error",
     "generation": "server_error",
     "timeout": "timeout",
 }

@@ -253,6 +253,15 @@ class Generation:
 
     # ---- end ----
 
+    def abandon(self, reason: str, message: str) -> None:
+        """End the request from our side, outside `steps()` (the client stopped reading); the
+        following close() tells the workers to drop it."""
+        if self._failed or self.finish_reason is not None:
+            return
+        self._failed = True
+        self.svc.metrics.failure(reason)
+        log.warning("request %s abandoned: %s", self.request_id, message)
+
     def close(self) -> None:
         """Release everything the request holds. Idempotent and synchronous (safe in `finally`)."""
         if self._closed:

@@ -26,8 +26,11 @@ def _sse(description: str) -> dict[str, Any]:
 def _tgi_errors() -> dict[str, Any]:
     e = _ref("TgiError")
     return {
+        "400": _json(e, "Host header not allowed (error_type `invalid_host`)."),
         "401": _json(e, "Missing or wrong API key (when one is configured)."),
+        "408": _json(e, "Body not received within --body-read-timeout (error_type `timeout`)."),
         "413": _json(e, "Request body larger than --max-body-bytes."),
+        "415": _json(e, "Content-Type is not application/json (error_type `unsupported_media_type`)."),
         "422": _json(e, "Invalid request (error_type `validation`)."),
         "429": _json(e, "Overloaded (error_type `overloaded`): too many requests in flight or queue full."),
         "500": _json(e, "Generation failed after admission (error_type `generation`)."),
@@ -38,9 +41,11 @@ def _tgi_errors() -> dict[str, Any]:
 def _openai_errors() -> dict[str, Any]:
     e = _ref("OpenAIError")
     return {
-        "400": _json(e, "Invalid request (type `invalid_request_error`)."),
+        "400": _json(e, "Invalid request or Host header not allowed (type `invalid_request_error`)."),
         "401": _json(e, "Missing or wrong API key (when one is configured)."),
+        "408": _json(e, "Body not received within --body-read-timeout (type `timeout`)."),
         "413": _json(e, "Request body larger than --max-body-bytes."),
+        "415": _json(e, "Content-Type is not application/json."),
         "429": _json(e, "Overloaded (type `overloaded`, code 429); see Retry-After."),
         "500": _json(e, "Generation failed after admission."),
         "503": _json(e, "Redis unreachable, or waited longer than --max-queue-wait for admission."),
@@ -98,7 +103,8 @@ SCHEMAS: dict[str, Any] = {
     "TgiError": {"type": "object", "required": ["error", "error_type"], "properties": {
         "error": {"type": "string"},
         "error_type": {"type": "string", "enum": ["validation", "overloaded", "unavailable", "authentication",
-                                                  "payload_too_large", "generation", "not_found"]}}},
+                                                  "payload_too_large", "generation", "not_found",
+                                                  "unsupported_media_type", "invalid_host", "timeout"]}}},
     "OpenAICommon": {"type": "object", "properties": {
         "model": {"type": "string", "description": "Accepted; the response names the served model."},
         "max_tokens": {**_INT, "minimum": 1}, "max_completion_tokens": {**_INT, "minimum": 1},
@@ -109,17 +115,19 @@ SCHEMAS: dict[str, Any] = {
         "top_p": {**_NUM, "exclusiveMinimum": 0, "maximum": 1}, "seed": _INT,
         "n": {"type": "integer", "enum": [1]},
         "top_k": _INT, "repetition_penalty": _NUM, "ignore_eos": _BOOL,
-        "stop_token_ids": {"type": "array", "items": _INT}, "user": {"type": "string"}}},
+        "stop_token_ids": {"type": "array", "items": {**_INT, "minimum": 0}, "maxItems": 128},
+        "user": {"type": "string"}}},
     "CompletionRequest": {"allOf": [_ref("OpenAICommon"), {"type": "object", "required": ["prompt"], "properties": {
         "prompt": {"oneOf": [{"type": "string", "minLength": 1}, {"type": "array", "items": _INT, "minItems": 1}],
                    "description": "Default max_tokens 16."},
         "echo": {"type": "boolean", "enum": [False]}}}]},
     "ChatMessage": {"type": "object", "required": ["role"], "properties": {
         "role": {"type": "string", "enum": ["system", "developer", "user", "assistant", "tool"]},
-        "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "object", "properties": {
-            "type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}}]}}},
+        "content": {"oneOf": [{"type": "string"}, {"type": "array", "maxItems": 256, "items": {
+            "type": "object", "properties": {
+                "type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}}]}}},
     "ChatRequest": {"allOf": [_ref("OpenAICommon"), {"type": "object", "required": ["messages"], "properties": {
-        "messages": {"type": "array", "minItems": 1, "items": _ref("ChatMessage"),
+        "messages": {"type": "array", "minItems": 1, "maxItems": 1024, "items": _ref("ChatMessage"),
                      "description": "Rendered with the model's chat template (add_generation_prompt). "
                                     "Default max_tokens: the room left, at most 1024."}}}]},
     "Usage": {"type": "object", "properties": {"prompt_tokens": _INT, "completion_tokens": _INT,

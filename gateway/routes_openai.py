@@ -85,7 +85,7 @@ async def _handle(request: Request, chat: bool) -> Response:
     headers = {"x-request-id": gen.request_id}
     if gen.spec.stream:
         gen.stop_watching()
-        return SSEResponse(_stream(reply), on_close=gen.close, headers=headers)
+        return SSEResponse(_stream(reply), gen, headers=headers)
     try:
         await run_to_end(gen)
     except ClientGone:

@@ -19,7 +19,14 @@ from starlette.routing import Route
 
 from gateway.errors import ApiError
 from gateway.generation import ClientGone, Generation, GenerationFailed, Step, TokenOut
-from gateway.respond import SSEResponse, client_gone_response, run_to_end, services, start_generation
+from gateway.respond import (
+    SSEResponse,
+    client_gone_response,
+    rejection_reason,
+    run_to_end,
+    services,
+    start_generation,
+)
 from gateway.validation import GenerationSpec, read_json_body
 from gateway.validation_tgi import STATUS, parse_tgi
 
@@ -62,16 +69,16 @@ async def generate_stream(request: Request, body: dict[str, Any] | None = None) 
     except ClientGone:
         return client_gone_response()
     gen.stop_watching()
-    return SSEResponse(_events(gen), on_close=gen.close, headers=_headers(gen))
+    return SSEResponse(_events(gen), gen, headers=_headers(gen))
 
 
 async def compat_generate(request: Request) -> Response:
     """`POST /` (what huggingface_hub.InferenceClient posts to): `stream` picks the mode."""
     svc = services(request)
     try:
-        body = await read_json_body(request, svc.settings.max_body_bytes, STATUS)
+        body = await read_json_body(request, svc.settings, STATUS)
     except ApiError as exc:
-        svc.metrics.reject("payload_too_large" if exc.status == 413 else "validation")
+        svc.metrics.reject(rejection_reason(exc))
         raise
     if body.get("stream") is True:
         return await generate_stream(request, body)

@@ -1,8 +1,9 @@
 """The model's tokenizer, used to count and encode prompts and to decode generated tokens.
 
 It is the Hugging Face tokenizer of the served model directory, so the gateway counts exactly the
-tokens the workers will run. Long texts are tokenized in a thread so that one big prompt does not
-stall every other stream on the event loop.
+tokens the workers will run. Chat templating and long texts run in a thread so that one big request
+does not stall every other stream, and the heartbeat, on the event loop (a loop stalled for the
+heartbeat TTL gets the gateway declared dead and its requests dropped).
 """
 
 from __future__ import annotations
@@ -53,9 +54,10 @@ class PromptTokenizer:
         if spec.messages is not None:
             if not self.has_chat_template:
                 raise validation_error("this model has no chat template; use /v1/completions", status=status)
-            size = sum(len(m["content"]) for m in spec.messages)
             try:
-                return await _maybe_in_thread(size, self.encode_chat, spec.messages)
+                # Always off the loop: the template's cost grows with the number of messages, so
+                # even a body of empty messages is not cheap (the count is capped in validation).
+                return await asyncio.to_thread(self.encode_chat, spec.messages)
             except Exception as exc:  # jinja raises for messages the template refuses
                 raise validation_error(f"the chat template rejected the messages: {exc}",
                                        param="messages", status=status) from None

@@ -8,14 +8,20 @@ ignored. TGI answers validation errors with 422, the OpenAI API with 400 (what i
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from starlette.requests import ClientDisconnect, Request
 
+from gateway.config import Settings
 from gateway.errors import ApiError, validation_error
+
+T = TypeVar("T")
+_timeout = getattr(asyncio, "timeout", None)  # Python 3.11+
 
 MAX_SEED = 2**64 - 1
 MIN_SEED = -(2**63)
@@ -48,25 +54,24 @@ class GenerationSpec:
     model: str | None = None
 
 
-async def read_json_body(request: Request, max_bytes: int, status: int) -> dict[str, Any]:
-    """Read at most max_bytes of body and parse it as a JSON object (413 past the limit)."""
+async def read_json_body(request: Request, settings: Settings, status: int) -> dict[str, Any]:
+    """Read the body (JSON content type, at most max_body_bytes, within body_read_timeout) and
+    parse it as a JSON object."""
+    require_json_content_type(request)
+    max_bytes = settings.max_body_bytes
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > max_bytes:
         raise ApiError(413, f"request body is {declared} bytes; the limit is {max_bytes}",
                        kind="payload_too_large")
-    chunks: list[bytes] = []
-    size = 0
     try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > max_bytes:  # chunked bodies have no Content-Length: count as we read
-                raise ApiError(413, f"request body exceeds the limit of {max_bytes} bytes",
-                               kind="payload_too_large")
-            chunks.append(chunk)
-    except ClientDisconnect:
-        raise validation_error("client disconnected while sending the body", status=400) from None
+        raw = await within(settings.body_read_timeout, _read_capped(request, max_bytes))
+    except asyncio.TimeoutError:
+        # Slowloris: a client trickling its body would hold the connection (and a task) forever.
+        # The rest of the body is never read, so the connection cannot be reused: close it.
+        raise ApiError(408, f"request body not received within {settings.body_read_timeout:g}s "
+                            "(body_read_timeout)", kind="timeout", headers={"Connection": "close"}) from None
     try:
-        text = b"".join(chunks).decode("utf-8")
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise validation_error(f"request body is not valid UTF-8 (byte {exc.start})", status=status) from None
     if not text.strip():
@@ -81,6 +86,49 @@ async def read_json_body(request: Request, max_bytes: int, status: int) -> dict[
         raise validation_error(f"request body must be a JSON object, got {_type_name(data)}", status=status)
     _reject_lone_surrogates(data, status)
     return data
+
+
+def require_json_content_type(request: Request) -> None:
+    """415 unless the body is declared JSON (`application/json` or `application/*+json`).
+
+    A web page can make a browser POST `text/plain` (or a form) to any origin without a CORS
+    preflight; accepting such bodies would let any site drive a local server (CSRF). JSON makes the
+    browser ask first, and this server answers no preflight.
+    """
+    declared = request.headers.get("content-type", "")
+    media = declared.split(";", 1)[0].strip().lower()
+    kind, _, subtype = media.partition("/")
+    if kind == "application" and (subtype == "json" or subtype.endswith("+json")):
+        return
+    got = f"got {declared!r}" if declared else "none was sent"
+    raise ApiError(415, f"Content-Type must be application/json ({got})", kind="unsupported_media_type")
+
+
+async def _read_capped(request: Request, max_bytes: int) -> bytes:
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_bytes:  # chunked bodies have no Content-Length: count as we read
+                raise ApiError(413, f"request body exceeds the limit of {max_bytes} bytes",
+                               kind="payload_too_large")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise validation_error("client disconnected while sending the body", status=400) from None
+    return b"".join(chunks)
+
+
+async def within(seconds: float, awaitable: Awaitable[T]) -> T:
+    """`awaitable`'s result, or asyncio.TimeoutError after `seconds`.
+
+    Runs for every stream event: asyncio.timeout (3.11+) only arms a timer, while wait_for also
+    makes a task per call before 3.12, so wait_for serves only where there is no asyncio.timeout.
+    """
+    if _timeout is None:
+        return await asyncio.wait_for(awaitable, seconds)
+    async with _timeout(seconds):
+        return await awaitable
 
 
 def _reject_lone_surrogates(data: Any, status: int) -> None:
@@ -214,11 +262,15 @@ class Fields:
                 raise self.fail(key, f"contains a stop sequence of {len(s)} characters; at most {max_len}")
         return list(dict.fromkeys(value))  # drop duplicates, keep order
 
-    def token_ids(self, key: str, vocab_size: int) -> list[int]:
+    def token_ids(self, key: str, vocab_size: int, max_count: int) -> list[int]:
         value = self.data.get(key)
         if value is None:
             return []
-        if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        if not isinstance(value, list):
+            raise self.fail(key, "must be a list of integers")
+        if len(value) > max_count:  # before the per-item checks: their cost grows with the list
+            raise self.fail(key, f"has {len(value)} token ids; at most {max_count} are allowed")
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
             raise self.fail(key, "must be a list of integers")
         bad = [t for t in value if not 0 <= t < vocab_size]
         if bad:

@@ -21,6 +21,8 @@ STATUS = 400  # OpenAI answers invalid requests with 400 invalid_request_error
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 CHAT_DEFAULT_MAX_TOKENS = 1024
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
+# Text parts of one message's content: no real client sends more than a handful.
+MAX_CONTENT_PARTS = 256
 
 COMMON_FIELDS = {
     "model", "max_tokens", "max_completion_tokens", "stream", "stream_options", "stop",
@@ -60,7 +62,7 @@ def parse_completion(body: dict[str, Any], settings: Settings, vocab_size: int) 
     for key, neutral in COMPLETION_NEUTRAL.items():
         f.unsupported_unless(key, neutral)
     spec = _common(f, settings, vocab_size, COMPLETIONS_DEFAULT_MAX_TOKENS)
-    spec.prompt = _prompt(body.get("prompt"), vocab_size)
+    spec.prompt = _prompt(body.get("prompt"), vocab_size, settings.max_input_tokens)
     return spec
 
 
@@ -70,7 +72,7 @@ def parse_chat(body: dict[str, Any], settings: Settings, vocab_size: int) -> Gen
     for key, neutral in CHAT_NEUTRAL.items():
         f.unsupported_unless(key, neutral)
     spec = _common(f, settings, vocab_size, CHAT_DEFAULT_MAX_TOKENS)
-    spec.messages = _messages(body.get("messages"))
+    spec.messages = _messages(body.get("messages"), settings.max_chat_messages)
     return spec
 
 
@@ -117,7 +119,7 @@ def _common(f: Fields, settings: Settings, vocab_size: int, default_max: int) ->
         repetition_penalty=repetition_penalty if repetition_penalty is not None else 1.0,
         seed=f.integer("seed", lo=MIN_SEED, hi=MAX_SEED),
         ignore_eos=ignore_eos,
-        stop_token_ids=f.token_ids("stop_token_ids", vocab_size),
+        stop_token_ids=f.token_ids("stop_token_ids", vocab_size, settings.max_stop_token_ids),
         stop=f.stop_strings("stop", settings.max_stop_sequences, settings.max_stop_length, allow_str=True),
     )
     if spec.temperature == 0.0:  # greedy: the warpers have nothing to act on
@@ -125,7 +127,7 @@ def _common(f: Fields, settings: Settings, vocab_size: int, default_max: int) ->
     return spec
 
 
-def _prompt(value: Any, vocab_size: int) -> str | list[int]:
+def _prompt(value: Any, vocab_size: int, max_input_tokens: int) -> str | list[int]:
     """A prompt is a string or a list of token ids; a batch of one is unwrapped."""
     if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
         value = value[0]
@@ -138,6 +140,9 @@ def _prompt(value: Any, vocab_size: int) -> str | list[int]:
     if isinstance(value, list):
         if not value:
             raise validation_error("`prompt` cannot be empty", param="prompt", status=STATUS)
+        if isinstance(value[0], int) and len(value) > max_input_tokens:  # could never be served
+            raise validation_error(f"`prompt` has {len(value)} tokens; it must have at most "
+                                   f"max_input_tokens={max_input_tokens}", param="prompt", status=STATUS)
         if all(isinstance(t, int) and not isinstance(t, bool) for t in value):
             bad = [t for t in value if not 0 <= t < vocab_size]
             if bad:
@@ -150,12 +155,17 @@ def _prompt(value: Any, vocab_size: int) -> str | list[int]:
     raise validation_error("`prompt` must be a string or a list of token ids", param="prompt", status=STATUS)
 
 
-def _messages(value: Any) -> list[dict[str, str]]:
+def _messages(value: Any, max_messages: int) -> list[dict[str, str]]:
     """Chat messages -> [{role, content}] with text content only (what a text model can read)."""
     if value is None:
         raise validation_error("`messages` is required", param="messages", status=STATUS)
     if not isinstance(value, list) or not value:
         raise validation_error("`messages` must be a non-empty list", param="messages", status=STATUS)
+    if len(value) > max_messages:
+        # The chat template's cost grows with the message count, not the text: tens of thousands
+        # of empty messages fit in a small body and took seconds to template.
+        raise validation_error(f"`messages` has {len(value)} messages; at most {max_messages} are allowed",
+                               param="messages", status=STATUS)
     out: list[dict[str, str]] = []
     for i, message in enumerate(value):
         where = f"messages[{i}]"
@@ -176,6 +186,9 @@ def _content(content: Any, where: str) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
+        if len(content) > MAX_CONTENT_PARTS:
+            raise validation_error(f"`{where}.content` has {len(content)} parts; at most {MAX_CONTENT_PARTS} "
+                                   "are allowed", param=f"{where}.content", status=STATUS)
         texts: list[str] = []
         for j, part in enumerate(content):
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):

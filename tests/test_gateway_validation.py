@@ -126,7 +126,7 @@ def test_body_size_limit_is_413(gw_server):
         for _ in range(40):
             yield b" " * 65536
 
-    r = httpx.post(gw_server.url + "/v1/completions", content=chunks())
+    r = httpx.post(gw_server.url + "/v1/completions", content=chunks(), headers={"content-type": "application/json"})
     assert r.status_code == 413 and "limit" in r.json()["error"]["message"]
 
 
