@@ -13,6 +13,7 @@ import httpx
 import msgpack
 import redis
 
+from baton import heartbeats
 from baton.ops.redis_server import PrivateRedis, free_port, start_private_redis
 
 
@@ -70,12 +71,7 @@ class Cluster:
         return httpx.get(self.base_url + "/stats", timeout=5).json()
 
     def worker_states(self, kind: str) -> list[dict]:
-        states = []
-        for key in self.client.scan_iter(f"baton:heartbeat:{kind}:*"):
-            value = self.client.get(key)
-            if value:
-                states.append(msgpack.unpackb(value))
-        return states
+        return [msgpack.unpackb(value) for _key, value in heartbeats.live_sync(self.client, kind)]
 
     def wait_idle(self, timeout: float = 30) -> dict:
         """Wait until budget, running requests and KV blocks in use are all back to zero."""

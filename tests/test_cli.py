@@ -148,6 +148,7 @@ def test_probe_host():
 FAKE_SERVICE = r'''
 import argparse, json, os, signal, sys, threading, time
 import redis
+from baton import heartbeats
 
 KIND = {kind!r}
 parser = argparse.ArgumentParser()
@@ -170,9 +171,9 @@ if KIND == "gateway":
     server = HTTPServer((args.host, args.port), H)
     threading.Thread(target=server.serve_forever, daemon=True).start()
 while True:
-    key = f"baton:heartbeat:{{KIND}}:{{os.getpid()}}"
-    client.set(key, b"1", ex=3)
-    client.zadd("baton:heartbeats", {{key: time.time() + 3}})  # the heartbeat index (baton.heartbeats)
+    pipe = client.pipeline()
+    heartbeats.queue_beat(pipe, KIND, str(os.getpid()), {{}}, 3)
+    pipe.execute()
     if die_after and time.monotonic() - started > die_after:
         sys.exit(3)
     time.sleep(0.2)

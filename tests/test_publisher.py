@@ -123,12 +123,14 @@ async def test_heartbeats_are_found_through_the_index_not_by_scanning(redis_url)
         decode_ids = {heartbeats.worker_id_of(k) for k, _ in await heartbeats.live(client, "decode")}
         assert {"d" + suffix, "short" + suffix} <= decode_ids and "unindexed" + suffix not in decode_ids
         assert "p" + suffix not in decode_ids
-        await asyncio.sleep(0.4)  # the short one's key expired: its index entry is skipped
+        await asyncio.sleep(0.4)  # the short one expired (on the Redis server's clock): skipped
         beats = dict(await heartbeats.live(client, "decode"))
         ids = {heartbeats.worker_id_of(k) for k in beats}
         assert "short" + suffix not in ids and "d" + suffix in ids
         assert msgpack.unpackb(beats[protocol.heartbeat_key("decode", "d" + suffix).encode()]) == \
             {"num_requests_running": 3}
+        # Nothing of a heartbeat has a TTL, so the store's volatile-lru eviction never takes one.
+        assert await client.ttl(heartbeats.REGISTRY) == -1 and await client.ttl(heartbeats.DATA) == -1
         pipe = client.pipeline(transaction=False)
         heartbeats.queue_withdraw(pipe, "decode", "d" + suffix)
         await pipe.execute()
@@ -196,3 +198,33 @@ async def test_events_for_a_gateway_without_a_stream_do_not_recreate_it(redis_ur
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         await client.aclose()
+
+
+async def test_an_out_of_memory_redis_delays_the_output_but_loses_nothing():
+    # Issue 11 (2d): an OOM reply was re-raised and the worker exited.
+    from baton.ops.redis_server import start_private_redis
+
+    server = start_private_redis()
+    client = aioredis.from_url(server.url)
+    publisher = EventPublisher(client, "test:pub:oom", "g")
+    task = asyncio.create_task(publisher.run())
+    try:
+        gw = f"gw-{time.time_ns()}"
+        await protocol.create_token_stream(client, gw, 600)
+        await client.config_set("maxmemory-policy", "noeviction")
+        await client.config_set("maxmemory", 1)  # full: every write that needs memory is refused
+        with pytest.raises(Exception, match="maxmemory"):
+            await client.set("probe", b"x")
+        effects = Effects()
+        effects.add_event(gw, event("a", 0))
+        publisher.submit(effects)
+        await asyncio.sleep(0.5)
+        assert publisher.num_retries > 0 and not task.done()  # refused, retried, still alive
+        await client.config_set("maxmemory", 0)
+        assert await publisher.flush(10)
+        assert [[e.request_id for e in batch] for batch in await read_stream(client, gw)] == [["a"]]
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await client.aclose()
+        server.stop()

@@ -29,7 +29,7 @@ def start_worker(module: str, model_dir, redis_url: str, *extra: str) -> subproc
 def wait_heartbeats(client: redis.Redis, kinds: list[str], timeout: float = 90) -> None:
     deadline = time.time() + timeout
     while time.time() < deadline:
-        present = {k.decode().split(":")[2] for k in client.scan_iter("baton:heartbeat:*")}
+        present = {k.decode().split(":")[2] for k, _ in heartbeats.live_sync(client)}
         if all(kind in present for kind in kinds):
             return
         time.sleep(0.2)
@@ -190,7 +190,7 @@ def wait_for_idle(client: redis.Redis, timeout: float = 20) -> None:
 
     deadline = time.time() + timeout
     while time.time() < deadline:
-        states = [msgpack.unpackb(client.get(k)) for k in client.scan_iter("baton:heartbeat:decode:*")]
+        states = [msgpack.unpackb(v) for _k, v in heartbeats.live_sync(client, "decode")]
         if states and all(s["num_kv_blocks_used"] == 0 and s["num_requests_running"] == 0 for s in states):
             pending = client.xpending(protocol.DECODE_STREAM, protocol.DECODE_GROUP)["pending"]
             if pending == 0:

@@ -17,13 +17,16 @@ from typing import Any
 import msgpack
 from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError, TimeoutError as RedisTimeoutError
+from redis.exceptions import OutOfMemoryError, ResponseError, TimeoutError as RedisTimeoutError
 
 from baton import heartbeats, protocol
 
 logger = logging.getLogger("baton.worker")
 
-REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
+# Errors after which the same command can succeed later: retried with backoff, never fatal. An
+# out-of-memory Redis is one of them (it recovers as blocks expire or are evicted); the warning
+# each retry logs names it.
+REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, OutOfMemoryError, OSError)
 HEARTBEAT_INTERVAL_S = 1.0
 HEARTBEAT_TTL_S = 5
 
@@ -61,10 +64,8 @@ async def _dead_consumers(redis: Redis, kind: str, names: list[bytes]) -> list[b
     """The consumers among `names` whose heartbeat has expired."""
     if not names:
         return []
-    pipe = redis.pipeline(transaction=False)
-    for name in names:
-        pipe.exists(protocol.heartbeat_key(kind, name.decode()))
-    return [name for name, alive in zip(names, await pipe.execute()) if not alive]
+    alive = await heartbeats.live_ids(redis, kind)
+    return [name for name in names if name.decode() not in alive]
 
 
 async def claim_from_dead(redis: Redis, stream: str, group: str, consumer: str, kind: str,
