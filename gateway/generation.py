@@ -187,6 +187,14 @@ class Generation:
         if event.index > expected:
             self._fail("stream_gap", f"token stream gap: expected token {expected}, got {event.index}")
         skip = expected - event.index  # tokens we already have (a redelivered event)
+        have = [t.id for t in self.tokens[event.index:event.index + min(skip, len(event.token_ids))]]
+        if event.token_ids[:len(have)] != have:
+            # A worker that took over after another died regenerated these positions and got other
+            # tokens (different numerics, e.g. another dtype): continuing would splice two texts.
+            at = event.index + next(i for i, (a, b) in enumerate(zip(event.token_ids, have)) if a != b)
+            self._fail("resume_mismatch", f"the worker that resumed this request produced different tokens "
+                       f"than were already sent (from token {at}); check that all decode workers use the "
+                       f"same dtype and device kind")
         ids = event.token_ids[skip:]
         logprobs = event.logprobs[skip:]
         if not ids and event.finish_reason is None:

@@ -92,6 +92,20 @@ def test_duplicate_events_are_dropped(gw_server, gw_worker):
     assert r.json()["generated_text"] == gw_worker.tok.decode(gw_worker.reply_ids, skip_special_tokens=True)
 
 
+def test_a_resumed_worker_that_produces_other_tokens_fails_the_request(gw_server, gw_worker):
+    # Issue 11 (2f): duplicates were dropped by index alone, so a worker resuming with other
+    # numerics (another dtype) spliced a second chain onto what the client already had.
+    gw_worker.mode = "diverge"
+    r = httpx.post(gw_server.url + "/generate_stream", json={"inputs": "x", "parameters": {"max_new_tokens": 50}})
+    events = sse_json(r.text)
+    assert "different tokens" in events[-1]["error"] and events[-1]["error_type"] == "generation"
+    assert [e["token"]["id"] for e in events[:-1]] == gw_worker.reply_ids[:3]  # what came before the divergence
+    assert wait_until(lambda: idle(gw_server.url))
+    gw_worker.mode = "duplicate"  # the same tokens again are still fine
+    r = httpx.post(gw_server.url + "/generate", json={"inputs": "x", "parameters": {"max_new_tokens": 300}})
+    assert r.json()["generated_text"] == gw_worker.tok.decode(gw_worker.reply_ids, skip_special_tokens=True)
+
+
 def test_worker_error_ends_the_request(gw_server, gw_worker):
     gw_worker.mode = "error"
     r = httpx.post(gw_server.url + "/generate", json={"inputs": "x"})

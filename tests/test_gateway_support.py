@@ -80,7 +80,7 @@ class ServerThread:
 
 class EchoWorker:
     """Worker test double. Knobs (set from tests between requests): reply_ids, delay, hold,
-    tokens_per_event, mode ("normal" | "duplicate" | "error" | "silent")."""
+    tokens_per_event, mode ("normal" | "duplicate" | "diverge" | "error" | "silent")."""
 
     def __init__(self, redis_url: str, hf_tokenizer: Any) -> None:
         self.redis_url = redis_url
@@ -182,6 +182,12 @@ class EchoWorker:
             await self._publish(r, stream, event)
             if self.mode == "duplicate" and i > 0:
                 await self._publish(r, stream, event)  # redelivery: the gateway must drop it
+            if self.mode == "diverge" and i >= 2:
+                # A worker that took over regenerates from token 1 and gets another token there
+                # (other numerics): the text so far and the new one are not one causal chain.
+                await self._publish(r, stream, TokenEvent(req.request_id, 1, [ids[1] + 1], [-0.25],
+                                                          worker_id="echo-2"))
+                return
             i += len(chunk)
 
     async def _publish(self, r: aioredis.Redis, stream: str, event: TokenEvent) -> None:
