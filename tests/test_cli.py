@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -130,11 +131,31 @@ def test_child_command_lines_pass_flags_through():
     assert flag(dec0, "--dtype") == "bfloat16" and "--max-num-batched-tokens" not in dec0
     assert gw[:3] == ["py", "-m", "gateway"] and flag(gw, "--port") == "8123"
     assert flag(gw, "--host") == "0.0.0.0" and flag(gw, "--max-concurrent-requests") == "64"
-    assert flag(gw, "--max-queue-wait") == "2.5" and flag(gw, "--api-key") == "k"
+    assert flag(gw, "--max-queue-wait") == "2.5"
     assert "--threads" not in gw and "--max-input-tokens" not in gw
     for argv in (pre, dec0, dec1, gw):
-        assert flag(argv, "--model") == "/m" and flag(argv, "--redis-url") == "redis://127.0.0.1:1/0"
+        assert flag(argv, "--model") == "/m"
     assert specs[0].env["OMP_NUM_THREADS"] == "2" and specs[1].env["OMP_NUM_THREADS"] == "1"
+
+
+def test_child_secrets_travel_in_the_environment_not_on_argv():
+    # argv is world-readable (`ps`, /proc/<pid>/cmdline); the services read REDIS_URL and
+    # BATON_API_KEY from their environment by default.
+    url = "redis://:s3cret-pw@127.0.0.1:1/0"
+    args = _serve_args("--api-key", "k3y-value", "--decode-workers", "2")
+    specs = build_child_specs(args, Path("/m"), url, ThreadPlan([1], [1, 1], cpus=4), python="py")
+    for spec in specs:
+        text = " ".join(spec.argv)
+        assert "--redis-url" not in text and "s3cret-pw" not in text, spec.argv
+        assert "--api-key" not in text and "k3y-value" not in text, spec.argv
+        assert spec.env["REDIS_URL"] == url
+        assert spec.env.get("BATON_API_KEY") == ("k3y-value" if spec.role == "gateway" else None)
+
+
+def test_serve_takes_the_api_key_from_the_environment(monkeypatch):
+    monkeypatch.setenv("BATON_API_KEY", "from-env")
+    assert _serve_args().api_key == "from-env"
+    assert _serve_args("--api-key", "flag").api_key == "flag"
 
 
 def test_probe_host():
@@ -152,11 +173,13 @@ from baton import heartbeats
 
 KIND = {kind!r}
 parser = argparse.ArgumentParser()
-parser.add_argument("--model"); parser.add_argument("--redis-url"); parser.add_argument("--threads")
+parser.add_argument("--model"); parser.add_argument("--threads")
+parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL"))  # as the real services do
 parser.add_argument("--host"); parser.add_argument("--port", type=int)
 args, _ = parser.parse_known_args()
 with open(os.path.join(os.environ["FAKE_LOG_DIR"], f"{{KIND}}-{{os.getpid()}}.json"), "w") as f:
     json.dump({{"argv": sys.argv, "pid": os.getpid(), "env_redis": os.environ.get("REDIS_URL"),
+               "env_api_key": os.environ.get("BATON_API_KEY"),
                "omp": os.environ.get("OMP_NUM_THREADS")}}, f)
 client = redis.Redis.from_url(args.redis_url)
 signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))
@@ -247,7 +270,8 @@ def _redis_url_from(err: list[str]) -> str:
 
 
 def test_serve_starts_reports_and_stops_cleanly(fake_services):
-    proc, out, err = _start_serve(fake_services, "--decode-workers", "2")
+    env = dict(fake_services["env"], BATON_API_KEY="the-api-key-0123")
+    proc, out, err = _start_serve(fake_services, "--decode-workers", "2", env=env)
     try:
         assert _wait_for(lambda: any("Baton is serving" in l for l in out) or proc.poll() is not None, 60), err
         assert proc.poll() is None, "".join(err)
@@ -256,8 +280,19 @@ def test_serve_starts_reports_and_stops_cleanly(fake_services):
         records = _children_records(fake_services["logs"])
         kinds = sorted(r["argv"][0].split(os.sep)[-2] for r in records)
         assert kinds == ["decode_worker", "decode_worker", "gateway", "prefill_worker"]
-        redis_url = _redis_url_from(err)
-        assert all(r["env_redis"] == redis_url for r in records)
+        redis_url = _redis_url_from(err)  # as logged: without its password
+        password = urlsplit(records[0]["env_redis"]).password
+        assert password and len(password) >= 32 and password not in "".join(err)
+        assert all(r["env_redis"] == redis_url.replace("***", password) for r in records)
+        assert {r["argv"][0].split(os.sep)[-2]: r["env_api_key"] for r in records} == {
+            "gateway": "the-api-key-0123", "prefill_worker": None, "decode_worker": None}
+        for pid in [proc.pid, *(r["pid"] for r in records)]:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode()
+            assert password not in cmdline and "the-api-key-0123" not in cmdline
+        import redis
+
+        with pytest.raises(redis.AuthenticationError):  # NOAUTH: the private Redis wants the password
+            redis.Redis(port=urlsplit(redis_url).port, socket_timeout=5).ping()
         threads = [int(r["argv"][r["argv"].index("--threads") + 1]) for r in records if "--threads" in r["argv"]]
         assert len(threads) == 3 and (sum(threads) <= (os.cpu_count() or 1) or set(threads) == {1})
         pids = [r["pid"] for r in records]

@@ -76,6 +76,8 @@ def test_only_gateway_and_prometheus_are_reachable_from_the_host():
     assert published == {"gateway", "prometheus"}
     gateway_ports = config["services"]["gateway"]["ports"]
     assert any(p["target"] == 8000 and str(p["published"]) == "8000" for p in gateway_ports)
+    for name in ("gateway", "prometheus"):
+        assert all(p.get("host_ip") == "127.0.0.1" for p in config["services"][name]["ports"]), name
     for name in ("prefill_worker", "decode_worker"):
         assert list(config["services"][name]["networks"]) == ["internal"]
 
@@ -115,3 +117,26 @@ def test_prometheus_scrapes_gateway_and_workers():
         sd = jobs[name]["dns_sd_configs"][0]
         assert sd["names"] == [name] and sd["port"] == 9100 and sd["type"] == "A"
         assert "--metrics-port 9100" in " ".join(config["services"][name]["command"])
+
+
+def test_gateway_is_published_on_loopback_unless_asked_otherwise():
+    # By default nothing else on the network reaches an API that may have no key.
+    (port,) = _config()["services"]["gateway"]["ports"]
+    assert (port["host_ip"], str(port["published"]), port["target"]) == ("127.0.0.1", "8000", 8000)
+    (port,) = _config({"GATEWAY_PUBLISH": "0.0.0.0"})["services"]["gateway"]["ports"]
+    assert port["host_ip"] == "0.0.0.0" and str(port["published"]) == "8000"
+
+
+def test_api_key_reaches_the_gateway_through_its_environment():
+    gateway = _config({"BATON_API_KEY": "compose-key-123"})["services"]["gateway"]
+    assert gateway["environment"]["BATON_API_KEY"] == "compose-key-123"
+    assert "compose-key-123" not in " ".join(gateway["command"])  # never on argv (`ps`)
+    assert not _config()["services"]["gateway"]["environment"]["BATON_API_KEY"]  # unset: no key
+    for name in ("prefill_worker", "decode_worker"):  # the workers never need it
+        assert "BATON_API_KEY" not in _config({"BATON_API_KEY": "k"})["services"][name]["environment"]
+
+
+def test_readme_says_how_the_gateway_is_published_and_keyed():
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("## Docker Compose", 1)[1].split("\n## ", 1)[0]
+    assert "127.0.0.1:8000" in section and "BATON_API_KEY" in section and "GATEWAY_PUBLISH" in section

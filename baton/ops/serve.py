@@ -9,15 +9,20 @@ catastrophically, so the workers' `--threads` add up to at most the cores this p
 
 The supervisor owns its children: they run in their own process group (a terminal's Ctrl-C reaches
 only the supervisor, which then stops them in order: gateway first, then the workers, then Redis),
-and on Linux each child gets SIGTERM from the kernel if the supervisor itself dies. If any child
-exits on its own, the supervisor reports which and stops everything with a non-zero exit.
+and on Linux each child gets SIGTERM from the kernel if the supervisor itself dies (even by
+SIGKILL). A child that exits on its own is restarted with backoff; so is the private Redis, on the
+same port with the same password (it comes back empty: the workers recreate their consumer groups).
+
+Secrets never go on a child's command line, which every local user can read in `ps`: the Redis
+URL (with the private Redis's random password) and the API key travel in the environment
+(REDIS_URL, BATON_API_KEY), which the services read by default.
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -26,6 +31,9 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Callable, Protocol
+
+from baton.ops.redis_server import child_preexec, redact_url
 
 PREFILL_MODULE = "prefill_worker"
 DECODE_MODULE = "decode_worker"
@@ -39,8 +47,10 @@ GATEWAY_FLAGS: list[tuple[str, type, str]] = [
     ("--max-batch-total-tokens", int, "cluster token budget: admitted requests' input + max_new_tokens"),
     ("--max-queue-size", int, "requests waiting for budget before 429"),
     ("--max-queue-wait", float, "seconds a request may wait for budget before a 503"),
-    ("--api-key", str, "require 'Authorization: Bearer KEY' on the API"),
 ]
+# Environment variables that carry secrets to the children (never argv: `ps` shows argv to all).
+REDIS_URL_ENV = "REDIS_URL"
+API_KEY_ENV = "BATON_API_KEY"
 PREFILL_FLAGS: list[tuple[str, type, str]] = [
     ("--max-num-batched-tokens", int, "prefill worker: token budget per iteration (chunked prefill)"),
 ]
@@ -149,6 +159,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("gateway limits (passed to the gateway when given)")
     for flag, typ, help_ in GATEWAY_FLAGS:
         group.add_argument(flag, type=typ, default=None, help=help_)
+    group.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
+                       help="require 'Authorization: Bearer KEY' on the API (default: $BATON_API_KEY; "
+                            "prefer the variable: a flag is visible to every local user in `ps`)")
     group = parser.add_argument_group("worker settings (passed to the workers when given)")
     for flag, typ, help_ in WORKER_FLAGS + PREFILL_FLAGS + DECODE_FLAGS:
         kwargs = {"choices": ["no-evict", "max-utilization"]} if flag == "--scheduler-policy" else {}
@@ -174,26 +187,33 @@ class ChildSpec:
 
 def build_child_specs(args: argparse.Namespace, model_dir: Path, redis_url: str,
                       plan: ThreadPlan, python: str = sys.executable) -> list[ChildSpec]:
-    """The command lines of every child, in start order: prefill workers, decode workers, gateway."""
+    """The command lines of every child, in start order: prefill workers, decode workers, gateway.
+    The Redis URL and the API key go in each child's environment, not on its command line."""
     specs: list[ChildSpec] = []
-    common = ["--model", str(model_dir), "--redis-url", redis_url]
+    common = ["--model", str(model_dir)]
+    secret_env = {REDIS_URL_ENV: redis_url}
     metrics_port = args.worker_metrics_port
     for i, threads in enumerate(plan.prefill):
         argv = [python, "-m", PREFILL_MODULE, *common, "--threads", str(threads), "--dtype", args.dtype]
         argv += _passthrough(args, WORKER_FLAGS + PREFILL_FLAGS)
         if metrics_port is not None:
             argv += ["--metrics-port", str(metrics_port + i)]
-        specs.append(ChildSpec(f"prefill_worker[{i}]", argv, _thread_env(threads), "prefill"))
+        specs.append(ChildSpec(f"prefill_worker[{i}]", argv, {**_thread_env(threads), **secret_env},
+                               "prefill"))
     for j, threads in enumerate(plan.decode):
         argv = [python, "-m", DECODE_MODULE, *common, "--threads", str(threads), "--dtype", args.dtype]
         argv += _passthrough(args, WORKER_FLAGS + DECODE_FLAGS)
         if metrics_port is not None:
             argv += ["--metrics-port", str(metrics_port + len(plan.prefill) + j)]
-        specs.append(ChildSpec(f"decode_worker[{j}]", argv, _thread_env(threads), "decode"))
+        specs.append(ChildSpec(f"decode_worker[{j}]", argv, {**_thread_env(threads), **secret_env},
+                               "decode"))
     argv = [python, "-m", GATEWAY_MODULE, "--model", str(model_dir), "--host", args.host,
-            "--port", str(args.port), "--redis-url", redis_url]
+            "--port", str(args.port)]
     argv += _passthrough(args, GATEWAY_FLAGS)
-    specs.append(ChildSpec("gateway", argv, _thread_env(1), "gateway"))
+    gateway_env = {**_thread_env(1), **secret_env}
+    if args.api_key:
+        gateway_env[API_KEY_ENV] = args.api_key
+    specs.append(ChildSpec("gateway", argv, gateway_env, "gateway"))
     return specs
 
 
@@ -211,21 +231,18 @@ def _thread_env(threads: int) -> dict[str, str]:
 # Supervision
 # --------------------------------------------------------------------------------------------
 
-def _child_preexec() -> None:
-    """Runs in the child before exec: own process group; SIGTERM if the supervisor dies (Linux)."""
-    os.setpgid(0, 0)
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except Exception:  # not Linux: children are still stopped on every orderly exit
-        pass
+class Restartable(Protocol):
+    """A process the supervisor watches but does not own the command line of (the private Redis)."""
+    process: subprocess.Popen
+
+    def restart(self) -> None: ...
 
 
 class ChildExited(RuntimeError):
-    def __init__(self, name: str, pid: int, returncode: int):
+    def __init__(self, name: str, pid: int, returncode: int, why: str = "") -> None:
         how = (f"was killed by signal {-returncode}" if returncode < 0
                else f"exited with code {returncode}")
-        super().__init__(f"{name} (pid {pid}) {how}")
+        super().__init__(f"{name} (pid {pid}) {how}" + (f": {why}" if why else ""))
         self.name = name
         self.returncode = returncode
 
@@ -241,13 +258,14 @@ class Supervisor:
     keep serving meanwhile (a dead worker's unacked requests are claimed by its peers or by its
     replacement). A child that dies more than `max_restarts` times within `restart_window` seconds
     is given up on, and that is fatal only when it leaves its pool empty (or it is the gateway).
-    A watched process (the private redis-server) dying is fatal.
+    A watched process (the private redis-server) is restarted under the same policy; giving up on
+    it is fatal, since nothing works without it.
     """
 
-    def __init__(self, stop_timeout: float = 10.0, log=None, max_restarts: int = 5,
-                 restart_window: float = 60.0):
+    def __init__(self, stop_timeout: float = 10.0, log: Callable[[str], None] | None = None,
+                 max_restarts: int = 5, restart_window: float = 60.0) -> None:
         self.children: list[tuple[ChildSpec, subprocess.Popen]] = []
-        self.watched: list[tuple[str, subprocess.Popen]] = []  # stopped by their owners, not by us
+        self.watched: list[tuple[str, Restartable]] = []  # stopped by their owners, not by us
         self.stop_timeout = stop_timeout
         self.stop_signal: int | None = None
         self.log = log or (lambda msg: print(f"baton: {msg}", file=sys.stderr, flush=True))
@@ -255,6 +273,7 @@ class Supervisor:
         self.restart_window = restart_window
         self.deaths: dict[str, list[float]] = {}
         self.pending_restarts: list[tuple[float, ChildSpec]] = []  # (when, what)
+        self.pending_watched: list[tuple[float, str, Restartable]] = []
         self.num_restarts = 0
 
     # signals ---------------------------------------------------------------------------------
@@ -262,7 +281,7 @@ class Supervisor:
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, self._on_signal)
 
-    def _on_signal(self, signum, _frame) -> None:
+    def _on_signal(self, signum: int, _frame: object) -> None:
         if self.stop_signal is None:
             self.stop_signal = signum
         else:
@@ -273,63 +292,90 @@ class Supervisor:
 
     # children --------------------------------------------------------------------------------
     def start(self, spec: ChildSpec) -> subprocess.Popen:
-        env = dict(os.environ)
+        # Only the children whose spec names a secret get it (the workers never need the API key).
+        env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}
         env.update(spec.env)
-        env["REDIS_URL"] = spec.argv[spec.argv.index("--redis-url") + 1]
         # Own process group: the terminal's Ctrl-C reaches only us, and we stop children in order.
         proc = subprocess.Popen(
             spec.argv, env=env, stdin=subprocess.DEVNULL,
             stdout=sys.stderr.fileno(),  # keep our stdout for our own status lines
-            preexec_fn=_child_preexec,
+            preexec_fn=child_preexec(new_session=False, death_signal=signal.SIGTERM),
         )
         self.children.append((spec, proc))
         self.log(f"started {spec.name} (pid {proc.pid})")
         return proc
 
-    def watch(self, name: str, proc: subprocess.Popen) -> None:
-        """Also report it if this process (say, the private redis-server) exits."""
-        self.watched.append((name, proc))
+    def watch(self, name: str, server: Restartable) -> None:
+        """Also restart this process (say, the private redis-server) when it dies."""
+        self.watched.append((name, server))
 
     def check(self) -> None:
-        """Raise StopRequested on a signal; restart children that died (ChildExited when one
-        cannot be, or when a watched process exited)."""
+        """Raise StopRequested on a signal; restart children and watched processes that died
+        (ChildExited when one cannot be)."""
         if self.stop_signal is not None:
             raise StopRequested()
+        restarting = {name for _, name, _ in self.pending_watched}
         exited = [(spec, proc, proc.poll()) for spec, proc in self.children if proc.poll() is not None]
-        watched = [(name, proc, proc.poll()) for name, proc in self.watched if proc.poll() is not None]
+        watched = [(name, server, server.process.poll()) for name, server in self.watched
+                   if name not in restarting and server.process.poll() is not None]
         if exited or watched:
             # A terminal Ctrl-C may reach a shared-group process (redis) a moment before we
             # see the signal ourselves: give the signal a chance to arrive first.
             time.sleep(0.2)
             if self.stop_signal is not None:
                 raise StopRequested()
-        for name, proc, code in watched:
-            raise ChildExited(name, proc.pid, code)
+        for name, server, code in watched:
+            self._on_watched_death(name, server, ChildExited(name, server.process.pid, code))
         for spec, proc, code in exited:
             self._on_death(spec, proc, code)
         now = time.monotonic()
+        for entry in [e for e in self.pending_watched if e[0] <= now]:
+            self.pending_watched.remove(entry)
+            self._restart_watched(entry[1], entry[2])
         due = [(when, spec) for when, spec in self.pending_restarts if when <= now]
         for entry in due:
             self.pending_restarts.remove(entry)
             self.num_restarts += 1
             self.start(entry[1])
 
+    def _record_death(self, name: str) -> tuple[int, float]:
+        """(deaths of `name` within the window, this one included; backoff before its restart)."""
+        now = time.monotonic()
+        deaths = [t for t in self.deaths.get(name, []) if now - t < self.restart_window] + [now]
+        self.deaths[name] = deaths
+        return len(deaths), min(10.0, 0.5 * 2 ** (len(deaths) - 1))
+
     def _on_death(self, spec: ChildSpec, proc: subprocess.Popen, code: int) -> None:
         self.children.remove((spec, proc))
         death = ChildExited(spec.name, proc.pid, code)
-        now = time.monotonic()
-        deaths = [t for t in self.deaths.get(spec.name, []) if now - t < self.restart_window] + [now]
-        self.deaths[spec.name] = deaths
-        if len(deaths) > self.max_restarts:
-            self.log(f"{death}: it died {len(deaths)} times within {self.restart_window:g}s; giving up on it")
+        count, delay = self._record_death(spec.name)
+        if count > self.max_restarts:
+            self.log(f"{death}: it died {count} times within {self.restart_window:g}s; giving up on it")
             pool_left = any(s.role == spec.role for s, _ in self.children) or any(
                 s.role == spec.role for _, s in self.pending_restarts)
             if spec.role == "gateway" or not pool_left:
                 raise death
             return
-        delay = min(10.0, 0.5 * 2 ** (len(deaths) - 1))
         self.log(f"{death}; restarting it in {delay:g}s")
-        self.pending_restarts.append((now + delay, spec))
+        self.pending_restarts.append((time.monotonic() + delay, spec))
+
+    def _on_watched_death(self, name: str, server: Restartable, death: Exception) -> None:
+        count, delay = self._record_death(name)
+        if count > self.max_restarts:
+            raise ChildExited(name, server.process.pid, server.process.returncode or 0,
+                              f"died {count} times within {self.restart_window:g}s; giving up on it")
+        self.log(f"{death}; restarting it in {delay:g}s (same port and settings; it comes back "
+                 "empty: requests in flight may fail, new ones are served once it is up)")
+        self.pending_watched.append((time.monotonic() + delay, name, server))
+
+    def _restart_watched(self, name: str, server: Restartable) -> None:
+        try:
+            server.restart()
+        except (RuntimeError, OSError) as exc:  # e.g. its port was taken meanwhile: a death too
+            self._on_watched_death(name, server, RuntimeError(f"{name} did not restart ({exc})"))
+            return
+        self.num_restarts += 1
+        self.log(f"restarted {name} (pid {server.process.pid})")
 
     def sleep(self, seconds: float) -> None:
         deadline = time.monotonic() + seconds
@@ -375,7 +421,7 @@ def _kill(proc: subprocess.Popen, sig: int) -> None:
             pass
 
 
-def _wait_all(group, deadline: float) -> None:
+def _wait_all(group: list[tuple[ChildSpec, subprocess.Popen]], deadline: float) -> None:
     for _spec, proc in group:
         try:
             proc.wait(timeout=max(0.0, deadline - time.monotonic()))
@@ -406,7 +452,7 @@ def gateway_healthy(host: str, port: int, timeout: float = 2.0) -> bool:
         return False
 
 
-def heartbeat_roles(redis_client) -> set[str]:
+def heartbeat_roles(redis_client: Any) -> set[str]:
     """The kinds of process that have a live heartbeat key (baton:heartbeat:<kind>:<id>)."""
     from baton import heartbeats
 
@@ -489,14 +535,15 @@ def run(args: argparse.Namespace) -> int:
     try:
         redis_url = args.redis_url
         if redis_url:
-            log(f"redis: {redis_url}")
+            log(f"redis: {redact_url(redis_url)}")
         else:
             from baton.ops.redis_server import start_private_redis
 
-            private_redis = start_private_redis()
+            # A random password: any local user can reach a port on 127.0.0.1.
+            private_redis = start_private_redis(password=secrets.token_urlsafe(32))
             redis_url = private_redis.url
-            sup.watch("redis-server", private_redis.process)
-            log(f"redis: {redis_url} (private)")
+            sup.watch("redis-server", private_redis)
+            log(f"redis: {private_redis.display_url} (private, pid {private_redis.process.pid})")
         for spec in build_child_specs(args, Path(model_dir), redis_url, plan):
             sup.start(spec)
         wait_until_ready(sup, args.host, args.port, redis_url, args.startup_timeout)
