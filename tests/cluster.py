@@ -46,11 +46,12 @@ class Cluster:
         self.procs[name] = proc
         return proc
 
-    def start_worker(self, module: str, worker_id: str) -> subprocess.Popen:
+    def start_worker(self, module: str, worker_id: str, dtype: str | None = None) -> subprocess.Popen:
         extra = self.prefill_args if module == "prefill_worker" else self.decode_args
         return self._spawn(worker_id, [
             sys.executable, "-m", module, "--model", str(self.model_dir), "--redis-url", self.redis.url,
-            "--threads", "1", "--dtype", self.dtype, "--worker-id", worker_id, "--claim-idle-ms", "500", *extra])
+            "--threads", "1", "--dtype", dtype or self.dtype, "--worker-id", worker_id, "--claim-idle-ms", "500",
+            *extra])
 
     def wait_ready(self, prefill: int, decode: int, timeout: float = 180) -> None:
         deadline = time.time() + timeout

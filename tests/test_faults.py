@@ -87,6 +87,46 @@ def test_sigkill_prefill_worker_mid_prompt(tiny_model_dir, reference):
         cluster.wait_idle(timeout=30)
 
 
+def test_resume_on_a_worker_with_other_numerics_never_splices_two_texts(tiny_model_dir, reference):
+    # Issue 11 (2f): decode-0 (float32) dies mid-stream; decode-1 (bfloat16) takes the request over
+    # and regenerates it. A seeded sampled request then either continues exactly (the same tokens
+    # again) or ends with a clear error: never a text no single worker produced.
+    from baton import SamplingParams
+
+    with Cluster(tiny_model_dir, prefill=1, decode=1) as cluster:
+        prompt, n = "once upon a time", 400
+        [ref] = reference.generate([prompt], SamplingParams(temperature=0.9, seed=7, max_tokens=n, ignore_eos=True))
+
+        async def run() -> list[dict]:
+            events: list[dict] = []
+            async with httpx.AsyncClient(base_url=cluster.base_url, timeout=120) as client:
+                async with client.stream("POST", "/generate_stream", json={"inputs": prompt, "parameters": {
+                        "max_new_tokens": n, "do_sample": True, "temperature": 0.9, "seed": 7,
+                        "details": True}}) as response:
+                    async for line in response.aiter_lines():
+                        if not line.startswith("data:"):
+                            continue
+                        events.append(json.loads(line[5:]))
+                        if len(events) == 20:
+                            cluster.procs["decode-0"].send_signal(signal.SIGSTOP)  # frozen mid-request
+                            cluster.start_worker("decode_worker", "decode-1", dtype="bfloat16")
+                            await asyncio.to_thread(cluster.wait_ready, 1, 2)
+                            cluster.kill("decode-0", signal.SIGKILL)
+            return events
+
+        events = asyncio.run(run())
+        ids = [e["token"]["id"] for e in events if "token" in e]
+        # What decode-0 sent is the float32 text; decode-1 regenerated from token 1, and the gateway
+        # compared every token it had already sent: what follows continues that same prefix.
+        assert ids[:20] == ref.outputs[0].token_ids[:20]
+        last = events[-1]
+        if "error" in last:
+            assert "different tokens" in last["error"]
+        else:
+            assert len(ids) == n and last["details"]["finish_reason"] == "length"
+        cluster.wait_idle()
+
+
 def test_redis_outage_gives_503_then_recovers(tiny_model_dir):
     with Cluster(tiny_model_dir, prefill=1, decode=1) as cluster:
         body = {"inputs": "hello there", "parameters": {"max_new_tokens": 4}}
