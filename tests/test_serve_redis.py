@@ -5,6 +5,7 @@ SIGKILL."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import stat
 import subprocess
@@ -112,10 +113,12 @@ def test_redis_and_children_die_with_a_killed_baton_serve(tiny_model_dir):
         redis_pid = int(next(line for line in err if "(private, pid " in line).split("pid ")[1].split(")")[0])
         children = {int(line.split("(pid ")[1].split(")")[0]) for line in err if "started " in line}
         assert len(children) == 3 and _alive(redis_pid)
+        workdir = os.readlink(f"/proc/{redis_pid}/cwd")  # redis-server runs in its private directory
         time.sleep(1)  # let the children get going (their own signal handlers installed)
     finally:
         proc.kill()
         proc.wait()
     assert _wait_for(lambda: not _alive(redis_pid), 5), f"redis-server {redis_pid} outlived baton serve"
+    shutil.rmtree(workdir, ignore_errors=True)  # a SIGKILLed serve cannot remove it itself
     assert _wait_for(lambda: not any(_alive(pid) for pid in children), 20), \
         f"children outlived baton serve: {[p for p in children if _alive(p)]}"
