@@ -228,3 +228,31 @@ async def test_an_out_of_memory_redis_delays_the_output_but_loses_nothing():
         await asyncio.gather(task, return_exceptions=True)
         await client.aclose()
         server.stop()
+
+
+def test_worker_metrics_bind_loopback_unless_told_otherwise():
+    # Issue 11 (2l): every worker's metrics port listened on all interfaces.
+    import argparse
+    import socket
+
+    from baton.ops.redis_server import free_port
+    from baton.worker.args import add_common_args
+    from baton.worker.metrics import serve_metrics
+
+    parser = argparse.ArgumentParser()
+    add_common_args(parser, "decode")
+    args = parser.parse_args(["--metrics-port", str(free_port())])
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    probe.connect(("10.255.255.255", 1))  # no packet is sent: this only picks the outward address
+    outward = probe.getsockname()[0]
+    probe.close()
+    if outward.startswith("127."):
+        pytest.skip("this machine has no address besides loopback")
+    server = serve_metrics(args.metrics_port, args.metrics_host)
+    try:
+        socket.create_connection(("127.0.0.1", args.metrics_port), timeout=2).close()
+        with pytest.raises(OSError):
+            socket.create_connection((outward, args.metrics_port), timeout=2).close()
+    finally:
+        server.shutdown()
+        server.server_close()

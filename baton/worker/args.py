@@ -31,6 +31,8 @@ def add_common_args(parser: argparse.ArgumentParser, kind: str) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--metrics-port", type=int, default=None)
+    parser.add_argument("--metrics-host", default=os.environ.get("BATON_METRICS_HOST", "127.0.0.1"),
+                        help="address the metrics port binds (default loopback; 0.0.0.0 in a container)")
     parser.add_argument("--worker-id", default=None)
     parser.add_argument("--claim-idle-ms", type=int, default=15000,
                         help="a message unacked this long by a consumer whose heartbeat stopped is claimed")

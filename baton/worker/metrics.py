@@ -19,6 +19,8 @@ every later token (so prefill + decode generation_tokens = the tokens the gatewa
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, start_http_server
 
 LABELS = ["model_name"]
@@ -72,8 +74,12 @@ class WorkerMetrics:
         self.requests_finished.labels(model_name=self.model_name, finished_reason=reason).inc()
 
 
-def serve_metrics(port: int | None) -> None:
+def serve_metrics(port: int | None, host: str = "127.0.0.1") -> Any:
+    """Loopback by default: the page names the model and the load, for this machine's scraper only
+    unless the deployment says otherwise (a container's port is published by its own rules)."""
     if port:
         # Counters' `_created` series only clutter the page (as the gateway's: see gateway/__main__.py).
         disable_created_metrics()
-        start_http_server(port, addr="0.0.0.0")
+        server, _thread = start_http_server(port, addr=host)
+        return server
+    return None

@@ -91,7 +91,7 @@ class WorkerShell:
 
     async def run(self) -> None:
         install_signal_handlers(self.stopping)
-        serve_metrics(self.args.metrics_port)
+        serve_metrics(self.args.metrics_port, self.args.metrics_host)
         await self._wait_for_redis()
         await ensure_group(self.redis, self.stream, self.group)
         self.tasks = [
