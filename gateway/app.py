@@ -64,7 +64,7 @@ def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> 
                     "num_requests_waiting": snap["requests"]["waiting"],
                     "token_budget_in_use": snap["token_budget"]["in_use"]}
 
-        cluster = Cluster(client, settings, admission, gateway_stats)
+        cluster = Cluster(client, settings, admission, gateway_stats, router)
         svc = Services(settings=settings, redis=client, tokenizer=tokenizer, metrics=metrics,
                        admission=admission, router=router, cluster=cluster)
         app.state.services = svc

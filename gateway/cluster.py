@@ -4,6 +4,10 @@ One task: writes this gateway's own heartbeat (so workers can tell when it died)
 its token stream fresh (so the stream of a dead gateway expires), reads every worker heartbeat,
 derives the token budget from the live decode workers' KV capacity and hands it to admission.
 It is also the gateway's Redis health probe: while it fails, generation endpoints answer 503.
+
+Its token stream going missing after startup means Redis lost its data (restarted empty, flushed,
+or the gateway was cut off past the stream's TTL): the requests in flight can never get their
+events, so the router is told to end them all at once.
 """
 
 from __future__ import annotations
@@ -22,20 +26,26 @@ from baton import heartbeats
 from baton.protocol import create_token_stream, token_stream
 from gateway.admission import Admission
 from gateway.config import Settings, redact_url
+from gateway.router import TokenRouter
 
 log = logging.getLogger(__name__)
 
 # A dead gateway's token stream is deleted this long after its last heartbeat.
 TOKEN_STREAM_TTL_S = 60
 
+STATE_LOST = "redis restarted (or was flushed) and lost this request's state; retry it"
+
 
 class Cluster:
     def __init__(self, client: aioredis.Redis, settings: Settings, admission: Admission,
-                 gateway_stats: Callable[[], dict[str, Any]]) -> None:
+                 gateway_stats: Callable[[], dict[str, Any]], router: TokenRouter) -> None:
         self._redis = client
         self._settings = settings
         self._admission = admission
         self._gateway_stats = gateway_stats
+        self._router = router
+        # False until the first tick made the stream: missing at startup is expected, not a loss.
+        self._stream_made = False
         self.redis_ok = False
         self.redis_error: str | None = "not connected yet"
         self.workers: dict[str, list[dict[str, Any]]] = {"prefill": [], "decode": [], "gateway": []}
@@ -75,9 +85,12 @@ class Cluster:
             pipe.expire(token_stream(s.gateway_id), TOKEN_STREAM_TTL_S)
             *_, stream_exists = await pipe.execute()
         if not stream_exists:
+            if self._stream_made:
+                self._stream_lost()
             # Workers write with NOMKSTREAM (a dead gateway's stream must not come back without
             # a TTL), so the gateway makes its own stream: at start, and after a Redis restart.
             await create_token_stream(self._redis, s.gateway_id, TOKEN_STREAM_TTL_S)
+            self._stream_made = True
         workers: dict[str, list[dict[str, Any]]] = {"prefill": [], "decode": [], "gateway": []}
         for key, value in await heartbeats.live(self._redis):
             parsed = _parse(key, value)
@@ -88,6 +101,12 @@ class Cluster:
         self.workers = workers
         capacities = self.decode_capacities()
         self._admission.set_derived_budget(sum(capacities), max(capacities, default=0))
+
+    def _stream_lost(self) -> None:
+        # Called before the stream is made again, so the router reads the new one from its start.
+        ended = self._router.stream_lost(STATE_LOST)
+        log.warning("token stream %s vanished (redis restarted or was flushed): ended %d request(s) "
+                    "in flight", token_stream(self._settings.gateway_id), ended)
 
     def decode_capacities(self) -> list[int]:
         """KV capacity of each live decode worker, in tokens (their sum is the token budget)."""

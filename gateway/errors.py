@@ -83,8 +83,10 @@ def error_body(err: ApiError, style: ApiStyle) -> dict[str, Any]:
     }
 
 
-def error_response(err: ApiError, style: ApiStyle) -> JSONResponse:
-    return JSONResponse(error_body(err, style), status_code=err.status, headers=err.headers)
+def error_response(err: ApiError, style: ApiStyle, headers: dict[str, str] | None = None) -> JSONResponse:
+    """`headers`: the route's own (x-request-id) besides the error's (Retry-After)."""
+    return JSONResponse(error_body(err, style), status_code=err.status,
+                        headers={**err.headers, **(headers or {})})
 
 
 async def handle_api_error(request: Request, exc: Exception) -> JSONResponse:

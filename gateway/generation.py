@@ -15,7 +15,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 from redis.exceptions import RedisError
 from starlette.requests import Request
@@ -34,6 +34,7 @@ from baton.sampling_params import SamplingParams
 from gateway.admission import Ticket
 from gateway.detokenizer import IncrementalDetokenizer, StopMatcher
 from gateway.errors import ApiError, unavailable
+from gateway.router import Routed, StreamLost
 from gateway.services import Services
 from gateway.validation import GenerationSpec
 
@@ -45,7 +46,15 @@ class ClientGone(Exception):
 
 
 class GenerationFailed(Exception):
-    """An admitted request ended in error (worker error, lost events, timeout)."""
+    """An admitted request ended in error (worker error, lost events, timeout).
+
+    `error` is how to answer it: a 500 `generation` error unless the cause says otherwise (a 503
+    when Redis lost the request's state: retrying it is the right thing for the client to do).
+    """
+
+    def __init__(self, message: str, error: ApiError | None = None) -> None:
+        super().__init__(message)
+        self.error = error or ApiError(500, message, kind="generation")
 
 
 @dataclass
@@ -89,7 +98,7 @@ class Generation:
         self._detok = IncrementalDetokenizer(svc.tokenizer, prompt_ids)
         self._stops = StopMatcher(spec.stop)
         self._ticket: Ticket | None = None
-        self._queue: asyncio.Queue[TokenEvent] | None = None
+        self._queue: asyncio.Queue[Routed] | None = None
         self._watcher: asyncio.Task[None] | None = None
         self._sent = False  # the prefill request reached Redis
         self._worker_finished = False  # a worker reported the end itself: no Cancel needed
@@ -175,6 +184,9 @@ class Generation:
                 event = await asyncio.wait_for(self._queue.get(), timeout)
             except asyncio.TimeoutError:
                 self._fail("timeout", f"no token from the workers for {timeout:g}s (event_timeout)")
+            if isinstance(event, StreamLost):
+                self._fail("redis_state_lost", event.message,
+                           unavailable(event.message, self.svc.settings.retry_after_s))
             step = self._apply(event)
             if step is None:
                 continue
@@ -253,11 +265,11 @@ class Generation:
                 m.itl.observe(gap)
         self._last_token_at = now
 
-    def _fail(self, reason: str, message: str) -> None:
+    def _fail(self, reason: str, message: str, error: ApiError | None = None) -> NoReturn:
         self._failed = True
         self.svc.metrics.failure(reason)
         log.warning("request %s failed: %s", self.request_id, message)
-        raise GenerationFailed(message)
+        raise GenerationFailed(message, error)
 
     # ---- end ----
 

@@ -40,7 +40,8 @@ _ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4
 FINISHED_REASONS = ("stop", "length")
 REJECTION_REASONS = ("validation", "payload_too_large", "concurrency", "exceeds_budget", "queue_full",
                      "queue_timeout", "client_disconnected", "redis_unavailable")
-FAILURE_REASONS = ("client_disconnected", "timeout", "stream_gap", "worker_error", "worker_cancelled")
+FAILURE_REASONS = ("client_disconnected", "timeout", "stream_gap", "worker_error", "worker_cancelled",
+                   "redis_state_lost")
 
 
 class CountedCounter:

@@ -34,7 +34,8 @@ def _tgi_errors() -> dict[str, Any]:
         "422": _json(e, "Invalid request (error_type `validation`)."),
         "429": _json(e, "Overloaded (error_type `overloaded`): too many requests in flight or queue full."),
         "500": _json(e, "Generation failed after admission (error_type `generation`)."),
-        "503": _json(e, "Redis unreachable, or waited longer than --max-queue-wait for admission."),
+        "503": _json(e, "Redis unreachable or restarted (the request's state was lost: retry), or "
+                      "waited longer than --max-queue-wait for admission."),
     }
 
 
@@ -48,7 +49,8 @@ def _openai_errors() -> dict[str, Any]:
         "415": _json(e, "Content-Type is not application/json."),
         "429": _json(e, "Overloaded (type `overloaded`, code 429); see Retry-After."),
         "500": _json(e, "Generation failed after admission."),
-        "503": _json(e, "Redis unreachable, or waited longer than --max-queue-wait for admission."),
+        "503": _json(e, "Redis unreachable or restarted (the request's state was lost: retry), or "
+                      "waited longer than --max-queue-wait for admission."),
     }
 
 

@@ -4,12 +4,16 @@ Workers XADD `TokenEvent`s to `baton:tokens:<gateway-id>`; this task XREADs from
 (blocking), decodes each entry and puts it on the queue of the request it belongs to. Events for
 requests that are gone (finished, cancelled) are dropped. If Redis goes away the reader retries with
 backoff and resumes from the last id it saw, so no event still in the stream is skipped.
+
+If the stream itself is lost (Redis restarted empty or was flushed), the cluster task tells this
+router (`stream_lost`), which ends every request it routes for: their events are gone for good.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -27,19 +31,29 @@ _BACKOFF_MAX_S = 1.0
 _TRIM_EVERY_S = 5.0
 
 
+@dataclass(frozen=True)
+class StreamLost:
+    """Put on a request's queue instead of an event when none of its events can ever arrive."""
+
+    message: str
+
+
+Routed = TokenEvent | StreamLost
+
+
 class TokenRouter:
     def __init__(self, client: aioredis.Redis, gateway_id: str) -> None:
         self._redis = client
         self.stream = token_stream(gateway_id)
-        self._queues: dict[str, asyncio.Queue[TokenEvent]] = {}
+        self._queues: dict[str, asyncio.Queue[Routed]] = {}
         self._last_id = "0-0"
         self.connected = False
         self.malformed = 0
         self._stopping = False
 
-    def register(self, request_id: str) -> asyncio.Queue[TokenEvent]:
+    def register(self, request_id: str) -> asyncio.Queue[Routed]:
         """Must be called before the prefill request is sent, so no event can arrive unrouted."""
-        queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        queue: asyncio.Queue[Routed] = asyncio.Queue()
         self._queues[request_id] = queue
         return queue
 
@@ -48,6 +62,17 @@ class TokenRouter:
 
     @property
     def active(self) -> int:
+        return len(self._queues)
+
+    def stream_lost(self, message: str) -> int:
+        """The token stream vanished with everything in it (a Redis restart or flush): end every
+        request routed here now, instead of after event_timeout or with a confusing token gap.
+        Returns how many were ended; each one's own close() releases what it holds."""
+        for queue in self._queues.values():
+            queue.put_nowait(StreamLost(message))
+        # The recreated stream starts over: ids from the old one mean nothing in it (and would skip
+        # its first entries if the Redis host's clock went back).
+        self._last_id = "0-0"
         return len(self._queues)
 
     async def reset_stream(self) -> None:

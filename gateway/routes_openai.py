@@ -18,6 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from gateway.errors import error_body, error_response
 from gateway.generation import ClientGone, Generation, GenerationFailed, Step
 from gateway.respond import SSEResponse, client_gone_response, run_to_end, services, start_generation
 from gateway.validation import GenerationSpec
@@ -91,7 +92,7 @@ async def _handle(request: Request, chat: bool) -> Response:
     except ClientGone:
         return client_gone_response()
     except GenerationFailed as exc:
-        return JSONResponse(_error(str(exc)), status_code=500, headers=headers)
+        return error_response(exc.error, "openai", headers)
     finally:
         gen.close()
     return JSONResponse(reply.full(), headers=headers)
@@ -119,7 +120,7 @@ async def _stream(reply: _Reply) -> AsyncIterator[bytes]:
             yield _sse({**reply.head(reply.object + (".chunk" if reply.chat else "")),
                         "choices": [], "usage": reply.usage()})
     except GenerationFailed as exc:
-        yield _sse(_error(str(exc)))
+        yield _sse(error_body(exc.error, "openai"))
     finally:
         gen.close()
     yield b"data: [DONE]\n\n"
@@ -127,10 +128,6 @@ async def _stream(reply: _Reply) -> AsyncIterator[bytes]:
 
 def _step_text(step: Step) -> str:
     return "".join(t.text for t in step.tokens) + step.tail
-
-
-def _error(message: str) -> dict[str, Any]:
-    return {"error": {"message": message, "type": "server_error", "param": None, "code": 500}}
 
 
 def _sse(payload: dict[str, Any]) -> bytes:

@@ -3,8 +3,9 @@
 Wire format as text-generation-inference writes it and huggingface_hub parses it: stream events
 `data:{"index", "token": {"id", "text", "logprob", "special"}, "generated_text": null,
 "details": null}` with the last event carrying `generated_text` and (if asked) `details`; an error
-mid-stream is `data:{"error": ..., "error_type": "generation"}`. `POST /` answers a list of one
-result when not streaming, as TGI's compat route does.
+mid-stream is `data:{"error": ..., "error_type": "generation"}` (`"unavailable"` when Redis lost the
+request's state: retry it). `POST /` answers a list of one result when not streaming, as TGI's
+compat route does.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from gateway.errors import ApiError
+from gateway.errors import ApiError, error_body, error_response
 from gateway.generation import ClientGone, Generation, GenerationFailed, Step, TokenOut
 from gateway.respond import (
     SSEResponse,
@@ -48,7 +49,7 @@ async def generate(request: Request, body: dict[str, Any] | None = None, as_list
     except ClientGone:
         return client_gone_response()
     except GenerationFailed as exc:
-        return JSONResponse({"error": str(exc), "error_type": "generation"}, status_code=500)
+        return error_response(exc.error, "tgi")
     finally:
         gen.close()
     result: dict[str, Any] = {"generated_text": _generated_text(gen)}
@@ -97,7 +98,7 @@ async def _events(gen: Generation) -> AsyncIterator[bytes]:
                         event["details"] = _details(gen)
                 yield _sse(event)
     except GenerationFailed as exc:
-        yield _sse({"error": str(exc), "error_type": "generation"})
+        yield _sse(error_body(exc.error, "tgi"))
     finally:
         gen.close()
 
