@@ -10,7 +10,7 @@ into the dead-letter stream instead of crashing on it.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import msgpack

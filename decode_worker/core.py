@@ -13,7 +13,7 @@ import logging
 import time
 
 from baton import protocol
-from baton.engine.scheduler import StepOutput
+from baton.engine.llm_engine import StepOutput
 from baton.engine.sequence import Sequence
 from baton.worker.core import Effects, WorkerCore
 from kvstore.connector import RemoteKV

@@ -31,13 +31,17 @@ class Cluster:
         self.log_dir = Path(os.environ.get("BATON_TEST_LOGS", "/tmp/baton-test-logs"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.procs: dict[str, subprocess.Popen] = {}
-        for i in range(prefill):
-            self.start_worker("prefill_worker", f"prefill-{i}")
-        for i in range(decode):
-            self.start_worker("decode_worker", f"decode-{i}")
-        self._spawn("gateway", [sys.executable, "-m", "gateway", "--model", str(self.model_dir), "--port",
-                                str(self.port), "--redis-url", self.redis.url, *gateway_args])
-        self.wait_ready(prefill, decode)
+        try:
+            for i in range(prefill):
+                self.start_worker("prefill_worker", f"prefill-{i}")
+            for i in range(decode):
+                self.start_worker("decode_worker", f"decode-{i}")
+            self._spawn("gateway", [sys.executable, "-m", "gateway", "--model", str(self.model_dir), "--port",
+                                    str(self.port), "--redis-url", self.redis.url, *gateway_args])
+            self.wait_ready(prefill, decode)
+        except BaseException:
+            self.stop()  # a cluster that failed to start must not leave its processes behind
+            raise
 
     def _spawn(self, name: str, cmd: list[str]) -> subprocess.Popen:
         log = open(self.log_dir / f"{name}-{self.port}.log", "w")

@@ -18,7 +18,7 @@ import pytest
 import redis
 
 from baton.ops.redis_server import PrivateRedis, start_private_redis
-from baton.ops.serve import ChildExited, Supervisor
+from baton.ops.supervisor import ChildExited, Supervisor
 
 PASSWORD = "test-password-Zq9xW2"
 

@@ -9,7 +9,6 @@ import time
 
 import msgpack
 import pytest
-import torch
 from prometheus_client import CollectorRegistry
 
 from baton import protocol

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,6 @@ from typing import Any
 import torch
 
 from baton.engine.block_manager import BlockManager
-from baton.engine.config import ModelConfig
 from baton.engine.loader import default_device, load_model
 from baton.engine.model_runner import ModelRunner, kv_bytes_per_block
 from baton.engine.block_pool import BlockPool

@@ -14,7 +14,6 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-import msgpack
 from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import OutOfMemoryError, ResponseError, TimeoutError as RedisTimeoutError

@@ -17,9 +17,9 @@ from typing import Any
 from redis.exceptions import ResponseError
 
 from baton.engine.llm_engine import EngineConfig, LLMEngine
-from baton.engine.scheduler import StepOutput
+from baton.engine.llm_engine import StepOutput
 from baton.worker.core import Effects, Opening, WorkerCore, queue_effects
-from baton.worker.metrics import WorkerMetrics, serve_metrics
+from baton.worker.metrics import serve_metrics
 from baton.worker.runtime import (REDIS_ERRORS, CancelWatcher, GatewayWatch, claim_from_dead, connect,
                                   ensure_group, heartbeat_loop, install_signal_handlers, remove_dead_consumers)
 from kvstore.connector import LoadedKV, fetch
