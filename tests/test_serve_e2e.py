@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import httpx
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
@@ -236,6 +237,27 @@ def test_baton_serve_end_to_end(tiny_model_dir):
         assert proc.poll() is None
         with pytest.raises(redis.AuthenticationError):  # the new Redis has the same password
             redis.Redis(port=redis_port, socket_timeout=5).ping()
+        child_pids |= {pid for pid, (ppid, _) in _processes().items() if ppid == proc.pid}
+
+        # kill -9 the prefill worker: restarted, the same greedy text again, and the deployment
+        # ends idle with as many workers as were asked for.
+        prefill_pid = _pid_in(err, "started prefill_worker[0] (pid ")
+        os.kill(prefill_pid, signal.SIGKILL)
+        again = _complete(base, model, time.monotonic() + STARTUP_TIMEOUT)
+        assert again.status_code == 200, again.text
+        assert again.json()["choices"][0]["text"] == body["choices"][0]["text"]
+        assert any("prefill_worker[0]" in l and "restarting it" in l for l in err), log()
+        deadline = time.monotonic() + 30
+        while True:
+            stats = httpx.get(base + "/stats", headers=AUTH, timeout=10).json()
+            workers = stats["workers"]
+            idle = (stats["token_budget"]["in_use"] == 0 and stats["requests"]["running"] == 0
+                    and len(workers["prefill"]) == 1 and len(workers["decode"]) == 1
+                    and all(w["num_kv_blocks_used"] == 0 for w in workers["decode"]))
+            if idle:
+                break
+            assert time.monotonic() < deadline, f"not idle with 1+1 workers: {stats}"
+            time.sleep(0.5)
         child_pids |= {pid for pid, (ppid, _) in _processes().items() if ppid == proc.pid}
         _check_no_secret_on_argv(child_pids, [password, API_KEY])
     finally:
