@@ -87,6 +87,16 @@ def test_sigkill_prefill_worker_mid_prompt(tiny_model_dir, reference):
         cluster.wait_idle(timeout=30)
 
 
+def wait_for_worker(cluster: Cluster, worker_id: str, timeout: float = 120) -> None:
+    """Until `worker_id` has a live heartbeat (a frozen peer's may expire meanwhile: counts lie)."""
+    deadline = time.time() + timeout
+    kind = worker_id.split("-")[0]
+    while not any(s.get("worker_id") == worker_id for s in cluster.worker_states(kind)):
+        assert cluster.procs[worker_id].poll() is None, f"{worker_id} exited"
+        assert time.time() < deadline, f"{worker_id} did not start"
+        time.sleep(0.2)
+
+
 def test_resume_on_a_worker_with_other_numerics_never_splices_two_texts(tiny_model_dir, reference):
     # Issue 11 (2f): decode-0 (float32) dies mid-stream; decode-1 (bfloat16) takes the request over
     # and regenerates it. A seeded sampled request then either continues exactly (the same tokens
@@ -110,7 +120,7 @@ def test_resume_on_a_worker_with_other_numerics_never_splices_two_texts(tiny_mod
                         if len(events) == 20:
                             cluster.procs["decode-0"].send_signal(signal.SIGSTOP)  # frozen mid-request
                             cluster.start_worker("decode_worker", "decode-1", dtype="bfloat16")
-                            await asyncio.to_thread(cluster.wait_ready, 1, 2)
+                            await asyncio.to_thread(wait_for_worker, cluster, "decode-1")
                             cluster.kill("decode-0", signal.SIGKILL)
             return events
 
