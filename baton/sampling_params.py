@@ -22,6 +22,12 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     n: int = 1
+    # OpenAI's penalties: logit -= presence * [token appeared in the output] + frequency * count
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_p: float = 0.0  # drop tokens whose probability is below min_p x the top one's
+    # [token id, bias] pairs added to the logits (a list, not a map: the wire's maps have str keys)
+    logit_bias: list[list[float]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.n != 1:
@@ -34,10 +40,23 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not -2 <= self.presence_penalty <= 2 or not -2 <= self.frequency_penalty <= 2:
+            raise ValueError("presence_penalty and frequency_penalty must be in [-2, 2]")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not all(isinstance(pair, (list, tuple)) and len(pair) == 2 and isinstance(pair[0], int)
+                   and isinstance(pair[1], (int, float)) and -100 <= pair[1] <= 100 for pair in self.logit_bias):
+            raise ValueError("logit_bias holds [token id, bias] pairs with bias in [-100, 100]")
         if self.seed is None:
             # A request without a seed still gets one, fixed at creation: its stream of random
             # draws then survives preemption and a move to another worker unchanged.
             self.seed = int.from_bytes(os.urandom(7), "little")
+
+    @property
+    def edits_logits(self) -> bool:
+        """Whether the logits change before the pick (penalties, bias): the sampler's slow path."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or bool(self.logit_bias))
 
     @property
     def greedy(self) -> bool:

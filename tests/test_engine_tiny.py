@@ -220,6 +220,31 @@ def test_per_request_params_in_one_batch(mixing_model_dir, prompts):
     assert_pool_all_free(llm)
 
 
+def test_openai_penalties_and_logit_bias_match_transformers_with_the_same_edits(mixing_model_dir, prompts):
+    # The reference: transformers' logits, edited by OpenAI's rule by hand at every step.
+    prompt = prompts[3]
+    bias = {int(hf_greedy(mixing_model_dir, prompt)[1]): -100.0, 77: 2.5}
+    model = _hf_model(mixing_model_dir)
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(N):
+            logits = model(torch.tensor([ids])).logits[0, -1].float()
+            output = ids[len(prompt):]
+            for token in set(output):
+                logits[token] -= 0.8 + 0.6 * output.count(token)
+            for token, b in bias.items():
+                logits[token] += b
+            ids.append(int(logits.argmax()))
+    expected = ids[len(prompt):]
+    llm = make_llm(mixing_model_dir)
+    params = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True, presence_penalty=0.8,
+                            frequency_penalty=0.6, logit_bias=[[t, b] for t, b in bias.items()])
+    [out] = llm.generate(prompt, params)
+    assert out.outputs[0].token_ids == expected
+    assert expected != hf_greedy(mixing_model_dir, prompt)  # the edits changed the text
+    assert_pool_all_free(llm)
+
+
 # ------------------------------------------------------------------ stopping
 
 def test_stop_token_ends_the_request_with_stop(mixing_model_dir, prompts):

@@ -228,3 +228,46 @@ def test_a_vanishing_temperature_is_greedy_not_nan():
     tokens, logprobs = sample(logits, params, [[], []], [0, 0])
     assert tokens == [1, 0]
     assert all(lp == lp and lp <= 0 for lp in logprobs)  # finite log-probabilities, no NaN
+
+
+# ------------------------------------------------------------------ OpenAI's penalties, min_p, logit_bias
+def test_presence_and_frequency_penalties_count_the_output_only():
+    logits = torch.zeros(V)
+    logits[[5, 7, 9]] = torch.tensor([3.0, 2.9, 2.8])
+    history = [9, 9, 9, 5, 5, 7]  # 9 three times in the prompt (never penalized), then the output 5 5 7
+    params = SamplingParams(temperature=0, presence_penalty=0.5, frequency_penalty=0.25)
+    [token], [logprob] = sample(logits.clone().unsqueeze(0), [params], [history], [3], [3])
+    expected = logits.clone()
+    expected[5] -= 0.5 + 2 * 0.25
+    expected[7] -= 0.5 + 1 * 0.25
+    assert token == 9  # 2.8 beats 3.0 - 1.0 and 2.9 - 0.75
+    assert logprob == pytest.approx(float(torch.log_softmax(expected, -1)[9]), abs=1e-5)
+    [plain], _ = sample(logits.clone().unsqueeze(0), [SamplingParams(temperature=0)], [history], [3], [3])
+    assert plain == 5
+
+
+def test_logit_bias_forces_and_forbids_tokens():
+    logits = logits_row(3)
+    top = int(logits.argmax())
+    assert draw(logits, SamplingParams(temperature=0, logit_bias=[[11, 100.0]]))[0] == 11
+    forbidden = draw(logits, SamplingParams(temperature=0, logit_bias=[[top, -100.0]]))[0]
+    assert forbidden != top and forbidden == int(torch.topk(logits, 2).indices[1])
+    # an id outside the vocabulary is skipped, not a crash of the step
+    assert draw(logits, SamplingParams(temperature=0, logit_bias=[[V + 5, 50.0]]))[0] == top
+
+
+def test_min_p_never_draws_a_token_below_its_share_of_the_top():
+    logits = logits_row(4, scale=1.5)
+    probs = torch.softmax(logits, -1)
+    kept = {i for i in range(V) if probs[i] >= 0.2 * probs.max()}
+    seen = draws(logits, lambda seed: SamplingParams(temperature=1.0, min_p=0.2, seed=seed), n=400)
+    assert set(seen) <= kept and len(seen) > 1
+    assert len(set(draws(logits, lambda seed: SamplingParams(temperature=1.0, seed=seed), n=400))) > len(kept)
+
+
+@pytest.mark.parametrize("bad", [dict(presence_penalty=2.5), dict(frequency_penalty=-3), dict(min_p=1.5),
+                                 dict(logit_bias=[[1, 200.0]]), dict(logit_bias=[[1]]),
+                                 dict(logit_bias=[["a", 1.0]])])
+def test_new_parameters_are_validated(bad):
+    with pytest.raises(ValueError):
+        SamplingParams(**bad)

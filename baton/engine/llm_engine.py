@@ -129,8 +129,9 @@ class LLMEngine:
             tokens, logprobs = sample(
                 logits,
                 [s.sampling_params for s in sample_seqs],
-                [s.token_ids if s.sampling_params.repetition_penalty != 1.0 else [] for s in sample_seqs],
+                [s.token_ids if s.sampling_params.edits_logits else [] for s in sample_seqs],
                 [s.num_output_tokens for s in sample_seqs],
+                [s.num_prompt_tokens for s in sample_seqs],
             )
         self.num_generated_tokens += len(tokens)
         step_outputs = self.scheduler.update_from_output(plan, sample_seqs, tokens, logprobs)

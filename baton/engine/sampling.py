@@ -47,6 +47,11 @@ def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
     device = logits.device
     temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=device)
     logits = logits / temperature.unsqueeze(1)
+    if any(p.min_p > 0 for p in params):
+        # min-p: p(token) < min_p * p(top) <=> logit < top logit + log(min_p) (no softmax needed)
+        min_p = torch.tensor([p.min_p for p in params], dtype=logits.dtype, device=device)
+        floor = logits.max(dim=-1).values + torch.log(min_p)  # -inf where min_p is 0: nothing dropped
+        logits = logits.masked_fill(logits < floor.unsqueeze(1), float("-inf"))
     top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
     top_p = [p.top_p for p in params]
     if all(k == vocab for k in top_k) and all(q >= 1.0 for q in top_p):
@@ -65,22 +70,44 @@ def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
     return torch.softmax(filtered, dim=-1)
 
 
+def apply_output_penalties(logits: torch.Tensor, output_ids: list[int], presence: float, frequency: float) -> None:
+    # logits: [V], modified in place (OpenAI's rule, on the output so far: presence once per
+    # distinct token, frequency once per occurrence)
+    if not output_ids or (presence == 0.0 and frequency == 0.0):
+        return
+    ids, counts = torch.tensor(output_ids, dtype=torch.long, device=logits.device).unique(return_counts=True)
+    logits[ids] -= presence + frequency * counts.to(logits.dtype)
+
+
+def apply_logit_bias(logits: torch.Tensor, bias: list[list[float]]) -> None:
+    # logits: [V], modified in place; ids outside the vocabulary (the gateway refuses them) are skipped
+    pairs = [(int(b[0]), float(b[1])) for b in bias if 0 <= int(b[0]) < logits.shape[0]]
+    if pairs:
+        ids = torch.tensor([i for i, _ in pairs], dtype=torch.long, device=logits.device)
+        logits[ids] += torch.tensor([v for _, v in pairs], dtype=logits.dtype, device=logits.device)
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams], histories: list[list[int]],
-           draw_indices: list[int]) -> tuple[list[int], list[float]]:
+           draw_indices: list[int], prompt_lens: list[int] | None = None) -> tuple[list[int], list[float]]:
     """Pick one token per row.
 
     logits: [S, V] fp32; params/histories/draw_indices: one per row (history = prompt + output so
-    far, for the repetition penalty; draw index = output position, for reproducible seeds).
+    far, for the penalties; draw index = output position, for reproducible seeds; prompt_lens: where
+    the output starts in the history, for presence/frequency penalties).
     Returns the token ids and their log-probabilities under the distribution sampled from.
     """
     logits = logits.float()
-    if any(p.repetition_penalty != 1.0 for p in params):
-        # The penalty edits logits in place: work on a copy, never on the caller's tensor (the
-        # model's logits are inference-mode tensors, which refuse in-place updates outside it).
+    if any(p.edits_logits for p in params):
+        # The edits are in place: work on a copy, never on the caller's tensor (the model's logits
+        # are inference-mode tensors, which refuse in-place updates outside it).
         logits = logits.clone()
     for row, p in enumerate(params):
-        if p.repetition_penalty != 1.0:
-            apply_repetition_penalty(logits[row], histories[row], p.repetition_penalty)
+        if not p.edits_logits:
+            continue
+        apply_repetition_penalty(logits[row], histories[row], p.repetition_penalty)
+        start = prompt_lens[row] if prompt_lens is not None else 0
+        apply_output_penalties(logits[row], histories[row][start:], p.presence_penalty, p.frequency_penalty)
+        apply_logit_bias(logits[row], p.logit_bias)
     token_list, logprob_list = greedy_pick(logits)
     rows = [row for row, p in enumerate(params) if not p.greedy]
     if not rows:
