@@ -78,13 +78,25 @@ class Cluster:
     def worker_states(self, kind: str) -> list[dict]:
         return [msgpack.unpackb(value) for _key, value in heartbeats.live_sync(self.client, kind)]
 
+    def fresh_worker_states(self, kind: str, timeout: float = 30) -> list[dict]:
+        """Heartbeats written after this call began: on a loaded machine a worker's last beat can
+        be seconds old, and an old beat describes an old state."""
+        since = time.time()
+        deadline = since + timeout
+        while True:
+            states = self.worker_states(kind)
+            if states and all(s.get("time", 0) >= since for s in states):
+                return states
+            assert time.time() < deadline, f"no fresh {kind} heartbeat within {timeout}s: {states}"
+            time.sleep(0.1)
+
     def wait_idle(self, timeout: float = 30) -> dict:
         """Wait until budget, running requests and KV blocks in use are all back to zero."""
         deadline = time.time() + timeout
         stats: dict = {}
         while time.time() < deadline:
             stats = self.stats()
-            decode = self.worker_states("decode")
+            decode = self.fresh_worker_states("decode")
             if (stats["token_budget"]["in_use"] == 0 and stats["requests"]["running"] == 0
                     and stats["requests"]["waiting"] == 0 and decode
                     and all(d["num_kv_blocks_used"] == 0 and d["num_requests_running"] == 0 for d in decode)):

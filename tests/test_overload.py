@@ -60,9 +60,9 @@ def test_dropped_streams_release_everything(cluster):
     stats = cluster.wait_idle(timeout=20)
     assert stats["token_budget"]["in_use"] == 0
     # The decode worker stopped generating for them: its token counter no longer moves.
-    produced = sum(d.get("num_requests_finished", 0) for d in cluster.worker_states("decode"))
+    produced = sum(d.get("num_requests_finished", 0) for d in cluster.fresh_worker_states("decode"))
     time.sleep(1.5)
-    assert sum(d.get("num_requests_finished", 0) for d in cluster.worker_states("decode")) == produced
+    assert sum(d.get("num_requests_finished", 0) for d in cluster.fresh_worker_states("decode")) == produced
     assert all(d["num_requests_running"] == 0 for d in cluster.worker_states("decode"))
 
 
