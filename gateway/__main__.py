@@ -16,7 +16,10 @@ from gateway.config import Settings
 def parse_args(argv: list[str] | None = None) -> Settings:
     p = argparse.ArgumentParser(prog="python -m gateway", description="Baton HTTP gateway (TGI + OpenAI APIs)")
     p.add_argument("--model", default=None, help="model directory or .gguf (default: the default model)")
-    p.add_argument("--model-name", default="", help="served model name (default: the model dir's basename)")
+    p.add_argument("--served-model-name", "--model-name", nargs="+", default=None, metavar="NAME",
+                   dest="served_model_name",
+                   help="one or more names requests may give as `model` (the first one is reported; "
+                        "default: the model dir's basename); any other name gets 404")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
     p.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"),
@@ -53,13 +56,17 @@ def parse_args(argv: list[str] | None = None) -> Settings:
                    help="seconds a client may take to send a request's body; then 408 (default 30)")
     p.add_argument("--stream-write-timeout", type=float, default=30.0,
                    help="cancel a stream whose client reads nothing for this many seconds (default 30)")
+    p.add_argument("--strict-api", action="store_true", default=_env_flag("BATON_STRICT_API"),
+                   help="answer unknown request fields with a 4xx naming them (default: $BATON_STRICT_API; "
+                        "else they are ignored, logged once, and listed in the x-baton-ignored-fields header)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     args = p.parse_args(argv)
 
     from baton.ops.fetch import resolve_model
 
     settings = Settings(
-        model_dir=resolve_model(args.model), model_name=args.model_name, host=args.host, port=args.port,
+        model_dir=resolve_model(args.model), served_model_names=tuple(args.served_model_name or ()),
+        host=args.host, port=args.port,
         redis_url=args.redis_url, max_concurrent_requests=args.max_concurrent_requests,
         max_input_tokens=args.max_input_tokens, max_total_tokens=args.max_total_tokens,
         max_batch_total_tokens=args.max_batch_total_tokens, max_queue_size=args.max_queue_size,
@@ -68,10 +75,15 @@ def parse_args(argv: list[str] | None = None) -> Settings:
         allowed_hosts=_host_list(args.allowed_hosts), max_chat_messages=args.max_chat_messages,
         max_stop_token_ids=args.max_stop_token_ids, header_read_timeout=args.header_read_timeout,
         body_read_timeout=args.body_read_timeout, stream_write_timeout=args.stream_write_timeout,
+        strict_api=args.strict_api,
     )
     if args.gateway_id:
         settings.gateway_id = args.gateway_id
     return settings
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def _host_list(value: str | None) -> tuple[str, ...] | None:

@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 
 from baton import heartbeats
-from gateway import dashboard, routes_misc, routes_openai, routes_tgi
+from gateway import dashboard, routes_misc, routes_openai, routes_tgi, routes_tokenize
 from gateway.admission import Admission
 from gateway.auth import ApiKeyMiddleware
 from gateway.cluster import Cluster
@@ -105,7 +105,8 @@ def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> 
             await reader_client.aclose()
 
     app = Starlette(
-        routes=[*routes_tgi.routes, *routes_openai.routes, *routes_misc.routes, *dashboard.routes],
+        routes=[*routes_tgi.routes, *routes_openai.routes, *routes_tokenize.routes, *routes_misc.routes,
+                *dashboard.routes],
         middleware=[Middleware(HostCheckMiddleware, allowed=allowed_names(settings)),
                     Middleware(ApiKeyMiddleware, api_key=settings.api_key)],
         exception_handlers={ApiError: handle_api_error, HTTPException: handle_http_exception,

@@ -1,7 +1,7 @@
 """Bearer-token auth for generation endpoints and /stats (when an API key is configured).
 
 A plain ASGI middleware (not BaseHTTPMiddleware, which would buffer streaming responses). /health,
-/metrics, /info and /openapi.json stay open: probes and scrapers must not need the key.
+/metrics, /info, /version and /openapi.json stay open: probes and scrapers must not need the key.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from gateway.errors import ApiError, api_style, error_response
 
 PROTECTED_PATHS = frozenset({
     "/", "/generate", "/generate_stream", "/v1/completions", "/v1/chat/completions", "/v1/models",
-    "/stats",
+    "/tokenize", "/detokenize", "/stats",
 })
 
 

@@ -28,7 +28,10 @@ def redact_url(url: str) -> str:
 @dataclass
 class Settings:
     model_dir: Path
-    model_name: str = ""  # served name; empty: the model directory's basename
+    model_name: str = ""  # the first served name (metrics, /info); set from served_model_names
+    # Names a request's `model` may use (vLLM's --served-model-name); empty: (model_name or the
+    # model directory's basename,). Any other name gets 404, as vLLM answers.
+    served_model_names: tuple[str, ...] = ()
     host: str = "127.0.0.1"
     port: int = 8000
     redis_url: str = "redis://127.0.0.1:6379/0"
@@ -66,12 +69,16 @@ class Settings:
     # client, not the server, closes an idle connection and never reuses one being closed.
     keep_alive_timeout: int = 10
     retry_after_s: int = 1  # Retry-After on 429/503 answers
+    # False (vLLM's behaviour): an unknown request field is ignored, logged once per name and listed
+    # in the x-baton-ignored-fields header; True: it is a 4xx naming it (a typo never goes unseen).
+    strict_api: bool = False
     log_level: str = "info"
 
     def __post_init__(self) -> None:
         self.model_dir = Path(self.model_dir)
-        if not self.model_name:
-            self.model_name = self.model_dir.name
+        names = [n for n in self.served_model_names if n] or [self.model_name or self.model_dir.name]
+        self.served_model_names = tuple(dict.fromkeys(names))  # duplicates dropped, order kept
+        self.model_name = self.served_model_names[0]
 
     def validate(self) -> None:
         """Refuse settings that would make some valid-looking request impossible to serve."""

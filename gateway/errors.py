@@ -22,6 +22,7 @@ _OPENAI_TYPES = {
     "unavailable": "service_unavailable",
     "authentication": "authentication_error",
     "not_found": "not_found_error",
+    "model_not_found": "NotFoundError",  # vLLM's answer to an unknown `model`
     "payload_too_large": "invalid_request_error",
     "unsupported_media_type": "invalid_request_error",
     "invalid_host": "invalid_request_error",
@@ -62,9 +63,13 @@ def unavailable(message: str, retry_after_s: int) -> ApiError:
     return ApiError(503, message, kind="unavailable", headers={"Retry-After": str(retry_after_s)})
 
 
+# vLLM's endpoints outside /v1: their clients parse OpenAI-shaped errors.
+OPENAI_PATHS = frozenset({"/tokenize", "/detokenize"})
+
+
 def api_style(path: str) -> ApiStyle:
     """Which error shape a path's clients expect: the OpenAI API lives under /v1."""
-    return "openai" if path.startswith("/v1/") or path == "/v1" else "tgi"
+    return "openai" if path.startswith("/v1/") or path == "/v1" or path in OPENAI_PATHS else "tgi"
 
 
 def error_body(err: ApiError, style: ApiStyle) -> dict[str, Any]:

@@ -172,7 +172,8 @@ class Generation:
         return SamplingParams(
             max_tokens=self.max_new_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
             repetition_penalty=s.repetition_penalty, seed=s.seed, stop_token_ids=list(s.stop_token_ids),
-            ignore_eos=s.ignore_eos)
+            ignore_eos=s.ignore_eos, presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+            min_p=s.min_p, logit_bias=[list(pair) for pair in s.logit_bias])
 
     # ---- tokens ----
 

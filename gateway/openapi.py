@@ -6,13 +6,11 @@ from our code, so this file states the contract and tests check the endpoints ag
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from gateway.config import Settings
-
-
-def _ref(name: str) -> dict[str, str]:
-    return {"$ref": f"#/components/schemas/{name}"}
+from gateway.openapi_schemas import _INT, SCHEMAS, _ref
 
 
 def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
@@ -39,6 +37,17 @@ def _tgi_errors() -> dict[str, Any]:
     }
 
 
+# On every generation endpoint's 200: the unknown fields that were ignored (never with --strict-api).
+_IGNORED_HEADER = {"x-baton-ignored-fields": {
+    "description": "Unknown request fields that were ignored, comma-separated (percent-encoded; nested "
+                   "ones prefixed, e.g. `parameters.foo`). Absent when there were none.",
+    "schema": {"type": "string"}}}
+
+
+def _with_header(response: dict[str, Any]) -> dict[str, Any]:
+    return {**response, "headers": _IGNORED_HEADER}
+
+
 def _openai_errors() -> dict[str, Any]:
     e = _ref("OpenAIError")
     return {
@@ -46,6 +55,7 @@ def _openai_errors() -> dict[str, Any]:
         "401": _json(e, "Missing or wrong API key (when one is configured)."),
         "408": _json(e, "Body not received within --body-read-timeout (type `timeout`)."),
         "413": _json(e, "Request body larger than --max-body-bytes."),
+        "404": _json(e, "`model` names no served model (type `NotFoundError`, param `model`, code 404)."),
         "415": _json(e, "Content-Type is not application/json."),
         "429": _json(e, "Overloaded (type `overloaded`, code 429); see Retry-After."),
         "500": _json(e, "Generation failed after admission."),
@@ -53,142 +63,6 @@ def _openai_errors() -> dict[str, Any]:
                       "waited longer than --max-queue-wait for admission."),
     }
 
-
-_STR_LIST = {"type": "array", "items": {"type": "string"}}
-_NUM = {"type": "number"}
-_INT = {"type": "integer"}
-_BOOL = {"type": "boolean"}
-
-SCHEMAS: dict[str, Any] = {
-    "TgiParameters": {
-        "type": "object",
-        "description": "TGI generation parameters. Fields TGI defines but this server does not implement "
-                       "(best_of, grammar, top_n_tokens, typical_p, watermark, frequency_penalty, adapter_id) "
-                       "are accepted only at their neutral value; unknown fields are rejected.",
-        "properties": {
-            "max_new_tokens": {**_INT, "minimum": 1, "description": "Default 100 (capped by the room left)."},
-            "do_sample": {**_BOOL, "default": False, "description": "False: greedy; sampling parameters ignored."},
-            "temperature": {**_NUM, "minimum": 0},
-            "top_p": {**_NUM, "exclusiveMinimum": 0, "maximum": 1},
-            "top_k": {**_INT, "minimum": 1},
-            "repetition_penalty": {**_NUM, "exclusiveMinimum": 0},
-            "seed": {**_INT, "minimum": 0},
-            "stop": {**_STR_LIST, "maxItems": 16, "description": "Stop sequences; the text is cut before the match."},
-            "truncate": {**_INT, "minimum": 1, "description": "Keep only the last N prompt tokens."},
-            "details": {**_BOOL, "default": False},
-            "return_full_text": {**_BOOL, "default": False},
-            "decoder_input_details": {**_BOOL, "description": "Accepted and ignored (prefill is always [])."},
-        },
-    },
-    "TgiRequest": {
-        "type": "object", "required": ["inputs"], "additionalProperties": False,
-        "properties": {"inputs": {"type": "string", "minLength": 1}, "parameters": _ref("TgiParameters"),
-                       "stream": {**_BOOL, "description": "Only for POST /: stream (SSE) or not."},
-                       "add_special_tokens": {**_BOOL, "default": True}},
-    },
-    "TgiToken": {"type": "object", "properties": {
-        "id": _INT, "text": {"type": "string"}, "logprob": {"type": ["number", "null"]}, "special": _BOOL}},
-    "TgiDetails": {"type": "object", "properties": {
-        "finish_reason": {"type": "string", "enum": ["length", "eos_token", "stop_sequence"]},
-        "generated_tokens": _INT, "seed": {"type": ["integer", "null"]}, "input_length": _INT,
-        "prefill": {"type": "array", "items": _ref("TgiToken")},
-        "tokens": {"type": "array", "items": _ref("TgiToken")}}},
-    "TgiResponse": {"type": "object", "required": ["generated_text"], "properties": {
-        "generated_text": {"type": "string"}, "details": _ref("TgiDetails")}},
-    "TgiStreamEvent": {"type": "object", "description": "One SSE `data:` event per generated token.",
-                       "properties": {"index": _INT, "token": _ref("TgiToken"),
-                                      "generated_text": {"type": ["string", "null"],
-                                                         "description": "Set on the last event only."},
-                                      "details": {"oneOf": [_ref("TgiDetails"), {"type": "null"}],
-                                                  "description": "Last event only, when details=true "
-                                                                 "(no tokens/prefill lists)."}}},
-    "TgiError": {"type": "object", "required": ["error", "error_type"], "properties": {
-        "error": {"type": "string"},
-        "error_type": {"type": "string", "enum": ["validation", "overloaded", "unavailable", "authentication",
-                                                  "payload_too_large", "generation", "not_found",
-                                                  "unsupported_media_type", "invalid_host", "timeout"]}}},
-    "OpenAICommon": {"type": "object", "properties": {
-        "model": {"type": "string", "description": "Accepted; the response names the served model."},
-        "max_tokens": {**_INT, "minimum": 1}, "max_completion_tokens": {**_INT, "minimum": 1},
-        "stream": _BOOL,
-        "stream_options": {"type": "object", "properties": {"include_usage": _BOOL}},
-        "stop": {"oneOf": [{"type": "string"}, {**_STR_LIST, "maxItems": 16}]},
-        "temperature": {**_NUM, "minimum": 0, "maximum": 2, "default": 1, "description": "0: greedy."},
-        "top_p": {**_NUM, "exclusiveMinimum": 0, "maximum": 1}, "seed": _INT,
-        "n": {"type": "integer", "enum": [1]},
-        "top_k": _INT, "repetition_penalty": _NUM, "ignore_eos": _BOOL,
-        "stop_token_ids": {"type": "array", "items": {**_INT, "minimum": 0}, "maxItems": 128},
-        "user": {"type": "string"}}},
-    "CompletionRequest": {"allOf": [_ref("OpenAICommon"), {"type": "object", "required": ["prompt"], "properties": {
-        "prompt": {"oneOf": [{"type": "string", "minLength": 1}, {"type": "array", "items": _INT, "minItems": 1}],
-                   "description": "Default max_tokens 16."},
-        "echo": {"type": "boolean", "enum": [False]}}}]},
-    "ChatMessage": {"type": "object", "required": ["role"], "properties": {
-        "role": {"type": "string", "enum": ["system", "developer", "user", "assistant", "tool"]},
-        "content": {"oneOf": [{"type": "string"}, {"type": "array", "maxItems": 256, "items": {
-            "type": "object", "properties": {
-                "type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}}]}}},
-    "ChatRequest": {"allOf": [_ref("OpenAICommon"), {"type": "object", "required": ["messages"], "properties": {
-        "messages": {"type": "array", "minItems": 1, "maxItems": 1024, "items": _ref("ChatMessage"),
-                     "description": "Rendered with the model's chat template (add_generation_prompt). "
-                                    "Default max_tokens: the room left, at most 1024."}}}]},
-    "Usage": {"type": "object", "properties": {"prompt_tokens": _INT, "completion_tokens": _INT,
-                                               "total_tokens": _INT}},
-    "CompletionResponse": {"type": "object", "properties": {
-        "id": {"type": "string"}, "object": {"type": "string", "enum": ["text_completion"]}, "created": _INT,
-        "model": {"type": "string"}, "usage": _ref("Usage"),
-        "choices": {"type": "array", "items": {"type": "object", "properties": {
-            "index": _INT, "text": {"type": "string"},
-            "finish_reason": {"type": "string", "enum": ["stop", "length"]}}}}}},
-    "ChatResponse": {"type": "object", "properties": {
-        "id": {"type": "string"}, "object": {"type": "string", "enum": ["chat.completion"]}, "created": _INT,
-        "model": {"type": "string"}, "usage": _ref("Usage"),
-        "choices": {"type": "array", "items": {"type": "object", "properties": {
-            "index": _INT, "message": {"type": "object", "properties": {
-                "role": {"type": "string"}, "content": {"type": "string"}}},
-            "finish_reason": {"type": "string", "enum": ["stop", "length"]}}}}}},
-    "DashboardData": {"type": "object", "required": ["time", "now", "series", "workers"], "properties": {
-        "time": {**_NUM, "description": "Server time (Unix seconds)."},
-        "model": {"type": "string"}, "gateway_id": {"type": "string"},
-        "interval_s": {**_NUM, "description": "Seconds between points of the series."},
-        "window_s": {**_NUM, "description": "Window of the latency percentiles (seconds)."},
-        "rate_window_s": {**_NUM, "description": "Window of the headline rates (seconds)."},
-        "history_s": {**_NUM, "description": "Span the series cover when full (seconds)."},
-        "redis": {"type": "object", "properties": {"ok": _BOOL, "error": {"type": ["string", "null"]}}},
-        "now": {"type": "object",
-                "description": "Current values; latencies in seconds (null: no sample in the window).",
-                "properties": {
-                    "running": _INT, "waiting": _INT, "budget_in_use": _INT, "budget_total": _INT,
-                    "tokens_per_s": _NUM, "requests_per_s": _NUM, "rejections_per_s": _NUM,
-                    "ttft_p50": {"type": ["number", "null"]}, "ttft_p99": {"type": ["number", "null"]},
-                    "itl_p50": {"type": ["number", "null"]}, "itl_p99": {"type": ["number", "null"]},
-                    "generated_tokens": _NUM, "prompt_tokens": _NUM, "preemptions": _INT, "rejections": _INT,
-                    "rejections_by_reason": {"type": "object", "additionalProperties": _INT},
-                    "finished_by_reason": {"type": "object", "additionalProperties": _INT},
-                    "failed_by_reason": {"type": "object", "additionalProperties": _INT},
-                    "streams": {"type": "object", "description": "prefill / decode: length (XLEN), pending "
-                                "(delivered, not acked), lag (not yet delivered to the group).",
-                                "additionalProperties": {"type": "object", "properties": {
-                                    "length": {"type": ["integer", "null"]}, "pending": {"type": ["integer", "null"]},
-                                    "lag": {"type": ["integer", "null"]}}}}}},
-        "series": {"type": "object", "description": "Parallel arrays, one point per interval (oldest first): `t` "
-                   "(Unix seconds), tokens_per_s, requests_per_s, ttft_p50, ttft_p99, itl_p50, itl_p99 (seconds, "
-                   "over the last window_s), running, waiting, budget_in_use, budget_total, rejections_per_s, "
-                   "preemptions_per_s, kv_usage (mean over decode workers, 0-1), prefill_backlog, decode_backlog.",
-                   "additionalProperties": {"type": "array", "items": {"type": ["number", "null"]}}},
-        "workers": {"type": "array", "items": {"type": "object", "properties": {
-            "kind": {"type": "string", "enum": ["gateway", "prefill", "decode"]}, "worker_id": {"type": "string"},
-            "age_s": {**_NUM, "description": "Seconds since its last heartbeat."},
-            "status": {"type": "string", "enum": ["ok", "stale", "lost"],
-                       "description": "lost: the heartbeat expired (listed for a minute)."},
-            "running": {"type": ["integer", "null"]}, "waiting": {"type": ["integer", "null"]},
-            "kv_used": {"type": ["integer", "null"]}, "kv_total": {"type": ["integer", "null"]},
-            "kv_usage": {"type": ["number", "null"]}, "preemptions": {"type": ["integer", "null"]},
-            "finished": {"type": ["integer", "null"]}}}}}},
-    "OpenAIError": {"type": "object", "properties": {"error": {"type": "object", "properties": {
-        "message": {"type": "string"}, "type": {"type": "string"}, "param": {"type": ["string", "null"]},
-        "code": {"type": ["integer", "string", "null"]}}}}},
-}
 
 
 def openapi_spec(settings: Settings) -> dict[str, Any]:
@@ -213,28 +87,42 @@ def openapi_spec(settings: Settings) -> dict[str, Any]:
 
     paths = {
         "/generate": {"post": op("TGI: generate text", {
-            "200": _json(_ref("TgiResponse"), "Generated text (details when asked)."), **_tgi_errors()},
+            "200": _with_header(_json(_ref("TgiResponse"), "Generated text (details when asked).")),
+            **_tgi_errors()},
             tgi_body, True)},
         "/generate_stream": {"post": op("TGI: generate text as a token stream", {
-            "200": _sse(stream_doc), **_tgi_errors()}, tgi_body, True)},
+            "200": _with_header(_sse(stream_doc)), **_tgi_errors()}, tgi_body, True)},
         "/": {"post": op("TGI compat route (huggingface_hub posts here): `stream` picks the mode", {
             "200": {"description": "stream=false: a JSON list of one TgiResponse; stream=true: " + stream_doc,
+                    "headers": _IGNORED_HEADER,
                     "content": {"application/json": {"schema": {"type": "array", "items": _ref("TgiResponse")}},
                                 "text/event-stream": {"schema": {"type": "string"}}}},
             **_tgi_errors()}, tgi_body, True)},
         "/v1/completions": {"post": op("OpenAI completions", {
-            "200": {"description": "A completion, or " + openai_stream_doc, "content": {
+            "200": {"description": "A completion, or " + openai_stream_doc, "headers": _IGNORED_HEADER, "content": {
                 "application/json": {"schema": _ref("CompletionResponse")},
                 "text/event-stream": {"schema": {"type": "string"}}}}, **_openai_errors()},
             openai_body("CompletionRequest"), True)},
         "/v1/chat/completions": {"post": op("OpenAI chat completions", {
-            "200": {"description": "A chat completion, or " + openai_stream_doc, "content": {
+            "200": {"description": "A chat completion, or " + openai_stream_doc, "headers": _IGNORED_HEADER,
+                    "content": {
                 "application/json": {"schema": _ref("ChatResponse")},
                 "text/event-stream": {"schema": {"type": "string"}}}}, **_openai_errors()},
             openai_body("ChatRequest"), True)},
-        "/v1/models": {"get": op("OpenAI: the served model", {"200": _json(
-            {"type": "object", "properties": {"object": {"type": "string"}, "data": {"type": "array"}}},
-            "A list with the one served model.")}, secured=True)},
+        "/v1/models": {"get": op("OpenAI: the served model names", {"200": _json(
+            {"type": "object", "properties": {"object": {"type": "string"}, "data": {"type": "array", "items": {
+                "type": "object", "properties": {"id": {"type": "string"}, "object": {"type": "string"},
+                                                 "root": {"type": "string"}, "max_model_len": _INT}}}}},
+            "One entry per --served-model-name, the default (first) one first.")}, secured=True)},
+        "/tokenize": {"post": op("vLLM: a prompt's (or chat's) token ids, as generation would run them", {
+            "200": _with_header(_json(_ref("TokenizeResponse"), "The token ids and their count.")),
+            **_openai_errors()}, openai_body("TokenizeRequest"), True)},
+        "/detokenize": {"post": op("vLLM: token ids back to text (special tokens kept)", {
+            "200": _with_header(_json(_ref("DetokenizeResponse"), "The text.")),
+            **_openai_errors()}, openai_body("DetokenizeRequest"), True)},
+        "/version": {"get": op("The baton package version", {"200": _json(
+            {"type": "object", "required": ["version"], "properties": {"version": {"type": "string"}}},
+            "vLLM's shape.")})},
         "/info": {"get": op("TGI-style model and limits", {"200": _json({"type": "object"},
             "model_id, max_input_tokens, max_total_tokens, max_concurrent_requests, ...")})},
         "/health": {"get": op("Liveness: Redis reachable", {
@@ -261,6 +149,13 @@ def openapi_spec(settings: Settings) -> dict[str, Any]:
                                 f"Limits: max_input_tokens={settings.max_input_tokens}, "
                                 f"max_total_tokens={settings.max_total_tokens}."},
         "paths": paths,
-        "components": {"schemas": SCHEMAS,
+        "components": {"schemas": _schemas(settings),
                        "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
     }
+
+
+def _schemas(settings: Settings) -> dict[str, Any]:
+    """SCHEMAS with this gateway's served names as the values `model` may take."""
+    schemas = copy.deepcopy(SCHEMAS)
+    schemas["OpenAICommon"]["properties"]["model"]["enum"] = list(settings.served_model_names)
+    return schemas

@@ -1,4 +1,4 @@
-"""Operational endpoints: /health, /info, /stats, /metrics, /v1/models, /openapi.json.
+"""Operational endpoints: /health, /info, /stats, /metrics, /v1/models, /version, /openapi.json.
 
 (The live dashboard, /dashboard and /dashboard/data, lives in gateway/dashboard.py.)
 """
@@ -6,6 +6,8 @@
 from __future__ import annotations
 
 import asyncio
+import functools
+import importlib.metadata
 import math
 import time
 from typing import Any
@@ -19,7 +21,16 @@ from gateway.config import redact_url
 from gateway.openapi import openapi_spec
 from gateway.respond import services
 
-VERSION = "0.1.0"
+VERSION = "0.1.0"  # when Baton runs from a source tree that was never installed
+
+
+@functools.lru_cache(maxsize=1)
+def baton_version() -> str:
+    """The installed baton package's version (what /version and /info report)."""
+    try:
+        return importlib.metadata.version("baton")
+    except importlib.metadata.PackageNotFoundError:
+        return VERSION
 
 
 async def health(request: Request) -> Response:
@@ -57,7 +68,7 @@ async def info(request: Request) -> Response:
         "model_dtype": None,
         "model_device_type": None,
         "router": "baton-gateway",
-        "version": VERSION,
+        "version": baton_version(),
         "sha": None,
         "docker_label": None,
         "gateway_id": s.gateway_id,
@@ -100,11 +111,18 @@ async def metrics(request: Request) -> Response:
 
 
 async def models(request: Request) -> Response:
-    s = services(request).settings
+    """Every served name (--served-model-name), first the one responses report by default."""
+    svc = services(request)
+    s = svc.settings
+    created = int(svc.cluster.started_at)
     return JSONResponse({"object": "list", "data": [{
-        "id": s.model_name, "object": "model", "created": int(services(request).cluster.started_at),
-        "owned_by": "baton", "root": str(s.model_dir), "max_model_len": s.max_total_tokens,
-    }]})
+        "id": name, "object": "model", "created": created, "owned_by": "baton", "root": str(s.model_dir),
+        "parent": None, "max_model_len": s.max_total_tokens,
+    } for name in s.served_model_names]})
+
+
+async def version(request: Request) -> Response:
+    return JSONResponse({"version": baton_version()})
 
 
 async def openapi(request: Request) -> Response:
@@ -133,5 +151,6 @@ routes = [
     Route("/stats", stats, methods=["GET"]),
     Route("/metrics", metrics, methods=["GET"]),
     Route("/v1/models", models, methods=["GET"]),
+    Route("/version", version, methods=["GET"]),
     Route("/openapi.json", openapi, methods=["GET"]),
 ]

@@ -2,8 +2,10 @@
 
 Streams are `data: {json}\\n\\n` chunks ending with `data: [DONE]\\n\\n`, as the openai client
 parses them; chat chunks carry `choices[0].delta` (the first one the role), and with
-`stream_options.include_usage` a last chunk has `"choices": []` and the usage. An error after the
-stream started is sent as `data: {"error": {...}}`, which the openai client raises as APIError.
+`stream_options.include_usage` a last chunk has `"choices": []` and the usage (and with
+`continuous_usage_stats` too, every chunk carries the usage so far, as vLLM sends it). The response
+names the served model the request asked for (the first served name if it asked for none). An
+error after the stream started is sent as `data: {"error": {...}}`, which the openai client raises as APIError.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from starlette.routing import Route
 from gateway.errors import error_body, error_response
 from gateway.generation import ClientGone, Generation, GenerationFailed, Step
 from gateway.respond import SSEResponse, client_gone_response, run_to_end, services, start_generation
-from gateway.validation import GenerationSpec
+from gateway.validation import GenerationSpec, ignored_fields_header
 from gateway.validation_openai import STATUS, parse_chat, parse_completion
 
 FINISH = {"eos": "stop", "stop_sequence": "stop", "length": "length"}
@@ -35,7 +37,7 @@ class _Reply:
         self.chat = chat
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
-        self.model = gen.svc.settings.model_name
+        self.model = gen.spec.model or gen.svc.settings.model_name
         self.object = ("chat.completion" if chat else "text_completion")
 
     def usage(self) -> dict[str, int]:
@@ -66,7 +68,9 @@ class _Reply:
         else:
             choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
             body = {**self.head("text_completion"), "choices": [choice]}
-        if self.gen.spec.include_usage:
+        if self.gen.spec.continuous_usage:
+            body["usage"] = self.usage()
+        elif self.gen.spec.include_usage:
             body["usage"] = None  # OpenAI: null on every chunk but the last
         return body
 
@@ -83,7 +87,7 @@ async def _handle(request: Request, chat: bool) -> Response:
     except ClientGone:
         return client_gone_response()
     reply = _Reply(gen, chat)
-    headers = {"x-request-id": gen.request_id}
+    headers = {"x-request-id": gen.request_id, **ignored_fields_header(gen.spec.ignored_fields)}
     if gen.spec.stream:
         gen.stop_watching()
         return SSEResponse(_stream(reply), gen, headers=headers)

@@ -28,7 +28,7 @@ from gateway.respond import (
     services,
     start_generation,
 )
-from gateway.validation import GenerationSpec, read_json_body
+from gateway.validation import GenerationSpec, ignored_fields_header, read_json_body
 from gateway.validation_tgi import STATUS, parse_tgi
 
 FINISH = {"eos": "eos_token", "length": "length", "stop_sequence": "stop_sequence"}
@@ -49,14 +49,14 @@ async def generate(request: Request, body: dict[str, Any] | None = None, as_list
     except ClientGone:
         return client_gone_response()
     except GenerationFailed as exc:
-        return error_response(exc.error, "tgi")
+        return error_response(exc.error, "tgi", _headers(gen))
     finally:
         gen.close()
     result: dict[str, Any] = {"generated_text": _generated_text(gen)}
     if gen.spec.details:
         result["details"] = {
             **_details(gen),
-            "prefill": [],  # decoder_input_details is not supported: no prompt logprobs
+            "prefill": [],  # decoder_input_details=true is refused: no prompt logprobs
             "tokens": [_token(t) for t in gen.tokens],
             "best_of_sequences": None,
         }
@@ -136,7 +136,7 @@ def _token(t: TokenOut) -> dict[str, Any]:
 
 
 def _headers(gen: Generation) -> dict[str, str]:
-    return {"x-request-id": gen.request_id}
+    return {"x-request-id": gen.request_id, **ignored_fields_header(gen.spec.ignored_fields)}
 
 
 def _sse(payload: dict[str, Any]) -> bytes:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from transformers import AutoTokenizer
 
@@ -19,7 +19,8 @@ from gateway.config import Settings
 from gateway.errors import validation_error
 from gateway.validation import GenerationSpec
 
-# Below this many characters tokenizing inline is cheaper than a thread hop.
+T = TypeVar("T")
+# Below this many characters (or token ids) tokenizing inline is cheaper than a thread hop.
 _INLINE_CHARS = 4096
 
 
@@ -36,13 +37,18 @@ class PromptTokenizer:
     def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.hf(text, add_special_tokens=add_special_tokens)["input_ids"])
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        text = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        # The template already wrote the special tokens; do not add a BOS again.
-        return list(self.hf(text, add_special_tokens=False)["input_ids"])
+    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+                    add_special_tokens: bool = False) -> list[int]:
+        text = self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+        # The template already wrote the special tokens; by default do not add a BOS again.
+        return list(self.hf(text, add_special_tokens=add_special_tokens)["input_ids"])
 
-    def decode(self, ids: list[int]) -> str:
-        return self.backend.decode(ids, skip_special_tokens=True)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_strs(self, ids: list[int]) -> list[str]:
+        """Each id's token as the vocabulary spells it (vLLM's /tokenize `token_strs`)."""
+        return [str(t) for t in self.hf.convert_ids_to_tokens(ids)]
 
     def token_text(self, token_id: int) -> str:
         return self.backend.decode([token_id], skip_special_tokens=False)
@@ -62,11 +68,11 @@ class PromptTokenizer:
                 raise validation_error(f"the chat template rejected the messages: {exc}",
                                        param="messages", status=status) from None
         assert isinstance(spec.prompt, str)
-        return await _maybe_in_thread(len(spec.prompt), self.encode_text, spec.prompt,
-                                      spec.add_special_tokens)
+        return await maybe_in_thread(len(spec.prompt), self.encode_text, spec.prompt,
+                                     spec.add_special_tokens)
 
 
-async def _maybe_in_thread(size: int, fn: Callable[..., list[int]], *args: Any) -> list[int]:
+async def maybe_in_thread(size: int, fn: Callable[..., T], *args: Any) -> T:
     if size <= _INLINE_CHARS:
         return fn(*args)
     return await asyncio.to_thread(fn, *args)

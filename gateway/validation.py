@@ -1,30 +1,43 @@
 """Request bodies -> a checked `GenerationSpec`, or an ApiError with a clear 4xx message.
 
 Nothing a client sends may reach the tokenizer or a worker unchecked: bodies are size-capped and
-must be UTF-8 JSON objects without lone surrogates (the tokenizer would crash on them), every field
-has its type and range checked, and unknown fields are named in the error instead of silently
-ignored. TGI answers validation errors with 422, the OpenAI API with 400 (what its clients expect).
+must be UTF-8 JSON objects without lone surrogates (the tokenizer would crash on them), and every field
+has its type and range checked. Unknown fields are ignored as vLLM ignores them (clients send
+extras such as `chat_template_kwargs` to every server), but never silently: each name is logged
+once and the response lists them in `x-baton-ignored-fields`; with --strict-api they are a 4xx
+naming them. Fields we know but cannot honour are always a 4xx naming them. TGI answers validation
+errors with 422, the OpenAI API with 400 (what its clients expect).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
+from urllib.parse import quote
 
 from starlette.requests import ClientDisconnect, Request
 
 from gateway.config import Settings
 from gateway.errors import ApiError, validation_error
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 _timeout = getattr(asyncio, "timeout", None)  # Python 3.11+
 
 MAX_SEED = 2**64 - 1
 MIN_SEED = -(2**63)
+
+IGNORED_FIELDS_HEADER = "x-baton-ignored-fields"
+# Each unknown field name is logged once per process, not once per request (a client sending an
+# extra on every request would flood the log); the set is capped, as any client can invent names.
+_MAX_LOGGED_NAMES = 1024
+_MAX_HEADER_NAMES = 32
+_logged_ignored: set[str] = set()
 
 
 @dataclass
@@ -49,9 +62,38 @@ class GenerationSpec:
     # TGI only
     details: bool = False
     return_full_text: bool = False
+    # OpenAI's penalties and vLLM's min_p (SamplingParams' ranges); logit_bias as [id, bias] pairs
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_p: float = 0.0
+    logit_bias: list[list[float]] = field(default_factory=list)
     # OpenAI only
     include_usage: bool = False
-    model: str | None = None
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every chunk
+    model: str | None = None  # the served name the request asked for (None: the first one)
+    # Unknown fields that were ignored (never with strict_api), named with their prefix.
+    ignored_fields: list[str] = field(default_factory=list)
+
+
+def note_ignored(names: list[str]) -> None:
+    """Log each ignored field name the first time any request sends it."""
+    for name in names:
+        if name in _logged_ignored or len(_logged_ignored) >= _MAX_LOGGED_NAMES:
+            continue
+        _logged_ignored.add(name)
+        log.warning("ignoring unknown request field %r (logged once; --strict-api rejects unknown fields)",
+                    name[:100])
+
+
+def ignored_fields_header(names: list[str]) -> dict[str, str]:
+    """The x-baton-ignored-fields header for these names, or none. Names are client text: they are
+    percent-encoded (a header must be ASCII without commas, CR or LF) and cut short."""
+    if not names:
+        return {}
+    shown = [quote(name[:64], safe="._-[]") or '""' for name in names[:_MAX_HEADER_NAMES]]
+    if len(names) > _MAX_HEADER_NAMES:
+        shown.append(f"...{len(names) - _MAX_HEADER_NAMES}-more")
+    return {IGNORED_FIELDS_HEADER: ",".join(shown)}
 
 
 async def read_json_body(request: Request, settings: Settings, status: int) -> dict[str, Any]:
@@ -174,12 +216,19 @@ class Fields:
     def fail(self, key: str, message: str) -> ApiError:
         return validation_error(f"`{self.prefix}{key}` {message}", param=self.prefix + key, status=self.status)
 
-    def reject_unknown(self, known: set[str], what: str) -> None:
+    def unknown(self, known: set[str], what: str, strict: bool) -> list[str]:
+        """The fields not in `known`: a 4xx naming them when strict, else their prefixed names
+        (logged once each) for the caller to ignore and report."""
         unknown = sorted(set(self.data) - known)
-        if unknown:
-            names = ", ".join(f"`{self.prefix}{k}`" for k in unknown)
+        if not unknown:
+            return []
+        if strict:
+            names = ", ".join(f"`{self.prefix}{k}`" for k in unknown[:20])
             raise validation_error(f"unknown field(s) in {what}: {names}", param=self.prefix + unknown[0],
                                    status=self.status)
+        ignored = [self.prefix + k for k in unknown]
+        note_ignored(ignored)
+        return ignored
 
     def get(self, key: str) -> Any:
         return self.data.get(key)

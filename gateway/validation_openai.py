@@ -2,19 +2,21 @@
 
 OpenAI semantics: temperature defaults to 1.0 (sampling) and 0 means greedy; `n` must be 1;
 `max_tokens` defaults to 16 for completions and to the room left (capped at 1024) for chat;
-`max_completion_tokens` (what aiperf sends) wins over `max_tokens`. A few vLLM extras that map
-onto our sampling options are accepted (`top_k`, `repetition_penalty`, `ignore_eos`,
-`stop_token_ids`). Known OpenAI fields we cannot honour are accepted only at their neutral value.
+`max_completion_tokens` (what aiperf sends) wins over `max_tokens`. `presence_penalty`,
+`frequency_penalty` and `logit_bias` are honoured, and a few vLLM extras that map onto our sampling
+options are accepted (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `stop_token_ids`).
+`model` must be one of the served names (else 404, as vLLM answers). Known fields we cannot honour
+are accepted only at their neutral value; unknown fields are ignored (see gateway.validation).
 """
 
 from __future__ import annotations
 
+import json
 import math
-
 from typing import Any
 
 from gateway.config import Settings
-from gateway.errors import validation_error
+from gateway.errors import ApiError, validation_error
 from gateway.validation import MAX_SEED, MIN_SEED, Fields, GenerationSpec
 
 STATUS = 400  # OpenAI answers invalid requests with 400 invalid_request_error
@@ -23,23 +25,36 @@ CHAT_DEFAULT_MAX_TOKENS = 1024
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
 # Text parts of one message's content: no real client sends more than a handful.
 MAX_CONTENT_PARTS = 256
+MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
+# What huggingface_hub's chat_completion sends as `model` when its "model" is a URL (TGI ignores
+# the field): served by the first name, or that client could never chat with us.
+PLACEHOLDER_MODELS = frozenset({"tgi", "dummy"})
 
 COMMON_FIELDS = {
     "model", "max_tokens", "max_completion_tokens", "stream", "stream_options", "stop",
     "temperature", "top_p", "seed", "n", "presence_penalty", "frequency_penalty", "logit_bias",
-    "user", "logprobs",
+    "user", "logprobs", "response_format",
     # vLLM extras
-    "top_k", "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids",
+    "top_k", "min_p", "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids",
+    "use_beam_search", "prompt_logprobs", "guided_json", "guided_regex", "guided_choice",
+    "guided_grammar", "structured_outputs",
 }
-COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of"}
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of", "add_special_tokens"}
 CHAT_FIELDS = COMMON_FIELDS | {
-    "messages", "top_logprobs", "response_format", "tools", "tool_choice", "parallel_tool_calls",
-    "store", "metadata", "service_tier",
+    "messages", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls", "functions",
+    "function_call", "store", "metadata", "service_tier", "echo",
 }
+# Known fields we cannot honour, with the values that mean "off" (null always does). Each other
+# value is a 400 naming the field: ignoring it would answer something the client did not ask for.
 COMMON_NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "presence_penalty": (0,),
-    "frequency_penalty": (0,),
-    "logit_bias": ({},),
+    "response_format": ({"type": "text"},),
+    "use_beam_search": (False,),
+    "prompt_logprobs": (),
+    "guided_json": (),
+    "guided_regex": (),
+    "guided_choice": (),
+    "guided_grammar": (),
+    "structured_outputs": (),
 }
 COMPLETION_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "echo": (False,),
@@ -50,42 +65,46 @@ COMPLETION_NEUTRAL: dict[str, tuple[Any, ...]] = {
 CHAT_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "logprobs": (False,),
     "top_logprobs": (0,),
-    "response_format": ({"type": "text"},),
     "tools": ([],),
     "tool_choice": ("none", "auto"),
+    "functions": ([],),
+    "function_call": ("none", "auto"),
+    "echo": (False,),
 }
 
 
 def parse_completion(body: dict[str, Any], settings: Settings, vocab_size: int) -> GenerationSpec:
     f = Fields(body, STATUS)
-    f.reject_unknown(COMPLETION_FIELDS, "the request")
+    ignored = f.unknown(COMPLETION_FIELDS, "the request", settings.strict_api)
     for key, neutral in COMPLETION_NEUTRAL.items():
         f.unsupported_unless(key, neutral)
-    spec = _common(f, settings, vocab_size, COMPLETIONS_DEFAULT_MAX_TOKENS)
+    spec = _common(f, settings, vocab_size, COMPLETIONS_DEFAULT_MAX_TOKENS, ignored)
     spec.prompt = _prompt(body.get("prompt"), vocab_size, settings.max_input_tokens)
+    spec.add_special_tokens = f.boolean("add_special_tokens", True)  # vLLM's extra, for text prompts
     return spec
 
 
 def parse_chat(body: dict[str, Any], settings: Settings, vocab_size: int) -> GenerationSpec:
     f = Fields(body, STATUS)
-    f.reject_unknown(CHAT_FIELDS, "the request")
+    ignored = f.unknown(CHAT_FIELDS, "the request", settings.strict_api)
     for key, neutral in CHAT_NEUTRAL.items():
         f.unsupported_unless(key, neutral)
-    spec = _common(f, settings, vocab_size, CHAT_DEFAULT_MAX_TOKENS)
-    spec.messages = _messages(body.get("messages"), settings.max_chat_messages)
+    spec = _common(f, settings, vocab_size, CHAT_DEFAULT_MAX_TOKENS, ignored)
+    spec.messages = parse_messages(body.get("messages"), settings.max_chat_messages)
     return spec
 
 
-def _common(f: Fields, settings: Settings, vocab_size: int, default_max: int) -> GenerationSpec:
+def _common(f: Fields, settings: Settings, vocab_size: int, default_max: int,
+            ignored: list[str]) -> GenerationSpec:
     for key, neutral in COMMON_NEUTRAL.items():
         f.unsupported_unless(key, neutral)
     f.string("user")
-    model = f.string("model")
+    model = served_model(f, settings)
     n = f.integer("n")
     if n is not None and n != 1:
         raise f.fail("n", f"must be 1 (got {n}); send one request per completion")
     stream = f.boolean("stream", False)
-    include_usage = False
+    include_usage = continuous_usage = False
     options = f.get("stream_options")
     if options is not None:
         if not stream:
@@ -93,9 +112,11 @@ def _common(f: Fields, settings: Settings, vocab_size: int, default_max: int) ->
         if not isinstance(options, dict):
             raise f.fail("stream_options", "must be an object")
         so = Fields(options, STATUS, prefix="stream_options.")
-        so.reject_unknown({"include_usage", "continuous_usage_stats"}, "`stream_options`")
+        ignored = ignored + so.unknown({"include_usage", "continuous_usage_stats"}, "`stream_options`",
+                                       settings.strict_api)
         include_usage = so.boolean("include_usage", False)
-        so.boolean("continuous_usage_stats", False)  # accepted; usage comes once, at the end
+        # vLLM: usage on every chunk only when include_usage is set too
+        continuous_usage = include_usage and so.boolean("continuous_usage_stats", False)
 
     max_tokens = f.integer("max_tokens", lo=1, hi=math.inf)  # checked against max_total_tokens below
     max_completion_tokens = f.integer("max_completion_tokens", lo=1, hi=math.inf)
@@ -107,10 +128,15 @@ def _common(f: Fields, settings: Settings, vocab_size: int, default_max: int) ->
     min_tokens = f.integer("min_tokens", lo=0)
     if min_tokens and not ignore_eos:
         raise f.fail("min_tokens", "is not supported; use `ignore_eos` to generate exactly max_tokens")
+    presence = f.number("presence_penalty", ge=-2.0, le=2.0)
+    frequency = f.number("frequency_penalty", ge=-2.0, le=2.0)
+    min_p = f.number("min_p", ge=0.0, le=1.0)
     spec = GenerationSpec(
         model=model,
         stream=stream,
         include_usage=include_usage,
+        continuous_usage=continuous_usage,
+        ignored_fields=ignored,
         max_new_tokens=max_completion_tokens if max_completion_tokens is not None else max_tokens,
         default_max_new_tokens=default_max,
         temperature=temperature if temperature is not None else 1.0,
@@ -121,10 +147,50 @@ def _common(f: Fields, settings: Settings, vocab_size: int, default_max: int) ->
         ignore_eos=ignore_eos,
         stop_token_ids=f.token_ids("stop_token_ids", vocab_size, settings.max_stop_token_ids),
         stop=f.stop_strings("stop", settings.max_stop_sequences, settings.max_stop_length, allow_str=True),
+        presence_penalty=presence if presence is not None else 0.0,
+        frequency_penalty=frequency if frequency is not None else 0.0,
+        min_p=min_p if min_p is not None else 0.0,
+        logit_bias=_logit_bias(f, vocab_size),
     )
     if spec.temperature == 0.0:  # greedy: the warpers have nothing to act on
-        spec.top_p, spec.top_k = 1.0, -1
+        spec.top_p, spec.top_k, spec.min_p = 1.0, -1, 0.0
     return spec
+
+
+def served_model(f: Fields, settings: Settings) -> str | None:
+    """The served name asked for; None (or "", as vLLM allows) means the first one."""
+    model = f.string("model")
+    if not model or model in PLACEHOLDER_MODELS:
+        return None
+    if model not in settings.served_model_names:
+        shown = model if len(model) <= 200 else model[:200] + "..."
+        raise ApiError(404, f"The model `{shown}` does not exist.", kind="model_not_found", param="model")
+    return model
+
+
+def _logit_bias(f: Fields, vocab_size: int) -> list[list[float]]:
+    """OpenAI's {"token id": bias} object -> [[id, bias], ...] (the wire's maps have str keys)."""
+    value = f.get("logit_bias")
+    if value is None:
+        return []
+    if not isinstance(value, dict):
+        raise f.fail("logit_bias", "must be an object mapping token ids (as strings) to biases in [-100, 100]")
+    if len(value) > MAX_LOGIT_BIAS:
+        raise f.fail("logit_bias", f"has {len(value)} entries; at most {MAX_LOGIT_BIAS} are allowed")
+    biases: dict[int, float] = {}
+    for key, bias in value.items():
+        # Digits only, and few of them: int() of a huge digit string is slow (and raises in 3.11+).
+        if not (key.isascii() and key.isdigit() and len(key) <= 12):
+            raise f.fail("logit_bias", f"keys must be token ids, got {json.dumps(key)[:40]}")
+        token = int(key)
+        if token >= vocab_size:
+            raise f.fail("logit_bias", f"contains token id {token} outside [0, {vocab_size})")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)):
+            raise f.fail("logit_bias", f"values must be numbers, got {json.dumps(bias)[:40]} for token {token}")
+        if not (isinstance(bias, int) or math.isfinite(bias)) or not -100 <= bias <= 100:
+            raise f.fail("logit_bias", f"values must be in [-100, 100], got {bias} for token {token}")
+        biases[token] = float(bias)
+    return [[token, bias] for token, bias in biases.items()]
 
 
 def _prompt(value: Any, vocab_size: int, max_input_tokens: int) -> str | list[int]:
@@ -155,7 +221,7 @@ def _prompt(value: Any, vocab_size: int, max_input_tokens: int) -> str | list[in
     raise validation_error("`prompt` must be a string or a list of token ids", param="prompt", status=STATUS)
 
 
-def _messages(value: Any, max_messages: int) -> list[dict[str, str]]:
+def parse_messages(value: Any, max_messages: int) -> list[dict[str, str]]:
     """Chat messages -> [{role, content}] with text content only (what a text model can read)."""
     if value is None:
         raise validation_error("`messages` is required", param="messages", status=STATUS)

@@ -1,9 +1,11 @@
 """TGI request bodies (`/generate`, `/generate_stream`, `POST /`) -> GenerationSpec.
 
-TGI semantics kept here: `do_sample` false (the default) means greedy decoding whatever the
-temperature; `max_new_tokens` defaults to 100; a sampled request without a seed gets a random one,
-reported back in `details.seed`. Known TGI fields we cannot honour are accepted at their neutral
-value and rejected, by name, otherwise; fields TGI does not know are rejected by name.
+TGI semantics kept here: a request samples when `do_sample` is true or any warper is set
+(`temperature` other than 1, `top_p` < 1, `top_k`, `typical_p` < 1), as TGI's NextTokenChooser
+decides, and is greedy otherwise; `max_new_tokens` defaults to 100; a sampled request without a
+seed gets a random one, reported back in `details.seed`. Known TGI fields we cannot honour are
+accepted at their neutral value and rejected, by name, otherwise; fields TGI does not know are
+ignored (see gateway.validation), or rejected by name with --strict-api.
 """
 
 from __future__ import annotations
@@ -35,12 +37,13 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "top_n_tokens": (0,),
     "typical_p": (1,),
     "watermark": (False,),
+    "decoder_input_details": (False,),  # no prompt logprobs are computed
 }
 
 
 def parse_tgi(body: dict[str, Any], settings: Settings) -> GenerationSpec:
     top = Fields(body, STATUS)
-    top.reject_unknown(TOP_LEVEL_FIELDS, "the request")
+    ignored = top.unknown(TOP_LEVEL_FIELDS, "the request", settings.strict_api)
     inputs = top.string("inputs")
     if inputs is None:
         raise validation_error("`inputs` is required", param="inputs", status=STATUS)
@@ -55,10 +58,9 @@ def parse_tgi(body: dict[str, Any], settings: Settings) -> GenerationSpec:
     if not isinstance(raw, dict):
         raise validation_error("`parameters` must be an object", param="parameters", status=STATUS)
     p = Fields(raw, STATUS, prefix="parameters.")
-    p.reject_unknown(PARAMETER_FIELDS, "`parameters`")
+    ignored += p.unknown(PARAMETER_FIELDS, "`parameters`", settings.strict_api)
     for key, neutral in NEUTRAL_VALUES.items():
         p.unsupported_unless(key, neutral)
-    p.boolean("decoder_input_details", False)  # accepted and ignored: no prefill logprobs are returned
 
     do_sample = p.boolean("do_sample", False)
     temperature = p.number("temperature", ge=0.0, le=100.0)
@@ -77,10 +79,16 @@ def parse_tgi(body: dict[str, Any], settings: Settings) -> GenerationSpec:
         details=p.boolean("details", False),
         return_full_text=p.boolean("return_full_text", False),
         add_special_tokens=add_special_tokens,
+        ignored_fields=ignored,
     )
-    greedy = not do_sample or temperature == 0.0
+    typical_p = p.number("typical_p", gt=0.0, le=1.0)
+    # TGI samples when asked to or when any warper would change the distribution; a temperature
+    # of exactly 1 or top_p of 1 changes nothing, so alone they leave the request greedy.
+    warped = ((temperature is not None and temperature != 1.0) or (top_p is not None and top_p < 1.0)
+              or top_k is not None or (typical_p is not None and typical_p < 1.0))
+    greedy = not (do_sample or warped) or temperature == 0.0
     if greedy:
-        # The brief's TGI rule: without do_sample the warpers are ignored and the seed is moot.
+        # Greedy: the warpers have nothing to act on and the seed is moot.
         spec.temperature, spec.top_p, spec.top_k, spec.seed = 0.0, 1.0, -1, None
     else:
         spec.temperature = temperature if temperature is not None else 1.0

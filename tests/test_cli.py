@@ -138,6 +138,27 @@ def test_child_command_lines_pass_flags_through():
     assert specs[0].env["OMP_NUM_THREADS"] == "2" and specs[1].env["OMP_NUM_THREADS"] == "1"
 
 
+def test_served_model_names_and_strict_api_reach_the_gateway_only(monkeypatch):
+    from gateway.__main__ import parse_args
+
+    args = _serve_args("--served-model-name", "a", "b/c", "--strict-api")
+    specs = build_child_specs(args, Path("/m"), "redis://127.0.0.1:1/0", ThreadPlan([1], [1], cpus=2), python="py")
+    *workers, gw = (s.argv for s in specs)
+    for argv in workers:
+        assert "--served-model-name" not in argv and "--strict-api" not in argv
+    # The gateway's own parser reads back exactly what baton serve passed.
+    monkeypatch.setattr("baton.ops.fetch.resolve_model", lambda model: Path("/m"))
+    settings = parse_args(gw[3:])
+    assert settings.served_model_names == ("a", "b/c") and settings.model_name == "a"
+    assert settings.strict_api is True
+    plain = build_child_specs(_serve_args(), Path("/m"), "redis://127.0.0.1:1/0", ThreadPlan([1], [1], cpus=2),
+                              python="py")[-1].argv
+    assert "--served-model-name" not in plain and "--strict-api" not in plain
+    monkeypatch.delenv("BATON_STRICT_API", raising=False)
+    settings = parse_args(plain[3:])
+    assert settings.served_model_names == ("m",) and settings.strict_api is False
+
+
 def test_child_secrets_travel_in_the_environment_not_on_argv():
     # argv is world-readable (`ps`, /proc/<pid>/cmdline); the services read REDIS_URL and
     # BATON_API_KEY from their environment by default.

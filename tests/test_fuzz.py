@@ -23,6 +23,9 @@ from hypothesis import strategies as st
 from tests.test_gateway_support import EchoWorker, private_db, start_gateway
 
 VOCAB = 49152
+# The served name (the default model directory's), huggingface_hub's placeholder, and "" (vLLM: the
+# default): any other `model` is a 404, which a valid body must not get.
+MODELS = st.sampled_from(["SmolLM2-135M-Instruct", "dummy", ""])
 ENDPOINTS = ["/generate", "/generate_stream", "/", "/v1/completions", "/v1/chat/completions"]
 FUZZ = settings(max_examples=150, deadline=None, derandomize=True, database=None, print_blob=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
@@ -74,7 +77,7 @@ def _tgi_valid(compat: bool) -> st.SearchStrategy[dict[str, Any]]:
         "do_sample": st.booleans(), "temperature": st.floats(0.05, 2.0), "top_p": st.floats(0.05, 1.0),
         "top_k": st.integers(1, 100), "seed": st.integers(0, 2**64 - 1), "stop": STOP_LIST,
         "details": st.booleans(), "return_full_text": st.booleans(), "truncate": st.integers(1, 3000),
-        "repetition_penalty": st.floats(0.5, 2.0), "decoder_input_details": st.booleans(),
+        "repetition_penalty": st.floats(0.5, 2.0), "decoder_input_details": st.just(False),
         "best_of": st.just(1), "watermark": st.just(False), "top_n_tokens": st.just(0),
     })
     optional = {"add_special_tokens": st.booleans()}
@@ -87,10 +90,11 @@ def _openai_common() -> dict[str, st.SearchStrategy[Any]]:
     return {"temperature": st.floats(0.0, 2.0), "top_p": st.floats(0.05, 1.0), "top_k": st.integers(-1, 100),
             "seed": st.integers(-(2**63), 2**64 - 1), "stop": st.one_of(SAFE_TEXT.filter(lambda s: len(s) <= 128),
                                                                         STOP_LIST),
-            "ignore_eos": st.booleans(), "n": st.just(1), "user": SAFE_TEXT, "model": SAFE_TEXT,
+            "ignore_eos": st.booleans(), "n": st.just(1), "user": SAFE_TEXT, "model": MODELS,
             "stop_token_ids": st.lists(st.integers(0, VOCAB - 1), max_size=4), "repetition_penalty":
-            st.floats(0.5, 2.0), "presence_penalty": st.just(0), "frequency_penalty": st.just(0),
-            "stream": st.booleans(), "logit_bias": st.just({})}
+            st.floats(0.5, 2.0), "presence_penalty": st.floats(-2.0, 2.0), "frequency_penalty": st.floats(-2.0, 2.0),
+            "min_p": st.floats(0.0, 1.0), "stream": st.booleans(),
+            "logit_bias": st.dictionaries(st.integers(0, VOCAB - 1).map(str), st.floats(-100.0, 100.0), max_size=5)}
 
 
 def _with_stream_options(body: dict[str, Any], include: bool | None) -> dict[str, Any]:
@@ -126,10 +130,11 @@ TGI_PARAMETERS = ["max_new_tokens", "do_sample", "temperature", "top_p", "top_k"
                   "typical_p", "grammar", "watermark", "top_n_tokens", "adapter_id", "frequency_penalty"]
 OPENAI_COMMON = ["model", "max_tokens", "max_completion_tokens", "stream", "stream_options", "stop", "temperature",
                  "top_p", "seed", "n", "presence_penalty", "frequency_penalty", "logit_bias", "user", "logprobs",
-                 "top_k", "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids"]
-COMPLETION_ONLY = ["prompt", "echo", "suffix", "best_of"]
-CHAT_ONLY = ["messages", "top_logprobs", "response_format", "tools", "tool_choice", "parallel_tool_calls",
-             "store", "metadata", "service_tier"]
+                 "top_k", "min_p", "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids",
+                 "response_format", "guided_json", "structured_outputs", "prompt_logprobs", "use_beam_search"]
+COMPLETION_ONLY = ["prompt", "echo", "suffix", "best_of", "add_special_tokens"]
+CHAT_ONLY = ["messages", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls", "functions",
+             "function_call", "store", "metadata", "service_tier", "echo"]
 UNKNOWN = ["unknown_field", "", "\u0000", "😀", "inputs ", "PROMPT", "parameters.max_new_tokens"]
 
 # Odd values, weighted towards what breaks validators: numbers at and past every limit, wrong types.
@@ -147,9 +152,11 @@ def _paths(endpoint: str) -> list[tuple[str, ...]]:
         message = [("messages", 0, k) for k in ("role", "content", "name", "tool_calls")]
         parts = [("messages", 0, "content", 0, k) for k in ("type", "text")]
         return [(k,) for k in OPENAI_COMMON + CHAT_ONLY + UNKNOWN] + message + parts + [
-            ("messages", 0), ("stream_options", "include_usage"), ("stream_options", "x")]
+            ("messages", 0), ("stream_options", "include_usage"), ("stream_options", "x"),
+            ("logit_bias", "5"), ("logit_bias", "x")]
     return [(k,) for k in OPENAI_COMMON + COMPLETION_ONLY + UNKNOWN] + [
-        ("prompt", 0), ("stream_options", "include_usage"), ("stream_options", "x")]
+        ("prompt", 0), ("stream_options", "include_usage"), ("stream_options", "continuous_usage_stats"),
+        ("stream_options", "x"), ("logit_bias", "5"), ("logit_bias", "x")]
 
 
 def _put(body: dict[str, Any], path: tuple[Any, ...], value: Any, delete: bool) -> dict[str, Any]:

@@ -148,7 +148,7 @@ def test_429_over_max_concurrent_requests_with_real_clients(small_gateway, gw_wo
 
     client = openai.OpenAI(base_url=small_gateway.url + "/v1", api_key="k", max_retries=0)
     with pytest.raises(openai.RateLimitError) as info:
-        client.completions.create(model="m", prompt="hi", max_tokens=5)
+        client.completions.create(model="SmolLM2-135M-Instruct", prompt="hi", max_tokens=5)
     assert info.value.response.headers["retry-after"] == "1"
     assert info.value.body["type"] == "overloaded" and info.value.body["code"] == 429
     with pytest.raises(OverloadedError):

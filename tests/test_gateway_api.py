@@ -8,6 +8,8 @@ import json
 import httpx
 from tests.test_gateway_support import DEFAULT_REPLY, wait_until
 
+MODEL = "SmolLM2-135M-Instruct"  # the default model directory's name: the served name
+
 
 
 def sse_events(text: str) -> list[str]:
@@ -74,19 +76,19 @@ def test_openai_completions_and_chat(gw_server, gw_worker, gw_tokenizer):
     import openai
 
     client = openai.OpenAI(base_url=gw_server.url + "/v1", api_key="unused", max_retries=0)
-    c = client.completions.create(model="x", prompt="Say hello", max_tokens=64)
+    c = client.completions.create(model=MODEL, prompt="Say hello", max_tokens=64)
     assert c.choices[0].text == DEFAULT_REPLY
     assert c.choices[0].finish_reason == "stop"
     assert c.usage.completion_tokens == len(gw_worker.reply_ids)
     assert c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens
     assert gw_worker.requests[-1].sampling.temperature == 1.0  # OpenAI default: sampling
 
-    c = client.completions.create(model="x", prompt=[1, 2, 3, 4], max_tokens=4, temperature=0)
+    c = client.completions.create(model=MODEL, prompt=[1, 2, 3, 4], max_tokens=4, temperature=0)
     assert c.choices[0].finish_reason == "length" and c.usage.prompt_tokens == 4
     assert gw_worker.requests[-1].prompt_token_ids == [1, 2, 3, 4]
     assert gw_worker.requests[-1].sampling.temperature == 0.0
 
-    chat = client.chat.completions.create(model="x", messages=[{"role": "user", "content": "Hi"}])
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}])
     assert chat.choices[0].message.content == DEFAULT_REPLY
     assert chat.choices[0].message.role == "assistant"
     assert chat.choices[0].finish_reason == "stop"
@@ -102,7 +104,7 @@ def test_openai_streaming_with_usage(gw_server, gw_worker):
 
     client = openai.OpenAI(base_url=gw_server.url + "/v1", api_key="unused", max_retries=0)
     chunks = list(client.chat.completions.create(
-        model="x", messages=[{"role": "user", "content": "Hi"}], stream=True,
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], stream=True,
         stream_options={"include_usage": True}, max_completion_tokens=200))
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -113,7 +115,7 @@ def test_openai_streaming_with_usage(gw_server, gw_worker):
     assert gw_worker.requests[-1].sampling.max_tokens == 200
 
     gw_worker.tokens_per_event = 3
-    stream = client.completions.create(model="x", prompt="Hi", stream=True, max_tokens=7)
+    stream = client.completions.create(model=MODEL, prompt="Hi", stream=True, max_tokens=7)
     chunks = list(stream)
     assert "".join(c.choices[0].text for c in chunks) == gw_worker.tok.decode(gw_worker.reply_ids[:7])
     assert chunks[-1].choices[0].finish_reason == "length"
@@ -137,7 +139,8 @@ def test_info_models_health_openapi(gw_server):
     spec = httpx.get(gw_server.url + "/openapi.json").json()
     assert spec["openapi"].startswith("3.")
     for path in ["/generate", "/generate_stream", "/", "/v1/completions", "/v1/chat/completions",
-                 "/v1/models", "/info", "/health", "/stats", "/metrics", "/openapi.json"]:
+                 "/v1/models", "/info", "/health", "/stats", "/metrics", "/openapi.json", "/tokenize",
+                 "/detokenize", "/version"]:
         assert path in spec["paths"], path
     for path, methods in spec["paths"].items():  # every documented operation exists
         for method in methods:

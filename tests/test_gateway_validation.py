@@ -1,5 +1,6 @@
-"""Bad input never produces a 5xx: malformed bodies, wrong types, unknown fields, out-of-range
-values and over-limit prompts get 4xx with a message naming the problem. Also: body size limit,
+"""Bad input never produces a 5xx: malformed bodies, wrong types, unsupported fields, out-of-range
+values and over-limit prompts get 4xx with a message naming the problem (unknown fields, ignored by
+default, are covered in test_gateway_api_fields). Also: body size limit,
 API key auth, and the /metrics counters."""
 
 from __future__ import annotations
@@ -18,8 +19,6 @@ BAD_JSON_BODIES = [
     ("/generate", {}, 422, "`inputs` is required"),
     ("/generate", {"inputs": ""}, 422, "cannot be empty"),
     ("/generate", {"inputs": 5}, 422, "must be a string"),
-    ("/generate", {"inputs": "x", "bogus": 1}, 422, "`bogus`"),
-    ("/generate", {"inputs": "x", "parameters": {"nope": 1}}, 422, "`parameters.nope`"),
     ("/generate", {"inputs": "x", "parameters": []}, 422, "must be an object"),
     ("/generate", {"inputs": "x", "parameters": {"max_new_tokens": 0}}, 422, "max_new_tokens"),
     ("/generate", {"inputs": "x", "parameters": {"max_new_tokens": -5}}, 422, "max_new_tokens"),
@@ -60,8 +59,8 @@ BAD_JSON_BODIES = [
     ("/v1/completions", {"prompt": "x", "stop": 5}, 400, "`stop`"),
     ("/v1/completions", {"prompt": "x", "stop": ["s"] * 17}, 400, "at most 16"),
     ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "only allowed"),
-    ("/v1/completions", {"prompt": "x", "frequency_penalty": 1}, 400, "not supported"),
-    ("/v1/completions", {"prompt": "x", "whatever": 1}, 400, "`whatever`"),
+    ("/v1/completions", {"prompt": "x", "frequency_penalty": 3}, 400, "frequency_penalty"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 2}, 400, "not supported"),
     ("/v1/completions", {"prompt": LONG}, 400, "max_input_tokens=1024"),
     ("/v1/chat/completions", {}, 400, "`messages` is required"),
     ("/v1/chat/completions", {"messages": []}, 400, "non-empty"),
@@ -138,7 +137,7 @@ def test_wrong_method_is_json_405(gw_server):
 def test_valid_edge_inputs_succeed(gw_server, gw_worker):
     ok = [
         ("/generate", {"inputs": " ", "parameters": {"max_new_tokens": 3, "stop": [], "details": False,
-                                                      "decoder_input_details": True, "typical_p": 1.0,
+                                                      "decoder_input_details": False, "typical_p": 1.0,
                                                       "watermark": False, "best_of": 1}}),
         ("/generate", {"inputs": "x" , "parameters": {"truncate": 1, "return_full_text": True}}),
         ("/generate", {"inputs": "x", "parameters": {"do_sample": True, "temperature": 0.5, "top_p": 1.0,
@@ -170,9 +169,15 @@ def test_api_key(default_model_dir, gw_redis_url, gw_tokenizer, gw_worker):
         assert r.status_code == 401
         bad = openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0)
         with pytest.raises(openai.AuthenticationError):
-            bad.completions.create(model="m", prompt="x", max_tokens=2)
+            bad.completions.create(model=default_model_dir.name, prompt="x", max_tokens=2)
         good = openai.OpenAI(base_url=server.url + "/v1", api_key="s3cret", max_retries=0)
-        assert good.completions.create(model="m", prompt="x", max_tokens=2).choices[0].text
+        assert good.completions.create(model=default_model_dir.name, prompt="x", max_tokens=2).choices[0].text
+        for path, body in (("/tokenize", {"prompt": "x"}), ("/detokenize", {"tokens": [1]})):
+            r = httpx.post(server.url + path, json=body)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", path
+            r = httpx.post(server.url + path, json=body, headers={"Authorization": "Bearer s3cret"})
+            assert r.status_code == 200, path
+        assert httpx.get(server.url + "/version").status_code == 200  # open, like /info
         r = httpx.post(server.url + "/generate", json={"inputs": "x"}, headers={"Authorization": "Bearer s3cret"})
         assert r.status_code == 200
         assert httpx.get(server.url + "/stats", headers={"Authorization": "Bearer s3cret"}).status_code == 200

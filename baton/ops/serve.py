@@ -159,6 +159,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("gateway limits (passed to the gateway when given)")
     for flag, typ, help_ in GATEWAY_FLAGS:
         group.add_argument(flag, type=typ, default=None, help=help_)
+    group.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                       help="names requests may give as `model` (default: the model directory's name); "
+                            "the first is the one reported")
+    group.add_argument("--strict-api", action="store_true",
+                       help="answer unknown request fields with a 4xx (default: ignore them, log them once "
+                            "and list them in the x-baton-ignored-fields header)")
     group.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
                        help="require 'Authorization: Bearer KEY' on the API (default: $BATON_API_KEY; "
                             "prefer the variable: a flag is visible to every local user in `ps`)")
@@ -202,6 +208,10 @@ def build_child_specs(args: argparse.Namespace, model_dir: Path, redis_url: str,
     argv = [python, "-m", GATEWAY_MODULE, "--model", str(model_dir), "--host", args.host,
             "--port", str(args.port)]
     argv += _passthrough(args, GATEWAY_FLAGS)
+    if getattr(args, "served_model_name", None):
+        argv += ["--served-model-name", *args.served_model_name]
+    if getattr(args, "strict_api", False):
+        argv.append("--strict-api")
     gateway_env = {**_thread_env(1), **secret_env}
     if args.api_key:
         gateway_env[API_KEY_ENV] = args.api_key
@@ -314,7 +324,7 @@ def run(args: argparse.Namespace) -> int:
     except (FileNotFoundError, subprocess.CalledProcessError) as exc:
         log(f"cannot load the model: {exc}")
         return 2
-    model_name = Path(model_dir).name
+    model_name = (getattr(args, "served_model_name", None) or [Path(model_dir).name])[0]
     log(f"model {model_name} from {model_dir}")
     log(f"threads: prefill {plan.prefill}, decode {plan.decode} on {plan.cpus} cores")
 

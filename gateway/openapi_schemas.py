@@ -1,0 +1,190 @@
+"""The request and response schemas of /openapi.json (components.schemas), hand-written like the
+paths in gateway.openapi: the wire formats are the clients' (TGI, OpenAI, vLLM), not our code's.
+
+The OpenAI request schemas list every field the gateway honours; fields it knows but cannot honour
+are named in descriptions (each is a 400 unless at its neutral value). Unknown fields are ignored
+(listed in the x-baton-ignored-fields response header), or a 4xx with --strict-api.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _ref(name: str) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+_STR_LIST = {"type": "array", "items": {"type": "string"}}
+_NUM = {"type": "number"}
+_INT = {"type": "integer"}
+_BOOL = {"type": "boolean"}
+
+SCHEMAS: dict[str, Any] = {
+    "TgiParameters": {
+        "type": "object",
+        "description": "TGI generation parameters. Fields TGI defines but this server does not implement "
+                       "(best_of, grammar, top_n_tokens, typical_p, watermark, frequency_penalty, adapter_id, "
+                       "decoder_input_details) are accepted only at their neutral value (else 422 naming the "
+                       "field); unknown fields are ignored and listed in x-baton-ignored-fields (422 with "
+                       "--strict-api).",
+        "properties": {
+            "max_new_tokens": {**_INT, "minimum": 1, "description": "Default 100 (capped by the room left)."},
+            "do_sample": {**_BOOL, "default": False, "description": "As TGI: the request samples when do_sample "
+                          "is true or any warper is set (temperature other than 1, top_p < 1, top_k); "
+                          "otherwise it is greedy. temperature 0 is greedy."},
+            "temperature": {**_NUM, "minimum": 0},
+            "top_p": {**_NUM, "exclusiveMinimum": 0, "maximum": 1},
+            "top_k": {**_INT, "minimum": 1},
+            "repetition_penalty": {**_NUM, "exclusiveMinimum": 0},
+            "seed": {**_INT, "minimum": 0},
+            "stop": {**_STR_LIST, "maxItems": 16, "description": "Stop sequences; the text is cut before the match."},
+            "truncate": {**_INT, "minimum": 1, "description": "Keep only the last N prompt tokens."},
+            "details": {**_BOOL, "default": False},
+            "return_full_text": {**_BOOL, "default": False},
+            "decoder_input_details": {"type": "boolean", "enum": [False],
+                                      "description": "Prompt logprobs are not computed: true is a 422."},
+        },
+    },
+    "TgiRequest": {
+        "type": "object", "required": ["inputs"],
+        "description": "Unknown fields are ignored and listed in x-baton-ignored-fields (422 with --strict-api).",
+        "properties": {"inputs": {"type": "string", "minLength": 1}, "parameters": _ref("TgiParameters"),
+                       "stream": {**_BOOL, "description": "Only for POST /: stream (SSE) or not."},
+                       "add_special_tokens": {**_BOOL, "default": True}},
+    },
+    "TgiToken": {"type": "object", "properties": {
+        "id": _INT, "text": {"type": "string"}, "logprob": {"type": ["number", "null"]}, "special": _BOOL}},
+    "TgiDetails": {"type": "object", "properties": {
+        "finish_reason": {"type": "string", "enum": ["length", "eos_token", "stop_sequence"]},
+        "generated_tokens": _INT, "seed": {"type": ["integer", "null"]}, "input_length": _INT,
+        "prefill": {"type": "array", "items": _ref("TgiToken")},
+        "tokens": {"type": "array", "items": _ref("TgiToken")}}},
+    "TgiResponse": {"type": "object", "required": ["generated_text"], "properties": {
+        "generated_text": {"type": "string"}, "details": _ref("TgiDetails")}},
+    "TgiStreamEvent": {"type": "object", "description": "One SSE `data:` event per generated token.",
+                       "properties": {"index": _INT, "token": _ref("TgiToken"),
+                                      "generated_text": {"type": ["string", "null"],
+                                                         "description": "Set on the last event only."},
+                                      "details": {"oneOf": [_ref("TgiDetails"), {"type": "null"}],
+                                                  "description": "Last event only, when details=true "
+                                                                 "(no tokens/prefill lists)."}}},
+    "TgiError": {"type": "object", "required": ["error", "error_type"], "properties": {
+        "error": {"type": "string"},
+        "error_type": {"type": "string", "enum": ["validation", "overloaded", "unavailable", "authentication",
+                                                  "payload_too_large", "generation", "not_found",
+                                                  "unsupported_media_type", "invalid_host", "timeout"]}}},
+    "OpenAICommon": {"type": "object", "properties": {
+        "model": {"type": "string", "description": "One of the served names (GET /v1/models; default: the "
+                  "first); any other is a 404 (type NotFoundError, param model). huggingface_hub's "
+                  "placeholders `tgi` and `dummy` mean the first."},
+        "max_tokens": {**_INT, "minimum": 1}, "max_completion_tokens": {**_INT, "minimum": 1},
+        "stream": _BOOL,
+        "stream_options": {"type": "object", "properties": {
+            "include_usage": _BOOL,
+            "continuous_usage_stats": {**_BOOL, "description": "With include_usage: every chunk carries the "
+                                       "usage so far (vLLM)."}}},
+        "stop": {"oneOf": [{"type": "string"}, {**_STR_LIST, "maxItems": 16}]},
+        "temperature": {**_NUM, "minimum": 0, "maximum": 2, "default": 1, "description": "0: greedy."},
+        "top_p": {**_NUM, "exclusiveMinimum": 0, "maximum": 1}, "seed": _INT,
+        "n": {"type": "integer", "enum": [1]},
+        "presence_penalty": {**_NUM, "minimum": -2, "maximum": 2, "default": 0,
+                             "description": "Subtracted from the logit of every token already generated."},
+        "frequency_penalty": {**_NUM, "minimum": -2, "maximum": 2, "default": 0,
+                              "description": "Subtracted once per occurrence in the generated tokens."},
+        "logit_bias": {"type": "object", "maxProperties": 300, "propertyNames": {"pattern": "^[0-9]+$"},
+                       "additionalProperties": {**_NUM, "minimum": -100, "maximum": 100},
+                       "description": "Token id (as a string, within the vocabulary) -> bias added to its logit."},
+        "top_k": {**_INT, "minimum": -1, "description": "vLLM extra; -1 or 0: off."},
+        "min_p": {**_NUM, "minimum": 0, "maximum": 1, "default": 0,
+                  "description": "vLLM extra: drop tokens below min_p times the top token's probability."},
+        "repetition_penalty": {**_NUM, "exclusiveMinimum": 0, "maximum": 100}, "ignore_eos": _BOOL,
+        "response_format": {"type": "object", "required": ["type"],
+                            "properties": {"type": {"type": "string", "enum": ["text"]}},
+                            "description": "Only {\"type\": \"text\"}: structured output is a 400."},
+        "stop_token_ids": {"type": "array", "items": {**_INT, "minimum": 0}, "maxItems": 128},
+        "user": {"type": "string"}}},
+    "CompletionRequest": {"allOf": [_ref("OpenAICommon"), {"type": "object", "required": ["prompt"], "properties": {
+        "prompt": {"oneOf": [{"type": "string", "minLength": 1}, {"type": "array", "items": _INT, "minItems": 1}],
+                   "description": "Default max_tokens 16."},
+        "echo": {"type": "boolean", "enum": [False]},
+        "add_special_tokens": {**_BOOL, "default": True, "description": "vLLM extra, for a text prompt."}}}]},
+    "ChatMessage": {"type": "object", "required": ["role"], "properties": {
+        "role": {"type": "string", "enum": ["system", "developer", "user", "assistant", "tool"]},
+        "content": {"oneOf": [{"type": "string"}, {"type": "array", "maxItems": 256, "items": {
+            "type": "object", "properties": {
+                "type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}}]}}},
+    "ChatRequest": {"allOf": [_ref("OpenAICommon"), {"type": "object", "required": ["messages"], "properties": {
+        "messages": {"type": "array", "minItems": 1, "maxItems": 1024, "items": _ref("ChatMessage"),
+                     "description": "Rendered with the model's chat template (add_generation_prompt). "
+                                    "Default max_tokens: the room left, at most 1024."}}}]},
+    "TokenizeRequest": {"type": "object", "description": "vLLM's shape: `prompt` or `messages`.", "properties": {
+        "model": {"type": "string"}, "prompt": {"type": "string"},
+        "messages": {"type": "array", "minItems": 1, "maxItems": 1024, "items": _ref("ChatMessage")},
+        "add_special_tokens": {**_BOOL, "description": "Default true for prompt, false for messages."},
+        "add_generation_prompt": {**_BOOL, "default": True, "description": "messages only."},
+        "return_token_strs": {**_BOOL, "default": False}}},
+    "TokenizeResponse": {"type": "object", "required": ["count", "max_model_len", "tokens"], "properties": {
+        "count": _INT, "max_model_len": {**_INT, "description": "max_total_tokens."},
+        "tokens": {"type": "array", "items": _INT},
+        "token_strs": {"type": ["array", "null"], "items": {"type": "string"}}}},
+    "DetokenizeRequest": {"type": "object", "required": ["tokens"], "properties": {
+        "model": {"type": "string"}, "tokens": {"type": "array", "items": {**_INT, "minimum": 0}}}},
+    "DetokenizeResponse": {"type": "object", "required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+    "Usage": {"type": "object", "properties": {"prompt_tokens": _INT, "completion_tokens": _INT,
+                                               "total_tokens": _INT}},
+    "CompletionResponse": {"type": "object", "properties": {
+        "id": {"type": "string"}, "object": {"type": "string", "enum": ["text_completion"]}, "created": _INT,
+        "model": {"type": "string"}, "usage": _ref("Usage"),
+        "choices": {"type": "array", "items": {"type": "object", "properties": {
+            "index": _INT, "text": {"type": "string"},
+            "finish_reason": {"type": "string", "enum": ["stop", "length"]}}}}}},
+    "ChatResponse": {"type": "object", "properties": {
+        "id": {"type": "string"}, "object": {"type": "string", "enum": ["chat.completion"]}, "created": _INT,
+        "model": {"type": "string"}, "usage": _ref("Usage"),
+        "choices": {"type": "array", "items": {"type": "object", "properties": {
+            "index": _INT, "message": {"type": "object", "properties": {
+                "role": {"type": "string"}, "content": {"type": "string"}}},
+            "finish_reason": {"type": "string", "enum": ["stop", "length"]}}}}}},
+    "DashboardData": {"type": "object", "required": ["time", "now", "series", "workers"], "properties": {
+        "time": {**_NUM, "description": "Server time (Unix seconds)."},
+        "model": {"type": "string"}, "gateway_id": {"type": "string"},
+        "interval_s": {**_NUM, "description": "Seconds between points of the series."},
+        "window_s": {**_NUM, "description": "Window of the latency percentiles (seconds)."},
+        "rate_window_s": {**_NUM, "description": "Window of the headline rates (seconds)."},
+        "history_s": {**_NUM, "description": "Span the series cover when full (seconds)."},
+        "redis": {"type": "object", "properties": {"ok": _BOOL, "error": {"type": ["string", "null"]}}},
+        "now": {"type": "object",
+                "description": "Current values; latencies in seconds (null: no sample in the window).",
+                "properties": {
+                    "running": _INT, "waiting": _INT, "budget_in_use": _INT, "budget_total": _INT,
+                    "tokens_per_s": _NUM, "requests_per_s": _NUM, "rejections_per_s": _NUM,
+                    "ttft_p50": {"type": ["number", "null"]}, "ttft_p99": {"type": ["number", "null"]},
+                    "itl_p50": {"type": ["number", "null"]}, "itl_p99": {"type": ["number", "null"]},
+                    "generated_tokens": _NUM, "prompt_tokens": _NUM, "preemptions": _INT, "rejections": _INT,
+                    "rejections_by_reason": {"type": "object", "additionalProperties": _INT},
+                    "finished_by_reason": {"type": "object", "additionalProperties": _INT},
+                    "failed_by_reason": {"type": "object", "additionalProperties": _INT},
+                    "streams": {"type": "object", "description": "prefill / decode: length (XLEN), pending "
+                                "(delivered, not acked), lag (not yet delivered to the group).",
+                                "additionalProperties": {"type": "object", "properties": {
+                                    "length": {"type": ["integer", "null"]}, "pending": {"type": ["integer", "null"]},
+                                    "lag": {"type": ["integer", "null"]}}}}}},
+        "series": {"type": "object", "description": "Parallel arrays, one point per interval (oldest first): `t` "
+                   "(Unix seconds), tokens_per_s, requests_per_s, ttft_p50, ttft_p99, itl_p50, itl_p99 (seconds, "
+                   "over the last window_s), running, waiting, budget_in_use, budget_total, rejections_per_s, "
+                   "preemptions_per_s, kv_usage (mean over decode workers, 0-1), prefill_backlog, decode_backlog.",
+                   "additionalProperties": {"type": "array", "items": {"type": ["number", "null"]}}},
+        "workers": {"type": "array", "items": {"type": "object", "properties": {
+            "kind": {"type": "string", "enum": ["gateway", "prefill", "decode"]}, "worker_id": {"type": "string"},
+            "age_s": {**_NUM, "description": "Seconds since its last heartbeat."},
+            "status": {"type": "string", "enum": ["ok", "stale", "lost"],
+                       "description": "lost: the heartbeat expired (listed for a minute)."},
+            "running": {"type": ["integer", "null"]}, "waiting": {"type": ["integer", "null"]},
+            "kv_used": {"type": ["integer", "null"]}, "kv_total": {"type": ["integer", "null"]},
+            "kv_usage": {"type": ["number", "null"]}, "preemptions": {"type": ["integer", "null"]},
+            "finished": {"type": ["integer", "null"]}}}}}},
+    "OpenAIError": {"type": "object", "properties": {"error": {"type": "object", "properties": {
+        "message": {"type": "string"}, "type": {"type": "string"}, "param": {"type": ["string", "null"]},
+        "code": {"type": ["integer", "string", "null"]}}}}},
+}
