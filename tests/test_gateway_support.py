@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
 import uvicorn
 
 from baton import heartbeats
@@ -194,7 +195,12 @@ class EchoWorker:
         await r.xadd(stream, {PAYLOAD_FIELD: encode(event)}, maxlen=STREAM_MAXLEN, approximate=True)
 
     async def _listen_cancels(self, r: aioredis.Redis) -> None:
-        last = "$"
+        # From the stream's current end, but as an id: re-reading with "$" after each empty block
+        # would miss a cancel added between two reads (seen under load).
+        try:
+            last = (await r.xinfo_stream(CANCEL_STREAM))["last-generated-id"]
+        except ResponseError:  # no cancel stream yet
+            last = "0-0"
         while not self._stop.is_set():
             reply = await r.xread({CANCEL_STREAM: last}, count=100, block=100)
             for _stream, entries in reply or []:
