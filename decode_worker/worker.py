@@ -26,10 +26,9 @@ import msgpack
 from prometheus_client import REGISTRY, CollectorRegistry
 
 from baton import heartbeats, protocol
-from baton.worker.metrics import WorkerMetrics
 from baton.worker.publisher import EventPublisher
-from baton.worker.runtime import default_worker_id, read_group
-from baton.worker.shell import WorkerShell, build_engine
+from baton.worker.runtime import read_group
+from baton.worker.shell import WorkerShell
 from decode_worker.core import DecodeCore
 
 logger = logging.getLogger("baton.decode")
@@ -43,12 +42,11 @@ class DecodeWorker(WorkerShell):
     stream = protocol.DECODE_STREAM
     group = protocol.DECODE_GROUP
 
+    core_class = DecodeCore
+
     def __init__(self, args: argparse.Namespace, registry: CollectorRegistry = REGISTRY) -> None:
-        engine = build_engine(args)
-        core = DecodeCore(engine, args.worker_id or default_worker_id(self.kind),
-                          WorkerMetrics(engine.model_dir.name, self.kind, registry))
-        super().__init__(args, core)
-        self.core: DecodeCore = core
+        super().__init__(args, registry)
+        self.core: DecodeCore
         self.peer_loads: list[int] = []
         self.last_peer_check = 0.0
         self.pending: deque[tuple[bytes, dict, int]] = deque()  # handoffs read, not yet admitted

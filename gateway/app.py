@@ -21,11 +21,12 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 
 from baton import heartbeats
+from baton.urls import redact_url
 from gateway import dashboard, routes_misc, routes_openai, routes_tgi, routes_tokenize
 from gateway.admission import Admission
 from gateway.auth import ApiKeyMiddleware
 from gateway.cluster import Cluster
-from gateway.config import Settings, redact_url
+from gateway.config import Settings
 from gateway.errors import ApiError, handle_api_error, handle_http_exception, handle_unexpected
 from gateway.hosts import HostCheckMiddleware, allowed_names
 from gateway.metrics import GatewayMetrics

@@ -24,8 +24,9 @@ from redis.exceptions import RedisError
 
 from baton import heartbeats
 from baton.protocol import create_token_stream, token_stream
+from baton.urls import redact_url
 from gateway.admission import Admission
-from gateway.config import Settings, redact_url
+from gateway.config import Settings
 from gateway.router import TokenRouter
 
 log = logging.getLogger(__name__)

@@ -5,24 +5,12 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
 
 
 def _random_gateway_id() -> str:
     # Short but unique enough: it names this process's token stream and heartbeat key.
     return uuid.uuid4().hex[:12]
 
-
-def redact_url(url: str) -> str:
-    """The URL without its password, for logs and error messages."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.hostname or ""
-    if parts.port is not None:
-        host = f"{host}:{parts.port}"
-    user = f"{parts.username}:***@" if parts.username else ":***@"
-    return urlunsplit((parts.scheme, user + host, parts.path, parts.query, parts.fragment))
 
 
 @dataclass

@@ -17,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from gateway.config import redact_url
+from baton.urls import redact_url
 from gateway.openapi import openapi_spec
 from gateway.respond import services
 

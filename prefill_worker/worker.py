@@ -18,9 +18,8 @@ from prometheus_client import REGISTRY, CollectorRegistry
 
 from baton import protocol
 from baton.worker.core import Effects
-from baton.worker.metrics import WorkerMetrics
-from baton.worker.runtime import default_worker_id, read_group
-from baton.worker.shell import WorkerShell, build_engine
+from baton.worker.runtime import read_group
+from baton.worker.shell import WorkerShell
 from kvstore.connector import probe
 from kvstore.hashing import hash_blocks
 from prefill_worker.core import PrefillCore
@@ -33,12 +32,11 @@ class PrefillWorker(WorkerShell):
     stream = protocol.PREFILL_STREAM
     group = protocol.PREFILL_GROUP
 
+    core_class = PrefillCore
+
     def __init__(self, args: argparse.Namespace, registry: CollectorRegistry = REGISTRY) -> None:
-        engine = build_engine(args)
-        core = PrefillCore(engine, args.worker_id or default_worker_id(self.kind),
-                           WorkerMetrics(engine.model_dir.name, self.kind, registry))
-        super().__init__(args, core)
-        self.core: PrefillCore = core
+        super().__init__(args, registry)
+        self.core: PrefillCore
         # Prompts read from the stream, not yet admitted: one leaves only once admitted (or failed,
         # with that written), so a Redis error mid-admission loses nothing.
         self.pending: deque[tuple[bytes, dict, int]] = deque()

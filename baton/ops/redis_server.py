@@ -21,7 +21,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
+
+from baton.urls import redact_url
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
@@ -49,18 +50,6 @@ def find_redis_server() -> str:
         "no redis-server found: install Redis (apt-get install redis-server) or set REDIS_URL"
     )
 
-
-def redact_url(url: str) -> str:
-    """The URL with its password replaced by ***, for logs (a copy of gateway.config.redact_url:
-    baton.ops must not import the gateway package)."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.hostname or ""
-    if parts.port is not None:
-        host = f"{host}:{parts.port}"
-    user = f"{parts.username}:***@" if parts.username else ":***@"
-    return urlunsplit((parts.scheme, user + host, parts.path, parts.query, parts.fragment))
 
 
 def die_with_parent(sig: int, parent_pid: int) -> None:

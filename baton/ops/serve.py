@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from baton.ops.redis_server import redact_url
+from baton.urls import redact_url
 from baton.ops.supervisor import API_KEY_ENV, ChildExited, ChildSpec, StopRequested, Supervisor
 
 PREFILL_MODULE = "prefill_worker"

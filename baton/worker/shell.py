@@ -14,14 +14,15 @@ import time
 from collections.abc import Coroutine
 from typing import Any
 
+from prometheus_client import REGISTRY, CollectorRegistry
 from redis.exceptions import ResponseError
 
 from baton.engine.llm_engine import EngineConfig, LLMEngine
 from baton.engine.llm_engine import StepOutput
 from baton.worker.core import Effects, Opening, WorkerCore, queue_effects
-from baton.worker.metrics import serve_metrics
+from baton.worker.metrics import WorkerMetrics, serve_metrics
 from baton.worker.runtime import (REDIS_ERRORS, CancelWatcher, GatewayWatch, claim_from_dead, connect,
-                                  ensure_group, heartbeat_loop, install_signal_handlers, remove_dead_consumers)
+                                  default_worker_id, ensure_group, heartbeat_loop, install_signal_handlers, remove_dead_consumers)
 from kvstore.connector import LoadedKV, fetch
 from kvstore.redis_backend import RedisBlockStore
 
@@ -42,13 +43,15 @@ class WorkerShell:
     kind = "worker"
     stream = ""
     group = ""
+    core_class: type[WorkerCore] = WorkerCore
 
-    def __init__(self, args: argparse.Namespace, core: WorkerCore) -> None:
+    def __init__(self, args: argparse.Namespace, registry: CollectorRegistry = REGISTRY) -> None:
+        """`registry`: a private one lets several workers live in one process (tests)."""
         self.args = args
-        self.core = core
-        self.engine = core.engine
-        self.worker_id = core.worker_id
-        self.metrics = core.metrics
+        self.engine = build_engine(args)
+        self.worker_id = args.worker_id or default_worker_id(self.kind)
+        self.metrics = WorkerMetrics(self.engine.model_dir.name, self.kind, registry)
+        self.core = self.core_class(self.engine, self.worker_id, self.metrics)
         self.redis = connect(args.redis_url)
         self.store = RedisBlockStore(self.redis)
         self.cancels = CancelWatcher(self.redis)
@@ -62,10 +65,6 @@ class WorkerShell:
         self.num_blocks_fetched = 0
         self.num_preemptions_seen = 0
         self.drain_deadline: float | None = None  # monotonic; set when a drain starts
-
-    @classmethod
-    def create_core(cls, args: argparse.Namespace) -> WorkerCore:
-        raise NotImplementedError
 
     def state(self) -> dict:
         """What the heartbeat advertises (counts of this kind of worker)."""
