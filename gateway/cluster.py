@@ -20,14 +20,13 @@ from typing import Any
 
 import msgpack
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
 
 from baton import heartbeats
 from baton.protocol import create_token_stream, token_stream
 from baton.urls import redact_url
 from gateway.admission import Admission
 from gateway.config import Settings
-from gateway.router import TokenRouter
+from gateway.router import REDIS_DOWN, TokenRouter, connection_lost
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +72,9 @@ class Cluster:
                 self.redis_ok, self.redis_error = True, None
             except asyncio.CancelledError:
                 raise
-            except (RedisError, OSError) as exc:
+            except REDIS_DOWN as exc:
+                if not connection_lost(exc):
+                    raise
                 self.mark_down(exc)
             await asyncio.sleep(self._settings.heartbeat_interval)
 

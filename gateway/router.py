@@ -24,6 +24,16 @@ from baton.protocol import PAYLOAD_FIELD, MalformedMessage, TokenBatch, TokenEve
 log = logging.getLogger(__name__)
 
 _BLOCK_MS = 1000
+# What a lost Redis connection raises in a long-lived loop. uvloop reports a command sent on a
+# connection Redis has just closed as RuntimeError ("... the handler is closed"), not as a
+# connection error: uncaught, it once ended the token reader for good after a Redis restart.
+REDIS_DOWN = (RedisError, OSError, RuntimeError)
+
+
+def connection_lost(exc: BaseException) -> bool:
+    """Whether `exc` (one of REDIS_DOWN) means the connection to Redis went away: retry later."""
+    return not isinstance(exc, RuntimeError) or "handler is closed" in str(exc)
+
 _BATCH = 512
 _BACKOFF_MIN_S = 0.05
 _BACKOFF_MAX_S = 1.0
@@ -107,7 +117,9 @@ class TokenRouter:
                     await self._redis.xtrim(self.stream, minid=self._last_id, approximate=True)
             except asyncio.CancelledError:
                 raise
-            except (RedisError, OSError) as exc:
+            except REDIS_DOWN as exc:
+                if not connection_lost(exc):
+                    raise
                 if self.connected:
                     log.warning("token stream %s: redis error (%s); retrying", self.stream, exc)
                 self.connected = False

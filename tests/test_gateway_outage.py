@@ -118,3 +118,43 @@ def test_redis_losing_its_data_ends_requests_in_flight_at_once(default_model_dir
         gw_worker.reset()
         server.stop()
         client.close()
+
+
+async def test_the_token_reader_survives_a_connection_closed_under_it(gw_redis_url):
+    # uvloop reports a command sent on a connection Redis has just closed as RuntimeError ("the
+    # handler is closed"); the token reader died of it after a Redis restart, and every later
+    # request hung. It must be retried like any lost connection (and other RuntimeErrors still raise).
+    import asyncio
+
+    import redis.asyncio as aioredis
+
+    from baton import protocol
+    from gateway.router import TokenRouter
+
+    client = aioredis.from_url(gw_redis_url)
+    router = TokenRouter(client, "reader-" + uuid.uuid4().hex[:8])
+    real_xread = client.xread
+    failures = [RuntimeError("unable to perform operation on <TCPTransport closed=True>; the handler is closed")]
+
+    async def xread(*args: Any, **kwargs: Any) -> Any:
+        if failures:
+            raise failures.pop()
+        return await real_xread(*args, **kwargs)
+
+    client.xread = xread  # type: ignore[method-assign]
+    queue = router.register("r1")
+    task = asyncio.create_task(router.run())
+    try:
+        await client.xadd(router.stream, {protocol.PAYLOAD_FIELD: protocol.encode_token_batch(
+            [protocol.TokenEvent("r1", 0, [7], [-0.1])])})
+        event = await asyncio.wait_for(queue.get(), 10)
+        assert event.token_ids == [7] and not task.done()
+        failures.append(RuntimeError("something else"))
+        await asyncio.wait_for(asyncio.gather(task, return_exceptions=True), 10)
+        assert isinstance(task.exception(), RuntimeError)  # not swallowed
+    finally:
+        router.stop()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await client.delete(router.stream)
+        await client.aclose()
