@@ -6,6 +6,12 @@ budget from admission until it ends. Request handlers never touch the budget: th
 check-then-act race between handlers and no lock. Every submitted ticket gets exactly one `done`
 (handlers call it in `finally`), whatever happened: admitted or not, finished, failed, timed out,
 cancelled. That single rule is what makes a leaked reservation impossible.
+
+The budget is the cluster's, shared by every gateway: with N live gateways (their heartbeats) each
+admits against 1/N of it, so N gateways together never admit more than the cluster holds, with no
+Redis round trip per request and nothing to leak when a gateway dies (its share returns to the
+others at their next heartbeat read). A load balancer that spreads requests evenly uses the whole
+budget; a request larger than one share can never be admitted by one gateway and is refused.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ class Admission:
         self._in_use = 0
         self._derived_total = 0  # from decode heartbeats; used when no fixed budget is set
         self._derived_largest = 0  # the biggest single decode worker's capacity, in tokens
+        self._gateways = 1  # live gateways sharing the budget (this one included)
 
     # ---- the handler-facing API: messages only ----
 
@@ -57,24 +64,34 @@ class Admission:
     def done(self, ticket: Ticket) -> None:
         self._inbox.put_nowait(("done", ticket))
 
-    def set_derived_budget(self, total_tokens: int, largest_worker_tokens: int) -> None:
-        self._inbox.put_nowait(("budget", (total_tokens, largest_worker_tokens)))
+    def set_derived_budget(self, total_tokens: int, largest_worker_tokens: int, gateways: int = 1) -> None:
+        """What the heartbeats say: the decode workers' KV capacity (in all, and the largest one's)
+        and how many live gateways share it."""
+        self._inbox.put_nowait(("budget", (total_tokens, largest_worker_tokens, max(1, gateways))))
 
     # ---- read-only views (safe: same event loop, the task is the only writer) ----
 
     @property
-    def total(self) -> int:
+    def cluster_total(self) -> int:
+        """The whole cluster's budget: the fixed one, or the live decode workers' KV capacity."""
         fixed = self._settings.max_batch_total_tokens
         return fixed if fixed is not None else self._derived_total
+
+    @property
+    def total(self) -> int:
+        """This gateway's share of the cluster's budget, what it admits against."""
+        return self.cluster_total // self._gateways
 
     @property
     def largest_request(self) -> int:
         """The biggest cost that can ever be admitted (0: unknown yet).
 
-        With a derived budget a request must fit in ONE decode worker's KV pool, not in the sum.
+        With a derived budget a request must fit in ONE decode worker's KV pool, not in the sum;
+        and in this gateway's share.
         """
         fixed = self._settings.max_batch_total_tokens
-        return fixed if fixed is not None else self._derived_largest
+        largest = fixed if fixed is not None else self._derived_largest
+        return min(largest, self.total)
 
     def snapshot(self) -> dict[str, Any]:
         return {
@@ -83,6 +100,8 @@ class Admission:
                 "in_use": self._in_use,
                 "max_request_tokens": self.largest_request,
                 "source": "fixed" if self._settings.max_batch_total_tokens is not None else "decode_heartbeats",
+                "cluster_total": self.cluster_total,
+                "gateways": self._gateways,
             },
             "requests": {"running": self._running, "waiting": len(self._waiting)},
         }
@@ -104,7 +123,7 @@ class Admission:
         elif command == "done":
             self._on_done(arg)
         elif command == "budget":
-            self._derived_total, self._derived_largest = arg
+            self._derived_total, self._derived_largest, self._gateways = arg
 
     def _on_submit(self, t: Ticket) -> None:
         s = self._settings
@@ -118,6 +137,9 @@ class Admission:
             # Would wait forever: even an idle cluster cannot hold it.
             where = ("the token budget (max_batch_total_tokens)" if s.max_batch_total_tokens is not None
                      else "the KV capacity of the largest decode worker")
+            if largest == total and self._gateways > 1:
+                where = (f"this gateway's share of the cluster's token budget (1/{self._gateways} of "
+                         f"{self.cluster_total}: {self._gateways} gateways share it)")
             self._reject(t, "exceeds_budget", validation_error(
                 f"request needs {t.cost} tokens (input + max new tokens) but {where} is {largest}; "
                 f"send a shorter prompt or fewer max new tokens", status=t.status))

@@ -102,7 +102,9 @@ class Cluster:
             group.sort(key=lambda w: str(w.get("worker_id", "")))
         self.workers = workers
         capacities = self.decode_capacities()
-        self._admission.set_derived_budget(sum(capacities), max(capacities, default=0))
+        # Our own beat, written above, is among the live ones: at least 1 (more gateways, smaller share).
+        self._admission.set_derived_budget(sum(capacities), max(capacities, default=0),
+                                           len(workers.get("gateway", [])))
 
     def _stream_lost(self) -> None:
         # Called before the stream is made again, so the router reads the new one from its start.

@@ -100,6 +100,25 @@ async def test_derived_budget_a_request_must_fit_one_decode_worker():
         task.cancel()
 
 
+async def test_each_gateway_admits_against_its_share_of_the_budget():
+    adm, _ = make_admission(max_batch_total_tokens=None)
+    task = asyncio.create_task(adm.run())
+    try:
+        adm.set_derived_budget(1000, 1000, gateways=2)  # one decode worker, two gateways
+        a, b, too_big = adm.submit(300, 400), adm.submit(300, 400), adm.submit(600, 400)
+        await settle()
+        assert a.decision.result() is None
+        assert not b.decision.done()  # 600 of this gateway's 500 would be over its share: waits
+        err = too_big.decision.result()
+        assert err.status == 400 and "share" in err.message and "2 gateways" in err.message
+        assert adm.snapshot()["token_budget"]["total"] == 500
+        adm.set_derived_budget(1000, 1000, gateways=1)  # the other gateway is gone: all of it
+        await settle()
+        assert b.decision.result() is None
+    finally:
+        task.cancel()
+
+
 async def test_concurrency_limit_counts_running_and_waiting():
     adm, metrics = make_admission(max_batch_total_tokens=100, max_concurrent_requests=2)
     task = asyncio.create_task(adm.run())
@@ -214,7 +233,39 @@ def test_budget_derived_from_decode_heartbeats(default_model_dir, gw_redis_url, 
         assert result["r"].status_code == 200
         s = stats(server.url)
         assert s["token_budget"] == {"total": 4096, "in_use": 0, "max_request_tokens": 4096,
-                                     "source": "decode_heartbeats"}
+                                     "source": "decode_heartbeats", "cluster_total": 4096, "gateways": 1}
         assert s["workers"]["decode"][0]["num_kv_blocks_total"] == 256
     finally:
         server.stop()
+
+
+def test_two_gateways_together_admit_no_more_than_the_budget(default_model_dir, gw_redis_url, gw_tokenizer,
+                                                              gw_worker):
+    # Issue 13 (2): each gateway admitted against the whole cluster budget, so two gateways behind a
+    # load balancer admitted twice what the cluster holds.
+    limits = dict(max_batch_total_tokens=1000, max_input_tokens=100, max_total_tokens=500, max_queue_wait=20.0)
+    gateways = [start_gateway(default_model_dir, gw_redis_url, gw_tokenizer, **limits) for _ in range(2)]
+    try:
+        assert wait_until(lambda: all(stats(g.url)["token_budget"]["gateways"] == 2 for g in gateways), timeout=10)
+        gw_worker.hold = True
+        before = len(gw_worker.requests)
+        # 20 requests of about 100 tokens each, half to each gateway: twice the budget.
+        threads = [t for g in gateways for t in hold_requests(g.url, 10, max_new_tokens=99)]
+        assert wait_until(lambda: sum(stats(g.url)["requests"]["running"] + stats(g.url)["requests"]["waiting"]
+                                      for g in gateways) == 20, timeout=10)
+        time.sleep(0.5)  # a gateway that over-admitted would have done so by now
+        budgets = [stats(g.url)["token_budget"] for g in gateways]
+        running = [stats(g.url)["requests"]["running"] for g in gateways]
+        assert sum(b["in_use"] for b in budgets) <= 1000, budgets
+        cost = budgets[0]["in_use"] // running[0]
+        assert running == [500 // cost] * 2  # each its half: the budget is used, not exceeded
+        assert wait_until(lambda: len(gw_worker.requests) - before == sum(running))
+        gw_worker.hold = False
+        for t in threads:
+            t.join(30)
+        assert all(stats(g.url)["token_budget"]["in_use"] == 0 for g in gateways)
+        assert len(gw_worker.requests) - before == 20  # the queued ones were all served in the end
+    finally:
+        gw_worker.hold = False
+        for g in gateways:
+            g.stop()
