@@ -78,6 +78,8 @@ class PrefillRequest:
     sampling: SamplingParams
     arrival_time: float  # wall clock (time.time()) when the gateway admitted the request
     kind: str = "prefill_request"
+    # The client's x-request-id (or the one the gateway made up): for log lines, never for routing.
+    client_request_id: str = ""
 
 
 @dataclass
@@ -101,6 +103,7 @@ class Handoff:
     arrival_time: float
     first_token_time: float
     kind: str = "handoff"
+    client_request_id: str = ""  # the PrefillRequest's, carried on for the decode worker's logs
 
 
 @dataclass
@@ -226,7 +229,7 @@ def _check_types(message: Any) -> None:
         if f.name in ("prompt_token_ids", "output_token_ids", "token_ids"):
             if not isinstance(value, list) or not all(isinstance(t, int) for t in value):
                 raise MalformedMessage(f"{f.name} must be a list of ints")
-        elif f.name in ("request_id", "gateway_id") and not isinstance(value, str):
+        elif f.name in ("request_id", "gateway_id", "client_request_id") and not isinstance(value, str):
             raise MalformedMessage(f"{f.name} must be a string")
         elif f.name == "block_hashes" and (not isinstance(value, list) or not all(isinstance(h, str) for h in value)):
             raise MalformedMessage("block_hashes must be a list of strings")

@@ -13,6 +13,7 @@ import logging
 import time
 
 from baton import protocol
+from baton.logs import request_extra
 from baton.engine.llm_engine import StepOutput
 from baton.engine.sequence import Sequence
 from baton.worker.core import Effects, WorkerCore
@@ -58,6 +59,8 @@ class DecodeCore(WorkerCore[protocol.Handoff]):
             return self.fail(message_id, handoff, str(exc))
         self.metrics.handoff_latency.observe(max(0.0, time.time() - handoff.first_token_time))
         self.in_flight[handoff.request_id] = InFlight(message_id, handoff, time.time(), len(handoff.output_token_ids))
+        logger.debug("decoding request %s from output position %d", handoff.request_id,
+                     len(handoff.output_token_ids), extra=request_extra(handoff.request_id))
         return Effects()
 
     def drop(self, request_id: str, reason: str) -> Effects:
@@ -67,7 +70,7 @@ class DecodeCore(WorkerCore[protocol.Handoff]):
             return Effects()
         self.engine.abort_request(request_id)
         self.metrics.finished(reason)
-        logger.info("dropped request %s (%s)", request_id, reason)
+        logger.info("dropped request %s (%s)", request_id, reason, extra=request_extra(request_id))
         return Effects(acks=[entry.message_id], deletes=self._partial_keys(entry))
 
     def gateway_of(self, request_id: str) -> str:

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 
 # Counters' `_created` series only clutter /metrics (set before prometheus_client is imported).
 os.environ.setdefault("PROMETHEUS_DISABLE_CREATED_SERIES", "True")
 
+from baton.logs import FORMATS, setup_logging, uvicorn_log_config
 from gateway.config import Settings
 
 
@@ -60,6 +60,12 @@ def parse_args(argv: list[str] | None = None) -> Settings:
                    help="answer unknown request fields with a 4xx naming them (default: $BATON_STRICT_API; "
                         "else they are ignored, logged once, and listed in the x-baton-ignored-fields header)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-format", default=os.environ.get("BATON_LOG_FORMAT", "text"), choices=list(FORMATS),
+                   help="text lines or one JSON object per line (default: $BATON_LOG_FORMAT, else text)")
+    p.add_argument("--shutdown-grace", type=float, default=float(os.environ.get("BATON_SHUTDOWN_GRACE", 40.0)),
+                   help="on SIGTERM, seconds requests in flight (streams included) get to finish before "
+                        "they are cut (default: $BATON_SHUTDOWN_GRACE, else 40: longer than the workers' "
+                        "30 s drain, so a request a draining worker finishes is delivered)")
     args = p.parse_args(argv)
 
     from baton.ops.fetch import resolve_model
@@ -75,7 +81,7 @@ def parse_args(argv: list[str] | None = None) -> Settings:
         allowed_hosts=_host_list(args.allowed_hosts), max_chat_messages=args.max_chat_messages,
         max_stop_token_ids=args.max_stop_token_ids, header_read_timeout=args.header_read_timeout,
         body_read_timeout=args.body_read_timeout, stream_write_timeout=args.stream_write_timeout,
-        strict_api=args.strict_api,
+        strict_api=args.strict_api, log_format=args.log_format, shutdown_grace=args.shutdown_grace,
     )
     if args.gateway_id:
         settings.gateway_id = args.gateway_id
@@ -95,7 +101,7 @@ def _host_list(value: str | None) -> tuple[str, ...] | None:
 def main(argv: list[str] | None = None) -> int:
     settings = parse_args(argv)
     level = settings.log_level
-    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(level, settings.log_format)
     try:
         settings.validate()
     except ValueError as exc:
@@ -110,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     app = create_app(settings)
     uvicorn.run(app, host=settings.host, port=settings.port, loop="uvloop", log_level=level,
                 http=http_protocol(settings), timeout_keep_alive=settings.keep_alive_timeout,
-                timeout_graceful_shutdown=5)
+                timeout_graceful_shutdown=settings.shutdown_grace,
+                log_config=uvicorn_log_config(level, settings.log_format))
     return 0
 
 

@@ -30,6 +30,7 @@ from gateway.config import Settings
 from gateway.errors import ApiError, handle_api_error, handle_http_exception, handle_unexpected
 from gateway.hosts import HostCheckMiddleware, allowed_names
 from gateway.metrics import GatewayMetrics
+from gateway.request_ids import RequestIdMiddleware
 from gateway.router import TokenRouter
 from gateway.services import Services
 from gateway.tokenizer import PromptTokenizer
@@ -108,7 +109,8 @@ def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> 
     app = Starlette(
         routes=[*routes_tgi.routes, *routes_openai.routes, *routes_tokenize.routes, *routes_misc.routes,
                 *dashboard.routes],
-        middleware=[Middleware(HostCheckMiddleware, allowed=allowed_names(settings)),
+        middleware=[Middleware(RequestIdMiddleware),  # first: even a refused Host gets its id back
+                    Middleware(HostCheckMiddleware, allowed=allowed_names(settings)),
                     Middleware(ApiKeyMiddleware, api_key=settings.api_key)],
         exception_handlers={ApiError: handle_api_error, HTTPException: handle_http_exception,
                             Exception: handle_unexpected},

@@ -61,6 +61,10 @@ class Settings:
     # in the x-baton-ignored-fields header; True: it is a 4xx naming it (a typo never goes unseen).
     strict_api: bool = False
     log_level: str = "info"
+    log_format: str = "text"  # or "json" (baton.logs)
+    # SIGTERM: seconds requests in flight get to finish (uvicorn's graceful shutdown) before they are
+    # cut. Longer than the workers' drain (30 s), so what a draining worker finishes is delivered.
+    shutdown_grace: float = 40.0
 
     def __post_init__(self) -> None:
         self.model_dir = Path(self.model_dir)
@@ -85,6 +89,8 @@ class Settings:
             raise ValueError("--max-queue-wait must be > 0")
         if self.max_body_bytes < 1024:
             raise ValueError("--max-body-bytes must be >= 1024")
+        if self.shutdown_grace < 0:
+            raise ValueError("--shutdown-grace must be >= 0")
         if self.event_timeout <= 0:
             raise ValueError("--event-timeout must be > 0")
         if self.max_stop_token_ids < 0 or self.max_chat_messages < 1:

@@ -13,6 +13,8 @@ from typing import Any, Literal
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
+from gateway.request_ids import HEADER, client_request_id
+
 ApiStyle = Literal["tgi", "openai"]
 
 # Our error kinds -> OpenAI's error `type` strings.
@@ -112,4 +114,5 @@ async def handle_http_exception(request: Request, exc: Exception) -> JSONRespons
 async def handle_unexpected(request: Request, exc: Exception) -> JSONResponse:
     """Last resort: a bug must still answer JSON the clients can parse, never a bare 500 page."""
     err = ApiError(500, f"internal error: {type(exc).__name__}", kind="generation")
-    return error_response(err, api_style(request.url.path))
+    # Answered by Starlette's outermost middleware, past RequestIdMiddleware: add the id here.
+    return error_response(err, api_style(request.url.path), {HEADER: client_request_id(request.scope)})

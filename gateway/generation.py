@@ -34,6 +34,7 @@ from baton.sampling_params import SamplingParams
 from gateway.admission import Ticket
 from gateway.detokenizer import IncrementalDetokenizer, StopMatcher
 from gateway.errors import ApiError, unavailable
+from gateway.request_ids import client_request_id
 from gateway.router import Routed, StreamLost
 from gateway.services import Services
 from gateway.validation import GenerationSpec
@@ -145,7 +146,8 @@ class Generation:
         self._queue = svc.router.register(self.request_id)
         message = PrefillRequest(
             request_id=self.request_id, gateway_id=svc.settings.gateway_id,
-            prompt_token_ids=self.prompt_ids, sampling=self._sampling(), arrival_time=time.time())
+            prompt_token_ids=self.prompt_ids, sampling=self._sampling(), arrival_time=time.time(),
+            client_request_id=client_request_id(request.scope))
         try:
             await svc.redis.xadd(PREFILL_STREAM, {PAYLOAD_FIELD: encode(message)},
                                  maxlen=STREAM_MAXLEN, approximate=True)

@@ -1,4 +1,9 @@
-"""Operational endpoints: /health, /info, /stats, /metrics, /v1/models, /version, /openapi.json.
+"""Operational endpoints: /health, /ready, /info, /stats, /metrics, /v1/models, /version, /openapi.json.
+
+/health is liveness (the gateway serves, its tasks run, Redis answers); /ready is readiness: also
+at least one live prefill and one live, not draining, decode worker, so a load balancer or
+Kubernetes sends traffic only to a gateway that can serve it (requests to a gateway without
+workers would wait in the queue and end in 503).
 
 (The live dashboard, /dashboard and /dashboard/data, lives in gateway/dashboard.py.)
 """
@@ -20,6 +25,7 @@ from starlette.routing import Route
 from baton.urls import redact_url
 from gateway.openapi import openapi_spec
 from gateway.respond import services
+from gateway.services import Services
 
 VERSION = "0.1.0"  # when Baton runs from a source tree that was never installed
 
@@ -33,9 +39,8 @@ def baton_version() -> str:
         return VERSION
 
 
-async def health(request: Request) -> Response:
-    """200 when Redis answers a PING (within a second), else 503 saying why."""
-    svc = services(request)
+async def _unhealthy(svc: Services) -> JSONResponse | None:
+    """The 503 answer when a task died or Redis does not answer a PING within a second, else None."""
     dead = [t.get_name() for t in svc.tasks if t.done()]
     if dead:  # cannot happen unless there is a bug; then say so rather than hang requests
         return JSONResponse({"status": "unhealthy", "error": f"internal task(s) stopped: {', '.join(dead)}",
@@ -48,6 +53,15 @@ async def health(request: Request) -> Response:
         return JSONResponse({"status": "unhealthy", "redis": "unreachable",
                              "error": f"redis at {redact_url(svc.settings.redis_url)} is unreachable ({reason})",
                              "error_type": "unavailable"}, status_code=503)
+    return None
+
+
+async def health(request: Request) -> Response:
+    """200 when Redis answers a PING (within a second), else 503 saying why."""
+    svc = services(request)
+    failed = await _unhealthy(svc)
+    if failed is not None:
+        return failed
     workers = svc.cluster.workers
     return JSONResponse({
         "status": "ok",
@@ -56,6 +70,25 @@ async def health(request: Request) -> Response:
         "prefill_workers": len(workers.get("prefill", [])),
         "decode_workers": len(workers.get("decode", [])),
     })
+
+
+async def ready(request: Request) -> Response:
+    """200 when /health would be and the cluster view holds a live prefill worker and a live decode
+    worker that is not draining; else 503 naming what is missing."""
+    svc = services(request)
+    failed = await _unhealthy(svc)
+    if failed is not None:
+        return failed
+    workers = svc.cluster.workers
+    prefill = len(workers.get("prefill", []))
+    decode = sum(1 for w in workers.get("decode", []) if not w.get("draining"))
+    missing = [f"a live {kind} worker" for kind, n in (("prefill", prefill), ("decode", decode)) if n == 0]
+    body = {"status": "ready" if not missing else "not ready", "redis": "ok",
+            "prefill_workers": prefill, "decode_workers": decode}
+    if missing:
+        return JSONResponse({**body, "missing": missing, "error": f"no {' and no '.join(m[2:] for m in missing)}",
+                             "error_type": "unavailable"}, status_code=503)
+    return JSONResponse(body)
 
 
 async def info(request: Request) -> Response:
@@ -147,6 +180,7 @@ def _jsonable(value: Any) -> Any:
 
 routes = [
     Route("/health", health, methods=["GET"]),
+    Route("/ready", ready, methods=["GET"]),
     Route("/info", info, methods=["GET"]),
     Route("/stats", stats, methods=["GET"]),
     Route("/metrics", metrics, methods=["GET"]),

@@ -87,7 +87,8 @@ async def _handle(request: Request, chat: bool) -> Response:
     except ClientGone:
         return client_gone_response()
     reply = _Reply(gen, chat)
-    headers = {"x-request-id": gen.request_id, **ignored_fields_header(gen.spec.ignored_fields)}
+    # x-request-id (the client's id) is added by RequestIdMiddleware on every response.
+    headers = ignored_fields_header(gen.spec.ignored_fields)
     if gen.spec.stream:
         gen.stop_watching()
         return SSEResponse(_stream(reply), gen, headers=headers)

@@ -136,7 +136,8 @@ def _token(t: TokenOut) -> dict[str, Any]:
 
 
 def _headers(gen: Generation) -> dict[str, str]:
-    return {"x-request-id": gen.request_id, **ignored_fields_header(gen.spec.ignored_fields)}
+    # x-request-id (the client's id) is added by RequestIdMiddleware on every response.
+    return ignored_fields_header(gen.spec.ignored_fields)
 
 
 def _sse(payload: dict[str, Any]) -> bytes:

@@ -15,6 +15,7 @@ import logging
 import time
 
 from baton import protocol
+from baton.logs import request_extra
 from baton.engine.llm_engine import StepOutput
 from baton.engine.sequence import Sequence
 from baton.worker.core import Effects, WorkerCore
@@ -49,6 +50,8 @@ class PrefillCore(WorkerCore[protocol.PrefillRequest]):
         except (ValueError, TypeError) as exc:
             return self.fail(message_id, request, str(exc))
         self.in_flight[request.request_id] = (message_id, request, time.time())
+        logger.debug("prefilling request %s (%d prompt tokens, %d stored blocks)", request.request_id,
+                     len(request.prompt_token_ids), len(stored_hashes), extra=request_extra(request.request_id))
         return Effects()
 
     def cancel(self, request_id: str, reason: str = "cancelled") -> Effects:
@@ -57,7 +60,7 @@ class PrefillCore(WorkerCore[protocol.PrefillRequest]):
             return Effects()
         self.engine.abort_request(request_id)
         self.metrics.finished("cancelled")
-        logger.info("dropped request %s (%s)", request_id, reason)
+        logger.info("dropped request %s (%s)", request_id, reason, extra=request_extra(request_id))
         return Effects(acks=[entry[0]])
 
     def gateway_of(self, request_id: str) -> str:
@@ -106,6 +109,7 @@ class PrefillCore(WorkerCore[protocol.PrefillRequest]):
                     output_token_ids=seq.output_token_ids,
                     block_hashes=seq.block_hashes(bs, self.engine.model_id)[:save.num_full_blocks],
                     partial_block_key=key, sampling=seq.sampling_params, arrival_time=request.arrival_time,
-                    first_token_time=seq.first_token_time or time.time()))
+                    first_token_time=seq.first_token_time or time.time(),
+                    client_request_id=request.client_request_id))
             effects.acks.append(message_id)
         return effects

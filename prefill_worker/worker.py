@@ -17,6 +17,7 @@ from collections import deque
 from prometheus_client import REGISTRY, CollectorRegistry
 
 from baton import protocol
+from baton.logs import request_extra
 from baton.worker.core import Effects
 from baton.worker.runtime import read_group
 from baton.worker.shell import WorkerShell
@@ -81,7 +82,8 @@ class PrefillWorker(WorkerShell):
             request = await self.open(message_id, fields, deliveries)
             if request is not None and self.gateways.is_gone(request.gateway_id):
                 # Nobody will read its tokens: a dead gateway's backlog is not prefilled.
-                logger.info("request %s: its gateway is gone; dropped unread", request.request_id)
+                logger.info("request %s: its gateway is gone; dropped unread", request.request_id,
+                            extra=request_extra(request.request_id))
                 await self.write(Effects(acks=[message_id]))
             elif request is not None:
                 # Which of the prompt's blocks the store holds (computed by any prefill worker):

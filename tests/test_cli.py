@@ -210,7 +210,13 @@ if KIND == "gateway":
     from http.server import BaseHTTPRequestHandler, HTTPServer
     class H(BaseHTTPRequestHandler):
         def do_GET(self):
-            self.send_response(200 if self.path == "/health" else 404); self.end_headers()
+            if self.path != "/ready":
+                self.send_response(200 if self.path == "/health" else 404); self.end_headers(); return
+            # as the real /ready: 503 naming what is missing until a prefill and a decode worker beat
+            kinds = {{key.decode().split(":")[2] for key, _ in heartbeats.live_sync(client)}}
+            missing = [f"a live {{k}} worker" for k in ("prefill", "decode") if k not in kinds]
+            self.send_response(503 if missing else 200); self.end_headers()
+            self.wfile.write(json.dumps({{"missing": missing}}).encode())
         def log_message(self, *a): pass
     server = HTTPServer((args.host, args.port), H)
     threading.Thread(target=server.serve_forever, daemon=True).start()

@@ -237,7 +237,7 @@ def test_worker_metrics_bind_loopback_unless_told_otherwise():
 
     from baton.ops.redis_server import free_port
     from baton.worker.args import add_common_args
-    from baton.worker.metrics import serve_metrics
+    from baton.worker.health import serve_metrics
 
     parser = argparse.ArgumentParser()
     add_common_args(parser, "decode")

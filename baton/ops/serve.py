@@ -21,6 +21,7 @@ URL (with the private Redis's random password) and the API key travel in the env
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import secrets
 import signal
@@ -31,7 +32,6 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from baton.urls import redact_url
 from baton.ops.supervisor import API_KEY_ENV, ChildExited, ChildSpec, StopRequested, Supervisor
@@ -48,6 +48,7 @@ GATEWAY_FLAGS: list[tuple[str, type, str]] = [
     ("--max-batch-total-tokens", int, "cluster token budget: admitted requests' input + max_new_tokens"),
     ("--max-queue-size", int, "requests waiting for budget before 429"),
     ("--max-queue-wait", float, "seconds a request may wait for budget before a 503"),
+    ("--shutdown-grace", float, "seconds requests in flight get to finish when the gateway stops (default 40)"),
 ]
 # Environment variables that carry secrets to the children (never argv: `ps` shows argv to all).
 REDIS_URL_ENV = "REDIS_URL"
@@ -153,9 +154,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="first Prometheus port for the workers: prefill i gets PORT+i, decode j PORT+#prefill+j (default: none)")
     parser.add_argument("--startup-timeout", type=float, default=600.0,
                         help="seconds to wait for the deployment to become ready (default 600)")
-    parser.add_argument("--stop-timeout", type=float, default=35.0,
-                        help="seconds children get to stop after SIGTERM before SIGKILL (default 35: "
-                             "longer than the workers' 30 s drain; a second Ctrl-C kills at once)")
+    parser.add_argument("--stop-timeout", type=float, default=80.0,
+                        help="seconds children get to stop after SIGTERM before SIGKILL (default 80: the "
+                             "gateway stops first and gets half, its 40 s shutdown grace; then the workers "
+                             "the rest, more than their 30 s drain; a second Ctrl-C kills at once)")
+    parser.add_argument("--log-format", default=os.environ.get("BATON_LOG_FORMAT") or None, choices=["text", "json"],
+                        help="every child's log lines: text or one JSON object per line (default: "
+                             "$BATON_LOG_FORMAT, else text)")
     group = parser.add_argument_group("gateway limits (passed to the gateway when given)")
     for flag, typ, help_ in GATEWAY_FLAGS:
         group.add_argument(flag, type=typ, default=None, help=help_)
@@ -189,6 +194,8 @@ def build_child_specs(args: argparse.Namespace, model_dir: Path, redis_url: str,
     The Redis URL and the API key go in each child's environment, not on its command line."""
     specs: list[ChildSpec] = []
     common = ["--model", str(model_dir)]
+    if getattr(args, "log_format", None):
+        common += ["--log-format", args.log_format]
     secret_env = {REDIS_URL_ENV: redis_url}
     metrics_port = args.worker_metrics_port
     for i, threads in enumerate(plan.prefill):
@@ -205,8 +212,7 @@ def build_child_specs(args: argparse.Namespace, model_dir: Path, redis_url: str,
             argv += ["--metrics-port", str(metrics_port + len(plan.prefill) + j)]
         specs.append(ChildSpec(f"decode_worker[{j}]", argv, {**_thread_env(threads), **secret_env},
                                "decode"))
-    argv = [python, "-m", GATEWAY_MODULE, "--model", str(model_dir), "--host", args.host,
-            "--port", str(args.port)]
+    argv = [python, "-m", GATEWAY_MODULE, *common, "--host", args.host, "--port", str(args.port)]
     argv += _passthrough(args, GATEWAY_FLAGS)
     if getattr(args, "served_model_name", None):
         argv += ["--served-model-name", *args.served_model_name]
@@ -244,60 +250,42 @@ def probe_host(host: str) -> str:
     return host
 
 
-def gateway_healthy(host: str, port: int, timeout: float = 2.0) -> bool:
+def gateway_readiness(host: str, port: int, timeout: float = 2.0) -> list[str]:
+    """What the deployment still lacks, as the gateway's GET /ready says ([] when it is ready):
+    Redis, a live prefill worker, a live decode worker; or the gateway itself while it does not
+    answer."""
+    url = f"http://{probe_host(host)}:{port}/ready"
     try:
-        with urllib.request.urlopen(f"http://{probe_host(host)}:{port}/health", timeout=timeout) as resp:
-            return resp.status == 200
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return [] if resp.status == 200 else ["the gateway's /ready"]
+    except urllib.error.HTTPError as exc:  # 503: the body names what is missing
+        try:
+            body = json.loads(exc.read() or b"{}")
+        except ValueError:
+            body = {}
+        finally:
+            exc.close()
+        if body.get("redis") == "unreachable":
+            return ["redis"]
+        return [str(m) for m in body.get("missing", [])] or [f"the gateway's /ready ({exc.code})"]
     except (urllib.error.URLError, OSError, ValueError):
-        return False
+        return ["the gateway"]
 
 
-def heartbeat_roles(redis_client: Any) -> set[str]:
-    """The kinds of process that have a live heartbeat key (baton:heartbeat:<kind>:<id>)."""
-    from baton import heartbeats
-
-    kinds: set[str] = set()
-    for key, _value in heartbeats.live_sync(redis_client):
-        key = key.decode() if isinstance(key, bytes) else key
-        parts = key.split(":")
-        if len(parts) >= 3:
-            kind = parts[2]
-            if kind.startswith("prefill"):
-                kinds.add("prefill")
-            elif kind.startswith("decode"):
-                kinds.add("decode")
-            else:
-                kinds.add(kind)
-    return kinds
-
-
-def wait_until_ready(sup: Supervisor, host: str, port: int, redis_url: str, timeout: float) -> None:
-    import redis
-
-    client = redis.Redis.from_url(redis_url, socket_timeout=2)
+def wait_until_ready(sup: Supervisor, host: str, port: int, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     waiting_for = ""
-    try:
-        while True:
-            sup.check()
-            missing = []
-            if not gateway_healthy(host, port):
-                missing.append("gateway /health")
-            try:
-                kinds = heartbeat_roles(client)
-            except redis.RedisError:
-                kinds = set()
-            missing += [f"a {k} worker heartbeat" for k in ("prefill", "decode") if k not in kinds]
-            if not missing:
-                return
-            if " and ".join(missing) != waiting_for:
-                waiting_for = " and ".join(missing)
-                sup.log(f"waiting for {waiting_for} ...")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"not ready after {timeout:g}s: still waiting for {waiting_for}")
-            sup.sleep(0.5)
-    finally:
-        client.close()
+    while True:
+        sup.check()
+        missing = gateway_readiness(host, port)
+        if not missing:
+            return
+        if " and ".join(missing) != waiting_for:
+            waiting_for = " and ".join(missing)
+            sup.log(f"waiting for {waiting_for} ...")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not ready after {timeout:g}s: still waiting for {waiting_for}")
+        sup.sleep(0.5)
 
 
 # --------------------------------------------------------------------------------------------
@@ -346,7 +334,7 @@ def run(args: argparse.Namespace) -> int:
             log(f"redis: {private_redis.display_url} (private, pid {private_redis.process.pid})")
         for spec in build_child_specs(args, Path(model_dir), redis_url, plan):
             sup.start(spec)
-        wait_until_ready(sup, args.host, args.port, redis_url, args.startup_timeout)
+        wait_until_ready(sup, args.host, args.port, args.startup_timeout)
         print(f"Baton is serving {model_name} at http://{args.host}:{args.port}", flush=True)
         while True:
             sup.sleep(3600)

@@ -40,6 +40,11 @@ def add_common_args(parser: argparse.ArgumentParser, kind: str) -> None:
     parser.add_argument("--gateway-grace", type=float, default=15.0,
                         help="seconds without a gateway heartbeat before its requests are dropped as orphans")
     parser.add_argument("--log-level", default=os.environ.get("BATON_LOG_LEVEL", "INFO"))
+    parser.add_argument("--log-format", default=os.environ.get("BATON_LOG_FORMAT", "text"), choices=["text", "json"],
+                        help="text lines or one JSON object per line (default: $BATON_LOG_FORMAT, else text)")
+    parser.add_argument("--stall-timeout", type=float, default=float(os.environ.get("BATON_STALL_TIMEOUT", 60.0)),
+                        help="GET /health on the metrics port answers 503 when the worker's loop has not "
+                             "turned for this many seconds (default: $BATON_STALL_TIMEOUT, else 60)")
 
 
 def run_worker(kind: str, argv: list[str] | None, extra: Callable[[argparse.ArgumentParser], None] | None = None) -> None:
@@ -47,14 +52,14 @@ def run_worker(kind: str, argv: list[str] | None, extra: Callable[[argparse.Argu
     import asyncio
     import importlib
 
-    from baton.worker.runtime import setup_logging
+    from baton.logs import setup_logging
 
     parser = argparse.ArgumentParser(prog=f"python -m {kind}_worker", description=f"Baton {kind} worker")
     add_common_args(parser, kind)
     if extra is not None:
         extra(parser)
     args = parser.parse_args(argv)
-    setup_logging(args.log_level)
+    setup_logging(args.log_level, args.log_format)
     module = importlib.import_module(f"{kind}_worker.worker")
     worker_class = getattr(module, f"{kind.capitalize()}Worker")
     try:

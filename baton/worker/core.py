@@ -16,6 +16,7 @@ from typing import Generic, TypeVar
 from redis.asyncio.client import Pipeline
 
 from baton import protocol
+from baton.logs import remember, request_extra
 from baton.engine.llm_engine import LLMEngine
 from baton.worker.metrics import WorkerMetrics
 from kvstore.redis_backend import block_key, DEFAULT_TTL_S
@@ -120,6 +121,7 @@ class WorkerCore(Generic[M]):
             message = protocol.decode(fields[protocol.PAYLOAD_FIELD], self.message_type)
         except (protocol.MalformedMessage, KeyError) as exc:
             return Opened(Opening.DEAD_LETTER, error=str(exc))
+        remember(message.request_id, message.client_request_id)  # from now on its log lines name it
         if message.request_id in cancelled or self.is_in_flight(message.request_id):
             return Opened(Opening.SKIP, message)
         if deliveries > self.max_deliveries:
@@ -142,7 +144,7 @@ class WorkerCore(Generic[M]):
 
     def fail(self, message_id: bytes, message: M, error: str) -> Effects:
         """End a request with an error event (never silence) and ack its message."""
-        logger.error("request %s failed: %s", message.request_id, error)
+        logger.error("request %s failed: %s", message.request_id, error, extra=request_extra(message.request_id))
         index = len(message.output_token_ids) if isinstance(message, protocol.Handoff) else 0
         effects = Effects(acks=[message_id])
         effects.add_event(message.gateway_id, protocol.TokenEvent(

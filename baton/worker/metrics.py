@@ -19,9 +19,7 @@ every later token (so prefill + decode generation_tokens = the tokens the gatewa
 
 from __future__ import annotations
 
-from typing import Any
-
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, start_http_server
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
 LABELS = ["model_name"]
 _TIME_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -73,13 +71,3 @@ class WorkerMetrics:
     def finished(self, reason: str) -> None:
         self.requests_finished.labels(model_name=self.model_name, finished_reason=reason).inc()
 
-
-def serve_metrics(port: int | None, host: str = "127.0.0.1") -> Any:
-    """Loopback by default: the page names the model and the load, for this machine's scraper only
-    unless the deployment says otherwise (a container's port is published by its own rules)."""
-    if port:
-        # Counters' `_created` series only clutter the page (as the gateway's: see gateway/__main__.py).
-        disable_created_metrics()
-        server, _thread = start_http_server(port, addr=host)
-        return server
-    return None

@@ -224,6 +224,3 @@ def install_signal_handlers(stopping: asyncio.Event) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stopping.set)
 
-
-def setup_logging(level: str = "INFO") -> None:
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -19,8 +19,10 @@ from redis.exceptions import ResponseError
 
 from baton.engine.llm_engine import EngineConfig, LLMEngine
 from baton.engine.llm_engine import StepOutput
+from baton.logs import request_extra
 from baton.worker.core import Effects, Opening, WorkerCore, queue_effects
-from baton.worker.metrics import WorkerMetrics, serve_metrics
+from baton.worker.health import LoopWatch, serve_metrics
+from baton.worker.metrics import WorkerMetrics
 from baton.worker.runtime import (REDIS_ERRORS, CancelWatcher, GatewayWatch, claim_from_dead, connect,
                                   default_worker_id, ensure_group, heartbeat_loop, install_signal_handlers, remove_dead_consumers)
 from kvstore.connector import LoadedKV, fetch
@@ -48,6 +50,10 @@ class WorkerShell:
     def __init__(self, args: argparse.Namespace, registry: CollectorRegistry = REGISTRY) -> None:
         """`registry`: a private one lets several workers live in one process (tests)."""
         self.args = args
+        self.registry = registry
+        # /health on the metrics port: the loop below stamps it every turn.
+        self.watch = LoopWatch(getattr(args, "stall_timeout", 60.0))
+        self.metrics_server: Any = None
         self.engine = build_engine(args)
         self.worker_id = args.worker_id or default_worker_id(self.kind)
         self.metrics = WorkerMetrics(self.engine.model_dir.name, self.kind, registry)
@@ -90,7 +96,7 @@ class WorkerShell:
 
     async def run(self) -> None:
         install_signal_handlers(self.stopping)
-        serve_metrics(self.args.metrics_port, self.args.metrics_host)
+        self.metrics_server = serve_metrics(self.args.metrics_port, self.args.metrics_host, self.watch, self.registry)
         await self._wait_for_redis()
         await ensure_group(self.redis, self.stream, self.group)
         self.tasks = [
@@ -103,6 +109,7 @@ class WorkerShell:
         logger.info("%s worker %s ready (%s)", self.kind, self.worker_id, self.engine.model_dir.name)
         backoff = 0.1
         while not self.stopping.is_set():
+            self.watch.turn()
             try:
                 await self.iteration(accept_new=True)
                 backoff = 0.1
@@ -122,8 +129,10 @@ class WorkerShell:
         """SIGTERM: take nothing new, finish what is in flight within the drain time, then exit.
         Whatever is left stays unacked in its stream, for a live worker of the same kind to claim."""
         deadline = self.drain_deadline = time.monotonic() + self.args.drain_timeout
+        self.watch.draining = True
         logger.info("draining %d requests (at most %.0fs)", self.num_in_flight(), self.args.drain_timeout)
         while self.engine.has_unfinished() and time.monotonic() < deadline:
+            self.watch.turn()
             try:
                 await self.iteration(accept_new=False)
             except REDIS_ERRORS:
@@ -135,11 +144,15 @@ class WorkerShell:
             task.cancel()
         await asyncio.gather(*self.tasks, *self.loads, return_exceptions=True)
         await self.redis.aclose()
+        if self.metrics_server is not None:
+            self.metrics_server.shutdown()
+            self.metrics_server.server_close()
         logger.info("%s worker %s stopped", self.kind, self.worker_id)
 
     async def _wait_for_redis(self) -> None:
         backoff = 0.1
         while not self.stopping.is_set():
+            self.watch.turn()  # waiting for Redis is not being stuck
             try:
                 await self.redis.ping()
                 return
@@ -225,7 +238,8 @@ class WorkerShell:
         try:
             return await fetch(self.store, load)
         except REDIS_ERRORS as exc:  # not fatal: the request computes what it could not load
-            logger.warning("loading the KV of %s failed (%s); computing it here", load.seq_id, exc)
+            logger.warning("loading the KV of %s failed (%s); computing it here", load.seq_id, exc,
+                           extra=request_extra(load.seq_id))
             return LoadedKV(load.seq_id)
 
     async def finish_loads(self) -> None:
@@ -246,7 +260,7 @@ class WorkerShell:
             self.metrics.blocks_missing.inc(result.num_missing)
             if result.num_missing:
                 logger.info("request %s: %d of its blocks are no longer in the store; computing them here",
-                            result.seq_id, result.num_missing)
+                            result.seq_id, result.num_missing, extra=request_extra(result.seq_id))
 
     def update_gauges(self) -> None:
         stats = self.engine.stats()
