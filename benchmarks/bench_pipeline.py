@@ -132,15 +132,15 @@ def print_breakdown(p: dict) -> None:
     pb, pa, db, da, gb, ga = (before["prefill"], after["prefill"], before["decode"], after["decode"],
                               before["gateway"], after["gateway"])
     print("\nWhere the pipeline's time goes (deltas of Prometheus metrics over the timed run)")
-    p_steps, p_busy = hist(pa, pb, "baton:engine_step_seconds")
-    d_steps, d_busy = hist(da, db, "baton:engine_step_seconds")
-    d_tok_steps, d_tokens = hist(da, db, "baton:iteration_tokens_total")
-    p_req, p_time = hist(pa, pb, "baton:request_prefill_time_seconds")
-    d_req, d_time = hist(da, db, "baton:request_decode_time_seconds")
-    h_n, h_sum = hist(da, db, "baton:kv_handoff_latency_seconds")
+    p_steps, p_busy = hist(pa, pb, "baton:worker_engine_step_seconds")
+    d_steps, d_busy = hist(da, db, "baton:worker_engine_step_seconds")
+    d_tok_steps, d_tokens = hist(da, db, "baton:worker_iteration_tokens_total")
+    p_req, p_time = hist(pa, pb, "baton:worker_request_prefill_time_seconds")
+    d_req, d_time = hist(da, db, "baton:worker_request_decode_time_seconds")
+    h_n, h_sum = hist(da, db, "baton:worker_kv_handoff_latency_seconds")
     q_n, q_sum = hist(ga, gb, "baton:request_queue_time_seconds")
-    written = delta(pa, pb, "baton:kv_handoff_bytes_total", direction="written")
-    fetched = delta(da, db, "baton:kv_handoff_bytes_total", direction="fetched")
+    written = delta(pa, pb, "baton:worker_kv_handoff_bytes_total", direction="written")
+    fetched = delta(da, db, "baton:worker_kv_handoff_bytes_total", direction="fetched")
     mib = 1 << 20
     rows = [
         ("benchmark wall time", f"{wall:.2f} s"),
@@ -158,8 +158,8 @@ def print_breakdown(p: dict) -> None:
          f"{m.dists['ttft'].mean - 1000 * p_time / max(p_req, 1):.1f} ms mean: waiting for the prefill "
          "worker + gateway/redis/HTTP"),
         ("KV handoff: first token -> decode admission",
-         f"mean {1000 * h_sum / max(h_n, 1):.1f} ms, p50 ~{1000 * hist_quantile(da, db, 'baton:kv_handoff_latency_seconds', 0.5):.0f} ms, "
-         f"p99 ~{1000 * hist_quantile(da, db, 'baton:kv_handoff_latency_seconds', 0.99):.0f} ms over {h_n:.0f}"),
+         f"mean {1000 * h_sum / max(h_n, 1):.1f} ms, p50 ~{1000 * hist_quantile(da, db, 'baton:worker_kv_handoff_latency_seconds', 0.5):.0f} ms, "
+         f"p99 ~{1000 * hist_quantile(da, db, 'baton:worker_kv_handoff_latency_seconds', 0.99):.0f} ms over {h_n:.0f}"),
         ("KV bytes through the store",
          f"{written / mib:.1f} MiB written by prefill, {fetched / mib:.1f} MiB fetched by decode "
          f"({written / max(m.total_input, 1) / 1024:.1f} KiB per prompt token)"),

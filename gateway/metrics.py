@@ -1,5 +1,10 @@
 """Prometheus metrics of the gateway (names `baton:*`, labelled with the served model name).
 
+The workers' series are all `baton:worker_*` (baton/worker/metrics.py), so no name means one thing
+here and another there: `sum(baton:num_requests_running)` over every scraped process counts each
+request once. With several gateways, each one's `token_budget_total` is its share of the cluster's
+budget (gateway/admission.py): their sum is the cluster's.
+
 Each app gets its own registry, so several gateways can live in one process (tests) and /metrics
 shows exactly this gateway. Names follow vLLM's (`vllm:num_requests_running`, ...) so dashboards
 and aiperf's /metrics scraping work with little change. As rendered (prometheus_client appends
@@ -107,7 +112,7 @@ class GatewayMetrics:
             "baton:token_budget_in_use", "Tokens reserved by admitted requests (input + max new).",
             m, registry=r).labels(model_name)
         self.token_budget_total = Gauge(
-            "baton:token_budget_total", "Token budget of the cluster (0: no decode worker alive).",
+            "baton:token_budget_total", "This gateway's share of the cluster's token budget (0: no decode worker alive).",
             m, registry=r).labels(model_name)
         self.prompt_tokens = CountedCounter(Counter(
             "baton:prompt_tokens", "Prompt tokens of admitted requests.", m, registry=r).labels(model_name))

@@ -4,7 +4,8 @@ One system (tiny model, one prefill and one decode worker, each exporting its ow
 real greedy requests with `ignore_eos` (so each generates exactly max_tokens) through the OpenAI
 API, streaming and not; then every counter that should have moved must have moved by exactly the
 right amount, at the gateway and at each worker. The names are checked as prometheus_client
-renders them (vLLM's names under `baton:`, counters with `_total`, a `model_name` label).
+renders them (vLLM's names under `baton:` for the gateway and `baton:worker_` for the workers, so a
+plain sum() over every process counts nothing twice; counters with `_total`, a `model_name` label).
 """
 
 from __future__ import annotations
@@ -43,21 +44,21 @@ GATEWAY_NAMES = {
     "baton:stream_lag": "gauge",
 }
 WORKER_NAMES = {
-    "baton:num_requests_running": "gauge",
-    "baton:num_requests_waiting": "gauge",
-    "baton:kv_cache_usage_perc": "gauge",
-    "baton:num_preemptions_total": "counter",
-    "baton:prompt_tokens_total": "counter",
-    "baton:generation_tokens_total": "counter",
-    "baton:prefix_cache_queries_total": "counter",
-    "baton:prefix_cache_hits_total": "counter",
-    "baton:iteration_tokens_total": "histogram",
-    "baton:request_prefill_time_seconds": "histogram",
-    "baton:request_decode_time_seconds": "histogram",
-    "baton:kv_handoff_latency_seconds": "histogram",
-    "baton:kv_handoff_bytes_total": "counter",
-    "baton:kv_blocks_fetched_total": "counter",
-    "baton:kv_blocks_computed_total": "counter",
+    "baton:worker_num_requests_running": "gauge",
+    "baton:worker_num_requests_waiting": "gauge",
+    "baton:worker_kv_cache_usage_perc": "gauge",
+    "baton:worker_num_preemptions_total": "counter",
+    "baton:worker_prompt_tokens_total": "counter",
+    "baton:worker_generation_tokens_total": "counter",
+    "baton:worker_prefix_cache_queries_total": "counter",
+    "baton:worker_prefix_cache_hits_total": "counter",
+    "baton:worker_iteration_tokens_total": "histogram",
+    "baton:worker_request_prefill_time_seconds": "histogram",
+    "baton:worker_request_decode_time_seconds": "histogram",
+    "baton:worker_kv_handoff_latency_seconds": "histogram",
+    "baton:worker_kv_handoff_bytes_total": "counter",
+    "baton:worker_kv_blocks_fetched_total": "counter",
+    "baton:worker_kv_blocks_computed_total": "counter",
     "baton:worker_requests_finished_total": "counter",
 }
 
@@ -177,9 +178,12 @@ def test_metric_names_as_rendered(system):
     for kind in ("prefill", "decode"):
         for name, family_type in WORKER_NAMES.items():
             assert pages[kind].types.get(name) == family_type, (kind, name, pages[kind].types.get(name))
-        assert pages[kind].has("baton:generation_tokens_total", model_name=model)
+        assert pages[kind].has("baton:worker_generation_tokens_total", model_name=model)
         for direction in ("fetched", "written"):
-            assert pages[kind].has("baton:kv_handoff_bytes_total", direction=direction)
+            assert pages[kind].has("baton:worker_kv_handoff_bytes_total", direction=direction)
+        # Issue 13: no name means one thing at the gateway and another at a worker (sum() over
+        # every scraped process would count requests and tokens twice).
+        assert not set(pages["gateway"].types) & set(pages[kind].types), kind
     for kind, page in pages.items():  # no `_created` clutter next to every counter
         assert not [n for n, _ in page.samples if n.endswith("_created")], kind
 
@@ -232,31 +236,31 @@ def test_counters_move_by_exactly_what_was_served(system):
     assert after["gateway"].value("baton:token_budget_total") > 0
 
     # Prefill worker: every prompt token, one first token per request, a prefill time per request.
-    assert delta("prefill", "baton:prompt_tokens_total") == prompt_tokens
-    assert delta("prefill", "baton:prefix_cache_queries_total") == prompt_tokens
-    assert delta("prefill", "baton:prefix_cache_hits_total") == 0  # distinct prompts
-    assert delta("prefill", "baton:generation_tokens_total") == n
-    assert delta("prefill", "baton:request_prefill_time_seconds_count") == n
+    assert delta("prefill", "baton:worker_prompt_tokens_total") == prompt_tokens
+    assert delta("prefill", "baton:worker_prefix_cache_queries_total") == prompt_tokens
+    assert delta("prefill", "baton:worker_prefix_cache_hits_total") == 0  # distinct prompts
+    assert delta("prefill", "baton:worker_generation_tokens_total") == n
+    assert delta("prefill", "baton:worker_request_prefill_time_seconds_count") == n
     assert delta("prefill", "baton:worker_requests_finished_total", finished_reason="length") == n - handed_off
     # Full blocks of the handed-off prompts go to the store (the max_tokens=1 one never leaves).
     written = sum(u["prompt_tokens"] // BLOCK_SIZE for (_, mt, _), u in zip(plan, usages) if mt > 1)
-    assert delta("prefill", "baton:kv_blocks_computed_total") == full_blocks
-    assert delta("prefill", "baton:kv_blocks_written_total") == written
-    assert delta("prefill", "baton:kv_blocks_fetched_total") == 0
-    assert delta("prefill", "baton:kv_handoff_bytes_total", direction="written") > 0
+    assert delta("prefill", "baton:worker_kv_blocks_computed_total") == full_blocks
+    assert delta("prefill", "baton:worker_kv_blocks_written_total") == written
+    assert delta("prefill", "baton:worker_kv_blocks_fetched_total") == 0
+    assert delta("prefill", "baton:worker_kv_handoff_bytes_total", direction="written") > 0
 
     # Decode worker: every token but the first of each request, in one decode time per handoff.
-    assert delta("decode", "baton:generation_tokens_total") == received - n
-    assert delta("decode", "baton:prompt_tokens_total") == 0
-    assert delta("decode", "baton:request_decode_time_seconds_count") == handed_off
-    assert delta("decode", "baton:kv_handoff_latency_seconds_count") == handed_off
+    assert delta("decode", "baton:worker_generation_tokens_total") == received - n
+    assert delta("decode", "baton:worker_prompt_tokens_total") == 0
+    assert delta("decode", "baton:worker_request_decode_time_seconds_count") == handed_off
+    assert delta("decode", "baton:worker_kv_handoff_latency_seconds_count") == handed_off
     assert delta("decode", "baton:worker_requests_finished_total", finished_reason="length") == handed_off
-    assert delta("decode", "baton:kv_blocks_fetched_total") == written  # the prompts' KV, from the store
-    assert delta("decode", "baton:kv_handoff_bytes_total", direction="fetched") > 0
-    assert delta("decode", "baton:num_preemptions_total") == 0
-    assert delta("decode", "baton:iteration_tokens_total_count") > 0
-    assert after["decode"].value("baton:kv_cache_usage_perc") == pytest.approx(0, abs=1e-9)
-    assert after["decode"].value("baton:num_requests_running") == 0
+    assert delta("decode", "baton:worker_kv_blocks_fetched_total") == written  # the prompts' KV, from the store
+    assert delta("decode", "baton:worker_kv_handoff_bytes_total", direction="fetched") > 0
+    assert delta("decode", "baton:worker_num_preemptions_total") == 0
+    assert delta("decode", "baton:worker_iteration_tokens_total_count") > 0
+    assert after["decode"].value("baton:worker_kv_cache_usage_perc") == pytest.approx(0, abs=1e-9)
+    assert after["decode"].value("baton:worker_num_requests_running") == 0
 
 
 def test_prefix_cache_hits_are_counted(system):
@@ -267,14 +271,14 @@ def test_prefix_cache_hits_are_counted(system):
     usage = complete(cluster.base_url, PROMPTS[0] + " Once more, from the top.", 3)
     cluster.wait_idle()
     after = scrape_all(urls)
-    hits = after["prefill"].value("baton:prefix_cache_hits_total") - before["prefill"].value(
-        "baton:prefix_cache_hits_total")
-    queries = after["prefill"].value("baton:prefix_cache_queries_total") - before["prefill"].value(
-        "baton:prefix_cache_queries_total")
+    hits = after["prefill"].value("baton:worker_prefix_cache_hits_total") - before["prefill"].value(
+        "baton:worker_prefix_cache_hits_total")
+    queries = after["prefill"].value("baton:worker_prefix_cache_queries_total") - before["prefill"].value(
+        "baton:worker_prefix_cache_queries_total")
     assert queries == usage["prompt_tokens"]
     assert 0 < hits < queries and hits % BLOCK_SIZE == 0, (hits, queries)
-    computed = after["prefill"].value("baton:kv_blocks_computed_total") - before["prefill"].value(
-        "baton:kv_blocks_computed_total")
+    computed = after["prefill"].value("baton:worker_kv_blocks_computed_total") - before["prefill"].value(
+        "baton:worker_kv_blocks_computed_total")
     assert computed == usage["prompt_tokens"] // BLOCK_SIZE - hits // BLOCK_SIZE
 
 

@@ -1,20 +1,27 @@
-"""Prometheus metrics of a worker process (vLLM's names under `baton:`, with a model_name label).
+"""Prometheus metrics of a worker process (vLLM's names under `baton:worker_`, with a model_name label).
 
-As rendered by prometheus_client (counters get `_total`; the worker kind is Prometheus' `job`):
+Every worker series is named `baton:worker_*`, every gateway series `baton:*` without it: the same
+quantity seen by both (requests running, prompt and generated tokens) must not share a name, or a
+plain `sum()` over all scraped processes counts it twice. As rendered by prometheus_client
+(counters get `_total`; the worker kind is Prometheus' `job`):
 
-    baton:num_requests_running, baton:num_requests_waiting, baton:kv_cache_usage_perc    gauges
-    baton:num_preemptions_total, baton:prompt_tokens_total, baton:generation_tokens_total
-    baton:prefix_cache_queries_total, baton:prefix_cache_hits_total                        (tokens)
-    baton:kv_blocks_fetched_total, baton:kv_blocks_missing_total, baton:kv_blocks_computed_total,
-    baton:kv_blocks_written_total
-    baton:kv_handoff_bytes_total{direction="fetched"|"written"}, baton:dead_letters_total
+    baton:worker_num_requests_running, baton:worker_num_requests_waiting,
+    baton:worker_kv_cache_usage_perc                                                     gauges
+    baton:worker_num_preemptions_total, baton:worker_prompt_tokens_total,
+    baton:worker_generation_tokens_total
+    baton:worker_prefix_cache_queries_total, baton:worker_prefix_cache_hits_total        (tokens)
+    baton:worker_kv_blocks_fetched_total, baton:worker_kv_blocks_missing_total,
+    baton:worker_kv_blocks_computed_total, baton:worker_kv_blocks_written_total
+    baton:worker_kv_handoff_bytes_total{direction="fetched"|"written"}, baton:worker_dead_letters_total
     baton:worker_requests_finished_total{finished_reason}
-    baton:iteration_tokens_total, baton:engine_step_seconds, baton:kv_handoff_latency_seconds,
-    baton:request_prefill_time_seconds, baton:request_decode_time_seconds               histograms
-    baton:stream_backlog                                                                  gauge
+    baton:worker_iteration_tokens_total, baton:worker_engine_step_seconds,
+    baton:worker_kv_handoff_latency_seconds, baton:worker_request_prefill_time_seconds,
+    baton:worker_request_decode_time_seconds                                             histograms
+    baton:worker_stream_backlog                                                          gauge
 
 A prefill worker counts the prompt tokens and the first token of each request; the decode worker
-every later token (so prefill + decode generation_tokens = the tokens the gateway delivered).
+every later token (so prefill + decode worker generation_tokens = the tokens the gateway delivered,
+`baton:generation_tokens_total`).
 """
 
 from __future__ import annotations
@@ -31,32 +38,32 @@ class WorkerMetrics:
         self.model_name = model_name
         r = registry
         lbl = {"model_name": model_name}
-        self.num_requests_running = Gauge("baton:num_requests_running", "Requests in the engine's batch", LABELS, registry=r).labels(**lbl)
-        self.num_requests_waiting = Gauge("baton:num_requests_waiting", "Requests waiting in the engine", LABELS, registry=r).labels(**lbl)
-        self.kv_cache_usage_perc = Gauge("baton:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)", LABELS, registry=r).labels(**lbl)
-        self.num_preemptions = Counter("baton:num_preemptions", "Preemptions", LABELS, registry=r).labels(**lbl)
-        self.prompt_tokens = Counter("baton:prompt_tokens", "Prompt tokens processed", LABELS, registry=r).labels(**lbl)
-        self.generation_tokens = Counter("baton:generation_tokens", "Tokens generated", LABELS, registry=r).labels(**lbl)
-        self.prefix_cache_queries = Counter("baton:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", LABELS, registry=r).labels(**lbl)
-        self.prefix_cache_hits = Counter("baton:prefix_cache_hits", "Prompt tokens found in the prefix cache", LABELS, registry=r).labels(**lbl)
-        self.iteration_tokens = Histogram("baton:iteration_tokens_total", "Tokens per engine step", LABELS,
+        self.num_requests_running = Gauge("baton:worker_num_requests_running", "Requests in the engine's batch", LABELS, registry=r).labels(**lbl)
+        self.num_requests_waiting = Gauge("baton:worker_num_requests_waiting", "Requests waiting in the engine", LABELS, registry=r).labels(**lbl)
+        self.kv_cache_usage_perc = Gauge("baton:worker_kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)", LABELS, registry=r).labels(**lbl)
+        self.num_preemptions = Counter("baton:worker_num_preemptions", "Preemptions", LABELS, registry=r).labels(**lbl)
+        self.prompt_tokens = Counter("baton:worker_prompt_tokens", "Prompt tokens processed", LABELS, registry=r).labels(**lbl)
+        self.generation_tokens = Counter("baton:worker_generation_tokens", "Tokens generated", LABELS, registry=r).labels(**lbl)
+        self.prefix_cache_queries = Counter("baton:worker_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", LABELS, registry=r).labels(**lbl)
+        self.prefix_cache_hits = Counter("baton:worker_prefix_cache_hits", "Prompt tokens found in the prefix cache", LABELS, registry=r).labels(**lbl)
+        self.iteration_tokens = Histogram("baton:worker_iteration_tokens_total", "Tokens per engine step", LABELS,
                                           buckets=(1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048), registry=r).labels(**lbl)
-        self.step_seconds = Histogram("baton:engine_step_seconds", "Wall time of one engine step", LABELS,
+        self.step_seconds = Histogram("baton:worker_engine_step_seconds", "Wall time of one engine step", LABELS,
                                       buckets=_TIME_BUCKETS, registry=r).labels(**lbl)
-        self.blocks_fetched = Counter("baton:kv_blocks_fetched", "Full KV blocks loaded from the store", LABELS, registry=r).labels(**lbl)
-        self.blocks_missing = Counter("baton:kv_blocks_missing", "KV blocks a load expected that the store no longer had (computed instead)", LABELS, registry=r).labels(**lbl)
-        self.blocks_computed = Counter("baton:kv_blocks_computed", "Full KV blocks computed here", LABELS, registry=r).labels(**lbl)
-        self.blocks_written = Counter("baton:kv_blocks_written", "KV blocks written to the store", LABELS, registry=r).labels(**lbl)
-        self.handoff_bytes = Counter("baton:kv_handoff_bytes", "Bytes of KV moved through the store", LABELS + ["direction"], registry=r)
-        self.handoff_latency = Histogram("baton:kv_handoff_latency_seconds",
+        self.blocks_fetched = Counter("baton:worker_kv_blocks_fetched", "Full KV blocks loaded from the store", LABELS, registry=r).labels(**lbl)
+        self.blocks_missing = Counter("baton:worker_kv_blocks_missing", "KV blocks a load expected that the store no longer had (computed instead)", LABELS, registry=r).labels(**lbl)
+        self.blocks_computed = Counter("baton:worker_kv_blocks_computed", "Full KV blocks computed here", LABELS, registry=r).labels(**lbl)
+        self.blocks_written = Counter("baton:worker_kv_blocks_written", "KV blocks written to the store", LABELS, registry=r).labels(**lbl)
+        self.handoff_bytes = Counter("baton:worker_kv_handoff_bytes", "Bytes of KV moved through the store", LABELS + ["direction"], registry=r)
+        self.handoff_latency = Histogram("baton:worker_kv_handoff_latency_seconds",
                                          "First token to decode-side admission (decode) / publish time (prefill)",
                                          LABELS, buckets=_TIME_BUCKETS, registry=r).labels(**lbl)
-        self.request_prefill_time = Histogram("baton:request_prefill_time_seconds", "Prefill time of a request",
+        self.request_prefill_time = Histogram("baton:worker_request_prefill_time_seconds", "Prefill time of a request",
                                               LABELS, buckets=_TIME_BUCKETS, registry=r).labels(**lbl)
-        self.request_decode_time = Histogram("baton:request_decode_time_seconds", "Decode time of a request",
+        self.request_decode_time = Histogram("baton:worker_request_decode_time_seconds", "Decode time of a request",
                                              LABELS, buckets=_TIME_BUCKETS, registry=r).labels(**lbl)
-        self.dead_letters = Counter("baton:dead_letters", "Malformed messages parked in the dead-letter stream", LABELS, registry=r).labels(**lbl)
-        self.stream_backlog = Gauge("baton:stream_backlog", "Messages not yet delivered to this worker's group", LABELS, registry=r).labels(**lbl)
+        self.dead_letters = Counter("baton:worker_dead_letters", "Malformed messages parked in the dead-letter stream", LABELS, registry=r).labels(**lbl)
+        self.stream_backlog = Gauge("baton:worker_stream_backlog", "Messages not yet delivered to this worker's group", LABELS, registry=r).labels(**lbl)
         self.requests_finished = Counter("baton:worker_requests_finished", "Requests this worker ended", LABELS + ["finished_reason"], registry=r)
 
         # Every label value up front, so the series exist (at 0) from the first scrape.
