@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from baton.structured import check_shape
+
 GREEDY_TEMPERATURE = 1e-5  # below this, sampling is greedy
 
 
@@ -28,6 +30,8 @@ class SamplingParams:
     min_p: float = 0.0  # drop tokens whose probability is below min_p x the top one's
     # [token id, bias] pairs added to the logits (a list, not a map: the wire's maps have str keys)
     logit_bias: list[list[float]] = field(default_factory=list)
+    # Structured output: {"kind": ..., "spec": ...} the output must match (see baton.structured)
+    structured: dict | None = None
 
     def __post_init__(self) -> None:
         if self.n != 1:
@@ -47,6 +51,8 @@ class SamplingParams:
         if not all(isinstance(pair, (list, tuple)) and len(pair) == 2 and isinstance(pair[0], int)
                    and isinstance(pair[1], (int, float)) and -100 <= pair[1] <= 100 for pair in self.logit_bias):
             raise ValueError("logit_bias holds [token id, bias] pairs with bias in [-100, 100]")
+        if self.structured is not None:
+            check_shape(self.structured)
         if self.seed is None:
             # A request without a seed still gets one, fixed at creation: its stream of random
             # draws then survives preemption and a move to another worker unchanged.

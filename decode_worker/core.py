@@ -95,7 +95,8 @@ class DecodeCore(WorkerCore[protocol.Handoff]):
             effects.add_event(entry.handoff.gateway_id, protocol.TokenEvent(
                 seq.seq_id, first_index + skip, tokens, logprobs,
                 finish_reason=seq.finish_reason if out.finished else None,
-                error="the request does not fit in this worker's KV pool" if seq.finish_reason == "error" else None,
+                error=(seq.error or "the request does not fit in this worker's KV pool")
+                if seq.finish_reason == "error" else None,
                 num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens,
                 worker_id=self.worker_id))
             if out.finished:

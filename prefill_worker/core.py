@@ -87,7 +87,8 @@ class PrefillCore(WorkerCore[protocol.PrefillRequest]):
             effects.add_event(request.gateway_id, protocol.TokenEvent(
                 seq.seq_id, 0, out.new_token_ids, out.new_logprobs,
                 finish_reason=None if handoff else seq.finish_reason,
-                error="the request does not fit in the KV pool" if seq.finish_reason == "error" else None,
+                error=(seq.error or "the request does not fit in the KV pool") if seq.finish_reason == "error"
+                else None,
                 num_prompt_tokens=num_prompt, num_cached_tokens=seq.num_cached_tokens, worker_id=self.worker_id))
             if not handoff:  # EOS as the first token, max_tokens=1, or an error: no handoff
                 self.metrics.finished(seq.finish_reason or "stop")

@@ -22,6 +22,7 @@ from baton.engine.model_runner import ModelRunner, kv_bytes_per_block
 from baton.engine.block_pool import BlockPool
 from baton.engine.sampling import sample
 from baton.engine.scheduler import Scheduler, SchedulerConfig, StepOutput
+from baton.engine.structured import StructuredOutput
 from baton.engine.sequence import Sequence
 from kvstore.connector import KVConnector, KVLoad, LoadedKV
 
@@ -68,6 +69,7 @@ class LLMEngine:
             self.block_manager, self.model_config.eos_token_ids, self.connector,
         )
         self.runner = ModelRunner(self.model, self.model_config, num_blocks, config.block_size)
+        self.structured = StructuredOutput(self.model_dir, self.model_config.vocab_size, self.eos_token_ids)
         self.num_steps = 0
         self.num_generated_tokens = 0
         self.last_num_batched_tokens = 0
@@ -92,6 +94,7 @@ class LLMEngine:
         remote = seq.remote_kv
         if remote is not None and len(remote.block_hashes) * self.block_size > seq.num_prompt_tokens:
             raise ValueError(f"request {seq.seq_id} claims more stored blocks than its prompt has")
+        self.structured.start(seq)  # a constrained request's grammar matcher (ValueError if bad)
         self.scheduler.add(seq)
 
     def abort_request(self, seq_id: str) -> Sequence | None:
@@ -127,7 +130,7 @@ class LLMEngine:
         logprobs: list[float] = []
         if sample_seqs:
             tokens, logprobs = sample(
-                logits,
+                self.structured.apply(sample_seqs, logits),  # grammar masks (a no-op when unconstrained)
                 [s.sampling_params for s in sample_seqs],
                 [s.token_ids if s.sampling_params.edits_logits else [] for s in sample_seqs],
                 [s.num_output_tokens for s in sample_seqs],
@@ -135,12 +138,29 @@ class LLMEngine:
             )
         self.num_generated_tokens += len(tokens)
         step_outputs = self.scheduler.update_from_output(plan, sample_seqs, tokens, logprobs)
+        self._end_broken_grammars(step_outputs)
         for out in step_outputs:
             if out.seq.finish_reason == "handoff":
                 assert self.connector is not None, "remote_decode needs a KV connector"
                 out.kv_save = self.connector.build_save(out.seq, out.seq.num_prompt_tokens, self.runner.read_block)
                 self.scheduler.free_finished(out.seq)
         return outputs + step_outputs
+
+    def _end_broken_grammars(self, outputs: list[StepOutput]) -> None:
+        """A constrained request whose matcher broke (it should not: every token it samples is
+        allowed by the mask) ends with "error", handed off or not."""
+        for out in outputs:
+            seq = out.seq
+            error = self.structured.failed(seq) if seq.grammar is not None else ""
+            if not error:
+                continue
+            seq.error = f"structured output failed: {error}"
+            if not out.finished:
+                self.scheduler.finish(seq, "error")
+                out.finished = True
+            elif seq.finish_reason == "handoff":
+                self.scheduler.free_finished(seq)
+            seq.finish_reason = "error"
 
     def take_kv_loads(self) -> list[KVLoad]:
         """The KV loads scheduled since the last call (run them with `kvstore.connector.fetch`)."""

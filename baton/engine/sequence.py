@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import Any
 
 from baton.sampling_params import SamplingParams
 from kvstore.connector import RemoteKV
@@ -39,6 +40,10 @@ class Sequence:
         self.logprobs: list[float] = []
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
+        # Structured output: the grammar matcher (baton.engine.structured.GrammarState), built
+        # from the output tokens whenever this request is (re)created; why it failed, if it did.
+        self.grammar: Any = None
+        self.error: str | None = None
         self._block_hashes: list[str] = []
         # What the block store holds of this request's leading tokens (the KV connector loads it).
         self.remote_kv = remote_kv
