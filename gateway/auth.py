@@ -1,7 +1,7 @@
 """Bearer-token auth for generation endpoints and /stats (when an API key is configured).
 
 A plain ASGI middleware (not BaseHTTPMiddleware, which would buffer streaming responses). /health,
-/ready, /metrics, /info, /version and /openapi.json stay open: probes and scrapers must not need the key.
+/ready, /live, /metrics, /info, /version and /openapi.json stay open: probes and scrapers must not need the key.
 """
 
 from __future__ import annotations

@@ -131,6 +131,9 @@ def openapi_spec(settings: Settings) -> dict[str, Any]:
         "/ready": {"get": op("Readiness: Redis reachable and a live prefill and decode worker", {
             "200": _json({"type": "object"}, "Ready to serve; counts of live workers."),
             "503": _json({"type": "object"}, "Not ready: `missing` names what is missing.")})},
+        "/live": {"get": op("Liveness: the process serves and its background tasks run (not Redis)", {
+            "200": _json({"type": "object"}, "Alive."),
+            "503": _json(_ref("TgiError"), "A background task stopped: restart.")})},
         "/stats": {"get": op("Token budget, running/waiting requests, rejections, worker heartbeats",
                              {"200": _json({"type": "object"}, "Gateway state.")}, secured=True)},
         "/dashboard": {"get": op("Live dashboard: one self-contained HTML page (no external assets) that polls "

@@ -1,9 +1,10 @@
 """Operational endpoints: /health, /ready, /info, /stats, /metrics, /v1/models, /version, /openapi.json.
 
-/health is liveness (the gateway serves, its tasks run, Redis answers); /ready is readiness: also
+/health is health (the gateway serves, its tasks run, Redis answers); /ready is readiness: also
 at least one live prefill and one live, not draining, decode worker, so a load balancer or
 Kubernetes sends traffic only to a gateway that can serve it (requests to a gateway without
-workers would wait in the queue and end in 503).
+workers would wait in the queue and end in 503). /live is the liveness probe's: only what a restart
+would fix (the process answers, its tasks run), so a Redis outage does not restart every gateway.
 
 (The live dashboard, /dashboard and /dashboard/data, lives in gateway/dashboard.py.)
 """
@@ -39,12 +40,25 @@ def baton_version() -> str:
         return VERSION
 
 
+def _dead_tasks(svc: Services) -> JSONResponse | None:
+    """The 503 answer when a background task stopped (a bug: say so rather than hang requests)."""
+    dead = [t.get_name() for t in svc.tasks if t.done()]
+    if not dead:
+        return None
+    return JSONResponse({"status": "unhealthy", "error": f"internal task(s) stopped: {', '.join(dead)}",
+                         "error_type": "generation"}, status_code=503)
+
+
+async def live(request: Request) -> Response:
+    """200 while the process serves and its background tasks run (what a restart would fix)."""
+    return _dead_tasks(services(request)) or JSONResponse({"status": "ok"})
+
+
 async def _unhealthy(svc: Services) -> JSONResponse | None:
     """The 503 answer when a task died or Redis does not answer a PING within a second, else None."""
-    dead = [t.get_name() for t in svc.tasks if t.done()]
-    if dead:  # cannot happen unless there is a bug; then say so rather than hang requests
-        return JSONResponse({"status": "unhealthy", "error": f"internal task(s) stopped: {', '.join(dead)}",
-                             "error_type": "generation"}, status_code=503)
+    dead = _dead_tasks(svc)
+    if dead is not None:
+        return dead
     try:
         await asyncio.wait_for(svc.redis.ping(), timeout=1.0)
     except (RedisError, OSError, asyncio.TimeoutError) as exc:
@@ -181,6 +195,7 @@ def _jsonable(value: Any) -> Any:
 routes = [
     Route("/health", health, methods=["GET"]),
     Route("/ready", ready, methods=["GET"]),
+    Route("/live", live, methods=["GET"]),
     Route("/info", info, methods=["GET"]),
     Route("/stats", stats, methods=["GET"]),
     Route("/metrics", metrics, methods=["GET"]),

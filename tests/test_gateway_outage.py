@@ -43,6 +43,8 @@ def test_redis_outage_and_recovery(default_model_dir, gw_tokenizer):
         health = httpx.get(server.url + "/health")
         assert health.status_code == 503 and "unreachable" in health.json()["error"]
         assert httpx.get(server.url + "/metrics").status_code == 200  # still scrapeable
+        assert httpx.get(server.url + "/ready").status_code == 503
+        assert httpx.get(server.url + "/live").status_code == 200  # a restart would not bring Redis back
 
         redis = start_private_redis(port=port)
         worker = EchoWorker(redis.url, gw_tokenizer.hf).start()

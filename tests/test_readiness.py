@@ -42,7 +42,8 @@ def test_ready_only_with_a_live_prefill_and_decode_worker(default_model_dir, red
         r = httpx.get(server.url + "/ready")
         assert r.status_code == 503
         assert r.json()["missing"] == ["a live prefill worker", "a live decode worker"]
-        assert httpx.get(server.url + "/health").status_code == 200  # alive, just not ready
+        assert httpx.get(server.url + "/health").status_code == 200  # healthy, just not ready
+        assert httpx.get(server.url + "/live").json() == {"status": "ok"}
         beat(client, "prefill", "p1")
         assert wait_until(lambda: httpx.get(server.url + "/ready").json().get("missing") == ["a live decode worker"])
         beat(client, "decode", "d1", draining=True)  # finishing its work, taking none: not enough
