@@ -19,6 +19,8 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None
     logprobs: list[float] = field(default_factory=list)
+    # with SamplingParams.logprobs=k: per token, [[token id, logprob], ...] of the k most likely
+    top_logprobs: list[list] = field(default_factory=list)
 
 
 @dataclass
@@ -29,6 +31,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     num_cached_tokens: int = 0
     finished: bool = True
+    # with SamplingParams.prompt_logprobs=k: per prompt token, None (the first) or [logprob, top k]
+    prompt_logprobs: list | None = None
 
 
 def load_tokenizer(model_dir: Any) -> Any:
@@ -100,5 +104,6 @@ class LLM:
         text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
         finish = seq.finish_reason if seq.finish_reason in ("stop", "length") else seq.finish_reason
         return RequestOutput(seq.seq_id, prompt, seq.prompt_token_ids,
-                             [CompletionOutput(0, text, token_ids, finish, list(seq.logprobs))],
-                             num_cached_tokens=seq.num_cached_tokens)
+                             [CompletionOutput(0, text, token_ids, finish, list(seq.logprobs),
+                                               list(seq.top_logprobs))],
+                             num_cached_tokens=seq.num_cached_tokens, prompt_logprobs=seq.prompt_logprobs)

@@ -10,14 +10,16 @@ into the dead-letter stream instead of crashing on it.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import msgpack
 
 from baton.sampling_params import SamplingParams
 
-SCHEMA_VERSION = 2  # 2: one SamplingParams type; a handoff's partial_block_key is the store key
+# 2: one SamplingParams type; a handoff's partial_block_key is the store key
+# 3: token events carry top/prompt logprobs, requests the client's request id
+SCHEMA_VERSION = 3
 
 # Streams and groups. Prefill and decode use consumer groups (one message, one worker);
 # cancels are read by every worker without a group (a broadcast).
@@ -125,6 +127,11 @@ class TokenEvent:
     num_cached_tokens: int = 0
     worker_id: str = ""
     kind: str = "token_event"
+    # Only for requests that ask (SamplingParams.logprobs / prompt_logprobs), else empty:
+    # per token in token_ids, [[token id, logprob], ...] of the k most likely;
+    top_logprobs: list[list[list[float]]] = field(default_factory=list)
+    # on the first event, per prompt token: None (the first) or [logprob, [[id, logprob], ...]].
+    prompt_logprobs: list[Any] = field(default_factory=list)
 
 
 @dataclass
@@ -231,6 +238,8 @@ def _check_types(message: Any) -> None:
                 raise MalformedMessage(f"{f.name} must be a list of ints")
         elif f.name in ("request_id", "gateway_id", "client_request_id") and not isinstance(value, str):
             raise MalformedMessage(f"{f.name} must be a string")
+        elif f.name in ("top_logprobs", "prompt_logprobs") and not isinstance(value, list):
+            raise MalformedMessage(f"{f.name} must be a list")
         elif f.name == "block_hashes" and (not isinstance(value, list) or not all(isinstance(h, str) for h in value)):
             raise MalformedMessage("block_hashes must be a list of strings")
         elif f.name == "partial_block_key" and value is not None and not isinstance(value, str):

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from baton.structured import check_shape
 
 GREEDY_TEMPERATURE = 1e-5  # below this, sampling is greedy
+MAX_LOGPROBS = 20  # OpenAI's cap on top_logprobs (vLLM's default max_logprobs is 20 too)
 
 
 @dataclass
@@ -30,6 +31,10 @@ class SamplingParams:
     min_p: float = 0.0  # drop tokens whose probability is below min_p x the top one's
     # [token id, bias] pairs added to the logits (a list, not a map: the wire's maps have str keys)
     logit_bias: list[list[float]] = field(default_factory=list)
+    # Log-probabilities to return (vLLM's meaning): None = none; k = the sampled token's and the k
+    # most likely ones', from the model's raw logits (before penalties, bias and warpers).
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first
     # Structured output: {"kind": ..., "spec": ...} the output must match (see baton.structured)
     structured: dict | None = None
 
@@ -51,6 +56,10 @@ class SamplingParams:
         if not all(isinstance(pair, (list, tuple)) and len(pair) == 2 and isinstance(pair[0], int)
                    and isinstance(pair[1], (int, float)) and -100 <= pair[1] <= 100 for pair in self.logit_bias):
             raise ValueError("logit_bias holds [token id, bias] pairs with bias in [-100, 100]")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, int) and 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be null or an integer in [0, {MAX_LOGPROBS}], got {value!r}")
         if self.structured is not None:
             check_shape(self.structured)
         if self.seed is None:

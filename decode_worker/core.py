@@ -98,7 +98,7 @@ class DecodeCore(WorkerCore[protocol.Handoff]):
                 error=(seq.error or "the request does not fit in this worker's KV pool")
                 if seq.finish_reason == "error" else None,
                 num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens,
-                worker_id=self.worker_id))
+                worker_id=self.worker_id, top_logprobs=out.new_top_logprobs[skip:]))
             if out.finished:
                 del self.in_flight[seq.seq_id]
                 self.num_finished += 1

@@ -65,6 +65,7 @@ class TokenOut:
     text: str  # the text this token released (may be "" while a character is incomplete)
     logprob: float | None
     special: bool
+    top: list[list[float]] | None = None  # [[token id, logprob], ...] when the request asked for them
 
 
 @dataclass
@@ -86,12 +87,19 @@ async def wait_for_disconnect(request: Request) -> None:
 
 class Generation:
     def __init__(self, svc: Services, spec: GenerationSpec, prompt_ids: list[int],
-                 max_new_tokens: int, arrival: float, api_status: int) -> None:
+                 max_new_tokens: int, arrival: float, api_status: int, choice: int = 0, sibling: int = 0) -> None:
         self.svc = svc
         self.spec = spec
         self.prompt_ids = prompt_ids
         self.max_new_tokens = max_new_tokens
         self.request_id = uuid.uuid4().hex
+        self.choice = choice  # which of the request's generations this is (OpenAI's choice index)
+        # Choice i of a seeded request draws with seed + i: reproducible, and unlike its siblings.
+        self.seed = None if spec.seed is None else spec.seed + sibling
+        self.sibling = sibling  # its place among the generations of the same prompt
+        self.prompt_logprobs: list[Any] | None = None  # from the first event, when asked for
+        self.num_cached_tokens = 0  # prompt tokens the prefill worker found already computed
+        self.first_event = asyncio.Event()  # set once the workers answered (or it ended)
         self.arrival = arrival  # time.monotonic() when the HTTP request arrived
         self.tokens: list[TokenOut] = []
         self.finish_reason: str | None = None
@@ -120,17 +128,25 @@ class Generation:
 
     async def begin(self, request: Request) -> None:
         """Admit and send to prefill; raises ApiError (429/503/422) or ClientGone."""
+        await self.admit(asyncio.create_task(wait_for_disconnect(request)))
+        await self.send(request)
+
+    async def admit(self, watcher: asyncio.Task[None], cost: int | None = None) -> None:
+        """Wait for admission of `cost` tokens (default: this generation's), or for `watcher` (the
+        client's disconnect, cancelled by close()) to fire first; raises ApiError (429/503) or
+        ClientGone. The generations of one request are admitted as one: the first holds the ticket
+        for all (`cost`), the others `attach()`."""
         svc = self.svc
+        self._watcher = watcher
         if not svc.cluster.redis_ok:
             svc.metrics.reject("redis_unavailable")
             raise unavailable(f"redis is unreachable ({svc.cluster.redis_error}); cannot serve requests",
                               svc.settings.retry_after_s)
-        self._ticket = svc.admission.submit(self.cost, self._api_status)
-        self._watcher = asyncio.create_task(wait_for_disconnect(request))
+        self._ticket = svc.admission.submit(self.cost if cost is None else cost, self._api_status)
         decision = self._ticket.decision
-        waiters: set[asyncio.Future[Any]] = {decision, self._watcher}
+        waiters: set[asyncio.Future[Any]] = {decision, watcher}
         await asyncio.wait(waiters, timeout=svc.settings.max_queue_wait, return_when=asyncio.FIRST_COMPLETED)
-        if self._watcher.done():
+        if watcher.done():
             # Gone while waiting: dropped here, before it costs any worker anything.
             svc.metrics.reject("client_disconnected")
             raise ClientGone()
@@ -144,6 +160,17 @@ class Generation:
         if isinstance(error, ApiError):
             raise error
         self._queue = svc.router.register(self.request_id)
+
+    def attach(self) -> None:
+        """Ready a generation admitted under a sibling's ticket (see admit)."""
+        self._queue = self.svc.router.register(self.request_id)
+
+    async def send(self, request: Request) -> None:
+        """Send the admitted request to the prefill stream; raises ApiError (503) if Redis fails."""
+        svc = self.svc
+        assert self._queue is not None, "admit() first"
+        if self._closed:
+            return  # a sibling sent late, after the response ended: nobody would read it
         message = PrefillRequest(
             request_id=self.request_id, gateway_id=svc.settings.gateway_id,
             prompt_token_ids=self.prompt_ids, sampling=self._sampling(), arrival_time=time.time(),
@@ -158,6 +185,13 @@ class Generation:
                               svc.settings.retry_after_s) from None
         self._sent = True
         svc.metrics.prompt_tokens.inc(len(self.prompt_ids))
+        if self._closed:  # closed while the XADD was in flight: it must not run unread
+            svc.spawn(self._send_cancel("client disconnected"))
+
+    def lost(self, message: str) -> None:
+        """This generation can never get an event (its send failed): its steps() raise a 503."""
+        if self._queue is not None:
+            self._queue.put_nowait(StreamLost(message))
 
     def stop_watching(self) -> None:
         """Streaming responses watch for disconnects themselves; stop reading `receive` here."""
@@ -173,9 +207,10 @@ class Generation:
         s = self.spec
         return SamplingParams(
             max_tokens=self.max_new_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-            repetition_penalty=s.repetition_penalty, seed=s.seed, stop_token_ids=list(s.stop_token_ids),
+            repetition_penalty=s.repetition_penalty, seed=self.seed, stop_token_ids=list(s.stop_token_ids),
             ignore_eos=s.ignore_eos, presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
-            min_p=s.min_p, logit_bias=[list(pair) for pair in s.logit_bias])
+            min_p=s.min_p, logit_bias=[list(pair) for pair in s.logit_bias], logprobs=s.logprobs,
+            prompt_logprobs=s.prompt_logprobs)
 
     # ---- tokens ----
 
@@ -190,6 +225,7 @@ class Generation:
             if isinstance(event, StreamLost):
                 self._fail("redis_state_lost", event.message,
                            unavailable(event.message, self.svc.settings.retry_after_s))
+            self.first_event.set()
             step = self._apply(event)
             if step is None:
                 continue
@@ -212,6 +248,11 @@ class Generation:
                        f"same dtype and device kind")
         ids = event.token_ids[skip:]
         logprobs = event.logprobs[skip:]
+        tops = event.top_logprobs[skip:]
+        if event.index == 0:
+            self.num_cached_tokens = event.num_cached_tokens
+            if event.prompt_logprobs and self.prompt_logprobs is None:
+                self.prompt_logprobs = event.prompt_logprobs
         if not ids and event.finish_reason is None:
             return None  # a pure duplicate
         self._observe_timing(len(ids))
@@ -223,7 +264,8 @@ class Generation:
                 break
             released, hit = self._stops.push(self._detok.push(token_id))
             token = TokenOut(index=len(self.tokens), id=token_id, text=released,
-                             logprob=logprobs[i] if i < len(logprobs) else None, special=token_id in special)
+                             logprob=logprobs[i] if i < len(logprobs) else None, special=token_id in special,
+                             top=tops[i] if i < len(tops) else None)
             self.tokens.append(token)
             step.tokens.append(token)
             if hit:
@@ -290,6 +332,7 @@ class Generation:
         if self._closed:
             return
         self._closed = True
+        self.first_event.set()  # nothing more will come: release any sibling waiting on it
         svc = self.svc
         self.stop_watching()
         svc.router.unregister(self.request_id)

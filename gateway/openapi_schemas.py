@@ -24,8 +24,8 @@ SCHEMAS: dict[str, Any] = {
     "TgiParameters": {
         "type": "object",
         "description": "TGI generation parameters. Fields TGI defines but this server does not implement "
-                       "(best_of, grammar, top_n_tokens, typical_p, watermark, frequency_penalty, adapter_id, "
-                       "decoder_input_details) are accepted only at their neutral value (else 422 naming the "
+                       "(grammar, typical_p, watermark, frequency_penalty, adapter_id) are accepted only at "
+                       "their neutral value (else 422 naming the "
                        "field); unknown fields are ignored and listed in x-baton-ignored-fields (422 with "
                        "--strict-api).",
         "properties": {
@@ -42,8 +42,13 @@ SCHEMAS: dict[str, Any] = {
             "truncate": {**_INT, "minimum": 1, "description": "Keep only the last N prompt tokens."},
             "details": {**_BOOL, "default": False},
             "return_full_text": {**_BOOL, "default": False},
-            "decoder_input_details": {"type": "boolean", "enum": [False],
-                                      "description": "Prompt logprobs are not computed: true is a 422."},
+            "decoder_input_details": {**_BOOL, "default": False, "description": "details.prefill: every prompt "
+                                      "token with its logprob (the first null). Not when streaming."},
+            "top_n_tokens": {**_INT, "minimum": 0, "maximum": 5, "description": "details.top_tokens and each "
+                             "stream event's top_tokens: the N most likely tokens at each step."},
+            "best_of": {**_INT, "minimum": 1, "maximum": 4, "description": "Sampled candidates (needs sampling, "
+                        "not streamed); the one with the highest total logprob is answered, the others in "
+                        "details.best_of_sequences."},
         },
     },
     "TgiRequest": {
@@ -87,7 +92,10 @@ SCHEMAS: dict[str, Any] = {
         "stop": {"oneOf": [{"type": "string"}, {**_STR_LIST, "maxItems": 16}]},
         "temperature": {**_NUM, "minimum": 0, "maximum": 2, "default": 1, "description": "0: greedy."},
         "top_p": {**_NUM, "exclusiveMinimum": 0, "maximum": 1}, "seed": _INT,
-        "n": {"type": "integer", "enum": [1]},
+        "n": {**_INT, "minimum": 1, "maximum": 16, "default": 1, "description": "Choices per prompt; choice j "
+              "samples with seed + j."},
+        "prompt_logprobs": {**_INT, "minimum": 0, "maximum": 20, "description": "vLLM extra: "
+                            "choices[].prompt_logprobs, the prompt tokens' logprobs and top k."},
         "presence_penalty": {**_NUM, "minimum": -2, "maximum": 2, "default": 0,
                              "description": "Subtracted from the logit of every token already generated."},
         "frequency_penalty": {**_NUM, "minimum": -2, "maximum": 2, "default": 0,
@@ -105,9 +113,17 @@ SCHEMAS: dict[str, Any] = {
         "stop_token_ids": {"type": "array", "items": {**_INT, "minimum": 0}, "maxItems": 128},
         "user": {"type": "string"}}},
     "CompletionRequest": {"allOf": [_ref("OpenAICommon"), {"type": "object", "required": ["prompt"], "properties": {
-        "prompt": {"oneOf": [{"type": "string", "minLength": 1}, {"type": "array", "items": _INT, "minItems": 1}],
+        "prompt": {"oneOf": [{"type": "string", "minLength": 1}, {"type": "array", "items": _INT, "minItems": 1},
+                             {"type": "array", "minItems": 1, "maxItems": 64, "items": {"oneOf": [
+                                 {"type": "string", "minLength": 1},
+                                 {"type": "array", "items": _INT, "minItems": 1}]}}],
                    "description": "Default max_tokens 16."},
-        "echo": {"type": "boolean", "enum": [False]},
+        "echo": {**_BOOL, "default": False, "description": "The prompt before the output (with logprobs: "
+                 "its tokens' logprobs too, the first null)."},
+        "logprobs": {**_INT, "minimum": 0, "maximum": 20, "description": "Each token's logprob and the top N "
+                     "(tokens, token_logprobs, top_logprobs, text_offset)."},
+        "best_of": {**_INT, "minimum": 1, "maximum": 16, "description": "Candidates per prompt (>= n); the n "
+                    "with the highest total logprob are answered. Not with stream."},
         "add_special_tokens": {**_BOOL, "default": True, "description": "vLLM extra, for a text prompt."}}}]},
     "ChatMessage": {"type": "object", "required": ["role"], "properties": {
         "role": {"type": "string", "enum": ["system", "developer", "user", "assistant", "tool"]},
@@ -117,7 +133,10 @@ SCHEMAS: dict[str, Any] = {
     "ChatRequest": {"allOf": [_ref("OpenAICommon"), {"type": "object", "required": ["messages"], "properties": {
         "messages": {"type": "array", "minItems": 1, "maxItems": 1024, "items": _ref("ChatMessage"),
                      "description": "Rendered with the model's chat template (add_generation_prompt). "
-                                    "Default max_tokens: the room left, at most 1024."}}}]},
+                                    "Default max_tokens: the room left, at most 1024."},
+        "logprobs": {**_BOOL, "default": False, "description": "choices[].logprobs.content: each token's logprob."},
+        "top_logprobs": {**_INT, "minimum": 0, "maximum": 20, "description": "With logprobs: the N most likely "
+                         "tokens at each position."}}}]},
     "TokenizeRequest": {"type": "object", "description": "vLLM's shape: `prompt` or `messages`.", "properties": {
         "model": {"type": "string"}, "prompt": {"type": "string"},
         "messages": {"type": "array", "minItems": 1, "maxItems": 1024, "items": _ref("ChatMessage")},

@@ -1,76 +1,25 @@
-"""Glue shared by the API routes: validate -> tokenize -> admit, wait for the end, stream SSE."""
+"""Glue shared by the API routes: services, rejection labels, the SSE response (see gateway.choices
+for validate -> tokenize -> admit -> wait for the end)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncIterator
 
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Message, Receive, Scope, Send
 
 from gateway.errors import ApiError
-from gateway.generation import ClientGone, Generation
+from gateway.generation import Generation
 from gateway.services import Services
-from gateway.tokenizer import apply_limits
-from gateway.validation import GenerationSpec, read_json_body, within
+from gateway.validation import within
 
 
 def services(request: Request) -> Services:
     svc: Services = request.app.state.services
     return svc
-
-
-async def start_generation(request: Request, status: int,
-                           parse: Callable[[dict[str, Any]], GenerationSpec],
-                           body: dict[str, Any] | None = None) -> Generation:
-    """Everything before the first token; raises ApiError (4xx/429/503) or ClientGone."""
-    svc = services(request)
-    arrival = time.monotonic()
-    try:
-        if body is None:
-            body = await read_json_body(request, svc.settings, status)
-        spec = parse(body)
-        prompt_ids = await svc.tokenizer.prompt_ids(spec, status)
-        prompt_ids, max_new_tokens = apply_limits(spec, prompt_ids, svc.settings, status)
-    except ApiError as exc:
-        svc.metrics.reject(rejection_reason(exc))
-        raise
-    gen = Generation(svc, spec, prompt_ids, max_new_tokens, arrival, status)
-    try:
-        await gen.begin(request)
-    except BaseException:
-        gen.close()
-        raise
-    return gen
-
-
-async def run_to_end(gen: Generation) -> None:
-    """Non-streaming: consume every step, but give up as soon as the client disconnects.
-
-    Raises ClientGone if the client left, GenerationFailed if the request failed.
-    """
-
-    async def consume() -> None:
-        async for _ in gen.steps():
-            pass
-
-    watcher = gen.client_gone
-    task = asyncio.create_task(consume())
-    waiters: set[asyncio.Future[None]] = {task} if watcher is None else {task, watcher}
-    try:
-        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
-    if task.cancelled() or not task.done():
-        raise ClientGone()
-    task.result()
 
 
 def rejection_reason(exc: ApiError) -> str:
@@ -100,14 +49,14 @@ class SSEResponse(StreamingResponse):
     token budget. A write that takes longer than stream_write_timeout ends the request.
     """
 
-    def __init__(self, content: AsyncIterator[bytes], gen: Generation,
+    def __init__(self, content: AsyncIterator[bytes], gens: Generation | list[Generation],
                  headers: dict[str, str] | None = None) -> None:
         base = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         super().__init__(content, media_type="text/event-stream", headers={**base, **(headers or {})})
-        self._gen = gen
+        self._gens = gens if isinstance(gens, list) else [gens]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        bound = self._gen.svc.settings.stream_write_timeout
+        bound = self._gens[0].svc.settings.stream_write_timeout
 
         async def send_within(message: Message) -> None:
             try:
@@ -119,10 +68,11 @@ class SSEResponse(StreamingResponse):
             await super().__call__(scope, receive, send_within)
         except ClientNotReading:
             # Returning without finishing the response makes the server close the connection.
-            self._gen.abandon("client_not_reading",
-                              f"the client read nothing for {bound:g}s (stream_write_timeout)")
+            for gen in self._gens:
+                gen.abandon("client_not_reading", f"the client read nothing for {bound:g}s (stream_write_timeout)")
         finally:
-            self._gen.close()
+            for gen in self._gens:
+                gen.close()
             aclose = getattr(self.body_iterator, "aclose", None)
             if aclose is not None:
                 with contextlib.suppress(Exception):

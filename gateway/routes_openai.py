@@ -1,11 +1,14 @@
 """OpenAI-compatible endpoints: `POST /v1/completions`, `POST /v1/chat/completions`.
 
 Streams are `data: {json}\\n\\n` chunks ending with `data: [DONE]\\n\\n`, as the openai client
-parses them; chat chunks carry `choices[0].delta` (the first one the role), and with
+parses them; chat chunks carry `choices[0].delta` (each choice's first one the role), and with
 `stream_options.include_usage` a last chunk has `"choices": []` and the usage (and with
-`continuous_usage_stats` too, every chunk carries the usage so far, as vLLM sends it). The response
-names the served model the request asked for (the first served name if it asked for none). An
-error after the stream started is sent as `data: {"error": {...}}`, which the openai client raises as APIError.
+`continuous_usage_stats` too, every chunk carries the usage so far, as vLLM sends it). With `n` (or
+batched completion prompts) each chunk carries one choice, by its `index`. Logprobs come in the
+API's own shape (gateway.logprobs_format); completions' `echo` puts the prompt (and, with
+`logprobs`, its tokens' logprobs) before the output. The response names the served model the
+request asked for (the first served name if it asked for none). An error after the stream started
+is sent as `data: {"error": {...}}`, which the openai client raises as APIError.
 """
 
 from __future__ import annotations
@@ -20,9 +23,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from gateway.choices import close_all, merged_steps, run_all_to_end, start_choices
 from gateway.errors import error_body, error_response
 from gateway.generation import ClientGone, Generation, GenerationFailed, Step
-from gateway.respond import SSEResponse, client_gone_response, run_to_end, services, start_generation
+from gateway.logprobs_format import CompletionLogprobs, chat_logprobs, merge, vllm_prompt_logprobs
+from gateway.respond import SSEResponse, client_gone_response, services
 from gateway.validation import GenerationSpec, ignored_fields_header
 from gateway.validation_openai import STATUS, parse_chat, parse_completion
 
@@ -30,49 +35,108 @@ FINISH = {"eos": "stop", "stop_sequence": "stop", "length": "length"}
 
 
 class _Reply:
-    """Identity and shape of one OpenAI response (completion or chat)."""
+    """Identity and shape of one OpenAI response (completion or chat) over its choices."""
 
-    def __init__(self, gen: Generation, chat: bool) -> None:
-        self.gen = gen
+    def __init__(self, gens: list[Generation], chat: bool) -> None:
+        self.gens = gens
+        self.spec = gens[0].spec
         self.chat = chat
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
-        self.model = gen.spec.model or gen.svc.settings.model_name
+        self.model = self.spec.model or gens[0].svc.settings.model_name
         self.object = ("chat.completion" if chat else "text_completion")
+        self.tokenizer = gens[0].svc.tokenizer
+        self._logprobs = {id(g): CompletionLogprobs(self.tokenizer) for g in gens}
+        self.generated: int | None = None  # tokens of every choice, when best_of dropped some
 
-    def usage(self) -> dict[str, int]:
-        prompt, completion = len(self.gen.prompt_ids), len(self.gen.tokens)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    def keep_best(self) -> None:
+        """best_of: answer with the `keep` choices of each prompt whose tokens have the highest total
+        logprob (all generated tokens still count in the usage, as OpenAI bills them)."""
+        keep = self.spec.keep
+        if keep is None:
+            return
+        self.generated = sum(len(g.tokens) for g in self.gens)
+        n, best = self.spec.n, []
+        for start in range(0, len(self.gens), n):
+            group = sorted(self.gens[start:start + n], key=_total_logprob, reverse=True)[:keep]
+            best += group
+        for index, gen in enumerate(best):
+            gen.choice = index
+        self.gens = best
+
+    def usage(self) -> dict[str, Any]:
+        # A prompt counts once however many choices it has (OpenAI's rule for n).
+        prompts = [g for g in self.gens if g.sibling == 0]
+        prompt = sum(len(g.prompt_ids) for g in prompts)
+        completion = self.generated if self.generated is not None else sum(len(g.tokens) for g in self.gens)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": sum(g.num_cached_tokens for g in prompts)}}
 
     def head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
     def full(self) -> dict[str, Any]:
-        finish = FINISH.get(self.gen.finish_reason or "", "length")
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": self.gen.text},
-                      "logprobs": None, "finish_reason": finish}
-        else:
-            choice = {"index": 0, "text": self.gen.text, "logprobs": None, "finish_reason": finish}
-        return {**self.head(self.object), "choices": [choice], "usage": self.usage()}
+        choices = []
+        for gen in self.gens:
+            finish = FINISH.get(gen.finish_reason or "", "length")
+            if self.chat:
+                logprobs = chat_logprobs(self.tokenizer, gen.tokens) if self.spec.logprobs is not None else None
+                choices.append({"index": gen.choice, "message": {"role": "assistant", "content": gen.text},
+                                "logprobs": logprobs, "finish_reason": finish})
+            else:
+                parts = [self._echo_logprobs(gen)] if self.spec.echo else []
+                parts.append(self._logprobs[id(gen)].tokens(gen.tokens))
+                logprobs = merge(parts) if self.spec.logprobs is not None else None
+                choices.append({"index": gen.choice, "text": self._echo_text(gen) + gen.text,
+                                "logprobs": logprobs, "finish_reason": finish})
+            if self.spec.prompt_logprobs is not None:
+                choices[-1]["prompt_logprobs"] = vllm_prompt_logprobs(self.tokenizer, gen.prompt_ids,
+                                                                      gen.prompt_logprobs)
+        return {**self.head(self.object), "choices": choices, "usage": self.usage()}
 
-    def chunk(self, text: str | None, finish: str | None, role: bool = False) -> dict[str, Any]:
+    def _echo_text(self, gen: Generation) -> str:
+        if not self.spec.echo:
+            return ""
+        prompt = gen.spec.prompt
+        return prompt if isinstance(prompt, str) else self.tokenizer.decode(gen.prompt_ids, skip_special_tokens=False)
+
+    def _echo_logprobs(self, gen: Generation) -> dict[str, Any]:
+        return self._logprobs[id(gen)].prompt(gen.prompt_ids, gen.prompt_logprobs)
+
+    def chunk(self, gen: Generation, step: Step | None, role: bool = False, echo: bool = False) -> dict[str, Any]:
+        """The chunk for one choice: its role (chat's first), its echoed prompt (completions'
+        first, with echo), or a step's text, logprobs and finish."""
+        tokens = step.tokens if step is not None else []
+        text = "".join(t.text for t in tokens) + (step.tail if step is not None else "")
+        finish = FINISH[step.finish] if step is not None and step.finish is not None else None
+        wants_logprobs = self.spec.logprobs is not None
         if self.chat:
             delta: dict[str, Any] = {}
             if role:
                 delta["role"] = "assistant"
-            if text is not None:
+                delta["content"] = ""
+            elif text:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            logprobs = chat_logprobs(self.tokenizer, tokens) if wants_logprobs and tokens else None
+            choice = {"index": gen.choice, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             body = {**self.head("chat.completion.chunk"), "choices": [choice]}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            if echo:
+                text = self._echo_text(gen)
+                logprobs = self._echo_logprobs(gen) if wants_logprobs else None
+            else:
+                logprobs = self._logprobs[id(gen)].tokens(tokens) if wants_logprobs and tokens else None
+            choice = {"index": gen.choice, "text": text, "logprobs": logprobs, "finish_reason": finish}
             body = {**self.head("text_completion"), "choices": [choice]}
-        if self.gen.spec.continuous_usage:
+        if self.spec.continuous_usage:
             body["usage"] = self.usage()
-        elif self.gen.spec.include_usage:
+        elif self.spec.include_usage:
             body["usage"] = None  # OpenAI: null on every chunk but the last
         return body
+
+
+def _total_logprob(gen: Generation) -> float:
+    return sum(t.logprob for t in gen.tokens if t.logprob is not None)
 
 
 def _parser(request: Request, chat: bool) -> Callable[[dict[str, Any]], GenerationSpec]:
@@ -83,23 +147,24 @@ def _parser(request: Request, chat: bool) -> Callable[[dict[str, Any]], Generati
 
 async def _handle(request: Request, chat: bool) -> Response:
     try:
-        gen = await start_generation(request, STATUS, _parser(request, chat))
+        gens = await start_choices(request, STATUS, _parser(request, chat))
     except ClientGone:
         return client_gone_response()
-    reply = _Reply(gen, chat)
+    reply = _Reply(gens, chat)
     # x-request-id (the client's id) is added by RequestIdMiddleware on every response.
-    headers = ignored_fields_header(gen.spec.ignored_fields)
-    if gen.spec.stream:
-        gen.stop_watching()
-        return SSEResponse(_stream(reply), gen, headers=headers)
+    headers = ignored_fields_header(reply.spec.ignored_fields)
+    if reply.spec.stream:
+        gens[0].stop_watching()
+        return SSEResponse(_stream(reply), gens, headers=headers)
     try:
-        await run_to_end(gen)
+        await run_all_to_end(gens)
     except ClientGone:
         return client_gone_response()
     except GenerationFailed as exc:
         return error_response(exc.error, "openai", headers)
     finally:
-        gen.close()
+        close_all(gens)
+    reply.keep_best()
     return JSONResponse(reply.full(), headers=headers)
 
 
@@ -112,27 +177,26 @@ async def chat_completions(request: Request) -> Response:
 
 
 async def _stream(reply: _Reply) -> AsyncIterator[bytes]:
-    gen = reply.gen
+    gens = reply.gens
     try:
-        if reply.chat:
-            yield _sse(reply.chunk("", None, role=True))
-        async for step in gen.steps():
-            text = _step_text(step)
-            finish = FINISH[step.finish] if step.finish is not None else None
-            if text or finish:
-                yield _sse(reply.chunk(text if (text or not reply.chat) else None, finish))
-        if gen.spec.include_usage:
+        for gen in gens:
+            if reply.chat:
+                yield _sse(reply.chunk(gen, None, role=True))
+            elif reply.spec.echo:
+                yield _sse(reply.chunk(gen, None, echo=True))
+        async for gen, step in merged_steps(gens):
+            # (a token whose text is still held back, e.g. half a character, shows only in logprobs)
+            text = "".join(t.text for t in step.tokens) + step.tail
+            if text or step.finish or (step.tokens and reply.spec.logprobs is not None):
+                yield _sse(reply.chunk(gen, step))
+        if reply.spec.include_usage:
             yield _sse({**reply.head(reply.object + (".chunk" if reply.chat else "")),
                         "choices": [], "usage": reply.usage()})
     except GenerationFailed as exc:
         yield _sse(error_body(exc.error, "openai"))
     finally:
-        gen.close()
+        close_all(gens)
     yield b"data: [DONE]\n\n"
-
-
-def _step_text(step: Step) -> str:
-    return "".join(t.text for t in step.tokens) + step.tail
 
 
 def _sse(payload: dict[str, Any]) -> bytes:

@@ -20,14 +20,9 @@ from starlette.routing import Route
 
 from gateway.errors import ApiError, error_body, error_response
 from gateway.generation import ClientGone, Generation, GenerationFailed, Step, TokenOut
-from gateway.respond import (
-    SSEResponse,
-    client_gone_response,
-    rejection_reason,
-    run_to_end,
-    services,
-    start_generation,
-)
+from gateway.choices import close_all, run_all_to_end, start_choices
+from gateway.logprobs_format import tgi_prefill, tgi_top_tokens
+from gateway.respond import SSEResponse, client_gone_response, rejection_reason, services
 from gateway.validation import GenerationSpec, ignored_fields_header, read_json_body
 from gateway.validation_tgi import STATUS, parse_tgi
 
@@ -41,24 +36,26 @@ def _parser(request: Request) -> Callable[[dict[str, Any]], GenerationSpec]:
 
 async def generate(request: Request, body: dict[str, Any] | None = None, as_list: bool = False) -> Response:
     try:
-        gen = await start_generation(request, STATUS, _parser(request), body)
+        gens = await start_choices(request, STATUS, _parser(request), body)
     except ClientGone:
         return client_gone_response()
     try:
-        await run_to_end(gen)
+        await run_all_to_end(gens)
     except ClientGone:
         return client_gone_response()
     except GenerationFailed as exc:
-        return error_response(exc.error, "tgi", _headers(gen))
+        return error_response(exc.error, "tgi", _headers(gens[0]))
     finally:
-        gen.close()
+        close_all(gens)
+    # best_of: the candidate whose tokens have the highest total logprob (TGI's choice)
+    ranked = sorted(gens, key=lambda g: sum(t.logprob or 0.0 for t in g.tokens), reverse=True)
+    gen = ranked[0]
     result: dict[str, Any] = {"generated_text": _generated_text(gen)}
     if gen.spec.details:
         result["details"] = {
-            **_details(gen),
-            "prefill": [],  # decoder_input_details=true is refused: no prompt logprobs
-            "tokens": [_token(t) for t in gen.tokens],
-            "best_of_sequences": None,
+            **_full_details(gen),
+            "best_of_sequences": [{"generated_text": _generated_text(g), **_full_details(g)}
+                                  for g in ranked[1:]] if len(gens) > 1 else None,
         }
     # TGI's compat route (`POST /`) wraps the non-streaming result in a list (api-inference shape).
     return JSONResponse([result] if as_list else result, headers=_headers(gen))
@@ -66,7 +63,7 @@ async def generate(request: Request, body: dict[str, Any] | None = None, as_list
 
 async def generate_stream(request: Request, body: dict[str, Any] | None = None) -> Response:
     try:
-        gen = await start_generation(request, STATUS, _parser(request), body)
+        [gen] = await start_choices(request, STATUS, _parser(request), body)  # best_of is never streamed
     except ClientGone:
         return client_gone_response()
     gen.stop_watching()
@@ -92,6 +89,8 @@ async def _events(gen: Generation) -> AsyncIterator[bytes]:
             for token, final in _tokens_of(gen, step):
                 event: dict[str, Any] = {"index": token.index + 1, "token": _token(token),
                                          "generated_text": None, "details": None}
+                if gen.spec.logprobs:
+                    event["top_tokens"] = tgi_top_tokens(gen.svc.tokenizer, token)
                 if final:
                     event["generated_text"] = _generated_text(gen)
                     if gen.spec.details:
@@ -126,9 +125,24 @@ def _details(gen: Generation) -> dict[str, Any]:
     return {
         "finish_reason": FINISH.get(gen.finish_reason or "", "length"),
         "generated_tokens": len(gen.tokens),
-        "seed": gen.spec.seed,
+        "seed": gen.seed,
         "input_length": len(gen.prompt_ids),
     }
+
+
+def _full_details(gen: Generation) -> dict[str, Any]:
+    """details of a non-streamed answer: with its tokens, the prompt's (decoder_input_details) and
+    each token's top alternatives (top_n_tokens)."""
+    tokenizer = gen.svc.tokenizer
+    details = {
+        **_details(gen),
+        "prefill": tgi_prefill(tokenizer, gen.prompt_ids, gen.prompt_logprobs) if gen.spec.prompt_logprobs is not None
+        else [],
+        "tokens": [_token(t) for t in gen.tokens],
+    }
+    if gen.spec.logprobs:
+        details["top_tokens"] = [tgi_top_tokens(tokenizer, t) for t in gen.tokens]
+    return details
 
 
 def _token(t: TokenOut) -> dict[str, Any]:

@@ -45,6 +45,7 @@ class GenerationSpec:
     """What to generate, independent of the API it came from (before tokenization)."""
 
     prompt: str | list[int] | None = None  # text or token ids (None for chat)
+    batch: list[str | list[int]] | None = None  # completions' batched prompts (then no `prompt`)
     messages: list[dict[str, str]] | None = None  # chat messages, normalized to {role, content}
     max_new_tokens: int | None = None  # None: the API's default, capped by the room left
     default_max_new_tokens: int = 100
@@ -67,6 +68,13 @@ class GenerationSpec:
     frequency_penalty: float = 0.0
     min_p: float = 0.0
     logit_bias: list[list[float]] = field(default_factory=list)
+    # Log-probabilities (SamplingParams' meaning: None = none, k = the token's and the top k);
+    # TGI's top_n_tokens and decoder_input_details land here too
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    echo: bool = False  # completions: the prompt (and its logprobs) before the output
+    n: int = 1  # choices generated per prompt (OpenAI n, or best_of when that is larger)
+    keep: int | None = None  # best_of: answer with the `keep` choices of highest logprob
     # OpenAI only
     include_usage: bool = False
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every chunk

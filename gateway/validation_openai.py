@@ -1,6 +1,8 @@
 """OpenAI request bodies (`/v1/completions`, `/v1/chat/completions`) -> GenerationSpec.
 
-OpenAI semantics: temperature defaults to 1.0 (sampling) and 0 means greedy; `n` must be 1;
+OpenAI semantics: temperature defaults to 1.0 (sampling) and 0 means greedy; `n` choices (and
+completions' `best_of`, batched prompts) up to MAX_CHOICES per prompt; `logprobs` (completions: the
+top-k count; chat: a flag with `top_logprobs`), completions' `echo` and vLLM's `prompt_logprobs`;
 `max_tokens` defaults to 16 for completions and to the room left (capped at 1024) for chat;
 `max_completion_tokens` (what aiperf sends) wins over `max_tokens`. `presence_penalty`,
 `frequency_penalty` and `logit_bias` are honoured, and a few vLLM extras that map onto our sampling
@@ -17,6 +19,7 @@ from typing import Any
 
 from gateway.config import Settings
 from gateway.errors import ApiError, validation_error
+from baton.sampling_params import MAX_LOGPROBS
 from gateway.validation import MAX_SEED, MIN_SEED, Fields, GenerationSpec
 
 STATUS = 400  # OpenAI answers invalid requests with 400 invalid_request_error
@@ -26,6 +29,8 @@ CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
 # Text parts of one message's content: no real client sends more than a handful.
 MAX_CONTENT_PARTS = 256
 MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
+MAX_CHOICES = 16  # n and best_of (each choice is a request's worth of work)
+MAX_BATCH_PROMPTS = 64  # prompts in one completions request (each with n choices)
 # What huggingface_hub's chat_completion sends as `model` when its "model" is a URL (TGI ignores
 # the field): served by the first name, or that client could never chat with us.
 PLACEHOLDER_MODELS = frozenset({"tgi", "dummy"})
@@ -49,7 +54,6 @@ CHAT_FIELDS = COMMON_FIELDS | {
 COMMON_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "response_format": ({"type": "text"},),
     "use_beam_search": (False,),
-    "prompt_logprobs": (),
     "guided_json": (),
     "guided_regex": (),
     "guided_choice": (),
@@ -57,14 +61,9 @@ COMMON_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "structured_outputs": (),
 }
 COMPLETION_NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "echo": (False,),
     "suffix": ("",),
-    "best_of": (1,),
-    "logprobs": (0, False),
 }
 CHAT_NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "logprobs": (False,),
-    "top_logprobs": (0,),
     "tools": ([],),
     "tool_choice": ("none", "auto"),
     "functions": ([],),
@@ -79,8 +78,24 @@ def parse_completion(body: dict[str, Any], settings: Settings, vocab_size: int) 
     for key, neutral in COMPLETION_NEUTRAL.items():
         f.unsupported_unless(key, neutral)
     spec = _common(f, settings, vocab_size, COMPLETIONS_DEFAULT_MAX_TOKENS, ignored)
-    spec.prompt = _prompt(body.get("prompt"), vocab_size, settings.max_input_tokens)
+    prompts = _prompts(body.get("prompt"), vocab_size, settings.max_input_tokens)
+    if len(prompts) == 1:
+        spec.prompt = prompts[0]
+    else:
+        spec.batch = prompts
     spec.add_special_tokens = f.boolean("add_special_tokens", True)  # vLLM's extra, for text prompts
+    # logprobs: the number of top alternatives per token (0: the chosen token's only)
+    spec.logprobs = f.integer("logprobs", lo=0, hi=MAX_LOGPROBS)
+    spec.echo = f.boolean("echo", False)
+    if spec.echo and spec.logprobs is not None:
+        spec.prompt_logprobs = max(spec.prompt_logprobs or 0, spec.logprobs)
+    best_of = f.integer("best_of", lo=1, hi=MAX_CHOICES)
+    if best_of is not None and best_of != spec.n:
+        if best_of < spec.n:
+            raise f.fail("best_of", f"must be at least n ({spec.n}), got {best_of}")
+        if spec.stream:
+            raise f.fail("best_of", "cannot be streamed: the best choices are known only at the end")
+        spec.keep, spec.n = spec.n, best_of
     return spec
 
 
@@ -91,6 +106,11 @@ def parse_chat(body: dict[str, Any], settings: Settings, vocab_size: int) -> Gen
         f.unsupported_unless(key, neutral)
     spec = _common(f, settings, vocab_size, CHAT_DEFAULT_MAX_TOKENS, ignored)
     spec.messages = parse_messages(body.get("messages"), settings.max_chat_messages)
+    top_logprobs = f.integer("top_logprobs", lo=0, hi=MAX_LOGPROBS)
+    if f.boolean("logprobs", False):
+        spec.logprobs = top_logprobs or 0
+    elif top_logprobs:
+        raise f.fail("top_logprobs", "needs `logprobs` to be true")
     return spec
 
 
@@ -100,9 +120,7 @@ def _common(f: Fields, settings: Settings, vocab_size: int, default_max: int,
         f.unsupported_unless(key, neutral)
     f.string("user")
     model = served_model(f, settings)
-    n = f.integer("n")
-    if n is not None and n != 1:
-        raise f.fail("n", f"must be 1 (got {n}); send one request per completion")
+    n = f.integer("n", lo=1, hi=MAX_CHOICES)
     stream = f.boolean("stream", False)
     include_usage = continuous_usage = False
     options = f.get("stream_options")
@@ -151,6 +169,8 @@ def _common(f: Fields, settings: Settings, vocab_size: int, default_max: int,
         frequency_penalty=frequency if frequency is not None else 0.0,
         min_p=min_p if min_p is not None else 0.0,
         logit_bias=_logit_bias(f, vocab_size),
+        n=n or 1,
+        prompt_logprobs=f.integer("prompt_logprobs", lo=0, hi=MAX_LOGPROBS),  # vLLM's extra
     )
     if spec.temperature == 0.0:  # greedy: the warpers have nothing to act on
         spec.top_p, spec.top_k, spec.min_p = 1.0, -1, 0.0
@@ -193,10 +213,18 @@ def _logit_bias(f: Fields, vocab_size: int) -> list[list[float]]:
     return [[token, bias] for token, bias in biases.items()]
 
 
+def _prompts(value: Any, vocab_size: int, max_input_tokens: int) -> list[str | list[int]]:
+    """`prompt`: a string, a list of token ids, or a batch of either (a list of them)."""
+    if isinstance(value, list) and value and all(isinstance(p, (str, list)) for p in value):
+        if len(value) > MAX_BATCH_PROMPTS:
+            raise validation_error(f"`prompt` is a batch of {len(value)} prompts; at most {MAX_BATCH_PROMPTS} "
+                                   "are allowed", param="prompt", status=STATUS)
+        return [_prompt(p, vocab_size, max_input_tokens) for p in value]
+    return [_prompt(value, vocab_size, max_input_tokens)]
+
+
 def _prompt(value: Any, vocab_size: int, max_input_tokens: int) -> str | list[int]:
-    """A prompt is a string or a list of token ids; a batch of one is unwrapped."""
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
-        value = value[0]
+    """A prompt is a string or a list of token ids."""
     if value is None:
         raise validation_error("`prompt` is required", param="prompt", status=STATUS)
     if isinstance(value, str):
@@ -215,9 +243,6 @@ def _prompt(value: Any, vocab_size: int, max_input_tokens: int) -> str | list[in
                 raise validation_error(f"`prompt` contains token id {bad[0]} outside [0, {vocab_size})",
                                        param="prompt", status=STATUS)
             return list(value)
-        if all(isinstance(p, (str, list)) for p in value):
-            raise validation_error("batched prompts are not supported; send one prompt per request",
-                                   param="prompt", status=STATUS)
     raise validation_error("`prompt` must be a string or a list of token ids", param="prompt", status=STATUS)
 
 

@@ -31,14 +31,13 @@ PARAMETER_FIELDS = {
 # Known TGI parameters we do not implement, with the values that mean "off".
 NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "adapter_id": (),
-    "best_of": (1,),
     "frequency_penalty": (0,),
     "grammar": (),
-    "top_n_tokens": (0,),
     "typical_p": (1,),
     "watermark": (False,),
-    "decoder_input_details": (False,),  # no prompt logprobs are computed
 }
+MAX_TOP_N_TOKENS = 5  # TGI's default --max-top-n-tokens
+MAX_BEST_OF = 4  # TGI's default --max-best-of
 
 
 def parse_tgi(body: dict[str, Any], settings: Settings) -> GenerationSpec:
@@ -96,4 +95,24 @@ def parse_tgi(body: dict[str, Any], settings: Settings) -> GenerationSpec:
         spec.top_k = top_k if top_k is not None else -1
         # TGI reports the seed it sampled with, so a client can replay the request.
         spec.seed = seed if seed is not None else random.getrandbits(63)
+    _logprobs_and_best_of(p, spec, greedy)
     return spec
+
+
+def _logprobs_and_best_of(p: Fields, spec: GenerationSpec, greedy: bool) -> None:
+    """top_n_tokens (details.top_tokens / each stream event's top_tokens), decoder_input_details
+    (details.prefill with the prompt's logprobs) and best_of (as TGI: sampled, not streamed)."""
+    top_n = p.integer("top_n_tokens", lo=0, hi=MAX_TOP_N_TOKENS)
+    if top_n:
+        spec.logprobs = top_n
+    if p.boolean("decoder_input_details", False):
+        if spec.stream:
+            raise p.fail("decoder_input_details", "is not available when streaming (TGI's rule)")
+        spec.prompt_logprobs = 0
+    best_of = p.integer("best_of", lo=1, hi=MAX_BEST_OF)
+    if best_of is not None and best_of > 1:
+        if greedy:
+            raise p.fail("best_of", "needs sampling: set `do_sample` (greedy candidates would all be the same)")
+        if spec.stream:
+            raise p.fail("best_of", "cannot be streamed (TGI's rule)")
+        spec.n, spec.keep = best_of, 1

@@ -101,8 +101,8 @@ class KVConnector:
         """Tokens after the first `num_computed_tokens` (block-aligned local hits) that the store
         holds for `seq`. At least one token is always left to compute: its logits are needed."""
         remote = seq.remote_kv
-        if remote is None:
-            return 0
+        if remote is None or seq.sampling_params.prompt_logprobs is not None:
+            return 0  # prompt logprobs need every prompt position computed here
         bs = self.block_size
         limit = seq.num_tokens - 1
         num_full = min(len(remote.block_hashes), limit // bs)

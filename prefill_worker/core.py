@@ -11,6 +11,7 @@ decode twice) nor one before its blocks.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -89,7 +90,8 @@ class PrefillCore(WorkerCore[protocol.PrefillRequest]):
                 finish_reason=None if handoff else seq.finish_reason,
                 error=(seq.error or "the request does not fit in the KV pool") if seq.finish_reason == "error"
                 else None,
-                num_prompt_tokens=num_prompt, num_cached_tokens=seq.num_cached_tokens, worker_id=self.worker_id))
+                num_prompt_tokens=num_prompt, num_cached_tokens=seq.num_cached_tokens, worker_id=self.worker_id,
+                top_logprobs=out.new_top_logprobs, prompt_logprobs=seq.prompt_logprobs or []))
             if not handoff:  # EOS as the first token, max_tokens=1, or an error: no handoff
                 self.metrics.finished(seq.finish_reason or "stop")
             else:
@@ -109,7 +111,9 @@ class PrefillCore(WorkerCore[protocol.PrefillRequest]):
                     request_id=seq.seq_id, gateway_id=request.gateway_id, prompt_token_ids=seq.prompt_token_ids,
                     output_token_ids=seq.output_token_ids,
                     block_hashes=seq.block_hashes(bs, self.engine.model_id)[:save.num_full_blocks],
-                    partial_block_key=key, sampling=seq.sampling_params, arrival_time=request.arrival_time,
+                    # the prompt's logprobs went out with the first token: decode must not recompute them
+                    partial_block_key=key, sampling=dataclasses.replace(seq.sampling_params, prompt_logprobs=None),
+                    arrival_time=request.arrival_time,
                     first_token_time=seq.first_token_time or time.time(),
                     client_request_id=request.client_request_id))
             effects.acks.append(message_id)

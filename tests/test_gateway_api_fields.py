@@ -204,27 +204,26 @@ def test_strict_api_refuses_unknown_fields(named_gateway, gw_worker):
     assert r.status_code == 200 and HEADER not in r.headers
 
 
-UNSUPPORTED = [  # known fields we cannot honour: refused by name, whatever the strictness
-    ("/v1/completions", {"n": 2}, "n"),
-    ("/v1/completions", {"best_of": 2}, "best_of"),
-    ("/v1/completions", {"echo": True}, "echo"),
-    ("/v1/completions", {"logprobs": 3}, "logprobs"),
+UNSUPPORTED = [  # known fields we cannot honour (or values out of range): refused by name
+    ("/v1/completions", {"n": 17}, "n"),
+    ("/v1/completions", {"n": 2, "best_of": 1}, "best_of"),
+    ("/v1/completions", {"best_of": 3, "stream": True}, "best_of"),
+    ("/v1/completions", {"logprobs": 21}, "logprobs"),
+    ("/v1/completions", {"prompt": ["a"] * 65}, "prompt"),
+    ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
+    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("/generate", {"top_n_tokens": 6}, "parameters.top_n_tokens"),
+    ("/generate", {"best_of": 2}, "parameters.best_of"),  # greedy
+    ("/generate", {"best_of": 5, "do_sample": True}, "parameters.best_of"),
     ("/v1/completions", {"suffix": "end"}, "suffix"),
     ("/v1/completions", {"response_format": {"type": "json_object"}}, "response_format"),
     ("/v1/completions", {"guided_json": {"type": "object"}}, "guided_json"),
-    ("/v1/completions", {"prompt_logprobs": 1}, "prompt_logprobs"),
-    ("/v1/chat/completions", {"n": 3}, "n"),
-    ("/v1/chat/completions", {"logprobs": True}, "logprobs"),
-    ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
     ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
     ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
     ("/v1/chat/completions", {"structured_outputs": {"regex": "a+"}}, "structured_outputs"),
     ("/v1/chat/completions", {"guided_choice": ["a", "b"]}, "guided_choice"),
     ("/generate", {"grammar": {"type": "json", "value": {}}}, "parameters.grammar"),
-    ("/generate", {"top_n_tokens": 2}, "parameters.top_n_tokens"),
-    ("/generate", {"decoder_input_details": True}, "parameters.decoder_input_details"),
-    ("/generate", {"best_of": 2, "do_sample": True}, "parameters.best_of"),
     ("/generate", {"typical_p": 0.5}, "parameters.typical_p"),
     ("/generate", {"watermark": True}, "parameters.watermark"),
 ]

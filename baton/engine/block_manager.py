@@ -28,7 +28,8 @@ class BlockManager:
 
         At least one token is always left to compute: the step needs it to produce logits.
         """
-        if not self.enable_prefix_caching or seq.block_table:
+        if not self.enable_prefix_caching or seq.block_table or seq.sampling_params.prompt_logprobs is not None:
+            # (prompt logprobs need the logits of every prompt position: nothing may be skipped)
             return []
         hits: list[int] = []
         bs = self.block_size

@@ -18,7 +18,8 @@ import torch
 
 from baton.engine.block_manager import BlockManager
 from baton.engine.loader import default_device, load_model
-from baton.engine.model_runner import ModelRunner, kv_bytes_per_block
+from baton.engine.logprobs import token_logprobs
+from baton.engine.model_runner import ModelRunner, PromptRows, kv_bytes_per_block
 from baton.engine.block_pool import BlockPool
 from baton.engine.sampling import sample
 from baton.engine.scheduler import Scheduler, SchedulerConfig, StepOutput
@@ -124,10 +125,12 @@ class LLMEngine:
         self.last_num_batched_tokens = plan.num_batched_tokens
         if not plan.scheduled:
             return outputs
-        sample_seqs, logits = self.runner.execute(plan.scheduled)
+        sample_seqs, all_logits, prompt_rows = self.runner.execute(plan.scheduled)
+        logits = all_logits[:len(sample_seqs)]
         self.num_steps += 1
         tokens: list[int] = []
         logprobs: list[float] = []
+        top_logprobs: list[list] | None = None
         if sample_seqs:
             tokens, logprobs = sample(
                 self.structured.apply(sample_seqs, logits),  # grammar masks (a no-op when unconstrained)
@@ -136,8 +139,11 @@ class LLMEngine:
                 [s.num_output_tokens for s in sample_seqs],
                 [s.num_prompt_tokens for s in sample_seqs],
             )
+            top_logprobs = self._requested_logprobs(sample_seqs, logits, tokens, logprobs)
+        if prompt_rows:
+            self._record_prompt_logprobs(prompt_rows, all_logits[len(sample_seqs):])
         self.num_generated_tokens += len(tokens)
-        step_outputs = self.scheduler.update_from_output(plan, sample_seqs, tokens, logprobs)
+        step_outputs = self.scheduler.update_from_output(plan, sample_seqs, tokens, logprobs, top_logprobs)
         self._end_broken_grammars(step_outputs)
         for out in step_outputs:
             if out.seq.finish_reason == "handoff":
@@ -145,6 +151,38 @@ class LLMEngine:
                 out.kv_save = self.connector.build_save(out.seq, out.seq.num_prompt_tokens, self.runner.read_block)
                 self.scheduler.free_finished(out.seq)
         return outputs + step_outputs
+
+    @staticmethod
+    def _requested_logprobs(seqs: list[Sequence], logits: torch.Tensor, tokens: list[int],
+                            logprobs: list[float]) -> list[list] | None:
+        """For the rows that asked for logprobs: the raw logprob of the sampled token (replacing the
+        sampler's, which is under the processed distribution) and the top k. logits: [S, V]."""
+        rows = [i for i, s in enumerate(seqs) if s.sampling_params.logprobs is not None]
+        if not rows:
+            return None
+        chosen, tops = token_logprobs(logits[rows], [tokens[i] for i in rows],
+                                      [seqs[i].sampling_params.logprobs or 0 for i in rows])
+        top_logprobs: list[list] = [[] for _ in seqs]
+        for i, row in enumerate(rows):
+            logprobs[row] = chosen[i]
+            top_logprobs[row] = tops[i]
+        return top_logprobs
+
+    @staticmethod
+    def _record_prompt_logprobs(prompt_rows: list[PromptRows], logits: torch.Tensor) -> None:
+        """Store each prompt token's logprob (and top k) on its request. logits: [P, V], the rows of
+        `prompt_rows` in order; the row of position p scores the token at p + 1."""
+        offset = 0
+        for rows in prompt_rows:
+            seq = rows.seq
+            k = seq.sampling_params.prompt_logprobs or 0
+            scored = seq.token_ids[rows.start + 1:rows.start + 1 + rows.count]
+            chosen, tops = token_logprobs(logits[offset:offset + rows.count], scored, [k] * rows.count)
+            offset += rows.count
+            if seq.prompt_logprobs is None:
+                seq.prompt_logprobs = [None] * seq.num_prompt_tokens
+            for i in range(rows.count):
+                seq.prompt_logprobs[rows.start + 1 + i] = [chosen[i], tops[i]]
 
     def _end_broken_grammars(self, outputs: list[StepOutput]) -> None:
         """A constrained request whose matcher broke (it should not: every token it samples is

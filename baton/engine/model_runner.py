@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from baton.engine.config import ModelConfig
 from baton.engine.attention import AttentionMetadata, DecodeGroup, PrefillSpan, group_by_context
 from baton.engine.model import LlamaModel
 from baton.engine.sequence import Sequence
+
+
+@dataclass
+class PromptRows:
+    """Logits rows of positions [start, start + count) of a request's prompt (for prompt logprobs)."""
+
+    seq: Sequence
+    start: int
+    count: int
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -46,8 +57,10 @@ class ModelRunner:
         # the native kernel reads only each request's own blocks: one group, no padding cost
         return [(0, len(context_lens))] if context_lens else []
 
-    def execute(self, scheduled: list[tuple[Sequence, int]]) -> tuple[list[Sequence], torch.Tensor]:
-        """Run one step. Returns the requests that get a new token and their logits [S, vocab].
+    def execute(self, scheduled: list[tuple[Sequence, int]]) -> tuple[list[Sequence], torch.Tensor, list[PromptRows]]:
+        """Run one step. Returns the requests that get a new token, the logits [S + P, vocab] (S rows
+        for them, then P rows of prompt positions whose logprobs were asked for) and which request
+        and positions those P rows are (in order).
 
         Decode requests (one new token each) come first, reordered by context length so that
         requests of similar length form one padded attention group; prefill chunks follow.
@@ -62,6 +75,8 @@ class ModelRunner:
         slots: list[int] = []
         logits_indices: list[int] = []
         sample_seqs: list[Sequence] = []
+        prompt_rows: list[PromptRows] = []
+        prompt_indices: list[int] = []
         for seq in decode:
             pos = seq.num_computed_tokens
             input_ids.append(seq.token_ids[pos])
@@ -103,6 +118,12 @@ class ModelRunner:
                 mask = (torch.arange(end).unsqueeze(0) <= torch.arange(start, end).unsqueeze(1))
                 mask = mask.view(1, 1, num_new, end).to(device)
             prefills.append(PrefillSpan(offset, num_new, end, gather, mask))
+            if seq.sampling_params.prompt_logprobs is not None:
+                # the logits at position p score the prompt token at p + 1
+                count = min(end, seq.num_prompt_tokens - 1) - start
+                if count > 0:
+                    prompt_rows.append(PromptRows(seq, start, count))
+                    prompt_indices.extend(range(offset, offset + count))
             if end == seq.num_tokens:  # the whole sequence is computed: its next token is due
                 logits_indices.append(offset + num_new - 1)
                 sample_seqs.append(seq)
@@ -117,10 +138,10 @@ class ModelRunner:
             torch.tensor(positions, dtype=torch.long, device=device),
             self.kv_cache,
             meta,
-            torch.tensor(logits_indices, dtype=torch.long, device=device),
+            torch.tensor(logits_indices + prompt_indices, dtype=torch.long, device=device),
             max(positions),
         )
-        return sample_seqs, logits
+        return sample_seqs, logits, prompt_rows
 
     # --- moving blocks in and out (the disaggregated workers hand KV through the store) ---
 

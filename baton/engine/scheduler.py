@@ -69,6 +69,7 @@ class StepOutput:
     seq: Sequence
     new_token_ids: list[int] = field(default_factory=list)
     new_logprobs: list[float] = field(default_factory=list)
+    new_top_logprobs: list[list] = field(default_factory=list)  # one per new token, when asked for
     finished: bool = False
     kv_save: KVSave | None = None  # a handed-off request's encoded blocks
 
@@ -246,7 +247,7 @@ class Scheduler:
                        seq.seq_id, seq.num_tokens, seq.num_preemptions, reason)
 
     def update_from_output(self, plan: SchedulerOutput, sampled: list[Sequence], token_ids: list[int],
-                           logprobs: list[float]) -> list[StepOutput]:
+                           logprobs: list[float], top_logprobs: list[list] | None = None) -> list[StepOutput]:
         """Apply a step's results: advance the scheduled requests, register their full blocks,
         append the sampled tokens, and finish (and free) the requests that stop. A `remote_decode`
         request that does not stop finishes with "handoff", keeping its blocks until the engine has
@@ -257,7 +258,8 @@ class Scheduler:
             bm.cache_full_blocks(seq)
         now = time.time()
         outputs = []
-        for seq, token, logprob in zip(sampled, token_ids, logprobs):
+        tops = top_logprobs if top_logprobs is not None else [[] for _ in sampled]
+        for seq, token, logprob, top in zip(sampled, token_ids, logprobs, tops):
             seq.append_token(token, logprob)
             if seq.first_token_time is None:
                 seq.first_token_time = now
@@ -268,7 +270,10 @@ class Scheduler:
                 self.running.remove(seq)
                 seq.status = SequenceStatus.FINISHED
                 seq.finish_reason = reason = "handoff"
-            outputs.append(StepOutput(seq, [token], [logprob], reason is not None))
+            wants_top = seq.sampling_params.logprobs is not None
+            if wants_top:
+                seq.top_logprobs.append(top)
+            outputs.append(StepOutput(seq, [token], [logprob], [top] if wants_top else [], reason is not None))
         return outputs
 
     def check_stop(self, seq: Sequence) -> str | None:

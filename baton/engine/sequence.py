@@ -38,6 +38,10 @@ class Sequence:
         self.num_preemptions = 0
         self.output_len_at_admission = 0  # progress check: a resumed request must advance
         self.logprobs: list[float] = []
+        # Per prompt position, once computed: None for the first token, else [logprob, top]
+        # (only for requests that ask for prompt_logprobs; see baton.engine.logprobs)
+        self.prompt_logprobs: list[list | None] | None = None
+        self.top_logprobs: list[list] = []  # per output token, when the request asks for logprobs
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         # Structured output: the grammar matcher (baton.engine.structured.GrammarState), built
