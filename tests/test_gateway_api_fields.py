@@ -386,8 +386,11 @@ SAMPLES = {
     "temperature": 0.5, "top_p": 0.9, "seed": 3, "n": 1, "top_k": 5, "repetition_penalty": 1.1,
     "ignore_eos": False, "stop_token_ids": [2], "user": "u", "presence_penalty": 0.3, "frequency_penalty": 0.2,
     "logit_bias": {"5": 1.5}, "min_p": 0.05, "response_format": {"type": "text"},
-    "prompt": "Hello", "echo": False, "add_special_tokens": False, "messages": CHAT,
+    "prompt": "Hello", "echo": True, "add_special_tokens": False, "messages": CHAT,
+    "logprobs": 2, "top_logprobs": 2, "prompt_logprobs": 1, "best_of": 1,
 }
+CHAT_SAMPLES = {"logprobs": True}  # chat's logprobs is a flag
+COMPANIONS = {"stream_options": {"stream": True}, "top_logprobs": {"logprobs": True}}  # what a field needs
 
 
 def _documented(spec: dict, name: str) -> set[str]:
@@ -407,14 +410,14 @@ def test_every_documented_openai_field_is_accepted(gw_server, gw_worker, path, s
     fields = _documented(spec, schema)
     assert {"presence_penalty", "frequency_penalty", "min_p", "logit_bias"} <= fields
     assert not fields - set(SAMPLES), fields - set(SAMPLES)
-    base = {"prompt": "Hello"} if path == "/v1/completions" else {"messages": CHAT}
+    chat = path != "/v1/completions"
+    samples = {**SAMPLES, **CHAT_SAMPLES} if chat else SAMPLES
+    base = {"messages": CHAT} if chat else {"prompt": "Hello"}
     for field in sorted(fields):
-        body = {**base, "max_tokens": 2, field: SAMPLES[field]}
-        if field == "stream_options":
-            body["stream"] = True
+        body = {**base, "max_tokens": 2, field: samples[field], **COMPANIONS.get(field, {})}
         r = httpx.post(gw_server.url + path, json=body)
         assert r.status_code == 200 and HEADER not in r.headers, (field, r.text)
-    r = httpx.post(gw_server.url + path, json={**base, **{f: SAMPLES[f] for f in fields}})
+    r = httpx.post(gw_server.url + path, json={**base, **{f: samples[f] for f in fields}})
     assert r.status_code == 200 and HEADER not in r.headers, r.text
     assert spec["components"]["schemas"]["OpenAICommon"]["properties"]["model"]["enum"] == ["SmolLM2-135M-Instruct"]
     for endpoint in ("/tokenize", "/detokenize"):
