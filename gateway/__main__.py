@@ -15,11 +15,14 @@ from gateway.config import Settings
 
 def parse_args(argv: list[str] | None = None) -> Settings:
     p = argparse.ArgumentParser(prog="python -m gateway", description="Baton HTTP gateway (TGI + OpenAI APIs)")
-    p.add_argument("--model", default=None, help="model directory or .gguf (default: the default model)")
+    p.add_argument("--model", default=None,
+                   help="model directory, .gguf, or Hub repo id (default: the default model)")
     p.add_argument("--served-model-name", "--model-name", nargs="+", default=None, metavar="NAME",
                    dest="served_model_name",
                    help="one or more names requests may give as `model` (the first one is reported; "
                         "default: the model dir's basename); any other name gets 404")
+    p.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                   help="a Jinja chat template (a file, or the template itself) used instead of the model's")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
     p.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"),
@@ -68,10 +71,15 @@ def parse_args(argv: list[str] | None = None) -> Settings:
                         "30 s drain, so a request a draining worker finishes is delivered)")
     args = p.parse_args(argv)
 
-    from baton.ops.fetch import resolve_model
+    from baton.ops.fetch import model_display_name, resolve_model
+    from gateway.chat_template import load_chat_template
 
+    model_dir = resolve_model(args.model)
+    chat_template = load_chat_template(args.chat_template) if args.chat_template is not None else None
     settings = Settings(
-        model_dir=resolve_model(args.model), served_model_names=tuple(args.served_model_name or ()),
+        model_dir=model_dir, chat_template=chat_template,
+        # A Hub model is served as its repo id by default (its directory is a commit hash).
+        served_model_names=tuple(args.served_model_name or [model_display_name(args.model, model_dir)]),
         host=args.host, port=args.port,
         redis_url=args.redis_url, max_concurrent_requests=args.max_concurrent_requests,
         max_input_tokens=args.max_input_tokens, max_total_tokens=args.max_total_tokens,
@@ -99,7 +107,11 @@ def _host_list(value: str | None) -> tuple[str, ...] | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    settings = parse_args(argv)
+    try:
+        settings = parse_args(argv)
+    except (FileNotFoundError, ValueError) as exc:  # --model, --chat-template: a message, not a traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     level = settings.log_level
     setup_logging(level, settings.log_format)
     try:

@@ -49,7 +49,7 @@ def redis_client(url: str, socket_timeout: float | None) -> aioredis.Redis:
 
 def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> Starlette:
     settings.validate()
-    tokenizer = tokenizer or PromptTokenizer(settings.model_dir)
+    tokenizer = tokenizer or PromptTokenizer(settings.model_dir, settings.chat_template)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

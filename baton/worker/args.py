@@ -8,6 +8,10 @@ import os
 import re
 
 
+# What baton.engine.loader.resolve_dtype loads weights as (auto: bf16 where it is fast, else fp32).
+DTYPE_CHOICES = ["auto", "float32", "bfloat16", "float16"]
+
+
 def parse_bytes(text: str) -> int:
     """'2GiB', '512MB', '1073741824' -> bytes."""
     match = re.fullmatch(r"\s*([\d.]+)\s*([KMGT]?)(i?)B?\s*", text, re.IGNORECASE)
@@ -19,9 +23,10 @@ def parse_bytes(text: str) -> int:
 
 
 def add_common_args(parser: argparse.ArgumentParser, kind: str) -> None:
-    parser.add_argument("--model", default=None, help="model directory or .gguf (default: the default model)")
+    parser.add_argument("--model", default=None,
+                        help="model directory, .gguf, or Hub repo id (default: the default model)")
     parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if present)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (workers on one machine must share its cores)")
     parser.add_argument("--block-size", type=int, default=16)
