@@ -93,6 +93,26 @@ def test_supervisor_restarts_a_dead_redis_then_gives_up(private_redis: PrivateRe
         sup.sleep(5)
 
 
+def test_a_child_whose_arguments_are_refused_is_not_restarted():
+    """A usage error (exit 2) would repeat on every restart: it ends `baton serve` at once."""
+    from baton.ops.supervisor import ChildSpec
+
+    logs: list[str] = []
+    sup = Supervisor(log=logs.append, max_restarts=5, restart_window=60)
+    sup.start(ChildSpec("prefill-0", [sys.executable, "-c", "import sys; sys.exit(2)"], role="prefill"))
+    with pytest.raises(ChildExited, match="prefill-0 .* exited with code 2: its command line was refused"):
+        sup.sleep(10)
+    assert not any("restarting it in" in line for line in logs), logs
+    # any other exit is restarted as before
+    sup = Supervisor(log=logs.append, max_restarts=5, restart_window=60)
+    sup.start(ChildSpec("decode-0", [sys.executable, "-c", "import sys; sys.exit(1)"], role="decode"))
+    deadline = time.monotonic() + 10
+    while not any("decode-0" in line and "restarting it in" in line for line in logs):
+        assert time.monotonic() < deadline, logs
+        sup.sleep(0.1)
+    sup.stop_all()
+
+
 def test_redis_and_children_die_with_a_killed_baton_serve(tiny_model_dir):
     # SIGKILL leaves `baton serve` no chance to clean up: the kernel must stop its children
     # (PR_SET_PDEATHSIG), Redis first among them, or it would hold its port and data forever.

@@ -18,6 +18,8 @@ from typing import Callable, Protocol
 
 from baton.ops.redis_server import child_preexec
 
+USAGE_ERROR = 2  # the exit status of a child whose arguments argparse refused
+
 # The environment variable holding the gateway's API key: removed from every other child's env.
 API_KEY_ENV = "BATON_API_KEY"
 
@@ -146,6 +148,10 @@ class Supervisor:
 
     def _on_death(self, spec: ChildSpec, proc: subprocess.Popen, code: int) -> None:
         self.children.remove((spec, proc))
+        if code == USAGE_ERROR:
+            # argparse's exit status for a bad command line: a restart would fail the same way
+            raise ChildExited(spec.name, proc.pid, code, "its command line was refused (see its message "
+                              "above); not restarting it")
         death = ChildExited(spec.name, proc.pid, code)
         count, delay = self._record_death(spec.name)
         if count > self.max_restarts:
