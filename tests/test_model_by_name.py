@@ -129,7 +129,7 @@ def test_a_private_repo_needs_hf_token(hub, hf_env):
 
 # ------------------------------------------------------------------ names that are not models
 
-def test_an_unknown_repo_id_is_a_clear_error_from_serve_and_the_gateway(hub, hf_env):
+def test_an_unknown_repo_id_is_a_clear_error_from_serve_the_gateway_and_a_worker(hub, hf_env):
     serve = subprocess.run(baton_cmd("serve", "--model", "org/no-such-model"), env=hf_env,
                            capture_output=True, text=True, timeout=120)
     assert serve.returncode == 2
@@ -139,6 +139,10 @@ def test_an_unknown_repo_id_is_a_clear_error_from_serve_and_the_gateway(hub, hf_
                      "--model", "org/no-such-model", env=hf_env)
     assert gateway.returncode == 2
     assert "has no model repo 'org/no-such-model'" in gateway.stderr and "Traceback" not in gateway.stderr
+    worker = subprocess.run([sys.executable, "-m", "decode_worker", "--model", "org/no-such-model"],
+                            env=hf_env, capture_output=True, text=True, timeout=120)
+    assert worker.returncode == 2
+    assert "has no model repo 'org/no-such-model'" in worker.stderr and "Traceback" not in worker.stderr
 
 
 def test_offline_and_not_cached_says_so(hf_env):

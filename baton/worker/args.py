@@ -65,6 +65,12 @@ def run_worker(kind: str, argv: list[str] | None, extra: Callable[[argparse.Argu
         extra(parser)
     args = parser.parse_args(argv)
     setup_logging(args.log_level, args.log_format)
+    from baton.ops.fetch import resolve_model
+
+    try:  # before the worker starts: an unknown model is a message, not a traceback from its loop
+        args.model = str(resolve_model(args.model))
+    except FileNotFoundError as exc:
+        parser.exit(2, f"error: {exc}\n")
     module = importlib.import_module(f"{kind}_worker.worker")
     worker_class = getattr(module, f"{kind.capitalize()}Worker")
     try:
