@@ -40,13 +40,15 @@ class PrefillCore(WorkerCore[protocol.PrefillRequest]):
     def is_in_flight(self, request_id: str) -> bool:
         return request_id in self.in_flight
 
-    def admit(self, message_id: bytes, request: protocol.PrefillRequest, stored_hashes: list[str]) -> Effects:
+    def admit(self, message_id: bytes, request: protocol.PrefillRequest, stored_hashes: list[str],
+              block_hashes: list[str] | None = None) -> Effects:
         """Add an opened request; `stored_hashes` are its prompt's leading block ids that a probe
-        found in the store (the scheduler loads those beyond the local prefix cache)."""
+        found in the store (the scheduler loads those beyond the local prefix cache), and
+        `block_hashes` all its full blocks' ids if the caller computed them already."""
         try:
             seq = Sequence(request.request_id, request.prompt_token_ids, request.sampling,
                            arrival_time=request.arrival_time, remote_kv=RemoteKV(stored_hashes) if stored_hashes else None,
-                           remote_decode=True)
+                           remote_decode=True, block_hashes=block_hashes)
             self.engine.add_request(seq)
         except (ValueError, TypeError) as exc:
             return self.fail(message_id, request, str(exc))

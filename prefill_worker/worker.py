@@ -90,5 +90,5 @@ class PrefillWorker(WorkerShell):
                 # the scheduler loads those its local prefix cache lacks instead of computing them.
                 hashes = hash_blocks(request.prompt_token_ids, self.engine.block_size, self.engine.model_id)
                 stored = await probe(self.store, hashes)
-                await self.write(self.core.admit(message_id, request, stored))
+                await self.write(self.core.admit(message_id, request, stored, hashes))
             self.pending.popleft()

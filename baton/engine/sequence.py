@@ -21,7 +21,8 @@ class SequenceStatus(enum.Enum):
 class Sequence:
     def __init__(self, seq_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  arrival_time: float | None = None, output_token_ids: list[int] | None = None,
-                 remote_kv: RemoteKV | None = None, remote_decode: bool = False) -> None:
+                 remote_kv: RemoteKV | None = None, remote_decode: bool = False,
+                 block_hashes: list[str] | None = None) -> None:
         if not prompt_token_ids:
             raise ValueError("a prompt needs at least one token")
         self.seq_id = seq_id
@@ -54,10 +55,10 @@ class Sequence:
         # Finish after the first token with reason "handoff", saving the prompt's blocks: a prefill
         # worker's request, which a decode worker continues.
         self.remote_decode = remote_decode
-        if remote_kv is not None:
-            # A handoff carries its prompt's block ids (chained over the same tokens, by the same
-            # model and block size): they are not hashed again.
-            self._block_hashes = list(remote_kv.block_hashes)
+        if block_hashes is not None or remote_kv is not None:
+            # Ids already chained over these tokens by the same model and block size (a prefill
+            # worker's probe, a handoff's stored blocks) are not hashed again.
+            self._block_hashes = list(block_hashes if block_hashes is not None else remote_kv.block_hashes)
 
     @property
     def num_tokens(self) -> int:
