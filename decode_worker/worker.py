@@ -99,14 +99,10 @@ class DecodeWorker(WorkerShell):
                 loads.append(int(state.get("num_requests_running", 0)) + int(state.get("num_requests_waiting", 0)))
         self.peer_loads = loads
 
-    def _load(self) -> int:
-        stats = self.engine.stats()
-        return stats["num_requests_running"] + stats["num_requests_loading_kv"] + stats["num_requests_waiting"]
-
     def _my_turn(self) -> bool:
         """Pull-based balancing: a worker much busier than its least-loaded live peer leaves new
         handoffs in the stream for that peer (an idle worker always takes work)."""
-        my_load = self._load() + len(self.pending)
+        my_load = self.engine.num_unfinished() + len(self.pending)
         return my_load == 0 or not self.peer_loads or my_load <= min(self.peer_loads) + BALANCE_SLACK
 
     async def _read_new(self, block_ms: int | None) -> None:
@@ -117,7 +113,7 @@ class DecodeWorker(WorkerShell):
         room = self.engine.num_free_seqs() - len(self.pending)
         await self._refresh_peer_loads()
         # A queue inside the engine means its KV pool is full: leave new handoffs to the peers.
-        if room > 0 and not self.engine.stats()["num_requests_waiting"] and self._my_turn():
+        if room > 0 and not self.engine.num_waiting() and self._my_turn():
             for message_id, fields in await read_group(self.redis, self.stream, self.group, self.worker_id,
                                                        min(room, 8), block_ms):
                 self.pending.append((message_id, fields, 1))

@@ -71,7 +71,7 @@ class PrefillWorker(WorkerShell):
     async def _accept_new(self) -> None:
         room = self.engine.num_free_seqs() - len(self.pending)
         # Keep only a short local queue: the rest stays in the stream for other prefill workers.
-        if room > 0 and self.engine.stats()["num_requests_waiting"] < 2:
+        if room > 0 and self.engine.num_waiting() < 2:
             block_ms = None if self.engine.has_unfinished() or self.pending else 100
             for message_id, fields in await read_group(self.redis, self.stream, self.group, self.worker_id,
                                                        min(room, 4), block_ms):

@@ -108,6 +108,15 @@ class LLMEngine:
         """Whether a step would compute something now (not only wait for KV loads)."""
         return bool(self.scheduler.running or self.scheduler.waiting)
 
+    def num_waiting(self) -> int:
+        """Requests queued inside the engine (its KV pool or batch is full)."""
+        return len(self.scheduler.waiting)
+
+    def num_unfinished(self) -> int:
+        """Requests running, loading KV or waiting: the load a worker compares with its peers'."""
+        scheduler = self.scheduler
+        return len(scheduler.running) + len(scheduler.loading) + len(scheduler.waiting)
+
     def num_free_seqs(self) -> int:
         """How many more requests this engine can take before it would queue them."""
         scheduler = self.scheduler
