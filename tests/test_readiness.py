@@ -187,3 +187,57 @@ def test_the_clients_request_id_is_on_every_processs_log_lines(tiny_model_dir):
         assert any("prefilling request" in line["message"] for line in tagged("prefill-0"))
         assert any("decoding request" in line["message"] for line in tagged("decode-0"))
         assert all(set(line) >= {"time", "level", "logger", "message"} for line in lines("gateway"))
+
+
+def _gateway_process(model_dir, redis_url: str, *args: str):
+    import os
+    import subprocess
+    import sys
+
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gateway", "--model", str(model_dir), "--port", str(port), "--redis-url", redis_url,
+         "--max-batch-total-tokens", "100000", *args],
+        env=dict(os.environ, PYTHONUNBUFFERED="1"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:
+        try:
+            return httpx.get(url + "/live", timeout=1).status_code == 200
+        except httpx.TransportError:
+            return proc.poll() is not None
+
+    assert wait_until(up, timeout=60) and proc.poll() is None, proc.stderr.read() if proc.poll() is not None else ""
+    return proc, url
+
+
+@pytest.mark.parametrize("grace, finishes", [(None, True), ("1", False)])
+def test_sigterm_lets_streams_in_flight_finish_within_the_shutdown_grace(default_model_dir, gw_redis_url,
+                                                                           gw_worker, grace, finishes):
+    # Issue 13 (5): the gateway's graceful shutdown was 5 s, shorter than a worker's drain, and cut
+    # streams a draining worker was still finishing.
+    import signal
+
+    gw_worker.set_reply(" ".join(["word"] * 24))
+    gw_worker.delay = 0.3  # ~7 s of tokens: longer than the old 5 s
+    proc, url = _gateway_process(default_model_dir, gw_redis_url, *(["--shutdown-grace", grace] if grace else []))
+    events: list[str] = []
+    try:
+        with httpx.stream("POST", url + "/generate_stream", json={"inputs": "hi", "parameters": {"max_new_tokens": 100}},
+                          timeout=30) as stream:
+            for line in stream.iter_lines():
+                if line.startswith("data:"):
+                    events.append(line)
+                    if len(events) == 2:
+                        proc.send_signal(signal.SIGTERM)  # mid-stream
+    except httpx.HTTPError:
+        pass  # the connection cut mid-stream: what a too short grace does
+    finally:
+        if len(events) < 2:  # never got to the signal: do not leave the process behind
+            proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)  # it stops on its own once its streams are done (or cut)
+    last = json.loads(events[-1][5:])
+    if finishes:
+        assert last["generated_text"] == " ".join(["word"] * 24).strip() and len(events) == 25, (len(events), events[-1])
+    else:
+        assert len(events) < 25 and last.get("generated_text") is None, (len(events), events[-1])
