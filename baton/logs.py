@@ -51,6 +51,11 @@ def bind_request(request_id: str, client_request_id: str) -> None:
     _client_id.set(client_request_id)
 
 
+def bound_client_id() -> str:
+    """The client's request id bound to the current task ("" outside a request)."""
+    return _client_id.get()
+
+
 class _ClientIds:
     """internal request id -> client's id, the most recent `capacity` of them."""
 

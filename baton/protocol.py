@@ -82,6 +82,7 @@ class PrefillRequest:
     kind: str = "prefill_request"
     # The client's x-request-id (or the one the gateway made up): for log lines, never for routing.
     client_request_id: str = ""
+    trace_context: str = ""  # W3C traceparent of the gateway's request span (baton/tracing.py), or ""
 
 
 @dataclass
@@ -106,6 +107,7 @@ class Handoff:
     first_token_time: float
     kind: str = "handoff"
     client_request_id: str = ""  # the PrefillRequest's, carried on for the decode worker's logs
+    trace_context: str = ""  # the PrefillRequest's: decode's spans join the request's trace
 
 
 @dataclass
@@ -236,7 +238,7 @@ def _check_types(message: Any) -> None:
         if f.name in ("prompt_token_ids", "output_token_ids", "token_ids"):
             if not isinstance(value, list) or not all(isinstance(t, int) for t in value):
                 raise MalformedMessage(f"{f.name} must be a list of ints")
-        elif f.name in ("request_id", "gateway_id", "client_request_id") and not isinstance(value, str):
+        elif f.name in ("request_id", "gateway_id", "client_request_id", "trace_context") and not isinstance(value, str):
             raise MalformedMessage(f"{f.name} must be a string")
         elif f.name in ("top_logprobs", "prompt_logprobs") and not isinstance(value, list):
             raise MalformedMessage(f"{f.name} must be a list")

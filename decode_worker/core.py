@@ -14,6 +14,7 @@ import time
 
 from baton import protocol
 from baton.logs import request_extra
+from baton.tracing import RequestSpans
 from baton.engine.llm_engine import StepOutput
 from baton.engine.sequence import Sequence
 from baton.worker.core import Effects, WorkerCore
@@ -38,6 +39,7 @@ class DecodeCore(WorkerCore[protocol.Handoff]):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.in_flight: dict[str, InFlight] = {}
+        self.spans = RequestSpans()  # tracing: each request's "decode" span (no-op when off)
 
     def is_in_flight(self, request_id: str) -> bool:
         return request_id in self.in_flight
@@ -59,6 +61,12 @@ class DecodeCore(WorkerCore[protocol.Handoff]):
             return self.fail(message_id, handoff, str(exc))
         self.metrics.handoff_latency.observe(max(0.0, time.time() - handoff.first_token_time))
         self.in_flight[handoff.request_id] = InFlight(message_id, handoff, time.time(), len(handoff.output_token_ids))
+        ids = {"baton.request_id": handoff.request_id, "baton.client_request_id": handoff.client_request_id,
+               "baton.worker_id": self.worker_id}
+        # From the first token to here: the KV's trip through the store, and the wait for a worker.
+        self.spans.record("handoff", handoff.trace_context, handoff.first_token_time, **ids)
+        self.spans.begin(handoff.request_id, "decode", handoff.trace_context, **ids,
+                         **{"baton.resumed_at_token": len(handoff.output_token_ids)})
         logger.debug("decoding request %s from output position %d", handoff.request_id,
                      len(handoff.output_token_ids), extra=request_extra(handoff.request_id))
         return Effects()
@@ -69,6 +77,7 @@ class DecodeCore(WorkerCore[protocol.Handoff]):
         if entry is None:
             return Effects()
         self.engine.abort_request(request_id)
+        self.spans.end(request_id, reason)
         self.metrics.finished(reason)
         logger.info("dropped request %s (%s)", request_id, reason, extra=request_extra(request_id))
         return Effects(acks=[entry.message_id], deletes=self._partial_keys(entry))
@@ -101,6 +110,7 @@ class DecodeCore(WorkerCore[protocol.Handoff]):
                 worker_id=self.worker_id, top_logprobs=out.new_top_logprobs[skip:]))
             if out.finished:
                 del self.in_flight[seq.seq_id]
+                self.spans.end(seq.seq_id, (seq.error or "error") if seq.finish_reason == "error" else None)
                 self.num_finished += 1
                 effects.acks.append(entry.message_id)
                 effects.deletes += self._partial_keys(entry)

@@ -10,6 +10,7 @@ import sys
 os.environ.setdefault("PROMETHEUS_DISABLE_CREATED_SERIES", "True")
 
 from baton.logs import FORMATS, setup_logging, uvicorn_log_config
+from baton.tracing import setup_tracing
 from gateway.config import Settings
 
 
@@ -114,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     level = settings.log_level
     setup_logging(level, settings.log_format)
+    setup_tracing("baton-gateway")  # only with an OTLP endpoint set and OpenTelemetry installed
     try:
         settings.validate()
     except ValueError as exc:

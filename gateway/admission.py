@@ -23,6 +23,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from baton import tracing
+from baton.logs import bound_client_id
 from gateway.config import Settings
 from gateway.errors import ApiError, overloaded, validation_error
 from gateway.metrics import GatewayMetrics
@@ -40,6 +42,11 @@ class Ticket:
         default_factory=lambda: asyncio.get_running_loop().create_future())
     submitted_at: float = field(default_factory=time.monotonic)
     state: str = "new"  # new -> waiting -> running -> done; written only by the admission task
+    # Tracing (baton/tracing.py; None when off): the request's span at the gateway, from submit to
+    # done, and its child for the wait for budget.
+    span: Any = None
+    admission_span: Any = None
+    rejected: str = ""  # why it was answered with an error before admission, if it was
 
 
 class Admission:
@@ -58,6 +65,13 @@ class Admission:
 
     def submit(self, cost: int, status: int) -> Ticket:
         ticket = Ticket(cost=cost, status=status)
+        if tracing.enabled():
+            ticket.span = tracing.start_span("request", attributes={
+                "baton.gateway_id": self._settings.gateway_id, "baton.cost_tokens": cost,
+                "baton.client_request_id": bound_client_id()})
+            ticket.admission_span = tracing.start_span("admission", ticket.span)
+            # The caller's task sends the request's messages: they carry this span as their parent.
+            tracing.set_request_parent(tracing.traceparent(ticket.span))
         self._inbox.put_nowait(("submit", ticket))
         return ticket
 
@@ -158,9 +172,12 @@ class Admission:
     def _on_done(self, t: Ticket) -> None:
         if t.state == "waiting":
             self._waiting.remove(t)  # gave up (timeout, client gone) before admission
+            tracing.end_span(t.admission_span, "gave up waiting for token budget")
+            t.rejected = "gave up waiting"
         elif t.state == "running":
             self._running -= 1
             self._in_use -= t.cost
+        tracing.end_span(t.span, t.rejected or None)
         t.state = "done"
         if not t.decision.done():
             t.decision.cancel()
@@ -178,11 +195,14 @@ class Admission:
         self._running += 1
         self._in_use += t.cost
         self._metrics.queue_time.observe(time.monotonic() - t.submitted_at)
+        tracing.end_span(t.admission_span)
         if not t.decision.done():
             t.decision.set_result(None)
 
     def _reject(self, t: Ticket, reason: str, error: ApiError) -> None:
         self._metrics.reject(reason)
+        t.rejected = reason
+        tracing.end_span(t.admission_span, reason)
         if not t.decision.done():
             t.decision.set_result(error)
 

@@ -20,6 +20,7 @@ from typing import Any, NoReturn
 from redis.exceptions import RedisError
 from starlette.requests import Request
 
+from baton import tracing
 from baton.protocol import (
     CANCEL_STREAM,
     PAYLOAD_FIELD,
@@ -174,7 +175,7 @@ class Generation:
         message = PrefillRequest(
             request_id=self.request_id, gateway_id=svc.settings.gateway_id,
             prompt_token_ids=self.prompt_ids, sampling=self._sampling(), arrival_time=time.time(),
-            client_request_id=client_request_id(request.scope))
+            client_request_id=client_request_id(request.scope), trace_context=tracing.request_parent())
         try:
             await svc.redis.xadd(PREFILL_STREAM, {PAYLOAD_FIELD: encode(message)},
                                  maxlen=STREAM_MAXLEN, approximate=True)

@@ -17,6 +17,7 @@ import time
 
 from baton import protocol
 from baton.logs import request_extra
+from baton.tracing import RequestSpans
 from baton.engine.llm_engine import StepOutput
 from baton.engine.sequence import Sequence
 from baton.worker.core import Effects, WorkerCore
@@ -36,6 +37,7 @@ class PrefillCore(WorkerCore[protocol.PrefillRequest]):
         # request id -> (stream message id, request, admission time)
         self.in_flight: dict[str, tuple[bytes, protocol.PrefillRequest, float]] = {}
         self.num_prefix_hit_tokens = 0
+        self.spans = RequestSpans()  # tracing: each request's "prefill" span (no-op when off)
 
     def is_in_flight(self, request_id: str) -> bool:
         return request_id in self.in_flight
@@ -53,6 +55,9 @@ class PrefillCore(WorkerCore[protocol.PrefillRequest]):
         except (ValueError, TypeError) as exc:
             return self.fail(message_id, request, str(exc))
         self.in_flight[request.request_id] = (message_id, request, time.time())
+        self.spans.begin(request.request_id, "prefill", request.trace_context, **{
+            "baton.worker_id": self.worker_id, "baton.client_request_id": request.client_request_id,
+            "baton.prompt_tokens": len(request.prompt_token_ids), "baton.stored_blocks": len(stored_hashes)})
         logger.debug("prefilling request %s (%d prompt tokens, %d stored blocks)", request.request_id,
                      len(request.prompt_token_ids), len(stored_hashes), extra=request_extra(request.request_id))
         return Effects()
@@ -62,6 +67,7 @@ class PrefillCore(WorkerCore[protocol.PrefillRequest]):
         if entry is None:
             return Effects()
         self.engine.abort_request(request_id)
+        self.spans.end(request_id, reason)
         self.metrics.finished("cancelled")
         logger.info("dropped request %s (%s)", request_id, reason, extra=request_extra(request_id))
         return Effects(acks=[entry[0]])
@@ -78,6 +84,7 @@ class PrefillCore(WorkerCore[protocol.PrefillRequest]):
             if entry is None:
                 continue
             message_id, request, admitted = entry
+            self.spans.end(seq.seq_id, (seq.error or "error") if seq.finish_reason == "error" else None)
             num_prompt = seq.num_prompt_tokens
             self.metrics.prompt_tokens.inc(num_prompt)
             self.metrics.prefix_cache_queries.inc(num_prompt)
@@ -117,6 +124,6 @@ class PrefillCore(WorkerCore[protocol.PrefillRequest]):
                     partial_block_key=key, sampling=dataclasses.replace(seq.sampling_params, prompt_logprobs=None),
                     arrival_time=request.arrival_time,
                     first_token_time=seq.first_token_time or time.time(),
-                    client_request_id=request.client_request_id))
+                    client_request_id=request.client_request_id, trace_context=request.trace_context))
             effects.acks.append(message_id)
         return effects

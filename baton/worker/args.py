@@ -58,6 +58,7 @@ def run_worker(kind: str, argv: list[str] | None, extra: Callable[[argparse.Argu
     import importlib
 
     from baton.logs import setup_logging
+    from baton.tracing import setup_tracing
 
     parser = argparse.ArgumentParser(prog=f"python -m {kind}_worker", description=f"Baton {kind} worker")
     add_common_args(parser, kind)
@@ -65,6 +66,7 @@ def run_worker(kind: str, argv: list[str] | None, extra: Callable[[argparse.Argu
         extra(parser)
     args = parser.parse_args(argv)
     setup_logging(args.log_level, args.log_format)
+    setup_tracing(f"baton-{kind}-worker")  # only with an OTLP endpoint set and OpenTelemetry installed
     from baton.ops.fetch import resolve_model
 
     try:  # before the worker starts: an unknown model is a message, not a traceback from its loop
