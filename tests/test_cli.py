@@ -112,7 +112,8 @@ def test_child_command_lines_pass_flags_through():
                        "--max-concurrent-requests", "64", "--max-queue-wait", "2.5", "--api-key", "k",
                        "--num-kv-blocks", "512", "--scheduler-policy", "max-utilization",
                        "--max-num-batched-tokens", "256", "--block-size", "16",
-                       "--worker-metrics-port", "9100", "--decode-workers", "2")
+                       "--worker-metrics-port", "9100", "--decode-workers", "2",
+                       "--log-format", "json", "--shutdown-grace", "12")
     plan = ThreadPlan([2], [1, 1], cpus=4)
     specs = build_child_specs(args, Path("/m"), "redis://127.0.0.1:1/0", plan, python="py")
     assert [s.name for s in specs] == ["prefill_worker[0]", "decode_worker[0]", "decode_worker[1]", "gateway"]
@@ -133,8 +134,10 @@ def test_child_command_lines_pass_flags_through():
     assert flag(gw, "--host") == "0.0.0.0" and flag(gw, "--max-concurrent-requests") == "64"
     assert flag(gw, "--max-queue-wait") == "2.5"
     assert "--threads" not in gw and "--max-input-tokens" not in gw
+    assert flag(gw, "--shutdown-grace") == "12" and "--shutdown-grace" not in pre
     for argv in (pre, dec0, dec1, gw):
         assert flag(argv, "--model") == "/m"
+        assert flag(argv, "--log-format") == "json"  # every process logs the same way
     assert specs[0].env["OMP_NUM_THREADS"] == "2" and specs[1].env["OMP_NUM_THREADS"] == "1"
 
 
