@@ -134,7 +134,7 @@ def test_child_command_lines_pass_flags_through():
     assert flag(gw, "--host") == "0.0.0.0" and flag(gw, "--max-concurrent-requests") == "64"
     assert flag(gw, "--max-queue-wait") == "2.5"
     assert "--threads" not in gw and "--max-input-tokens" not in gw
-    assert flag(gw, "--shutdown-grace") == "12" and "--shutdown-grace" not in pre
+    assert float(flag(gw, "--shutdown-grace")) == 12 and "--shutdown-grace" not in pre
     for argv in (pre, dec0, dec1, gw):
         assert flag(argv, "--model") == "/m"
         assert flag(argv, "--log-format") == "json"  # every process logs the same way
