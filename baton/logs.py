@@ -149,7 +149,7 @@ def setup_logging(level: str = "INFO", fmt: str = "text") -> None:
     root.setLevel(level.upper())
 
 
-def uvicorn_log_config(level: str, fmt: str) -> dict[str, Any]:
+def uvicorn_log_config(level: str) -> dict[str, Any]:
     """uvicorn's own loggers (startup, errors, access) through the same handler as ours: their
     records propagate to the root logger instead of uvicorn's default text handlers."""
     names = ("uvicorn", "uvicorn.error", "uvicorn.access")

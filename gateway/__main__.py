@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     uvicorn.run(app, host=settings.host, port=settings.port, loop="uvloop", log_level=level,
                 http=http_protocol(settings), timeout_keep_alive=settings.keep_alive_timeout,
                 timeout_graceful_shutdown=settings.shutdown_grace,
-                log_config=uvicorn_log_config(level, settings.log_format))
+                log_config=uvicorn_log_config(level))
     return 0
 
 
