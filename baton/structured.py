@@ -94,7 +94,10 @@ def validate(structured: dict[str, Any]) -> str:
     from llguidance import LLMatcher
 
     grammar = grammar_of(structured)
-    error = LLMatcher.validate_grammar(grammar)
+    try:
+        error = LLMatcher.validate_grammar(grammar)
+    except Exception as exc:  # it reports errors as text; anything it raises is one too
+        error = str(exc) or type(exc).__name__
     if error:
         raise InvalidStructure(error.strip())
     return grammar

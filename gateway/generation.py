@@ -211,7 +211,7 @@ class Generation:
             repetition_penalty=s.repetition_penalty, seed=self.seed, stop_token_ids=list(s.stop_token_ids),
             ignore_eos=s.ignore_eos, presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
             min_p=s.min_p, logit_bias=[list(pair) for pair in s.logit_bias], logprobs=s.logprobs,
-            prompt_logprobs=s.prompt_logprobs)
+            prompt_logprobs=s.prompt_logprobs, structured=s.structured)
 
     # ---- tokens ----
 

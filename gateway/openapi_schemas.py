@@ -24,7 +24,7 @@ SCHEMAS: dict[str, Any] = {
     "TgiParameters": {
         "type": "object",
         "description": "TGI generation parameters. Fields TGI defines but this server does not implement "
-                       "(grammar, typical_p, watermark, frequency_penalty, adapter_id) are accepted only at "
+                       "(typical_p, watermark, frequency_penalty, adapter_id) are accepted only at "
                        "their neutral value (else 422 naming the "
                        "field); unknown fields are ignored and listed in x-baton-ignored-fields (422 with "
                        "--strict-api).",
@@ -38,6 +38,10 @@ SCHEMAS: dict[str, Any] = {
             "top_k": {**_INT, "minimum": 1},
             "repetition_penalty": {**_NUM, "exclusiveMinimum": 0},
             "seed": {**_INT, "minimum": 0},
+            "grammar": {"type": "object", "required": ["type", "value"], "properties": {
+                "type": {"type": "string", "enum": ["json", "regex", "json_schema"]}, "value": {}},
+                "description": "Structured output: JSON of a schema (an object or JSON text), a regex, or "
+                               "{\"name\", \"schema\"}. Invalid: 422 naming the field."},
             "stop": {**_STR_LIST, "maxItems": 16, "description": "Stop sequences; the text is cut before the match."},
             "truncate": {**_INT, "minimum": 1, "description": "Keep only the last N prompt tokens."},
             "details": {**_BOOL, "default": False},
@@ -107,9 +111,20 @@ SCHEMAS: dict[str, Any] = {
         "min_p": {**_NUM, "minimum": 0, "maximum": 1, "default": 0,
                   "description": "vLLM extra: drop tokens below min_p times the top token's probability."},
         "repetition_penalty": {**_NUM, "exclusiveMinimum": 0, "maximum": 100}, "ignore_eos": _BOOL,
-        "response_format": {"type": "object", "required": ["type"],
-                            "properties": {"type": {"type": "string", "enum": ["text"]}},
-                            "description": "Only {\"type\": \"text\"}: structured output is a 400."},
+        "response_format": {"type": "object", "required": ["type"], "properties": {
+            "type": {"type": "string", "enum": ["text", "json_object", "json_schema"]},
+            "json_schema": {"type": "object", "properties": {"name": {"type": "string"}, "schema": {"type": "object"},
+                                                             "strict": _BOOL}}},
+            "description": "Structured output (llguidance): any JSON object, or JSON of the schema. An invalid "
+                           "schema is a 400 naming the field."},
+        "guided_json": {"type": ["object", "string"], "description": "vLLM extra: output JSON of this schema."},
+        "guided_regex": {"type": "string", "description": "vLLM extra: output matching this regex."},
+        "guided_choice": {**_STR_LIST, "minItems": 1, "description": "vLLM extra: output exactly one of these."},
+        "guided_grammar": {"type": "string", "description": "vLLM extra: a Lark or GBNF grammar."},
+        "structured_outputs": {"type": "object", "description": "vLLM extra: one of json, regex, choice, grammar, "
+                               "json_object.", "properties": {
+                                   "json": {"type": ["object", "string"]}, "regex": {"type": "string"},
+                                   "choice": _STR_LIST, "grammar": {"type": "string"}, "json_object": _BOOL}},
         "stop_token_ids": {"type": "array", "items": {**_INT, "minimum": 0}, "maxItems": 128},
         "user": {"type": "string"}}},
     "CompletionRequest": {"allOf": [_ref("OpenAICommon"), {"type": "object", "required": ["prompt"], "properties": {
@@ -127,7 +142,9 @@ SCHEMAS: dict[str, Any] = {
         "add_special_tokens": {**_BOOL, "default": True, "description": "vLLM extra, for a text prompt."}}}]},
     "ChatMessage": {"type": "object", "required": ["role"], "properties": {
         "role": {"type": "string", "enum": ["system", "developer", "user", "assistant", "tool"]},
-        "content": {"oneOf": [{"type": "string"}, {"type": "array", "maxItems": 256, "items": {
+        "tool_calls": {"type": "array", "items": _ref("ToolCall"), "description": "Passed to the chat template."},
+        "tool_call_id": {"type": "string"}, "name": {"type": "string"},
+        "content": {"oneOf": [{"type": "null"}, {"type": "string"}, {"type": "array", "maxItems": 256, "items": {
             "type": "object", "properties": {
                 "type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}}]}}},
     "ChatRequest": {"allOf": [_ref("OpenAICommon"), {"type": "object", "required": ["messages"], "properties": {
@@ -136,7 +153,22 @@ SCHEMAS: dict[str, Any] = {
                                     "Default max_tokens: the room left, at most 1024."},
         "logprobs": {**_BOOL, "default": False, "description": "choices[].logprobs.content: each token's logprob."},
         "top_logprobs": {**_INT, "minimum": 0, "maximum": 20, "description": "With logprobs: the N most likely "
-                         "tokens at each position."}}}]},
+                         "tokens at each position."},
+        "tools": {"type": "array", "maxItems": 128, "items": {"type": "object", "properties": {
+            "type": {"type": "string", "enum": ["function"]}, "function": {"type": "object", "required": ["name"],
+                "properties": {"name": {"type": "string"}, "description": {"type": "string"},
+                               "parameters": {"type": "object"}, "strict": _BOOL}}}},
+                  "description": "Given to the chat template (see gateway/tools.py)."},
+        "tool_choice": {"oneOf": [{"type": "string", "enum": ["none", "auto", "required"]}, {
+            "type": "object", "properties": {
+                "type": {"type": "string", "enum": ["function"]},
+                "function": {"type": "object", "properties": {"name": {"type": "string"}}}}}],
+                        "description": "required / a named function: the output is constrained to the arguments' "
+                                       "schema and answered as message.tool_calls."},
+        "parallel_tool_calls": {**_BOOL, "default": True}}}]},
+    "ToolCall": {"type": "object", "properties": {
+        "id": {"type": "string"}, "type": {"type": "string", "enum": ["function"]},
+        "function": {"type": "object", "properties": {"name": {"type": "string"}, "arguments": {"type": "string"}}}}},
     "TokenizeRequest": {"type": "object", "description": "vLLM's shape: `prompt` or `messages`.", "properties": {
         "model": {"type": "string"}, "prompt": {"type": "string"},
         "messages": {"type": "array", "minItems": 1, "maxItems": 1024, "items": _ref("ChatMessage")},
@@ -163,8 +195,9 @@ SCHEMAS: dict[str, Any] = {
         "model": {"type": "string"}, "usage": _ref("Usage"),
         "choices": {"type": "array", "items": {"type": "object", "properties": {
             "index": _INT, "message": {"type": "object", "properties": {
-                "role": {"type": "string"}, "content": {"type": "string"}}},
-            "finish_reason": {"type": "string", "enum": ["stop", "length"]}}}}}},
+                "role": {"type": "string"}, "content": {"type": ["string", "null"]},
+                "tool_calls": {"type": "array", "items": _ref("ToolCall")}}},
+            "finish_reason": {"type": "string", "enum": ["stop", "length", "tool_calls"]}}}}}},
     "DashboardData": {"type": "object", "required": ["time", "now", "series", "workers"], "properties": {
         "time": {**_NUM, "description": "Server time (Unix seconds)."},
         "model": {"type": "string"}, "gateway_id": {"type": "string"},

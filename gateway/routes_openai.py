@@ -28,6 +28,7 @@ from gateway.errors import error_body, error_response
 from gateway.generation import ClientGone, Generation, GenerationFailed, Step
 from gateway.logprobs_format import CompletionLogprobs, chat_logprobs, merge, vllm_prompt_logprobs
 from gateway.respond import SSEResponse, client_gone_response, services
+from gateway.tools import ToolStream, assistant_message
 from gateway.validation import GenerationSpec, ignored_fields_header
 from gateway.validation_openai import STATUS, parse_chat, parse_completion
 
@@ -48,6 +49,8 @@ class _Reply:
         self.tokenizer = gens[0].svc.tokenizer
         self._logprobs = {id(g): CompletionLogprobs(self.tokenizer) for g in gens}
         self.generated: int | None = None  # tokens of every choice, when best_of dropped some
+        calling = self.spec.tool_calling  # streamed tool calls: each choice's deltas rewritten
+        self._tool_streams = {id(g): ToolStream(calling) for g in gens} if chat and calling is not None else {}
 
     def keep_best(self) -> None:
         """best_of: answer with the `keep` choices of each prompt whose tokens have the highest total
@@ -81,8 +84,8 @@ class _Reply:
             finish = FINISH.get(gen.finish_reason or "", "length")
             if self.chat:
                 logprobs = chat_logprobs(self.tokenizer, gen.tokens) if self.spec.logprobs is not None else None
-                choices.append({"index": gen.choice, "message": {"role": "assistant", "content": gen.text},
-                                "logprobs": logprobs, "finish_reason": finish})
+                message, finish = assistant_message(self.spec.tool_calling, gen.text, finish)  # tool_calls
+                choices.append({"index": gen.choice, "message": message, "logprobs": logprobs, "finish_reason": finish})
             else:
                 parts = [self._echo_logprobs(gen)] if self.spec.echo else []
                 parts.append(self._logprobs[id(gen)].tokens(gen.tokens))
@@ -117,6 +120,8 @@ class _Reply:
                 delta["content"] = ""
             elif text:
                 delta["content"] = text
+            if self._tool_streams:
+                delta, finish = self._tool_streams[id(gen)].rewrite(delta, finish)
             logprobs = chat_logprobs(self.tokenizer, tokens) if wants_logprobs and tokens else None
             choice = {"index": gen.choice, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             body = {**self.head("chat.completion.chunk"), "choices": [choice]}

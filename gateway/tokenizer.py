@@ -17,6 +17,7 @@ from transformers import AutoTokenizer
 
 from gateway.config import Settings
 from gateway.errors import validation_error
+from gateway.tools import for_template, template_renders_tools
 from gateway.validation import GenerationSpec
 
 T = TypeVar("T")
@@ -39,9 +40,11 @@ class PromptTokenizer:
     def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.hf(text, add_special_tokens=add_special_tokens)["input_ids"])
 
-    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
-                    add_special_tokens: bool = False) -> list[int]:
-        text = self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    add_special_tokens: bool = False, tools: list[dict[str, Any]] | None = None) -> list[int]:
+        # tools and tool calls go to the template (see gateway.tools.for_template)
+        text = self.hf.apply_chat_template(for_template(messages, self.hf.chat_template), tools=tools or None,
+                                           add_generation_prompt=add_generation_prompt, tokenize=False)
         # The template already wrote the special tokens; by default do not add a BOS again.
         return list(self.hf(text, add_special_tokens=add_special_tokens)["input_ids"])
 
@@ -65,7 +68,11 @@ class PromptTokenizer:
             try:
                 # Always off the loop: the template's cost grows with the number of messages, so
                 # even a body of empty messages is not cheap (the count is capped in validation).
-                return await asyncio.to_thread(self.encode_chat, spec.messages)
+                calling = spec.tool_calling
+                if calling is not None:  # "auto" parses tool calls when the template asks for them
+                    calling.parse_tags = template_renders_tools(self.hf.chat_template)
+                return await asyncio.to_thread(self.encode_chat, spec.messages, True, False,
+                                               calling.tools if calling is not None else None)
             except Exception as exc:  # jinja raises for messages the template refuses
                 raise validation_error(f"the chat template rejected the messages: {exc}",
                                        param="messages", status=status) from None

@@ -81,6 +81,10 @@ class GenerationSpec:
     model: str | None = None  # the served name the request asked for (None: the first one)
     # Unknown fields that were ignored (never with strict_api), named with their prefix.
     ignored_fields: list[str] = field(default_factory=list)
+    # Structured output (baton.structured: {"kind", "spec"}, compiled) from any API's fields, and
+    # chat's tools (gateway.tools.ToolCalling)
+    structured: dict[str, str] | None = None
+    tool_calling: Any = None
 
 
 def note_ignored(names: list[str]) -> None:

@@ -20,6 +20,8 @@ from typing import Any
 from gateway.config import Settings
 from gateway.errors import ApiError, validation_error
 from baton.sampling_params import MAX_LOGPROBS
+from gateway.structured import openai_structured
+from gateway.tools import message_extras, parse_tools
 from gateway.validation import MAX_SEED, MIN_SEED, Fields, GenerationSpec
 
 STATUS = 400  # OpenAI answers invalid requests with 400 invalid_request_error
@@ -52,20 +54,12 @@ CHAT_FIELDS = COMMON_FIELDS | {
 # Known fields we cannot honour, with the values that mean "off" (null always does). Each other
 # value is a 400 naming the field: ignoring it would answer something the client did not ask for.
 COMMON_NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "response_format": ({"type": "text"},),
     "use_beam_search": (False,),
-    "guided_json": (),
-    "guided_regex": (),
-    "guided_choice": (),
-    "guided_grammar": (),
-    "structured_outputs": (),
 }
 COMPLETION_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "suffix": ("",),
 }
 CHAT_NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "tools": ([],),
-    "tool_choice": ("none", "auto"),
     "functions": ([],),
     "function_call": ("none", "auto"),
     "echo": (False,),
@@ -106,6 +100,8 @@ def parse_chat(body: dict[str, Any], settings: Settings, vocab_size: int) -> Gen
         f.unsupported_unless(key, neutral)
     spec = _common(f, settings, vocab_size, CHAT_DEFAULT_MAX_TOKENS, ignored)
     spec.messages = parse_messages(body.get("messages"), settings.max_chat_messages)
+    spec.tool_calling, tool_constraint = parse_tools(f, spec.structured is not None)
+    spec.structured = tool_constraint or spec.structured
     top_logprobs = f.integer("top_logprobs", lo=0, hi=MAX_LOGPROBS)
     if f.boolean("logprobs", False):
         spec.logprobs = top_logprobs or 0
@@ -172,6 +168,7 @@ def _common(f: Fields, settings: Settings, vocab_size: int, default_max: int,
         n=n or 1,
         prompt_logprobs=f.integer("prompt_logprobs", lo=0, hi=MAX_LOGPROBS),  # vLLM's extra
     )
+    spec.structured = openai_structured(f)  # response_format, guided_*, structured_outputs
     if spec.temperature == 0.0:  # greedy: the warpers have nothing to act on
         spec.top_p, spec.top_k, spec.min_p = 1.0, -1, 0.0
     return spec
@@ -267,7 +264,8 @@ def parse_messages(value: Any, max_messages: int) -> list[dict[str, str]]:
             raise validation_error(f"`{where}.role` must be one of {sorted(CHAT_ROLES)}, got {role!r}",
                                    param=f"{where}.role", status=STATUS)
         out.append({"role": "system" if role == "developer" else role,
-                    "content": _content(message.get("content"), where)})
+                    "content": _content(message.get("content"), where),
+                    **message_extras(Fields(message, STATUS, prefix=where + "."))})  # tool calls, ids
     return out
 
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from gateway.config import Settings
 from gateway.errors import validation_error
+from gateway.structured import tgi_structured
 from gateway.validation import MAX_SEED, Fields, GenerationSpec
 
 STATUS = 422  # TGI answers every validation error with 422
@@ -32,7 +33,6 @@ PARAMETER_FIELDS = {
 NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "adapter_id": (),
     "frequency_penalty": (0,),
-    "grammar": (),
     "typical_p": (1,),
     "watermark": (False,),
 }
@@ -95,6 +95,7 @@ def parse_tgi(body: dict[str, Any], settings: Settings) -> GenerationSpec:
         spec.top_k = top_k if top_k is not None else -1
         # TGI reports the seed it sampled with, so a client can replay the request.
         spec.seed = seed if seed is not None else random.getrandbits(63)
+    spec.structured = tgi_structured(p)  # parameters.grammar: json, regex
     _logprobs_and_best_of(p, spec, greedy)
     return spec
 

@@ -36,7 +36,7 @@ BAD_JSON_BODIES = [
     ("/generate", {"inputs": "x", "parameters": {"stop": ["x" * 500]}}, 422, "at most 128"),
     ("/generate", {"inputs": "x", "parameters": {"stop": [""]}}, 422, "empty string"),
     ("/generate", {"inputs": "x", "parameters": {"best_of": 2}}, 422, "needs sampling"),
-    ("/generate", {"inputs": "x", "parameters": {"grammar": {"type": "json", "value": {}}}}, 422, "not supported"),
+    ("/generate", {"inputs": "x", "parameters": {"grammar": {"type": "xml", "value": {}}}}, 422, "grammar"),
     ("/generate", {"inputs": LONG}, 422, "max_input_tokens=1024"),
     ("/generate_stream", {"inputs": LONG}, 422, "max_input_tokens=1024"),
     ("/", {"inputs": "x", "stream": "yes"}, 422, "boolean"),
@@ -72,7 +72,7 @@ BAD_JSON_BODIES = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -1},
      400, "max_completion_tokens"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
-     400, "`tools`"),
+     400, "`tools[0]`"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 99}, 400, "`n`"),
 ]
 

@@ -1,0 +1,255 @@
+"""Chat tools: `tools`, `tool_choice`, `parallel_tool_calls`, tool messages, and `tool_calls` answers.
+
+- `tool_choice` "required" or {"type": "function", "function": {"name": ...}}: the output is
+  constrained (structured output, model-independent) to a JSON array of one or more `{"name",
+  "arguments"}` objects, one per call, each the schema of one of the tools (vLLM's form; at most one
+  item with `parallel_tool_calls: false`), or, for a named function, to its arguments' schema. The
+  answer is `message.tool_calls` (content null, finish_reason "tool_calls"); streamed, a named
+  function's call is sent first (index, id, type, function name) and its arguments as they are
+  generated; "required"'s calls are sent when the array is complete.
+- `tool_choice` "auto" (the default with tools): the tools are given to the chat template. If the
+  template renders them (it mentions `tools`), the output is searched for the `<tool_call>{"name":
+  ..., "arguments": ...}</tool_call>` blocks that Hermes-style templates (Qwen2.5, SmolLM3, Hermes)
+  ask for and those become `tool_calls` (streamed: the answer is held until the end); otherwise (a
+  template without tools, as SmolLM2's) the answer is plain text.
+- "none": the template gets the tools all the same (OpenAI's models see them too), the answer is text.
+
+Messages' `tool_calls`, `tool_call_id` and `name` are passed to the template (arguments as an
+object, as Hugging Face templates expect them); for a template that does not render `tool_calls`,
+an assistant's calls are written into its content in the `<tool_call>` form, so they are never lost.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from baton.structured import InvalidStructure, json_schema, validate
+from gateway.validation import Fields
+
+MAX_TOOLS = 128
+NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+EMPTY_PARAMETERS = {"type": "object", "properties": {}}
+
+
+@dataclass
+class ToolCalling:
+    """What a chat request's tools ask of the answer."""
+
+    tools: list[dict[str, Any]]  # as sent (checked), for the chat template
+    mode: str  # "none", "auto", "required" or "named"
+    name: str | None = None  # the named function
+    parallel: bool = True
+    parse_tags: bool = False  # auto: the template renders tools; parse its <tool_call> blocks
+    parameters: dict[str, Any] = field(default_factory=dict)  # function name -> its schema
+
+    @property
+    def constrained(self) -> bool:
+        return self.mode in ("required", "named")
+
+
+def parse_tools(f: Fields, has_constraint: bool) -> tuple[ToolCalling | None, dict[str, str] | None]:
+    """`tools`, `tool_choice`, `parallel_tool_calls` -> (what to do, the output constraint if any)."""
+    tools = f.get("tools")
+    choice = f.get("tool_choice")
+    parallel = f.boolean("parallel_tool_calls", True)
+    if tools is None or tools == []:
+        if choice not in (None, "none", "auto"):
+            raise f.fail("tool_choice", "needs `tools`")
+        return None, None
+    if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
+        raise f.fail("tools", f"must be a list of at most {MAX_TOOLS} tools")
+    parameters: dict[str, Any] = {}
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function" \
+                or not isinstance(tool.get("function"), dict):
+            raise f.fail(where, 'must be {"type": "function", "function": {"name": ..., "parameters": ...}}')
+        fn = tool["function"]
+        name = fn.get("name")
+        if not isinstance(name, str) or not NAME.match(name):
+            raise f.fail(f"{where}.function.name", "must be 1 to 64 letters, digits, '_', '.' or '-'")
+        if name in parameters:
+            raise f.fail(f"{where}.function.name", f"repeats the tool name {name!r}")
+        schema = fn.get("parameters", EMPTY_PARAMETERS)
+        if not isinstance(schema, dict):
+            raise f.fail(f"{where}.function.parameters", "must be a JSON schema (an object)")
+        try:
+            validate(json_schema(schema))
+        except InvalidStructure as exc:
+            raise f.fail(f"{where}.function.parameters", f"is not a valid JSON schema: {str(exc)[:500]}") from None
+        parameters[name] = schema
+    calling = ToolCalling(tools, "auto", parallel=parallel, parameters=parameters)
+    if choice is None or choice in ("auto", "none"):
+        calling.mode = choice or "auto"
+        return calling, None
+    if choice == "required":
+        calling.mode = "required"
+    elif isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
+        name = choice["function"].get("name")
+        if not isinstance(name, str) or name not in parameters:
+            raise f.fail("tool_choice.function.name", f"names no tool in `tools` (got {json.dumps(name)[:80]})")
+        calling.mode, calling.name = "named", name
+    else:
+        raise f.fail("tool_choice", 'must be "none", "auto", "required" or '
+                                    '{"type": "function", "function": {"name": ...}}')
+    if has_constraint:
+        raise f.fail("tool_choice", "cannot be combined with response_format or guided decoding")
+    return calling, json_schema(_calls_schema(calling))
+
+
+def _calls_schema(calling: ToolCalling) -> dict[str, Any]:
+    if calling.mode == "named":
+        assert calling.name is not None
+        return calling.parameters[calling.name]
+    options = [{"type": "object", "properties": {"name": {"const": name}, "arguments": schema},
+                "required": ["name", "arguments"], "additionalProperties": False}
+               for name, schema in calling.parameters.items()]
+    array: dict[str, Any] = {"type": "array", "items": options[0] if len(options) == 1 else {"anyOf": options},
+                             "minItems": 1}
+    if not calling.parallel:
+        array["maxItems"] = 1
+    return array
+
+
+# ---- messages ----
+
+def message_extras(f: Fields) -> dict[str, Any]:
+    """A message's tool fields (`f` reads the message), checked, in the form chat templates read."""
+    out: dict[str, Any] = {}
+    for key in ("tool_call_id", "name"):
+        value = f.string(key)
+        if value is not None:
+            out[key] = value
+    calls = f.get("tool_calls")
+    if calls is None:
+        return out
+    if not isinstance(calls, list):
+        raise f.fail("tool_calls", "must be a list")
+    converted = []
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise f.fail(f"tool_calls[{j}]", 'must be {"id", "type": "function", '
+                                             '"function": {"name", "arguments"}}')
+        arguments = fn.get("arguments", "{}")
+        if isinstance(arguments, str):
+            try:  # OpenAI sends a JSON string; templates expect the object
+                arguments = json.loads(arguments)
+            except ValueError:
+                pass
+        converted.append({"id": call.get("id"), "type": "function",
+                          "function": {"name": fn["name"], "arguments": arguments}})
+    out["tool_calls"] = converted
+    return out
+
+
+def for_template(messages: list[dict[str, Any]], template: str | None) -> list[dict[str, Any]]:
+    """The messages as the template gets them: a template that does not render `tool_calls` gets
+    an assistant's calls written into its content."""
+    if not template or "tool_calls" in template:
+        return messages
+    out = []
+    for message in messages:
+        if message.get("tool_calls"):
+            written = "\n".join("<tool_call>\n" + json.dumps({"name": c["function"]["name"],
+                                                             "arguments": c["function"]["arguments"]})
+                                + "\n</tool_call>" for c in message["tool_calls"])
+            message = {**message, "content": ((message.get("content") or "") + "\n" + written).strip()}
+        out.append(message)
+    return out
+
+
+def template_renders_tools(template: Any) -> bool:
+    return isinstance(template, str) and "tools" in template
+
+
+# ---- answers ----
+
+def _call(name: str, arguments: str) -> dict[str, Any]:
+    return {"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+            "function": {"name": name, "arguments": arguments}}
+
+
+def parse_calls(calling: ToolCalling, text: str) -> tuple[list[dict[str, Any]] | None, str | None]:
+    """(tool_calls, content) of a finished answer: (None, text) when it holds no call."""
+    if calling.mode == "named":
+        assert calling.name is not None
+        return [_call(calling.name, text)], None
+    if calling.mode == "required":
+        try:
+            items = json.loads(text)
+            return [_call(item["name"], json.dumps(item["arguments"])) for item in items], None
+        except (ValueError, TypeError, KeyError):  # cut short by max_tokens
+            return None, text
+    if calling.mode == "auto" and calling.parse_tags:
+        calls = []
+        for block in TOOL_CALL.findall(text):
+            try:
+                item = json.loads(block)
+                arguments = item.get("arguments", item.get("parameters", {}))
+                calls.append(_call(item["name"], arguments if isinstance(arguments, str) else json.dumps(arguments)))
+            except (ValueError, TypeError, KeyError, AttributeError):
+                return None, text  # not a call we can read: the text as it is
+        if calls:
+            rest = TOOL_CALL.sub("", text).strip()
+            return calls, rest or None
+    return None, text
+
+
+def assistant_message(calling: ToolCalling | None, text: str, finish: str) -> tuple[dict[str, Any], str]:
+    """The chat answer's message and finish_reason."""
+    if calling is None or calling.mode == "none":
+        return {"role": "assistant", "content": text}, finish
+    calls, content = parse_calls(calling, text)
+    if calls is None:
+        return {"role": "assistant", "content": text}, finish
+    return {"role": "assistant", "content": content, "tool_calls": calls}, _finish(finish)
+
+
+def _finish(finish: str | None) -> str | None:
+    """An answer with tool calls that ended by itself ends with "tool_calls" (OpenAI's reason)."""
+    return "tool_calls" if finish == "stop" else finish
+
+
+class ToolStream:
+    """One streamed choice's deltas, rewritten for its tools: a named function's arguments
+    stream as they come; "required" and parsed "auto" answers are held to the end."""
+
+    def __init__(self, calling: ToolCalling) -> None:
+        self.calling = calling
+        self.held: list[str] = []
+        self.call_id = "call_" + uuid.uuid4().hex[:24]
+
+    @property
+    def holds(self) -> bool:
+        return self.calling.mode == "required" or (self.calling.mode == "auto" and self.calling.parse_tags)
+
+    def rewrite(self, delta: dict[str, Any], finish: str | None) -> tuple[dict[str, Any], str | None]:
+        calling = self.calling
+        if calling.mode == "named":
+            if "role" in delta:  # the first chunk names the call
+                return {"role": "assistant", "content": None, "tool_calls": [
+                    {"index": 0, "id": self.call_id, "type": "function",
+                     "function": {"name": calling.name, "arguments": ""}}]}, finish
+            if delta.get("content"):
+                delta = {"tool_calls": [{"index": 0, "function": {"arguments": delta["content"]}}]}
+            return delta, _finish(finish)
+        if not self.holds or "role" in delta:
+            return delta, finish
+        if delta.get("content"):
+            self.held.append(delta.pop("content"))
+        if finish is None:
+            return delta, None
+        text = "".join(self.held)
+        calls, content = parse_calls(calling, text)
+        if calls is None:
+            return ({"content": text} if text else {}), finish
+        out: dict[str, Any] = {"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}
+        if content:
+            out["content"] = content
+        return out, _finish(finish)
