@@ -5,7 +5,7 @@ One request crosses three processes (gateway, prefill worker, decode worker). Th
 in `x-request-id` (or the one the gateway made up) travels in the messages, and every log line
 about that request carries it, so `grep`/a log store can follow it end to end:
 
-- the gateway handles one request per asyncio task, so `bind_request` sets a context variable for
+- the gateway handles one request per asyncio task, so `bind_client_id` sets a context variable for
   the task's lifetime;
 - a worker handles many requests in one loop, so its log calls name the request explicitly with
   `extra=request_extra(request_id)`; the filter looks up the client's id it `remember`ed when the
@@ -31,7 +31,6 @@ TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 # header and written into logs, so no control characters or newlines), at most this long.
 MAX_CLIENT_ID_LEN = 128
 
-_request_id: contextvars.ContextVar[str] = contextvars.ContextVar("baton_request_id", default="")
 _client_id: contextvars.ContextVar[str] = contextvars.ContextVar("baton_client_request_id", default="")
 
 
@@ -45,9 +44,8 @@ def sanitize_client_id(value: str | None) -> str:
     return value
 
 
-def bind_request(request_id: str, client_request_id: str) -> None:
-    """Tag every later log line of the current task (and tasks it creates) with these ids."""
-    _request_id.set(request_id)
+def bind_client_id(client_request_id: str) -> None:
+    """Tag every later log line of the current task (and tasks it creates) with this id."""
     _client_id.set(client_request_id)
 
 
@@ -92,11 +90,8 @@ class RequestIdFilter(logging.Filter):
     """Give every record `request_id` and `client_request_id` ("" when not about one request)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        bound = _request_id.get()
-        rid = getattr(record, "request_id", "") or bound
-        client = getattr(record, "client_request_id", "")
-        if not client:
-            client = (_client_id.get() if rid == bound else "") or CLIENT_IDS.get(rid)
+        rid = getattr(record, "request_id", "")
+        client = getattr(record, "client_request_id", "") or (CLIENT_IDS.get(rid) if rid else "") or _client_id.get()
         record.request_id, record.client_request_id = rid, client
         return True
 

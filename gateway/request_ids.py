@@ -22,7 +22,7 @@ from typing import Any
 from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from baton.logs import bind_request, sanitize_client_id
+from baton.logs import bind_client_id, sanitize_client_id
 
 HEADER = "x-request-id"
 _SCOPE_KEY = "baton.client_request_id"
@@ -44,7 +44,7 @@ class RequestIdMiddleware:
         sent = next((v for k, v in scope.get("headers", []) if k == b"x-request-id"), b"")
         rid = sanitize_client_id(sent.decode("latin-1")) or uuid.uuid4().hex
         scope[_SCOPE_KEY] = rid
-        bind_request("", rid)  # this task's log lines (and the tasks it starts) carry it
+        bind_client_id(rid)  # this task's log lines (and the tasks it starts) carry it
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
