@@ -35,6 +35,8 @@ class SamplingParams:
     # most likely ones', from the model's raw logits (before penalties, bias and warpers).
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # the same for every prompt token after the first
+    # EOS and stop_token_ids cannot be sampled before this many output tokens (vLLM's min_tokens)
+    min_tokens: int = 0
     # Structured output: {"kind": ..., "spec": ...} the output must match (see baton.structured)
     structured: dict | None = None
 
@@ -56,6 +58,8 @@ class SamplingParams:
         if not all(isinstance(pair, (list, tuple)) and len(pair) == 2 and isinstance(pair[0], int)
                    and isinstance(pair[1], (int, float)) and -100 <= pair[1] <= 100 for pair in self.logit_bias):
             raise ValueError("logit_bias holds [token id, bias] pairs with bias in [-100, 100]")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, int) and 0 <= value <= MAX_LOGPROBS):

@@ -61,14 +61,18 @@ class StopMatcher:
         self._max_len = max((len(s) for s in stops), default=0)
         self.text = ""  # all text so far (truncated at the stop string once matched)
         self._released = 0
+        self._floor = 0  # stop strings match only after this point (text pushed unarmed is out)
 
-    def push(self, piece: str) -> tuple[str, bool]:
-        """Add decoded text; return (text now safe to send, whether a stop string matched)."""
-        if not self.stops:
+    def push(self, piece: str, armed: bool = True) -> tuple[str, bool]:
+        """Add decoded text; return (text now safe to send, whether a stop string matched). Text
+        pushed unarmed (before min_tokens) is released at once and never part of a match."""
+        if not self.stops or not armed:
             self.text += piece
             self._released = len(self.text)
+            if self.stops:
+                self._floor = len(self.text)
             return piece, False
-        search_from = max(0, len(self.text) - self._max_len + 1)
+        search_from = max(self._floor, len(self.text) - self._max_len + 1)
         self.text += piece
         hit = -1
         for stop in self.stops:
@@ -88,7 +92,7 @@ class StopMatcher:
         """Length of the longest suffix of the text that is a proper prefix of some stop string."""
         longest = 0
         for stop in self.stops:
-            for k in range(min(len(stop) - 1, len(self.text)), longest, -1):
+            for k in range(min(len(stop) - 1, len(self.text) - self._floor), longest, -1):
                 if self.text.endswith(stop[:k]):
                     longest = k
                     break

@@ -211,7 +211,8 @@ class Generation:
             repetition_penalty=s.repetition_penalty, seed=self.seed, stop_token_ids=list(s.stop_token_ids),
             ignore_eos=s.ignore_eos, presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
             min_p=s.min_p, logit_bias=[list(pair) for pair in s.logit_bias], logprobs=s.logprobs,
-            prompt_logprobs=s.prompt_logprobs, structured=s.structured)
+            prompt_logprobs=s.prompt_logprobs, structured=s.structured,
+            min_tokens=min(s.min_tokens, self.max_new_tokens))
 
     # ---- tokens ----
 
@@ -263,7 +264,9 @@ class Generation:
             if len(self.tokens) >= self.max_new_tokens:
                 step.finish = "length"  # more than we asked for: stop here (and cancel)
                 break
-            released, hit = self._stops.push(self._detok.push(token_id))
+            # (vLLM's rule: stop strings count from the min_tokens-th token on)
+            released, hit = self._stops.push(self._detok.push(token_id),
+                                             armed=len(self.tokens) + 1 >= self.spec.min_tokens)
             token = TokenOut(index=len(self.tokens), id=token_id, text=released,
                              logprob=logprobs[i] if i < len(logprobs) else None, special=token_id in special,
                              top=tops[i] if i < len(tops) else None)

@@ -111,6 +111,8 @@ SCHEMAS: dict[str, Any] = {
         "min_p": {**_NUM, "minimum": 0, "maximum": 1, "default": 0,
                   "description": "vLLM extra: drop tokens below min_p times the top token's probability."},
         "repetition_penalty": {**_NUM, "exclusiveMinimum": 0, "maximum": 100}, "ignore_eos": _BOOL,
+        "min_tokens": {**_INT, "minimum": 0, "description": "vLLM extra: no EOS, stop token or stop string "
+                       "before this many tokens (at most max_tokens)."},
         "response_format": {"type": "object", "required": ["type"], "properties": {
             "type": {"type": "string", "enum": ["text", "json_object", "json_schema"]},
             "json_schema": {"type": "object", "properties": {"name": {"type": "string"}, "schema": {"type": "object"},

@@ -73,6 +73,7 @@ class GenerationSpec:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     echo: bool = False  # completions: the prompt (and its logprobs) before the output
+    min_tokens: int = 0  # vLLM's: no EOS, stop token or stop string before this many tokens
     n: int = 1  # choices generated per prompt (OpenAI n, or best_of when that is larger)
     keep: int | None = None  # best_of: answer with the `keep` choices of highest logprob
     # OpenAI only

@@ -140,8 +140,9 @@ def _common(f: Fields, settings: Settings, vocab_size: int, default_max: int,
     repetition_penalty = f.number("repetition_penalty", gt=0.0, le=100.0)
     ignore_eos = f.boolean("ignore_eos", False)
     min_tokens = f.integer("min_tokens", lo=0)
-    if min_tokens and not ignore_eos:
-        raise f.fail("min_tokens", "is not supported; use `ignore_eos` to generate exactly max_tokens")
+    asked_max = max_completion_tokens if max_completion_tokens is not None else max_tokens
+    if min_tokens and asked_max is not None and min_tokens > asked_max:
+        raise f.fail("min_tokens", f"({min_tokens}) must be at most max_tokens ({asked_max})")
     presence = f.number("presence_penalty", ge=-2.0, le=2.0)
     frequency = f.number("frequency_penalty", ge=-2.0, le=2.0)
     min_p = f.number("min_p", ge=0.0, le=1.0)
@@ -166,6 +167,7 @@ def _common(f: Fields, settings: Settings, vocab_size: int, default_max: int,
         min_p=min_p if min_p is not None else 0.0,
         logit_bias=_logit_bias(f, vocab_size),
         n=n or 1,
+        min_tokens=min_tokens or 0,
         prompt_logprobs=f.integer("prompt_logprobs", lo=0, hi=MAX_LOGPROBS),  # vLLM's extra
     )
     spec.structured = openai_structured(f)  # response_format, guided_*, structured_outputs

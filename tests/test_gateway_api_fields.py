@@ -384,7 +384,7 @@ SAMPLES = {
     "ignore_eos": False, "stop_token_ids": [2], "user": "u", "presence_penalty": 0.3, "frequency_penalty": 0.2,
     "logit_bias": {"5": 1.5}, "min_p": 0.05, "response_format": {"type": "text"},
     "prompt": "Hello", "echo": True, "add_special_tokens": False, "messages": CHAT,
-    "logprobs": 2, "top_logprobs": 2, "prompt_logprobs": 1, "best_of": 1,
+    "logprobs": 2, "top_logprobs": 2, "prompt_logprobs": 1, "best_of": 1, "min_tokens": 1,
 }
 CHAT_SAMPLES = {"logprobs": True}  # chat's logprobs is a flag
 COMPANIONS = {"stream_options": {"stream": True}, "top_logprobs": {"logprobs": True}}  # what a field needs
@@ -437,3 +437,16 @@ def test_served_model_name_and_strict_api_flags(monkeypatch):
     assert parse_args(["--model-name", "legacy"]).served_model_names == ("legacy",)  # the older flag
     monkeypatch.setenv("BATON_STRICT_API", "1")
     assert parse_args([]).strict_api is True
+
+
+def test_min_tokens_reaches_the_workers_and_delays_stop_strings(gw_server, gw_worker):
+    # The echo worker answers DEFAULT_REPLY ("Hello! ..."): "!" is its second token.
+    body = {"prompt": "x", "max_tokens": 6, "stop": ["!"]}
+    r = httpx.post(gw_server.url + "/v1/completions", json=body)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "Hello"
+    r = httpx.post(gw_server.url + "/v1/completions", json={**body, "min_tokens": 3})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"].startswith("Hello!")  # the stop string came too early
+    assert gw_worker.requests[-1].sampling.min_tokens == 3
+    r = httpx.post(gw_server.url + "/v1/completions", json={**body, "min_tokens": 7})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens"

@@ -79,3 +79,11 @@ def test_stop_matcher_matches_str_find(text, stop, cuts):
     at = text.find(stop)
     assert matched == (at != -1)
     assert released == (text[:at] if at != -1 else text)
+
+
+def test_stop_strings_before_min_tokens_are_not_matched():
+    m = StopMatcher(["STOP"])
+    assert m.push("a STOP b", armed=False) == ("a STOP b", False)  # released whole, no match
+    assert m.push(" ST", armed=True) == (" ", False)  # held back: might become STOP
+    assert m.push("OP tail") == ("", True)
+    assert m.text == "a STOP b "  # cut at the armed match only

@@ -271,3 +271,25 @@ def test_min_p_never_draws_a_token_below_its_share_of_the_top():
 def test_new_parameters_are_validated(bad):
     with pytest.raises(ValueError):
         SamplingParams(**bad)
+
+
+def test_min_tokens_keeps_eos_and_stop_tokens_out_until_reached():
+    from baton.engine.sampling import suppress_early_stops
+
+    logits = torch.zeros(3, 10)
+    logits[:, 2] = 5.0  # EOS would win
+    logits[:, 7] = 4.0  # then a stop token
+    params = [SamplingParams(temperature=0, min_tokens=3, stop_token_ids=[7]),
+              SamplingParams(temperature=0, min_tokens=3, stop_token_ids=[7]),
+              SamplingParams(temperature=0, min_tokens=3, ignore_eos=True)]
+    with torch.inference_mode():
+        raw = logits.clone()
+    allowed = suppress_early_stops(raw, params, [2, 3, 0], eos_token_ids=[2])
+    tokens, _ = sample(allowed, params, [[]] * 3, [0] * 3)
+    assert tokens[0] not in (2, 7)  # 2 outputs < 3: both banned
+    assert tokens[1] == 2  # min_tokens reached: EOS allowed again
+    assert tokens[2] == 2  # ignore_eos: EOS is not a stop token, so it stays allowed
+    assert torch.equal(raw, logits)  # the model's logits are untouched
+    assert suppress_early_stops(raw, params, [5, 5, 5], [2]) is raw  # nothing to do: no copy
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(max_tokens=4, min_tokens=5)

@@ -21,7 +21,7 @@ from baton.engine.loader import default_device, load_model
 from baton.engine.logprobs import token_logprobs
 from baton.engine.model_runner import ModelRunner, PromptRows, kv_bytes_per_block
 from baton.engine.block_pool import BlockPool
-from baton.engine.sampling import sample
+from baton.engine.sampling import sample, suppress_early_stops
 from baton.engine.scheduler import Scheduler, SchedulerConfig, StepOutput
 from baton.engine.structured import StructuredOutput
 from baton.engine.sequence import Sequence
@@ -141,8 +141,11 @@ class LLMEngine:
         logprobs: list[float] = []
         top_logprobs: list[list] | None = None
         if sample_seqs:
+            params = [s.sampling_params for s in sample_seqs]
+            allowed = suppress_early_stops(logits, params, [s.num_output_tokens for s in sample_seqs],
+                                           self.eos_token_ids)
             tokens, logprobs = sample(
-                self.structured.apply(sample_seqs, logits),  # grammar masks (a no-op when unconstrained)
+                self.structured.apply(sample_seqs, allowed),  # grammar masks (a no-op when unconstrained)
                 [s.sampling_params for s in sample_seqs],
                 [s.token_ids if s.sampling_params.edits_logits else [] for s in sample_seqs],
                 [s.num_output_tokens for s in sample_seqs],

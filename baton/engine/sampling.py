@@ -87,6 +87,24 @@ def apply_logit_bias(logits: torch.Tensor, bias: list[list[float]]) -> None:
         logits[ids] += torch.tensor([v for _, v in pairs], dtype=logits.dtype, device=logits.device)
 
 
+def suppress_early_stops(logits: torch.Tensor, params: list[SamplingParams], num_outputs: list[int],
+                         eos_token_ids: list[int]) -> torch.Tensor:
+    """min_tokens: the stop tokens (EOS unless ignore_eos, and stop_token_ids) get no probability in
+    rows that have fewer outputs than their min_tokens. Returns `logits` itself when no row needs it.
+    logits: [S, V]."""
+    # (a constrained row is left to its grammar, which may allow nothing but EOS)
+    rows = [i for i, p in enumerate(params) if num_outputs[i] < p.min_tokens and p.structured is None]
+    if not rows:
+        return logits
+    logits = logits.clone()  # inference-mode tensors refuse in-place edits outside it
+    for i in rows:
+        p = params[i]
+        banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))
+        if banned:
+            logits[i, torch.tensor(banned, dtype=torch.long, device=logits.device)] = float("-inf")
+    return logits
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams], histories: list[list[int]],
            draw_indices: list[int], prompt_lens: list[int] | None = None) -> tuple[list[int], list[float]]:
     """Pick one token per row.
