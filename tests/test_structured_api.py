@@ -248,3 +248,53 @@ def test_tool_messages_reach_the_template(cluster):
         tok = AutoTokenizer.from_pretrained(str(cluster.model_dir))
         text = tok.decode(r.json()["tokens"])
         assert "21 degrees, sunny" in text
+
+
+def test_sigkill_decode_worker_mid_structured_stream(tiny_model_dir):
+    """Requests resumed on the other decode worker after a crash rebuild their matcher from the
+    tokens so far: every answer is exactly what one uninterrupted engine samples, and valid."""
+    import signal
+
+    from baton import LLM, SamplingParams
+    from baton.structured import json_schema
+
+    schema = {"type": "object", "properties": {"xs": {"type": "array", "minItems": 24, "maxItems": 24,
+                                                      "items": {"type": "integer", "minimum": 0, "maximum": 99}}},
+              "required": ["xs"], "additionalProperties": False}
+    prompts = [f"Numbers, list {i}:" for i in range(12)]
+
+    async def stream(client: httpx.AsyncClient, prompt: str, seed: int, counter: list[int]) -> list[int]:
+        ids: list[int] = []
+        async with client.stream("POST", "/generate_stream", json={"inputs": prompt, "parameters": {
+                "max_new_tokens": 150, "do_sample": True, "seed": seed,
+                "grammar": {"type": "json", "value": schema}}}) as response:
+            assert response.status_code == 200
+            async for line in response.aiter_lines():
+                if line.startswith("data:"):
+                    event = json.loads(line[5:])
+                    assert "error" not in event, event
+                    if not event["token"]["special"]:
+                        ids.append(event["token"]["id"])
+                    counter[0] += 1
+        return ids
+
+    async def run(cluster: Cluster) -> list[list[int]]:
+        counter = [0]
+        async with httpx.AsyncClient(base_url=cluster.base_url, timeout=180) as client:
+            tasks = [asyncio.create_task(stream(client, p, seed, counter)) for seed, p in enumerate(prompts)]
+            while counter[0] < 150 and not all(t.done() for t in tasks):
+                await asyncio.sleep(0.01)
+            cluster.kill("decode-0", signal.SIGKILL)
+            return await asyncio.gather(*tasks)
+
+    with Cluster(tiny_model_dir, prefill=1, decode=2, decode_args=("--max-num-seqs", "6")) as cluster:
+        got = asyncio.run(run(cluster))
+        assert cluster.procs["decode-0"].poll() is not None
+    reference = LLM(model=str(tiny_model_dir), dtype="float32", enable_prefix_caching=False)
+    expected = reference.generate(prompts, [SamplingParams(temperature=1.0, seed=seed, max_tokens=150,
+                                                           structured=json_schema(schema))
+                                            for seed in range(len(prompts))])
+    for ids, out in zip(got, expected):
+        assert out.outputs[0].finish_reason == "stop"
+        assert ids == [t for t in out.outputs[0].token_ids if t != 2]
+        jsonschema.validate(json.loads(out.outputs[0].text), schema)
