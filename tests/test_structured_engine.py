@@ -155,3 +155,20 @@ def test_constrained_decode_through_the_engine(tiny_model_dir):
     # unconstrained requests in the same engine are untouched by the grammar side
     free = llm.generate(["Tell me about a person:"], SamplingParams(temperature=0, max_tokens=8))
     assert len(free[0].outputs[0].token_ids) == 8
+
+
+def test_constrained_sampling_through_preemption_is_unchanged(tiny_model_dir):
+    """Preempted requests keep their tokens and their matcher: the same answers as with room."""
+    from baton.llm import LLM
+
+    prompts = [f"A person, take {i}:" * (1 + i) for i in range(6)]
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=100, structured=json_schema(SCHEMA))
+              for i in range(6)]
+    roomy = LLM(model=str(tiny_model_dir), dtype="float32").generate(prompts, params)
+    tight = LLM(model=str(tiny_model_dir), dtype="float32", block_size=4, num_kv_blocks=40)
+    squeezed = tight.generate(prompts, params)
+    assert tight.engine.scheduler.num_preemptions > 0
+    for a, b in zip(roomy, squeezed):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert b.outputs[0].finish_reason == "stop"
+        check_schema(json.loads(b.outputs[0].text))
