@@ -4,9 +4,9 @@
   constrained (structured output, model-independent) to a JSON array of one or more `{"name",
   "arguments"}` objects, one per call, each the schema of one of the tools (vLLM's form; at most one
   item with `parallel_tool_calls: false`), or, for a named function, to its arguments' schema. The
-  answer is `message.tool_calls` (content null, finish_reason "tool_calls"); streamed, a named
-  function's call is sent first (index, id, type, function name) and its arguments as they are
-  generated; "required"'s calls are sent when the array is complete.
+  answer is `message.tool_calls` (content null, finish_reason "tool_calls"); streamed as OpenAI
+  streams them: each call first (index, id, type, function name), then its arguments as they are
+  generated (for "required", `scan_calls` follows the array as it grows).
 - `tool_choice` "auto" (the default with tools): the tools are given to the chat template. If the
   template renders them (it mentions `tools`), the output is searched for the `<tool_call>{"name":
   ..., "arguments": ...}</tool_call>` blocks that Hermes-style templates (Qwen2.5, SmolLM3, Hermes)
@@ -216,18 +216,60 @@ def _finish(finish: str | None) -> str | None:
     return "tool_calls" if finish == "stop" else finish
 
 
+_ITEM_HEAD = re.compile(r'\{"name": "([A-Za-z0-9_.\-]{1,64})", "arguments": ')
+
+
+def scan_calls(text: str) -> list[tuple[str, str]]:
+    """The (name, arguments so far) of each call in a prefix of a "required" answer (a JSON array
+    of {"name", "arguments"} written with ", " and ": ", name first: the grammar's order). An
+    argument value's text is complete once its own closing bracket (or the item's end) is seen."""
+    calls: list[tuple[str, str]] = []
+    depth = 0
+    in_string = escaped = False
+    item_start = args_start = None
+    for i, c in enumerate(text):
+        if in_string:
+            if escaped:
+                escaped = False
+            elif c == "\\":
+                escaped = True
+            elif c == '"':
+                in_string = False
+        elif c == '"':
+            in_string = True
+        elif c in "[{":
+            depth += 1
+            if depth == 2:
+                item_start = i
+        elif c in "]}":
+            depth -= 1
+            if args_start is not None and depth in (1, 2):  # the value closed, or the item did
+                end = i + 1 if depth == 2 else i
+                calls[-1] = (calls[-1][0], text[args_start:end])
+                args_start = None
+            if depth == 1:
+                item_start = None
+        if (depth == 2 and not in_string and item_start is not None and args_start is None
+                and text[i - 1:i + 1] == ": "):
+            head = _ITEM_HEAD.fullmatch(text, item_start, i + 1)
+            if head is not None:
+                calls.append((head.group(1), ""))
+                args_start = i + 1
+    if args_start is not None:
+        calls[-1] = (calls[-1][0], text[args_start:])
+    return calls
+
+
 class ToolStream:
-    """One streamed choice's deltas, rewritten for its tools: a named function's arguments
-    stream as they come; "required" and parsed "auto" answers are held to the end."""
+    """One streamed choice's deltas, rewritten for its tools: a named function's call is named
+    first and its arguments stream as they come; so do "required"'s calls (each named as soon as
+    its name is complete); a parsed "auto" answer is held to the end."""
 
     def __init__(self, calling: ToolCalling) -> None:
         self.calling = calling
         self.held: list[str] = []
         self.call_id = "call_" + uuid.uuid4().hex[:24]
-
-    @property
-    def holds(self) -> bool:
-        return self.calling.mode == "required" or (self.calling.mode == "auto" and self.calling.parse_tags)
+        self.sent: list[int] = []  # "required": per call, the length of the arguments sent
 
     def rewrite(self, delta: dict[str, Any], finish: str | None) -> tuple[dict[str, Any], str | None]:
         calling = self.calling
@@ -239,7 +281,9 @@ class ToolStream:
             if delta.get("content"):
                 delta = {"tool_calls": [{"index": 0, "function": {"arguments": delta["content"]}}]}
             return delta, _finish(finish)
-        if not self.holds or "role" in delta:
+        if calling.mode == "required":
+            return self._required(delta, finish)
+        if not (calling.mode == "auto" and calling.parse_tags) or "role" in delta:
             return delta, finish
         if delta.get("content"):
             self.held.append(delta.pop("content"))
@@ -253,3 +297,25 @@ class ToolStream:
         if content:
             out["content"] = content
         return out, _finish(finish)
+
+    def _required(self, delta: dict[str, Any], finish: str | None) -> tuple[dict[str, Any], str | None]:
+        if "role" in delta:
+            return {"role": "assistant", "content": None}, finish
+        if delta.get("content"):
+            self.held.append(delta.pop("content"))
+        entries: list[dict[str, Any]] = []
+        for index, (name, arguments) in enumerate(scan_calls("".join(self.held))):
+            if index == len(self.sent):  # a call is named on its own, its arguments follow
+                entries.append({"index": index, "id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+                                "function": {"name": name, "arguments": ""}})
+                self.sent.append(0)
+                if finish is None:
+                    continue
+            if len(arguments) > self.sent[index]:
+                entries.append({"index": index, "function": {"arguments": arguments[self.sent[index]:]}})
+                self.sent[index] = len(arguments)
+        if entries:
+            delta["tool_calls"] = entries
+        if finish is not None and not self.sent and self.held:  # not even one call began
+            delta["content"] = "".join(self.held)
+        return delta, (_finish(finish) if self.sent else finish)

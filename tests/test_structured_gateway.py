@@ -96,9 +96,15 @@ def test_answers_and_streams():
     assert stream.rewrite({}, "stop") == ({}, "tool_calls")
     stream = ToolStream(required)
     assert stream.rewrite({"content": '[{"name": "f", '}, None) == ({}, None)
-    delta, finish = stream.rewrite({"content": '"arguments": {"a": 4}}]'}, "stop")
-    assert finish == "tool_calls" and delta["tool_calls"][0]["index"] == 0
-    assert delta["tool_calls"][0]["function"]["name"] == "f" and delta["tool_calls"][0]["id"].startswith("call_")
+    delta, finish = stream.rewrite({"content": '"arguments": {"a"'}, None)  # named first
+    assert delta["tool_calls"][0]["index"] == 0 and delta["tool_calls"][0]["id"].startswith("call_")
+    assert delta["tool_calls"][0]["function"] == {"name": "f", "arguments": ""}
+    delta, finish = stream.rewrite({"content": ': 4}}, {"name": "f", "arguments": {'}, None)
+    assert delta["tool_calls"] == [{"index": 0, "function": {"arguments": '{"a": 4}'}},
+                                   {"index": 1, "id": delta["tool_calls"][1]["id"], "type": "function",
+                                    "function": {"name": "f", "arguments": ""}}]
+    delta, finish = stream.rewrite({"content": '"a": 5}}]'}, "stop")
+    assert finish == "tool_calls" and delta["tool_calls"] == [{"index": 1, "function": {"arguments": '{"a": 5}'}}]
 
 
 def test_tool_messages_through_templates(default_model_dir):
