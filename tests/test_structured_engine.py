@@ -172,3 +172,30 @@ def test_constrained_sampling_through_preemption_is_unchanged(tiny_model_dir):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert b.outputs[0].finish_reason == "stop"
         check_schema(json.loads(b.outputs[0].text))
+
+
+def test_workers_answer_a_spec_they_cannot_compile_with_an_error_event(tiny_model_dir):
+    """The gateway refuses bad specs; a worker that gets one anyway (another gateway version, a
+    hand-written message) ends the request with an error event and carries on."""
+    import dataclasses
+    import time
+
+    from baton import protocol
+    from tests.test_worker_core import decode_core, events_of, prefill_core
+
+    bad = SamplingParams(max_tokens=8, structured={"kind": "regex", "spec": "(unclosed"})
+    core = prefill_core(tiny_model_dir)
+    effects = core.admit(b"1-0", protocol.PrefillRequest("r1", "gw", [5, 6, 7], bad, time.time()), [])
+    [event] = events_of(effects)
+    assert event.finish_reason == "error" and "regex" in event.error and effects.acks == [b"1-0"]
+    assert not core.engine.has_unfinished()
+
+    # a handoff whose output so far does not match its grammar
+    choice = dataclasses.replace(bad, structured={"kind": "choice", "spec": '["yes", "no"]'})
+    handoff = protocol.Handoff(request_id="r2", gateway_id="gw", prompt_token_ids=[5, 6, 7], output_token_ids=[9],
+                               block_hashes=[], partial_block_key=None, sampling=choice, arrival_time=time.time(),
+                               first_token_time=time.time())
+    decode = decode_core(tiny_model_dir)
+    effects = decode.admit(b"2-0", handoff)
+    [event] = events_of(effects)
+    assert event.finish_reason == "error" and "does not match" in event.error and effects.acks == [b"2-0"]
