@@ -122,7 +122,10 @@ class StructuredOutput:
             grammar = _grammar(structured["kind"], structured.get("spec", ""))
         except InvalidStructure as exc:
             raise ValueError(f"invalid structured output spec ({structured['kind']}): {exc}") from None
-        tokenizer, _ = self._tokenizer_and_executor()
+        try:
+            tokenizer, _ = self._tokenizer_and_executor()
+        except Exception as exc:  # a tokenizer llguidance cannot read: the request fails, not the worker
+            raise ValueError(f"structured output is unavailable for this model: {exc}") from None
         matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise ValueError(f"invalid structured output spec ({structured['kind']}): {matcher.get_error()}")
