@@ -199,3 +199,17 @@ def test_workers_answer_a_spec_they_cannot_compile_with_an_error_event(tiny_mode
     effects = decode.admit(b"2-0", handoff)
     [event] = events_of(effects)
     assert event.finish_reason == "error" and "does not match" in event.error and effects.acks == [b"2-0"]
+
+
+@pytest.mark.real_model
+def test_real_model_fills_the_schema_sensibly(default_model_dir):
+    from baton.llm import LLM
+
+    llm = LLM(model=str(default_model_dir), dtype="float32")
+    [out] = llm.chat([{"role": "user", "content": "Make up a customer named Ann, 31, active, who likes green. "
+                                                  "Answer in JSON."}],
+                     SamplingParams(temperature=0, max_tokens=80, structured=json_schema(SCHEMA)))
+    assert out.outputs[0].finish_reason == "stop"
+    value = json.loads(out.outputs[0].text)
+    check_schema(value)
+    assert value["name"] == "Ann" and value["age"] == 31
