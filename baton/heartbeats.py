@@ -1,8 +1,9 @@
 """Heartbeats: who is alive, found without scanning the key space and safe from eviction.
 
-Two keys hold them all: the hash `baton:heartbeat-data` (field `baton:heartbeat:<kind>:<id>`, value
-a msgpack map) and the sorted set `baton:heartbeats` (same member, scored by when that heartbeat
-expires). Expiry is judged on the Redis server's clock (`TIME` inside the scripts), so clock skew
+Two keys hold them all: the hash `{baton:heartbeats}:data` (field `baton:heartbeat:<kind>:<id>`,
+value a msgpack map) and the sorted set `{baton:heartbeats}` (same member, scored by when that
+heartbeat expires). Their common hash tag keeps both on one Redis Cluster slot: the scripts below
+touch both. Expiry is judged on the Redis server's clock (`TIME` inside the scripts), so clock skew
 between hosts cannot make a live process look dead or a dead one alive. Neither key has a TTL: the
 store's `maxmemory` policy (`volatile-lru`) evicts only keys with a TTL, the KV blocks, and never a
 heartbeat (issue 11: with per-key TTLs, memory pressure evicted heartbeats and peers claimed the
@@ -15,8 +16,8 @@ from typing import Any
 
 from baton.protocol import heartbeat_key
 
-REGISTRY = "baton:heartbeats"
-DATA = "baton:heartbeat-data"
+REGISTRY = "{baton:heartbeats}"
+DATA = "{baton:heartbeats}:data"
 PRUNE_AFTER_S = 300.0
 
 # KEYS: registry, data. ARGV: member, payload, ttl seconds, prune-after seconds.

@@ -23,12 +23,15 @@ SCHEMA_VERSION = 3
 
 # Streams and groups. Prefill and decode use consumer groups (one message, one worker);
 # cancels are read by every worker without a group (a broadcast).
-PREFILL_STREAM = "baton:prefill"
+# The `{baton}` hash tag puts the four on one Redis Cluster slot: a prefill's handoff XADD and its
+# XACK (and a dead letter and its XACK) are one single-slot MULTI/EXEC there too.
+PIPELINE_TAG = "{baton}"
+PREFILL_STREAM = PIPELINE_TAG + ":prefill"
 PREFILL_GROUP = "prefill"
-DECODE_STREAM = "baton:decode"
+DECODE_STREAM = PIPELINE_TAG + ":decode"
 DECODE_GROUP = "decode"
-CANCEL_STREAM = "baton:cancel"
-DEAD_LETTER_STREAM = "baton:dead"
+CANCEL_STREAM = PIPELINE_TAG + ":cancel"
+DEAD_LETTER_STREAM = PIPELINE_TAG + ":dead"
 # Approximate MAXLEN for XADD: bounds Redis memory under sustained load.
 STREAM_MAXLEN = 10_000
 # Field name of the single payload field of every stream entry.
@@ -40,7 +43,8 @@ def token_stream(gateway_id: str) -> str:
 
     Only its gateway creates it (`create_token_stream`) and keeps its TTL fresh; workers add to it
     with NOMKSTREAM, so events for a gateway that is gone are dropped instead of re-creating its
-    stream without a TTL (a leak that nothing would ever read).
+    stream without a TTL (a leak that nothing would ever read). No hash tag: on a Redis Cluster
+    each gateway's stream lands on its own slot, and nothing writes it atomically with other keys.
     """
     return f"baton:tokens:{gateway_id}"
 
@@ -59,11 +63,9 @@ async def create_token_stream(redis: Any, gateway_id: str, ttl_s: int) -> None:
 
 
 def heartbeat_key(kind: str, worker_id: str) -> str:
-    """Key of a worker's (or gateway's) heartbeat; it expires when the process stops refreshing it."""
+    """Name of a worker's (or gateway's) heartbeat: a member of the heartbeat index, not a key of
+    its own (baton/heartbeats.py)."""
     return f"baton:heartbeat:{kind}:{worker_id}"
-
-
-HEARTBEAT_PATTERN = "baton:heartbeat:*"
 
 
 class MalformedMessage(ValueError):

@@ -27,7 +27,8 @@ def parse_args(argv: list[str] | None = None) -> Settings:
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
     p.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"),
-                   help="Redis URL (default: $REDIS_URL, else redis://127.0.0.1:6379/0)")
+                   help="Redis URL: redis[s]://, redis[s]+cluster:// or redis[s]+sentinel:// (README, 'Redis "
+                        "Cluster, Sentinel and managed Redis') (default: $REDIS_URL, else redis://127.0.0.1:6379/0)")
     p.add_argument("--max-concurrent-requests", type=int, default=128,
                    help="requests in flight (running + waiting) past which the answer is 429 (default 128)")
     p.add_argument("--max-input-tokens", type=int, default=1024, help="longest prompt, in tokens (default 1024)")

@@ -15,12 +15,13 @@ from collections.abc import AsyncIterator
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import RedisError
+from redis.exceptions import RedisClusterException, RedisError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 
 from baton import heartbeats
+from baton.redis_client import connect as connect_redis
 from baton.urls import redact_url
 from gateway import dashboard, routes_misc, routes_openai, routes_tgi, routes_tokenize
 from gateway.admission import Admission
@@ -41,10 +42,9 @@ log = logging.getLogger(__name__)
 def redis_client(url: str, socket_timeout: float | None) -> aioredis.Redis:
     # Fail fast instead of redis-py's default exponential retries (seconds per command): a dead
     # Redis must turn into a 503 at once. One immediate retry still heals a pooled connection that
-    # went stale when Redis restarted.
-    return aioredis.Redis.from_url(
-        url, socket_connect_timeout=1.0, socket_timeout=socket_timeout,
-        retry=Retry(NoBackoff(), 1), health_check_interval=0)
+    # went stale when Redis restarted. The URL may name a Redis Cluster or a Sentinel's master.
+    return connect_redis(url, socket_connect_timeout=1.0, socket_timeout=socket_timeout,
+                         retry=Retry(NoBackoff(), 1), health_check_interval=0)
 
 
 def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> Starlette:
@@ -76,7 +76,7 @@ def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> 
             await router.reset_stream()
             await cluster.tick()
             cluster.redis_ok, cluster.redis_error = True, None
-        except (RedisError, OSError) as exc:
+        except (RedisError, OSError, RedisClusterException) as exc:  # the last: no cluster node answers
             cluster.mark_down(exc)
             log.warning("redis at %s unreachable at startup (%s); serving 503 until it is back",
                         redact_url(settings.redis_url), exc)

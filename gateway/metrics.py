@@ -19,7 +19,7 @@ and aiperf's /metrics scraping work with little change. As rendered (prometheus_
     baton:time_to_first_token_seconds, baton:inter_token_latency_seconds,
     baton:e2e_request_latency_seconds, baton:request_queue_time_seconds   histograms
     baton:stream_length{stream}, baton:stream_pending{stream}, baton:stream_lag{stream}
-        backlog of `baton:prefill` / `baton:decode` (XLEN; delivered but not acked; not yet
+        backlog of `{baton}:prefill` / `{baton}:decode` (XLEN; delivered but not acked; not yet
         delivered to the consumer group), sampled every 2 s by the dashboard monitor
 
 Besides the Prometheus objects the gateway keeps plain numbers for /stats and /dashboard: counts
@@ -141,7 +141,7 @@ class GatewayMetrics:
             buckets=_LATENCY_BUCKETS, registry=r).labels(model_name)
         stream_labels = m + ["stream"]
         self._stream_length = Gauge(
-            "baton:stream_length", "Entries in the work stream (XLEN of baton:<stream>).",
+            "baton:stream_length", "Entries in the work stream (XLEN of {baton}:<stream>).",
             stream_labels, registry=r)
         self._stream_pending = Gauge(
             "baton:stream_pending", "Entries delivered to the stream's consumer group and not yet acked.",

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.exceptions import RedisClusterException, RedisError
 
 from baton.protocol import PAYLOAD_FIELD, MalformedMessage, TokenBatch, TokenEvent, decode, token_stream
 
@@ -27,7 +27,8 @@ _BLOCK_MS = 1000
 # What a lost Redis connection raises in a long-lived loop. uvloop reports a command sent on a
 # connection Redis has just closed as RuntimeError ("... the handler is closed"), not as a
 # connection error: uncaught, it once ended the token reader for good after a Redis restart.
-REDIS_DOWN = (RedisError, OSError, RuntimeError)
+# A Redis Cluster client that reaches no node raises RedisClusterException, which is no RedisError.
+REDIS_DOWN = (RedisError, OSError, RuntimeError, RedisClusterException)
 
 
 def connection_lost(exc: BaseException) -> bool:

@@ -18,7 +18,7 @@ import math
 import time
 from typing import Any
 
-from redis.exceptions import RedisError
+from redis.exceptions import RedisClusterException, RedisError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -61,7 +61,7 @@ async def _unhealthy(svc: Services) -> JSONResponse | None:
         return dead
     try:
         await asyncio.wait_for(svc.redis.ping(), timeout=1.0)
-    except (RedisError, OSError, asyncio.TimeoutError) as exc:
+    except (RedisError, RedisClusterException, OSError, asyncio.TimeoutError) as exc:
         svc.cluster.mark_down(exc)
         reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         return JSONResponse({"status": "unhealthy", "redis": "unreachable",

@@ -1,9 +1,11 @@
 """Redis backend of the block store: KV blocks as binary values keyed by their chained hash.
 
 A full block's key is `baton:kv:<hash>`: any worker computing the same prefix writes the same key
-(SET NX: the first write wins; the content is the same anyway). The prompt's last, partial block has
-no hash (its content is not final) and travels keyed by request. Every value carries its tokens, so
-a reader re-checks them on a hit, and its dtype and shape, so a worker in another dtype converts.
+(SET NX: the first write wins; the content is the same anyway). Block keys carry no hash tag, so on
+a Redis Cluster they spread over every master (the store's memory is the cluster's). The prompt's
+last, partial block has no hash (its content is not final) and travels keyed by request. Every
+value carries its tokens, so a reader re-checks them on a hit, and its dtype and shape, so a worker
+in another dtype converts.
 Values have a TTL; the server's `maxmemory` with `volatile-lru` caps the store's memory by evicting
 least-recently-used blocks (never the streams, which have no TTL).
 """
@@ -15,6 +17,8 @@ from collections.abc import Sequence
 import msgpack
 import torch
 from redis.asyncio import Redis
+
+from baton.redis_client import is_cluster
 
 KEY_PREFIX = "baton:kv:"
 PARTIAL_PREFIX = "baton:kv:partial:"
@@ -66,9 +70,12 @@ class RedisBlockStore:
         return [bool(n) for n in await pipe.execute()]
 
     async def get(self, keys: Sequence[str]) -> list[bytes | None]:
-        """Raw values of these keys (None where absent); one round trip."""
+        """Raw values of these keys (None where absent); one round trip (on a Redis Cluster, one
+        MGET per slot, sent together: block keys have no hash tag, they spread over the masters)."""
         if not keys:
             return []
+        if is_cluster(self.redis):
+            return await self.redis.mget_nonatomic(list(keys))
         return await self.redis.mget(list(keys))
 
     def queue_put_block(self, pipe, block_hash: str, value: bytes) -> None:

@@ -1,4 +1,5 @@
-"""A whole Baton system for a test: private redis-server, workers, gateway on free ports."""
+"""A whole Baton system for a test: private redis-server (or a given Redis URL), workers,
+gateways on free ports."""
 
 from __future__ import annotations
 
@@ -15,17 +16,22 @@ import redis
 
 from baton import heartbeats
 from baton.ops.redis_server import PrivateRedis, free_port, start_private_redis
+from baton.redis_client import connect_sync
 
 
 class Cluster:
     def __init__(self, model_dir: Path, prefill: int = 1, decode: int = 1, gateway_args: tuple[str, ...] = (),
                  prefill_args: tuple[str, ...] = (), decode_args: tuple[str, ...] = (),
-                 dtype: str = "float32") -> None:
+                 dtype: str = "float32", gateways: int = 1, redis_url: str | None = None) -> None:
+        """`redis_url`: use that Redis (say, a Redis Cluster's URL) instead of a private one."""
         self.model_dir = Path(model_dir)
-        self.redis: PrivateRedis = start_private_redis()
-        self.client = redis.Redis.from_url(self.redis.url)
-        self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.redis: PrivateRedis | None = None if redis_url else start_private_redis()
+        self.redis_url = redis_url or self.redis.url
+        self.client: redis.Redis = connect_sync(self.redis_url)
+        self.ports = [free_port() for _ in range(gateways)]
+        self.port = self.ports[0]
+        self.base_urls = [f"http://127.0.0.1:{port}" for port in self.ports]
+        self.base_url = self.base_urls[0]
         self.dtype = dtype
         self.prefill_args, self.decode_args = prefill_args, decode_args
         self.log_dir = Path(os.environ.get("BATON_TEST_LOGS", "/tmp/baton-test-logs"))
@@ -36,8 +42,10 @@ class Cluster:
                 self.start_worker("prefill_worker", f"prefill-{i}")
             for i in range(decode):
                 self.start_worker("decode_worker", f"decode-{i}")
-            self._spawn("gateway", [sys.executable, "-m", "gateway", "--model", str(self.model_dir), "--port",
-                                    str(self.port), "--redis-url", self.redis.url, *gateway_args])
+            for i, port in enumerate(self.ports):
+                self._spawn("gateway" if i == 0 else f"gateway-{i}", [
+                    sys.executable, "-m", "gateway", "--model", str(self.model_dir), "--port", str(port),
+                    "--redis-url", self.redis_url, *gateway_args])
             self.wait_ready(prefill, decode)
         except BaseException:
             self.stop()  # a cluster that failed to start must not leave its processes behind
@@ -53,7 +61,7 @@ class Cluster:
     def start_worker(self, module: str, worker_id: str, dtype: str | None = None) -> subprocess.Popen:
         extra = self.prefill_args if module == "prefill_worker" else self.decode_args
         return self._spawn(worker_id, [
-            sys.executable, "-m", module, "--model", str(self.model_dir), "--redis-url", self.redis.url,
+            sys.executable, "-m", module, "--model", str(self.model_dir), "--redis-url", self.redis_url,
             "--threads", "1", "--dtype", dtype or self.dtype, "--worker-id", worker_id, "--claim-idle-ms", "500",
             *extra])
 
@@ -64,8 +72,9 @@ class Cluster:
                 if proc.poll() is not None:
                     raise RuntimeError(f"{name} exited with {proc.returncode}: see {self.log_dir}")
             try:
-                health = httpx.get(self.base_url + "/health", timeout=2).json()
-                if health.get("prefill_workers", 0) >= prefill and health.get("decode_workers", 0) >= decode:
+                healths = [httpx.get(url + "/health", timeout=2).json() for url in self.base_urls]
+                if all(h.get("prefill_workers", 0) >= prefill and h.get("decode_workers", 0) >= decode
+                       for h in healths):
                     return
             except (httpx.HTTPError, ValueError):
                 pass
@@ -118,7 +127,8 @@ class Cluster:
                 proc.kill()
                 proc.wait()
         self.client.close()
-        self.redis.stop()
+        if self.redis is not None:
+            self.redis.stop()
 
     def __enter__(self) -> "Cluster":
         return self

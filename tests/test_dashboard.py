@@ -282,14 +282,16 @@ def test_stream_backlog_sampling(redis_url):
     import redis
     import redis.asyncio as aioredis
 
+    from baton.protocol import DECODE_STREAM, PREFILL_STREAM
+
     url = redis_url.rsplit("/", 1)[0] + "/13"  # a database of our own
     sync = redis.Redis.from_url(url)
     sync.flushdb()
-    sync.xgroup_create("baton:prefill", "prefill", id="$", mkstream=True)
+    sync.xgroup_create(PREFILL_STREAM, "prefill", id="$", mkstream=True)
     for i in range(5):
-        sync.xadd("baton:prefill", {"p": i})
-    sync.xreadgroup("prefill", "w1", {"baton:prefill": ">"}, count=2)  # 2 delivered, 3 not yet
-    sync.xadd("baton:decode", {"p": 0})  # a stream without its group yet: all of it is lag
+        sync.xadd(PREFILL_STREAM, {"p": i})
+    sync.xreadgroup("prefill", "w1", {PREFILL_STREAM: ">"}, count=2)  # 2 delivered, 3 not yet
+    sync.xadd(DECODE_STREAM, {"p": 0})  # a stream without its group yet: all of it is lag
 
     async def sample():
         client = aioredis.Redis.from_url(url)

@@ -10,6 +10,7 @@ import time
 import httpx
 import pytest
 
+from baton.protocol import DECODE_STREAM
 from tests.cluster import Cluster
 
 WORDS = "the quick brown fox jumps over a lazy dog while 東京 and café ☕ wait".split()
@@ -224,7 +225,7 @@ def test_a_draining_worker_stays_alive_to_peers_and_still_applies_cancels(tiny_m
         asyncio.run(run())
         assert cluster.procs["decode-0"].wait(timeout=30) == 0
         assert not cluster.worker_states("decode")  # a clean exit withdraws its heartbeat
-        assert cluster.client.xpending("baton:decode", "decode")["pending"] == 0  # cancels acked
+        assert cluster.client.xpending(DECODE_STREAM, "decode")["pending"] == 0  # cancels acked
 
 
 def test_gateway_death_frees_its_requests_on_the_workers(tiny_model_dir):
@@ -250,9 +251,9 @@ def test_gateway_death_frees_its_requests_on_the_workers(tiny_model_dir):
             states = cluster.worker_states("decode")
             return (bool(states) and all(s["num_requests_running"] == 0 and s["num_kv_blocks_used"] == 0
                                          for s in states)
-                    and cluster.client.xpending("baton:decode", "decode")["pending"] == 0)
+                    and cluster.client.xpending(DECODE_STREAM, "decode")["pending"] == 0)
 
         deadline = time.time() + 30
         while time.time() < deadline and not idle():
             time.sleep(0.5)
-        assert idle(), (cluster.worker_states("decode"), cluster.client.xpending("baton:decode", "decode"))
+        assert idle(), (cluster.worker_states("decode"), cluster.client.xpending(DECODE_STREAM, "decode"))

@@ -147,7 +147,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="gateway bind address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="gateway port (default 8000)")
     parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL") or None,
-                        help="use this Redis (default: $REDIS_URL, else a private redis-server on a free port)")
+                        help="use this Redis: redis[s]://, a Redis Cluster as redis[s]+cluster://host:port[,host:port], "
+                             "a Sentinel's master as redis[s]+sentinel://host:port/<service> (default: $REDIS_URL, "
+                             "else a private redis-server on a free port)")
     parser.add_argument("--prefill-workers", type=int, default=1, help="prefill worker processes (default 1)")
     parser.add_argument("--decode-workers", type=int, default=1, help="decode worker processes (default 1)")
     parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,

@@ -25,7 +25,9 @@ def parse_bytes(text: str) -> int:
 def add_common_args(parser: argparse.ArgumentParser, kind: str) -> None:
     parser.add_argument("--model", default=None,
                         help="model directory, .gguf, or Hub repo id (default: the default model)")
-    parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
+    parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"),
+                        help="redis[s]://, redis[s]+cluster:// or redis[s]+sentinel:// (default: $REDIS_URL, "
+                             "else redis://127.0.0.1:6379/0)")
     parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if present)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (workers on one machine must share its cores)")

@@ -4,7 +4,8 @@ One task owns the writes: the loop hands it each step's `Effects` and goes on to
 once, so the Redis round trip overlaps the next forward pass instead of following it. Each step's
 effects are one pipeline: one XADD per gateway carrying a `TokenBatch` of that step's events, then
 the acks (and partial-block deletes) of the requests that finished in it, so a handoff is acked
-only after its last tokens are published. Effects go out in step order. A failed write
+only after its last tokens are published (on a Redis Cluster: the XADDs, then the acks, then the
+deletes, as separate round trips; baton/worker/writer.py). Effects go out in step order. A failed write
 is retried, same content, with backoff (the gateway drops duplicate tokens by index): a step's
 tokens are never lost to one failed `execute()`.
 """
@@ -17,8 +18,9 @@ from collections import deque
 
 from redis.asyncio import Redis
 
-from baton.worker.core import Effects, queue_effects
+from baton.worker.core import Effects
 from baton.worker.runtime import REDIS_ERRORS
+from baton.worker.writer import write_effects
 
 logger = logging.getLogger("baton.worker.publisher")
 
@@ -75,6 +77,4 @@ class EventPublisher:
             self.queue.popleft()
 
     async def _write(self, effects: Effects) -> None:
-        pipe = self.redis.pipeline(transaction=False)
-        queue_effects(pipe, effects, self.stream, self.group)
-        await pipe.execute()
+        await write_effects(self.redis, effects, self.stream, self.group)

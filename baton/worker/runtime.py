@@ -15,17 +15,20 @@ from collections.abc import Callable
 from typing import Any
 
 from redis.asyncio import Redis
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import OutOfMemoryError, ResponseError, TimeoutError as RedisTimeoutError
+from redis.exceptions import ClusterDownError, ConnectionError as RedisConnectionError
+from redis.exceptions import OutOfMemoryError, ResponseError, SlotNotCoveredError, TimeoutError as RedisTimeoutError
+from redis.exceptions import TryAgainError
 
-from baton import heartbeats, protocol
+from baton import heartbeats, protocol, redis_client
 
 logger = logging.getLogger("baton.worker")
 
 # Errors after which the same command can succeed later: retried with backoff, never fatal. An
 # out-of-memory Redis is one of them (it recovers as blocks expire or are evicted); the warning
-# each retry logs names it.
-REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, OutOfMemoryError, OSError)
+# each retry logs names it. So are a Redis Cluster's failover states (a slot without a master for
+# a moment, a key being migrated).
+REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, OutOfMemoryError, OSError, ClusterDownError,
+                TryAgainError, SlotNotCoveredError)
 HEARTBEAT_INTERVAL_S = 1.0
 HEARTBEAT_TTL_S = 5
 
@@ -38,8 +41,9 @@ def default_worker_id(kind: str) -> str:
 
 
 def connect(url: str) -> Redis:
-    return Redis.from_url(url, decode_responses=False, socket_timeout=10, socket_connect_timeout=5,
-                          health_check_interval=10)
+    """A client for `url`: one Redis, a Redis Cluster or a Sentinel's master (baton/redis_client.py)."""
+    return redis_client.connect(url, decode_responses=False, socket_timeout=10, socket_connect_timeout=5,
+                                health_check_interval=10)
 
 
 async def ensure_group(redis: Redis, stream: str, group: str) -> None:

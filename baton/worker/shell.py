@@ -15,16 +15,17 @@ from collections.abc import Coroutine
 from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry
-from redis.exceptions import ResponseError
+from redis.exceptions import RedisClusterException, ResponseError
 
 from baton.engine.llm_engine import EngineConfig, LLMEngine
 from baton.engine.llm_engine import StepOutput
 from baton.logs import request_extra
-from baton.worker.core import Effects, Opening, WorkerCore, queue_effects
+from baton.worker.core import Effects, Opening, WorkerCore
 from baton.worker.health import LoopWatch, serve_metrics
 from baton.worker.metrics import WorkerMetrics
 from baton.worker.runtime import (REDIS_ERRORS, CancelWatcher, GatewayWatch, claim_from_dead, connect,
                                   default_worker_id, ensure_group, heartbeat_loop, install_signal_handlers, remove_dead_consumers)
+from baton.worker.writer import write_effects
 from kvstore.connector import LoadedKV, fetch
 from kvstore.redis_backend import RedisBlockStore
 
@@ -156,7 +157,7 @@ class WorkerShell:
             try:
                 await self.redis.ping()
                 return
-            except REDIS_ERRORS as exc:
+            except (*REDIS_ERRORS, RedisClusterException) as exc:  # the latter: no cluster node answers yet
                 logger.warning("waiting for redis (%s)", exc)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
@@ -186,12 +187,10 @@ class WorkerShell:
                                      self.args.claim_idle_ms)
 
     async def write(self, effects: Effects, transaction: bool = False) -> None:
-        """Write effects now, in one pipeline (MULTI/EXEC if `transaction`)."""
-        if not effects:
-            return
-        pipe = self.redis.pipeline(transaction=transaction)
-        queue_effects(pipe, effects, self.stream, self.group, self.store.ttl_s)
-        await pipe.execute()
+        """Write effects now, in their safe order: one pipeline (MULTI/EXEC if `transaction`) on one
+        Redis; on a Redis Cluster, data first, then the single-slot MULTI/EXEC of the stream
+        operations (baton/worker/writer.py)."""
+        await write_effects(self.redis, effects, self.stream, self.group, transaction, self.store.ttl_s)
 
     async def write_until_done(self, effects: Effects, transaction: bool = False) -> bool:
         """Write effects whose state change already happened (a step's output): retried with
