@@ -19,6 +19,7 @@ same grammar (`baton.engine.structured`). No torch here: the gateway imports thi
 from __future__ import annotations
 
 import json
+from functools import lru_cache
 from typing import Any
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
@@ -101,3 +102,9 @@ def validate(structured: dict[str, Any]) -> str:
     if error:
         raise InvalidStructure(error.strip())
     return grammar
+
+
+@lru_cache(maxsize=256)
+def compiled_grammar(kind: str, spec: str) -> str:
+    """`validate`, remembered per spec: clients send one schema with request after request."""
+    return validate({"kind": kind, "spec": spec})

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from baton.structured import InvalidStructure, json_schema, validate
+from baton.structured import InvalidStructure, compiled_grammar, json_schema
 from gateway.validation import Fields
 
 OPENAI_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
@@ -25,7 +25,7 @@ STRUCTURED_OUTPUTS_KEYS = ("json", "regex", "choice", "grammar", "json_object")
 def compiled(f: Fields, key: str, structured: dict[str, str]) -> dict[str, str]:
     """`structured` if it compiles, else a 4xx naming `key`."""
     try:
-        validate(structured)
+        compiled_grammar(structured["kind"], structured["spec"])
     except InvalidStructure as exc:
         raise f.fail(key, f"is not a valid {_WHAT[structured['kind']]}: {str(exc)[:500]}") from None
     return structured

@@ -27,7 +27,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from baton.structured import InvalidStructure, json_schema, validate
+from baton.structured import InvalidStructure, compiled_grammar, json_schema
 from gateway.validation import Fields
 
 MAX_TOOLS = 128
@@ -79,7 +79,7 @@ def parse_tools(f: Fields, has_constraint: bool) -> tuple[ToolCalling | None, di
         if not isinstance(schema, dict):
             raise f.fail(f"{where}.function.parameters", "must be a JSON schema (an object)")
         try:
-            validate(json_schema(schema))
+            compiled_grammar("json_schema", json_schema(schema)["spec"])
         except InvalidStructure as exc:
             raise f.fail(f"{where}.function.parameters", f"is not a valid JSON schema: {str(exc)[:500]}") from None
         parameters[name] = schema

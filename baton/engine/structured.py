@@ -19,22 +19,15 @@ finish_reason "error".
 from __future__ import annotations
 
 import logging
-from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from baton.engine.sequence import Sequence
-from baton.structured import InvalidStructure, validate
+from baton.structured import InvalidStructure, compiled_grammar
 
 logger = logging.getLogger("baton.engine.structured")
-
-
-@lru_cache(maxsize=256)
-def _grammar(kind: str, spec: str) -> str:
-    """Compiled grammar text per spec (a client repeats one schema across its requests)."""
-    return validate({"kind": kind, "spec": spec})
 
 
 class GrammarState:
@@ -119,7 +112,7 @@ class StructuredOutput:
         import llguidance
 
         try:
-            grammar = _grammar(structured["kind"], structured.get("spec", ""))
+            grammar = compiled_grammar(structured["kind"], structured.get("spec", ""))
         except InvalidStructure as exc:
             raise ValueError(f"invalid structured output spec ({structured['kind']}): {exc}") from None
         try:
