@@ -14,6 +14,7 @@ import time
 import httpx
 import pytest
 
+from baton.protocol import DECODE_GROUP, DECODE_STREAM
 from tests.cluster import Cluster
 from tests.redis_cluster import RedisClusterServers
 from tests.test_faults import WORDS, expected_ids, stream_ids
@@ -49,9 +50,10 @@ def prompts(n: int, offset: int) -> list[str]:
     return [" ".join(WORDS[(i + offset) % len(WORDS):] + WORDS * (2 + i % 3)) for i in range(n)]
 
 
-def stream_all(system: Cluster, texts: list[str], kill: str | None = None, after_tokens: int = 0) -> list[list[int]]:
+def stream_all(system: Cluster, texts: list[str], kill: str | None = None, after_tokens: int = 0,
+               held: list[int] | None = None) -> list[list[int]]:
     """Stream every prompt (alternating between the gateways); SIGKILL `kill` once `after_tokens`
-    tokens have arrived in all."""
+    tokens have arrived in all, noting in `held` how many handoffs it held then."""
     async def run() -> list[list[int]]:
         started, counter = asyncio.Event(), [0]
         clients = [httpx.AsyncClient(base_url=url, timeout=120) for url in system.base_urls]
@@ -62,6 +64,9 @@ def stream_all(system: Cluster, texts: list[str], kill: str | None = None, after
                 while counter[0] < after_tokens and not all(t.done() for t in tasks):
                     await asyncio.sleep(0.01)
                 assert not all(t.done() for t in tasks), "every stream ended before the kill"
+                if held is not None:
+                    held.append(len(system.client.xpending_range(DECODE_STREAM, DECODE_GROUP, "-", "+", 100,
+                                                                 consumername=kill)))
                 system.kill(kill, signal.SIGKILL)
             return await asyncio.gather(*tasks)
         finally:
@@ -101,7 +106,9 @@ def test_kv_blocks_spread_over_the_masters(system, servers):
 
 def test_sigkill_of_a_decode_worker_mid_stream(system, reference):
     texts = prompts(8, offset=3)
-    got = stream_all(system, texts, kill="decode-0", after_tokens=60)
+    held: list[int] = []
+    got = stream_all(system, texts, kill="decode-0", after_tokens=60, held=held)
+    assert held[0] > 0  # it died holding requests: the survivor claimed and finished them
     assert got == expected_ids(reference, texts, MAX_NEW_TOKENS)
     assert system.procs["decode-0"].poll() is not None
     system.wait_idle(timeout=30)
