@@ -35,7 +35,7 @@ COMPLETION = ("Explain, step by step and in plain words, how a transformer langu
               "into the next token: tokenization, embeddings, attention over previous tokens, the MLP, "
               "and finally the softmax over the vocabulary.")
 COMPLETION_TOKENS = 48
-LONG_TOKENS = 160  # kill and drain: long enough to be mid-stream when the signal lands
+LONG_TOKENS = 96  # kill and drain: long enough to be mid-stream when the signal lands
 
 
 def reference() -> None:
@@ -71,12 +71,31 @@ def get(url: str, timeout: float = 5) -> tuple[int, dict]:
         return 0, {}
 
 
+RETRIED: list[str] = []  # 503s answered before any token (the API says: retry), reported
+
+
+def open_stream(req: urllib.request.Request):
+    """urlopen, retrying a 503 (refused at admission, nothing started) as a client should."""
+    for attempt in range(5):
+        try:
+            return urllib.request.urlopen(req, timeout=300)
+        except urllib.error.HTTPError as e:
+            if e.code != 503 or attempt == 4:
+                raise RuntimeError(f"HTTP {e.code}: {e.read()[:300]!r}") from None
+            RETRIED.append(e.read()[:160].decode("utf-8", "replace"))
+            time.sleep(min(float(e.headers.get("Retry-After") or 1), 2))
+
+
+def retried() -> str:
+    return f"; {len(RETRIED)} request(s) retried after a 503: {RETRIED[0]!r}" if RETRIED else ""
+
+
 def stream(url: str, path: str, body: dict, on_token=None) -> str:
     """POST a streaming request, return the text of its SSE events; raises on an error event."""
     req = urllib.request.Request(url + path, data=json.dumps({**body, "stream": True}).encode(),
                                  headers={"Content-Type": "application/json"})
     text = []
-    with urllib.request.urlopen(req, timeout=300) as r:
+    with open_stream(req) as r:
         for raw in r:
             line = raw.decode().strip()
             if not line.startswith("data:"):
@@ -134,7 +153,7 @@ def parity(url: str, ref: dict) -> None:
         fail(f"chat differs:\n  got  {got_chat!r}\n  want {ref['chat']!r}")
     if got_completion != ref["completion"]:
         fail(f"completion differs:\n  got  {got_completion!r}\n  want {ref['completion']!r}")
-    print(f"chat and completion equal the reference ({got_chat[:40]!r}...)")
+    print(f"chat and completion equal the reference ({got_chat[:40]!r}...){retried()}")
 
 
 def concurrent(url: str, n: int, tokens: int, then: list[str] | None = None, min_tokens: int = 4) -> list:
@@ -181,7 +200,7 @@ def spread(url: str, ref: dict, n: int) -> None:
         time.sleep(2.5)  # the next heartbeat carries the counters
         after = decode_finished(url)
         grew = {w: after.get(w, 0) - before.get(w, 0) for w in after}
-        print(f"round {attempt + 1}: finished per decode worker {grew}")
+        print(f"round {attempt + 1}: finished per decode worker {grew}{retried()}")
         if len(after) >= 2 and all(v > 0 for v in grew.values()):
             return
     fail(f"not every decode worker served: {grew}")
@@ -193,7 +212,7 @@ def kill(url: str, ref: dict, n: int, cmd: list[str]) -> None:
     wrong = [r for r in results if not isinstance(r, Exception) and r != ref["long"]]
     if errors or wrong:
         fail(f"{len(errors)} failed ({errors[:2]}), {len(wrong)} differ ({wrong[:1]}) of {n}")
-    print(f"all {n} streams completed with the reference text")
+    print(f"all {n} streams completed with the reference text{retried()}")
 
 
 def drain(url: str, ref: dict, cmd: list[str]) -> None:
@@ -225,7 +244,7 @@ def drain(url: str, ref: dict, cmd: list[str]) -> None:
     print(f"`{' '.join(cmd)}` took {took[0] if took else float('nan'):.1f} s")
     if result != ref["long"]:
         fail(f"the stream in flight did not finish with the reference text: {result!r}")
-    print("the stream in flight finished with the reference text")
+    print(f"the stream in flight finished with the reference text{retried()}")
 
 
 def idle(url: str, seconds: float) -> None:
