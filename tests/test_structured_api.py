@@ -298,3 +298,33 @@ def test_sigkill_decode_worker_mid_structured_stream(tiny_model_dir):
         assert out.outputs[0].finish_reason == "stop"
         assert ids == [t for t in out.outputs[0].token_ids if t != 2]
         jsonschema.validate(json.loads(out.outputs[0].text), schema)
+
+
+def test_auto_tool_calls_parsed_from_a_template_that_renders_tools(tiny_model_dir, tmp_path):
+    """tool_choice auto with a Hermes-style template: `<tool_call>` blocks in the answer become
+    tool_calls (here a regex makes the random model write one), streamed or not."""
+    import openai
+
+    from tests.test_structured_gateway import HERMES_TEMPLATE
+
+    template = tmp_path / "hermes.jinja"
+    template.write_text(HERMES_TEMPLATE)
+    call = r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "[a-z]{1,8}", "unit": "c"\}\}\n</tool_call>'
+    with Cluster(tiny_model_dir, prefill=1, decode=1, gateway_args=("--chat-template", str(template))) as cluster:
+        client = openai.OpenAI(base_url=cluster.base_url + "/v1", api_key="unused", max_retries=0)
+        kwargs = dict(model="", messages=[{"role": "user", "content": "Weather?"}], tools=[WEATHER], max_tokens=80,
+                      extra_body={"guided_regex": call})
+        answer = client.chat.completions.create(**kwargs)
+        choice = answer.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        [tool_call] = choice.message.tool_calls
+        assert tool_call.function.name == "get_weather"
+        jsonschema.validate(json.loads(tool_call.function.arguments), WEATHER["function"]["parameters"])
+        calls, finish = [], None
+        for chunk in client.chat.completions.create(**kwargs, stream=True):
+            finish = chunk.choices[0].finish_reason or finish
+            calls += chunk.choices[0].delta.tool_calls or []
+        assert finish == "tool_calls" and [c.function.name for c in calls] == ["get_weather"]
+        # without a call in the answer, auto answers text
+        plain = client.chat.completions.create(**{**kwargs, "extra_body": {"guided_regex": "[a-z]{3}"}})
+        assert plain.choices[0].message.tool_calls is None and len(plain.choices[0].message.content) == 3
