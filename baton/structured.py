@@ -36,12 +36,12 @@ class InvalidStructure(ValueError):
 def check_shape(structured: Any) -> None:
     """What `SamplingParams` checks: a known kind and a string spec (not whether it compiles)."""
     if not isinstance(structured, dict) or set(structured) - {"kind", "spec"}:
-        raise ValueError('structured must be {"kind": ..., "spec": ...}')
+        raise InvalidStructure('structured must be {"kind": ..., "spec": ...}')
     if structured.get("kind") not in KINDS:
-        raise ValueError(f"structured kind must be one of {KINDS}, got {structured.get('kind')!r}")
+        raise InvalidStructure(f"structured kind must be one of {KINDS}, got {structured.get('kind')!r}")
     spec = structured.get("spec", "")
     if not isinstance(spec, str) or len(spec) > MAX_SPEC_CHARS:
-        raise ValueError(f"structured spec must be a string of at most {MAX_SPEC_CHARS} characters")
+        raise InvalidStructure(f"structured spec must be a string of at most {MAX_SPEC_CHARS} characters")
 
 
 def json_schema(schema: dict[str, Any] | bool) -> dict[str, str]:
