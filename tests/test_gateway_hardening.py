@@ -83,9 +83,9 @@ def test_chat_templating_runs_off_the_event_loop(gw_server, gw_worker, gw_tokeni
     threads: list[int] = []
     original = gw_tokenizer.encode_chat
 
-    def recording(messages: list[dict[str, str]]) -> list[int]:
+    def recording(messages: list[dict[str, str]], *args, **kwargs) -> list[int]:
         threads.append(threading.get_ident())
-        return original(messages)
+        return original(messages, *args, **kwargs)
 
     monkeypatch.setattr(gw_tokenizer, "encode_chat", recording)
     # Small bodies too: the template's cost grows with the message count, not with the text.
