@@ -20,8 +20,15 @@ from __future__ import annotations
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 
+from redis.exceptions import RedisClusterException, RedisError
+
 CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 SENTINEL_SCHEMES = {"redis+sentinel": "redis", "rediss+sentinel": "rediss"}
+
+
+# What a call raises when Redis cannot serve it. A Redis Cluster client that reaches no node raises
+# RedisClusterException, which is no RedisError: code that catches only RedisError crashes there.
+REDIS_FAILURES = (RedisError, RedisClusterException, OSError)
 
 
 def is_cluster_url(url: str) -> bool:

@@ -15,13 +15,12 @@ from collections.abc import AsyncIterator
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import RedisClusterException, RedisError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 
 from baton import heartbeats
-from baton.redis_client import connect as connect_redis
+from baton.redis_client import REDIS_FAILURES, connect as connect_redis
 from baton.urls import redact_url
 from gateway import dashboard, routes_misc, routes_openai, routes_tgi, routes_tokenize
 from gateway.admission import Admission
@@ -76,7 +75,7 @@ def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> 
             await router.reset_stream()
             await cluster.tick()
             cluster.redis_ok, cluster.redis_error = True, None
-        except (RedisError, OSError, RedisClusterException) as exc:  # the last: no cluster node answers
+        except REDIS_FAILURES as exc:
             cluster.mark_down(exc)
             log.warning("redis at %s unreachable at startup (%s); serving 503 until it is back",
                         redact_url(settings.redis_url), exc)
@@ -99,7 +98,7 @@ def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> 
                 task.cancel()
             # Bounded: shutdown must never hang on a task that missed its cancellation.
             await asyncio.wait([*tasks, *svc.background], timeout=5.0)
-            with contextlib.suppress(RedisError, OSError):
+            with contextlib.suppress(*REDIS_FAILURES):
                 pipe = client.pipeline(transaction=False)
                 heartbeats.queue_withdraw(pipe, "gateway", settings.gateway_id)
                 await pipe.execute()

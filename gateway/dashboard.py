@@ -27,12 +27,12 @@ from pathlib import Path
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from baton.protocol import DECODE_GROUP, DECODE_STREAM, PREFILL_GROUP, PREFILL_STREAM
+from baton.redis_client import REDIS_FAILURES
 from gateway.admission import Admission
 from gateway.cluster import Cluster
 from gateway.config import Settings
@@ -89,7 +89,7 @@ class Monitor:
                     await self.sample_streams()
             except asyncio.CancelledError:
                 raise
-            except (RedisError, OSError) as exc:
+            except REDIS_FAILURES as exc:
                 log.debug("stream sample failed: %s", exc)  # the cluster task reports Redis health
             try:
                 self.tick()

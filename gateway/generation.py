@@ -17,7 +17,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
-from redis.exceptions import RedisError
 from starlette.requests import Request
 
 from baton import tracing
@@ -31,6 +30,7 @@ from baton.protocol import (
     TokenEvent,
     encode,
 )
+from baton.redis_client import REDIS_FAILURES
 from baton.sampling_params import SamplingParams
 from gateway.admission import Ticket
 from gateway.detokenizer import IncrementalDetokenizer, StopMatcher
@@ -179,7 +179,7 @@ class Generation:
         try:
             await svc.redis.xadd(PREFILL_STREAM, {PAYLOAD_FIELD: encode(message)},
                                  maxlen=STREAM_MAXLEN, approximate=True)
-        except (RedisError, OSError) as exc:
+        except REDIS_FAILURES as exc:
             svc.cluster.mark_down(exc)
             svc.metrics.reject("redis_unavailable")
             raise unavailable(f"redis is unreachable ({exc}); cannot serve requests",
@@ -356,6 +356,6 @@ class Generation:
         try:
             await self.svc.redis.xadd(CANCEL_STREAM, {PAYLOAD_FIELD: encode(message)},
                                       maxlen=STREAM_MAXLEN, approximate=True)
-        except (RedisError, OSError) as exc:
+        except REDIS_FAILURES as exc:
             self.svc.cluster.mark_down(exc)
             log.warning("could not send cancel for %s: %s", self.request_id, exc)

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisClusterException, RedisError
 
 from baton.protocol import PAYLOAD_FIELD, MalformedMessage, TokenBatch, TokenEvent, decode, token_stream
+from baton.redis_client import REDIS_FAILURES
 
 log = logging.getLogger(__name__)
 
@@ -27,8 +27,7 @@ _BLOCK_MS = 1000
 # What a lost Redis connection raises in a long-lived loop. uvloop reports a command sent on a
 # connection Redis has just closed as RuntimeError ("... the handler is closed"), not as a
 # connection error: uncaught, it once ended the token reader for good after a Redis restart.
-# A Redis Cluster client that reaches no node raises RedisClusterException, which is no RedisError.
-REDIS_DOWN = (RedisError, OSError, RuntimeError, RedisClusterException)
+REDIS_DOWN = (*REDIS_FAILURES, RuntimeError)
 
 
 def connection_lost(exc: BaseException) -> bool:

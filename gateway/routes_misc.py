@@ -18,11 +18,11 @@ import math
 import time
 from typing import Any
 
-from redis.exceptions import RedisClusterException, RedisError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from baton.redis_client import REDIS_FAILURES
 from baton.urls import redact_url
 from gateway.openapi import openapi_spec
 from gateway.respond import services
@@ -61,7 +61,7 @@ async def _unhealthy(svc: Services) -> JSONResponse | None:
         return dead
     try:
         await asyncio.wait_for(svc.redis.ping(), timeout=1.0)
-    except (RedisError, RedisClusterException, OSError, asyncio.TimeoutError) as exc:
+    except (*REDIS_FAILURES, asyncio.TimeoutError) as exc:
         svc.cluster.mark_down(exc)
         reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         return JSONResponse({"status": "unhealthy", "redis": "unreachable",

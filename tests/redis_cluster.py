@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
 import time
@@ -12,13 +14,13 @@ from pathlib import Path
 
 import redis
 
-from baton.ops.redis_server import child_preexec, find_redis_server, free_port
+from baton.ops.redis_server import child_preexec, find_redis_server
 
 
 class RedisClusterServers:
-    def __init__(self, masters: int = 3) -> None:
+    def __init__(self, masters: int = 3, ports: list[int] | None = None) -> None:
         self.workdir = Path(tempfile.mkdtemp(prefix="baton-redis-cluster-"))
-        self.ports = [free_port() for _ in range(masters)]
+        self.ports = ports or cluster_ports(masters)
         self.procs: list[subprocess.Popen] = []
         try:
             server = find_redis_server()
@@ -28,7 +30,7 @@ class RedisClusterServers:
                 self.procs.append(subprocess.Popen(
                     [server, "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
                      "--cluster-config-file", "nodes.conf", "--dir", str(node_dir), "--save", "",
-                     "--appendonly", "no", "--cluster-node-timeout", "2000"],
+                     "--appendonly", "no", "--cluster-node-timeout", "2000", "--logfile", str(node_dir / "log")],
                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                     # dies with this test process, even one killed by SIGKILL
                     preexec_fn=child_preexec(new_session=False, death_signal=signal.SIGKILL)))
@@ -93,6 +95,26 @@ class RedisClusterServers:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def cluster_ports(n: int) -> list[int]:
+    """`n` free ports a cluster node can take: at most 55535, with port + 10000 (its cluster bus)
+    free too; redis-server refuses a higher port in cluster mode (an OS-assigned one often is)."""
+    ports: list[int] = []
+    while len(ports) < n:
+        port = random.randint(20000, 55535)
+        if port not in ports and _free(port) and _free(port + 10000):
+            ports.append(port)
+    return ports
+
+
+def _free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def _pid_alive(pid: int) -> bool:

@@ -16,7 +16,8 @@ import pytest
 
 from baton.protocol import DECODE_GROUP, DECODE_STREAM
 from tests.cluster import Cluster
-from tests.redis_cluster import RedisClusterServers
+from tests.redis_cluster import RedisClusterServers, cluster_ports
+from tests.test_gateway_support import start_gateway, wait_until
 from tests.test_faults import WORDS, expected_ids, stream_ids
 
 pytestmark = pytest.mark.skipif(not (shutil.which("redis-cli") or shutil.which("valkey-cli")),
@@ -113,6 +114,22 @@ def test_sigkill_of_a_decode_worker_mid_stream(system, reference):
     assert system.procs["decode-0"].poll() is not None
     system.wait_idle(timeout=30)
     assert httpx.get(system.base_urls[1] + "/stats", timeout=5).json()["requests"]["running"] == 0
+
+
+def test_a_gateway_started_before_its_cluster_answers_503_then_serves(default_model_dir, gw_tokenizer):
+    """No node answers: the cluster client raises RedisClusterException, no RedisError; the gateway
+    must say "unreachable" (not crash a task) and recover once the cluster is up."""
+    ports = cluster_ports(3)
+    server = start_gateway(default_model_dir, "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in ports),
+                           gw_tokenizer)
+    try:
+        health = httpx.get(server.url + "/health", timeout=5)
+        assert health.status_code == 503 and "unreachable" in health.json()["error"], health.text
+        assert httpx.post(server.url + "/generate", json={"inputs": "x"}, timeout=5).status_code == 503
+        with RedisClusterServers(ports=ports):
+            assert wait_until(lambda: httpx.get(server.url + "/health", timeout=5).status_code == 200, timeout=15)
+    finally:
+        server.stop()
 
 
 def test_everything_stops(system, servers):

@@ -16,7 +16,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 from redis.exceptions import ClusterDownError, ConnectionError as RedisConnectionError
-from redis.exceptions import OutOfMemoryError, ResponseError, SlotNotCoveredError, TimeoutError as RedisTimeoutError
+from redis.exceptions import OutOfMemoryError, RedisClusterException, ResponseError, TimeoutError as RedisTimeoutError
 from redis.exceptions import TryAgainError
 
 from baton import heartbeats, protocol, redis_client
@@ -26,9 +26,10 @@ logger = logging.getLogger("baton.worker")
 # Errors after which the same command can succeed later: retried with backoff, never fatal. An
 # out-of-memory Redis is one of them (it recovers as blocks expire or are evicted); the warning
 # each retry logs names it. So are a Redis Cluster's failover states (a slot without a master for
-# a moment, a key being migrated).
+# a moment, a key being migrated) and its client reaching no node (RedisClusterException, which is
+# no RedisError; it also covers a cross-slot command, a bug the retry warnings then name).
 REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, OutOfMemoryError, OSError, ClusterDownError,
-                TryAgainError, SlotNotCoveredError)
+                TryAgainError, RedisClusterException)
 HEARTBEAT_INTERVAL_S = 1.0
 HEARTBEAT_TTL_S = 5
 

@@ -15,7 +15,7 @@ from collections.abc import Coroutine
 from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry
-from redis.exceptions import RedisClusterException, ResponseError
+from redis.exceptions import ResponseError
 
 from baton.engine.llm_engine import EngineConfig, LLMEngine
 from baton.engine.llm_engine import StepOutput
@@ -157,7 +157,7 @@ class WorkerShell:
             try:
                 await self.redis.ping()
                 return
-            except (*REDIS_ERRORS, RedisClusterException) as exc:  # the latter: no cluster node answers yet
+            except REDIS_ERRORS as exc:
                 logger.warning("waiting for redis (%s)", exc)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
