@@ -99,6 +99,8 @@ def test_worker_replicas_come_from_the_environment():
     scaled = _config({"PREFILL_REPLICAS": "2", "DECODE_REPLICAS": "3"})
     assert scaled["services"]["prefill_worker"]["deploy"]["replicas"] == 2
     assert scaled["services"]["decode_worker"]["deploy"]["replicas"] == 3
+    for name in ("prefill_worker", "decode_worker"):  # podman-compose reads replicas only with the mode
+        assert default["services"][name]["deploy"]["mode"] == "replicated", name
 
 
 def test_prometheus_scrapes_gateway_and_workers():
