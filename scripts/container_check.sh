@@ -192,7 +192,7 @@ if [ "$ENGINE" = podman ]; then
   # pip in the build sees what pip sees here: the CA bundle, find-links, file:// indexes, constraints
   # (read-only); a CPU torch lying in find-links is taken instead of any download.
   mapfile -t pip_paths < <(helper pip-conf "$TMP/pip.conf")
-  build_args+=(--format docker --volume "$TMP/pip.conf:/etc/pip.conf:ro")
+  build_args+=(--format docker --force-rm --volume "$TMP/pip.conf:/etc/pip.conf:ro")
   for p in "${pip_paths[@]}"; do build_args+=(--volume "$p:$p:ro"); done
   torch_version="$(sed -n 's/^ARG TORCH_VERSION=//p' Dockerfile)"
   for p in "${pip_paths[@]}"; do
