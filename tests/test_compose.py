@@ -216,7 +216,7 @@ def test_container_check(capsys):
     """
     if os.environ.get("BATON_CONTAINER_CHECK") != "1":
         pytest.skip("set BATON_CONTAINER_CHECK=1 to build the image and run the compose stack "
-                    "(scripts/container_check.sh, podman; about 10 minutes the first time)")
+                    "(scripts/container_check.sh, podman: 4 to 6 minutes on 2 cores, more to install podman)")
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("PREFILL_", "DECODE_", "COMPOSE_", "GATEWAY_"))}
     result = subprocess.run(["bash", str(REPO / "scripts" / "container_check.sh")], cwd=REPO, env=env,
