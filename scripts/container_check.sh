@@ -45,7 +45,7 @@ HELPER="$ROOT/scripts/container_check.py"
 START=$SECONDS
 
 say()  { printf '\n==> [%4ss] %s\n' "$((SECONDS - START))" "$*" >&2; }
-skip_all() { printf 'SKIP: %s\n' "$*"; exit 77; }
+skip_all() { printf 'SKIP: %s\n' "$*"; rm -rf "$TMP"; exit 77; }
 
 declare -a ROWS=()
 FAILED=0
@@ -202,6 +202,7 @@ if [ "$ENGINE" = podman ]; then
   done
 fi
 say "building $IMAGE ($ENGINE build, base $BASE)"
+previous="$(E image inspect "$IMAGE" --format '{{.Id}}' 2>/dev/null)"
 t0=$SECONDS
 if ! timeout 900 "$ENGINE" build "${build_args[@]}" -t "$IMAGE" . >"$TMP/build.log" 2>&1; then
   tail -30 "$TMP/build.log" >&2
@@ -209,6 +210,9 @@ if ! timeout 900 "$ENGINE" build "${build_args[@]}" -t "$IMAGE" . >"$TMP/build.l
   exit 1
 fi
 BUILD_S=$((SECONDS - t0))
+# The image this build replaced, unless it is the same or still in use (its layers stay cached).
+[ -n "$previous" ] && [ "$previous" != "$(E image inspect "$IMAGE" --format '{{.Id}}')" ] \
+  && E rmi "$previous" >/dev/null 2>&1
 SIZE="$(E image inspect "$IMAGE" --format '{{.Size}}' | awk '{printf "%.2f GB", $1 / 1e9}')"
 record build pass "${BUILD_S} s, image $SIZE, base $BASE"
 
