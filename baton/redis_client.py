@@ -49,8 +49,34 @@ def connect(url: str, **kwargs: Any) -> Any:
     connection options (timeouts, retry, decode_responses)."""
     import redis.asyncio as aioredis
     from redis.asyncio import sentinel
+    from redis.asyncio.connection import parse_url
 
+    scheme = urlsplit(url).scheme.lower()
+    if scheme not in CLUSTER_SCHEMES and scheme not in SENTINEL_SCHEMES and "connection_class" not in kwargs:
+        kwargs = {**kwargs, "connection_class": _lost_is_connection_error(
+            parse_url(url).get("connection_class", aioredis.Connection))}
     return _connect(url, kwargs, aioredis.Redis, aioredis.RedisCluster, sentinel.Sentinel)
+
+
+def _lost_is_connection_error(base: type) -> type:
+    """`base` (a redis.asyncio connection class) whose sends on a connection Redis has just closed
+    raise ConnectionError. uvloop reports them as RuntimeError ("... the handler is closed"), which
+    every retry loop would take for a bug: after a Redis restart it once ended the gateway's token
+    reader, and a worker loop would crash the same way."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    class LostIsConnectionError(base):  # type: ignore[misc, valid-type]
+        async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+            try:
+                await super().send_packed_command(command, check_health)
+            except RuntimeError as exc:
+                if "handler is closed" not in str(exc):
+                    raise
+                await self.disconnect(nowait=True)
+                raise RedisConnectionError(f"connection to Redis lost: {exc}") from exc
+
+    LostIsConnectionError.__name__ = LostIsConnectionError.__qualname__ = f"LostIsConnectionError{base.__name__}"
+    return LostIsConnectionError
 
 
 def connect_sync(url: str, **kwargs: Any) -> Any:

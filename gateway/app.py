@@ -42,7 +42,9 @@ def redis_client(url: str, socket_timeout: float | None) -> aioredis.Redis:
     # Fail fast instead of redis-py's default exponential retries (seconds per command): a dead
     # Redis must turn into a 503 at once. One immediate retry still heals a pooled connection that
     # went stale when Redis restarted. The URL may name a Redis Cluster or a Sentinel's master.
-    return connect_redis(url, socket_connect_timeout=1.0, socket_timeout=socket_timeout,
+    # (A refused connection fails at once; 3 s is for connecting itself: under CPU load, a
+    # container's lookup of the name "redis" alone took more than a second.)
+    return connect_redis(url, socket_connect_timeout=3.0, socket_timeout=socket_timeout,
                          retry=Retry(NoBackoff(), 1), health_check_interval=0)
 
 

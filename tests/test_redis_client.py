@@ -134,3 +134,33 @@ def test_on_a_cluster_data_goes_before_the_handoff_and_its_ack(monkeypatch):
     assert [(tx, [name for name, _ in cmds]) for tx, cmds in rounds] == [
         (False, ["set", "set", "xadd"]), (True, ["xadd", "xack"]), (False, ["delete"])]
     assert {key for _, key in rounds[1][1]} == {protocol.DECODE_STREAM, protocol.PREFILL_STREAM}
+
+
+def test_a_send_on_a_connection_redis_closed_is_a_connection_error(redis_url):
+    """uvloop's RuntimeError for a write on a closed transport surfaces as ConnectionError (what
+    every retry loop handles), and the client's next command reconnects."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    async def scenario() -> None:
+        client = connect(redis_url, retry_on_error=[])
+        try:
+            assert await client.ping()
+            connection = await client.connection_pool.get_connection()
+
+            def closed(*_args: object) -> None:
+                raise RuntimeError("unable to perform operation on <TCPTransport closed=True>; the handler is closed")
+
+            connection._writer.writelines = closed
+            with pytest.raises(RedisConnectionError, match="connection to Redis lost"):
+                await connection.send_command("PING")
+            await client.connection_pool.release(connection)
+            assert await client.ping()  # a fresh connection
+            other = await client.connection_pool.get_connection()
+            other._writer.writelines = lambda *_: (_ for _ in ()).throw(RuntimeError("a bug"))
+            with pytest.raises(RuntimeError, match="a bug"):  # other RuntimeErrors are not hidden
+                await other.send_command("PING")
+            await client.connection_pool.release(other)
+        finally:
+            await client.aclose()
+
+    asyncio.run(scenario())
