@@ -9,6 +9,7 @@ import sys
 # Counters' `_created` series only clutter /metrics (set before prometheus_client is imported).
 os.environ.setdefault("PROMETHEUS_DISABLE_CREATED_SERIES", "True")
 
+from baton.env_flags import apply_env
 from baton.logs import FORMATS, setup_logging, uvicorn_log_config
 from baton.tracing import setup_tracing
 from gateway.config import Settings
@@ -71,6 +72,7 @@ def parse_args(argv: list[str] | None = None) -> Settings:
                    help="on SIGTERM, seconds requests in flight (streams included) get to finish before "
                         "they are cut (default: $BATON_SHUTDOWN_GRACE, else 40: longer than the workers' "
                         "30 s drain, so a request a draining worker finishes is delivered)")
+    apply_env(p)  # every flag as BATON_<FLAG> too
     args = p.parse_args(argv)
 
     from baton.ops.fetch import model_display_name, resolve_model

@@ -11,6 +11,7 @@ import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from baton.env_flags import apply_env
     from baton.ops.serve import add_serve_arguments
 
     parser = argparse.ArgumentParser(
@@ -32,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
         "serve", help="run gateway, prefill and decode workers (and a private Redis) on this machine"
     )
     add_serve_arguments(serve)
+    apply_env(serve)  # every flag as BATON_<FLAG> too
 
     sub.add_parser("bench", help="benchmark a running Baton (arguments go to baton.bench.cli)",
                    add_help=False)

@@ -59,6 +59,7 @@ def run_worker(kind: str, argv: list[str] | None, extra: Callable[[argparse.Argu
     import asyncio
     import importlib
 
+    from baton.env_flags import apply_env
     from baton.logs import setup_logging
     from baton.tracing import setup_tracing
 
@@ -66,6 +67,7 @@ def run_worker(kind: str, argv: list[str] | None, extra: Callable[[argparse.Argu
     add_common_args(parser, kind)
     if extra is not None:
         extra(parser)
+    apply_env(parser)  # every flag as BATON_<FLAG> too
     args = parser.parse_args(argv)
     setup_logging(args.log_level, args.log_format)
     setup_tracing(f"baton-{kind}-worker")  # only with an OTLP endpoint set and OpenTelemetry installed
