@@ -1,7 +1,7 @@
 """One request's life after validation: admission, prefill message, token events, teardown.
 
-Both API families use this: `begin()` waits for admission (watching for the client leaving) and
-sends the prefill request; `steps()` turns token events into text-bearing steps (deduplicated,
+Both API families use this, through gateway.choices (one per choice): `admit()` waits for admission
+(watching for the client leaving) and `send()` sends the prefill request; `steps()` turns token events into text-bearing steps (deduplicated,
 detokenized, stop sequences applied); `close()` always runs (routes call it in `finally`) and
 releases everything: the budget reservation, the event queue, and, unless the workers already
 finished the request themselves, it broadcasts a Cancel so they stop spending compute on it.
@@ -77,6 +77,11 @@ class Step:
     finish: str | None = None
     tail: str = ""  # final text released by a step that carries no token
 
+    @property
+    def text(self) -> str:
+        """All text this step released."""
+        return "".join(t.text for t in self.tokens) + self.tail
+
 
 async def wait_for_disconnect(request: Request) -> None:
     """Returns when the client closes the connection (the request body must be fully read)."""
@@ -122,15 +127,15 @@ class Generation:
         return self._stops.text
 
     @property
+    def total_logprob(self) -> float:
+        """The generated tokens' summed logprob: how best_of ranks its candidates."""
+        return sum(t.logprob for t in self.tokens if t.logprob is not None)
+
+    @property
     def cost(self) -> int:
         return len(self.prompt_ids) + self.max_new_tokens
 
     # ---- start ----
-
-    async def begin(self, request: Request) -> None:
-        """Admit and send to prefill; raises ApiError (429/503/422) or ClientGone."""
-        await self.admit(asyncio.create_task(wait_for_disconnect(request)))
-        await self.send(request)
 
     async def admit(self, watcher: asyncio.Task[None], cost: int | None = None) -> None:
         """Wait for admission of `cost` tokens (default: this generation's), or for `watcher` (the
@@ -217,7 +222,7 @@ class Generation:
     # ---- tokens ----
 
     async def steps(self) -> AsyncIterator[Step]:
-        assert self._queue is not None, "begin() first"
+        assert self._queue is not None, "admit() or attach() first"
         timeout = self.svc.settings.event_timeout
         while True:
             try:

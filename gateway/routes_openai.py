@@ -61,7 +61,7 @@ class _Reply:
         self.generated = sum(len(g.tokens) for g in self.gens)
         n, best = self.spec.n, []
         for start in range(0, len(self.gens), n):
-            group = sorted(self.gens[start:start + n], key=_total_logprob, reverse=True)[:keep]
+            group = sorted(self.gens[start:start + n], key=lambda g: g.total_logprob, reverse=True)[:keep]
             best += group
         for index, gen in enumerate(best):
             gen.choice = index
@@ -110,7 +110,7 @@ class _Reply:
         """The chunk for one choice: its role (chat's first), its echoed prompt (completions'
         first, with echo), or a step's text, logprobs and finish."""
         tokens = step.tokens if step is not None else []
-        text = "".join(t.text for t in tokens) + (step.tail if step is not None else "")
+        text = step.text if step is not None else ""
         finish = FINISH[step.finish] if step is not None and step.finish is not None else None
         wants_logprobs = self.spec.logprobs is not None
         if self.chat:
@@ -138,10 +138,6 @@ class _Reply:
         elif self.spec.include_usage:
             body["usage"] = None  # OpenAI: null on every chunk but the last
         return body
-
-
-def _total_logprob(gen: Generation) -> float:
-    return sum(t.logprob for t in gen.tokens if t.logprob is not None)
 
 
 def _parser(request: Request, chat: bool) -> Callable[[dict[str, Any]], GenerationSpec]:
@@ -191,8 +187,7 @@ async def _stream(reply: _Reply) -> AsyncIterator[bytes]:
                 yield _sse(reply.chunk(gen, None, echo=True))
         async for gen, step in merged_steps(gens):
             # (a token whose text is still held back, e.g. half a character, shows only in logprobs)
-            text = "".join(t.text for t in step.tokens) + step.tail
-            if text or step.finish or (step.tokens and reply.spec.logprobs is not None):
+            if step.text or step.finish or (step.tokens and reply.spec.logprobs is not None):
                 yield _sse(reply.chunk(gen, step))
         if reply.spec.include_usage:
             yield _sse({**reply.head(reply.object + (".chunk" if reply.chat else "")),

@@ -48,7 +48,7 @@ async def generate(request: Request, body: dict[str, Any] | None = None, as_list
     finally:
         close_all(gens)
     # best_of: the candidate whose tokens have the highest total logprob (TGI's choice)
-    ranked = sorted(gens, key=lambda g: sum(t.logprob or 0.0 for t in g.tokens), reverse=True)
+    ranked = sorted(gens, key=lambda g: g.total_logprob, reverse=True)
     gen = ranked[0]
     result: dict[str, Any] = {"generated_text": _generated_text(gen)}
     if gen.spec.details:
