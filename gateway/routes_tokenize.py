@@ -10,7 +10,6 @@ Errors are OpenAI-shaped (400), and `model`, when given, must be a served name (
 
 from __future__ import annotations
 
-import asyncio
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -49,11 +48,7 @@ async def tokenize(request: Request) -> Response:
         if not tok.has_chat_template:
             raise validation_error("this model has no chat template; send `prompt`", param="messages",
                                    status=STATUS)
-        try:
-            ids = await asyncio.to_thread(tok.encode_chat, messages, add_generation_prompt, add_special)
-        except Exception as exc:  # jinja raises for messages the template refuses
-            raise validation_error(f"the chat template rejected the messages: {exc}", param="messages",
-                                   status=STATUS) from None
+        ids = await tok.chat_ids(messages, STATUS, add_generation_prompt, add_special)
     else:
         prompt = f.string("prompt")
         if prompt is None:

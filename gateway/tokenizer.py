@@ -65,20 +65,27 @@ class PromptTokenizer:
         if spec.messages is not None:
             if not self.has_chat_template:
                 raise validation_error("this model has no chat template; use /v1/completions", status=status)
-            try:
-                # Always off the loop: the template's cost grows with the number of messages, so
-                # even a body of empty messages is not cheap (the count is capped in validation).
-                calling = spec.tool_calling
-                if calling is not None:  # "auto" parses tool calls when the template asks for them
-                    calling.parse_tags = template_renders_tools(self.hf.chat_template)
-                return await asyncio.to_thread(self.encode_chat, spec.messages, True, False,
-                                               calling.tools if calling is not None else None)
-            except Exception as exc:  # jinja raises for messages the template refuses
-                raise validation_error(f"the chat template rejected the messages: {exc}",
-                                       param="messages", status=status) from None
+            calling = spec.tool_calling
+            if calling is not None:  # "auto" parses tool calls when the template asks for them
+                calling.parse_tags = template_renders_tools(self.hf.chat_template)
+            return await self.chat_ids(spec.messages, status, True, False,
+                                       calling.tools if calling is not None else None)
         assert isinstance(spec.prompt, str)
         return await maybe_in_thread(len(spec.prompt), self.encode_text, spec.prompt,
                                      spec.add_special_tokens)
+
+
+    async def chat_ids(self, messages: list[dict[str, Any]], status: int, add_generation_prompt: bool = True,
+                       add_special_tokens: bool = False, tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """`encode_chat` off the event loop, a template's refusal as a 4xx naming `messages`."""
+        try:
+            # Always off the loop: the template's cost grows with the number of messages, so even a
+            # body of empty messages is not cheap (the count is capped in validation).
+            return await asyncio.to_thread(self.encode_chat, messages, add_generation_prompt, add_special_tokens,
+                                           tools)
+        except Exception as exc:  # jinja raises for messages the template refuses
+            raise validation_error(f"the chat template rejected the messages: {exc}",
+                                   param="messages", status=status) from None
 
 
 async def maybe_in_thread(size: int, fn: Callable[..., T], *args: Any) -> T:
