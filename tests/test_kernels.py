@@ -120,3 +120,48 @@ def test_silu_mul_equals_torch_bit_for_bit():
     gate_up[0, :4] = torch.tensor([90.0, -90.0, 0.0, 1e-3]).to(torch.bfloat16)  # saturation and zero
     gate, up = gate_up.split(200, dim=-1)
     assert torch.equal(native.silu_mul(gate_up), torch.nn.functional.silu(gate) * up)
+
+
+needs_gemv = pytest.mark.skipif(native is None or not native.gemv_available(),
+                                reason="the native few-row matmul needs AVX512-BF16")
+
+
+@needs_gemv
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 13])  # every register tiling (6, 5..1) and a mix
+@pytest.mark.parametrize("out_features,in_features,with_bias", [(960, 576, False), (100, 38, True), (64, 2, False)])
+def test_native_gemv_equals_f_linear(rows, out_features, in_features, with_bias):
+    gen = torch.Generator().manual_seed(rows * 1000 + out_features)
+    w = torch.randn(out_features, in_features, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(out_features, generator=gen) if with_bias else None
+    x = torch.randn(rows, in_features, generator=gen).to(torch.bfloat16)
+    expected = torch.nn.functional.linear(x.float(), w.float(), bias)  # fp32 products of the bf16 values
+    packed = native.gemv_pack(w)
+    got = native.gemv(x, packed, bias, out_features, False)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
+    # fp32 accumulation: the only difference is the final rounding to bf16 (and summation order)
+    assert torch.allclose(got.float(), expected, rtol=2 ** -7, atol=1e-3 * in_features**0.5)
+    got_f32 = native.gemv(x, packed, bias, out_features, True)
+    assert got_f32.dtype == torch.float32 and torch.allclose(got_f32, expected, rtol=1e-5, atol=1e-4)
+
+
+@needs_gemv
+def test_row_split_linear_routes_few_rows_to_the_native_kernel_and_more_to_onednn():
+    from baton.engine.linear import PackedLinear, RowSplitLinear, tune_row_split
+
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(576, 960, bias=False).to(torch.bfloat16) for _ in range(3)]
+    ops = tune_row_split([PackedLinear(lin.weight, None) for lin in layers] + [layers[0]], native)
+    assert ops[-1] is layers[0]  # not a PackedLinear (fp32-like plain op): left as it is
+    for op in ops[:3]:
+        if isinstance(op, RowSplitLinear):  # the native kernel measured faster here for >= 1 row
+            assert op.max_native_rows >= 1
+    split = RowSplitLinear(PackedLinear(layers[0].weight, None), layers[0].weight, native)
+    split.max_native_rows = 4
+    calls = []
+    split.kernels = type("Spy", (), {"gemv": lambda self, *a: calls.append("native") or native.gemv(*a)})()
+    x_few, x_many = torch.randn(4, 576).to(torch.bfloat16), torch.randn(5, 576).to(torch.bfloat16)
+    with torch.inference_mode():
+        for x in (x_few, x_many):
+            assert torch.allclose(split(x).float(), torch.nn.functional.linear(x, layers[0].weight).float(),
+                                  atol=0.05, rtol=0.01)
+    assert calls == ["native"]  # 4 rows native, 5 rows oneDNN

@@ -9,12 +9,20 @@ on Sapphire Rapids, 1 thread: lm_head at M = 1 5.8 -> 2.3 ms; see docs/performan
 Every fast path has a fallback: the packed op is used only where oneDNN is built in, the weight is
 bf16 on the CPU, and a probe multiplication equals `F.linear`'s; otherwise (float32 parity, CUDA,
 builds without oneDNN) the plain `nn.Linear` is the op.
+
+Few rows (a decode step at small batch) are a different problem: the matmul is a weight stream,
+and oneDNN reads bf16 weights at a fraction of the machine's bandwidth there (10-15 of 32 GB/s on
+Zen 4). `RowSplitLinear` adds the native kernel (`kernels/gemv.cpp`) for up to `max_native_rows`
+rows, chosen per weight shape by timing both on this machine at load (`tune_row_split`): the
+fastest per shape and row count, as the kernels differ by CPU.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +42,7 @@ class PackedLinear:
         # weight: [out, in] bf16 on the CPU; bias: [out] or None
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH_HINT)
         self.bias = bias.detach() if bias is not None else None
+        self.weight = weight.detach()  # the unpacked original (shared, not copied): for RowSplitLinear
         self.out_features, self.in_features = weight.shape
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -66,3 +75,85 @@ def make_linear_op(linear: nn.Linear, fast: bool = True) -> LinearOp:
     except (RuntimeError, AttributeError) as exc:  # a torch build without the op: plain F.linear
         logger.warning("prepacked bf16 matmul unavailable (%s): using F.linear", exc)
         return linear
+
+
+class RowSplitLinear:
+    """A PackedLinear plus the native few-row kernel, used for inputs of up to `max_native_rows`
+    rows (0 until `tune_row_split` measured where it wins)."""
+
+    def __init__(self, large: PackedLinear, weight: torch.Tensor, kernels: Any) -> None:
+        self.large = large
+        self.kernels = kernels
+        self.packed = kernels.gemv_pack(weight.detach())  # [ceil(out/64), in/2, 64, 2]
+        self.bias = large.bias.float() if large.bias is not None else None
+        self.out_features, self.in_features = large.out_features, large.in_features
+        self.max_native_rows = 0
+
+    def native(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., in] bf16 -> [..., out] bf16
+        return self.kernels.gemv(x, self.packed, self.bias, self.out_features, False)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., in] -> [..., out]
+        if x.numel() <= self.max_native_rows * self.in_features:
+            return self.native(x)
+        return self.large(x)
+
+
+TUNE_ROWS = (1, 2, 4, 8, 16)
+
+
+def _seconds(fn: Callable[[], Any], repeats: int = 3) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def tune_row_split(ops: Sequence[LinearOp], kernels: Any) -> list[LinearOp]:
+    """Wrap every PackedLinear of `ops` whose native few-row kernel is correct here, and set, per
+    weight shape, the largest row count up to which the native kernel measured faster (each shape's
+    ops timed together, all layers in turn, so the weights stream from memory as in a step).
+    Returns the ops, wrapped where that pays; the others unchanged."""
+    if kernels is None or not hasattr(kernels, "gemv") or not kernels.gemv_available():
+        return list(ops)
+    out: list[LinearOp] = list(ops)
+    by_shape: dict[tuple[int, int], list[int]] = {}
+    for i, op in enumerate(ops):
+        if isinstance(op, PackedLinear) and op.in_features % 2 == 0:
+            by_shape.setdefault((op.out_features, op.in_features), []).append(i)
+    for (out_features, in_features), indices in by_shape.items():
+        split = []
+        for i in indices:
+            large = ops[i]
+            assert isinstance(large, PackedLinear)
+            split.append(RowSplitLinear(large, large.weight, kernels))
+        if not _native_agrees(split[0]):
+            logger.warning("native bf16 matmul disagrees with oneDNN for %s: using oneDNN", (out_features, in_features))
+            continue
+        max_rows = 0
+        with torch.inference_mode():
+            for rows in TUNE_ROWS:
+                x = torch.randn(rows, in_features).to(torch.bfloat16)
+                native = _seconds(lambda: [op.native(x) for op in split])
+                onednn = _seconds(lambda: [op.large(x) for op in split])
+                if native >= onednn:
+                    break
+                max_rows = rows
+        logger.info("matmul %dx%d: native kernel for up to %d rows, oneDNN above", out_features, in_features, max_rows)
+        if max_rows:
+            for i, op in zip(indices, split):
+                op.max_native_rows = max_rows
+                out[i] = op
+    return out
+
+
+def _native_agrees(op: RowSplitLinear) -> bool:
+    with torch.inference_mode():
+        probe = torch.randn(3, op.in_features, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+        expected = op.large(probe).float()
+        got = op.native(probe).float()
+    return bool(torch.allclose(got, expected, rtol=1e-2, atol=1e-2 * float(expected.abs().max()) + 1e-3))

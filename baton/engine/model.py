@@ -22,7 +22,7 @@ from torch import nn
 
 from baton.engine.attention import AttentionMetadata, TorchAttention
 from baton.engine.config import ModelConfig
-from baton.engine.linear import LinearOp, make_linear_op
+from baton.engine.linear import LinearOp, make_linear_op, tune_row_split
 
 
 def set_op(module: nn.Module, name: str, op: LinearOp) -> None:
@@ -203,13 +203,6 @@ class LlamaModel(nn.Module):
         """After the weights are loaded: pick the fastest matmul per projection (`baton.engine.linear`) and,
         for bf16 on the CPU, the native paged-attention kernel (`baton.engine.kernels`; built on first
         use)."""
-        for layer in self.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            set_op(attn, "qkv", make_linear_op(attn.qkv_proj, fast_linears))
-            set_op(attn, "o", make_linear_op(attn.o_proj, fast_linears))
-            set_op(mlp, "gate_up", make_linear_op(mlp.gate_up_proj, fast_linears))
-            set_op(mlp, "down", make_linear_op(mlp.down_proj, fast_linears))
-        set_op(self, "head", make_linear_op(self.lm_head, fast_linears))
         self.rope_cos = self.rope_sin = None
         param = self.embed_tokens.weight
         kernel = None
@@ -217,6 +210,17 @@ class LlamaModel(nn.Module):
             from baton.engine import kernels
 
             kernel = kernels.load()
+        slots = [(owner, name, linear) for layer in self.layers
+                 for owner, name, linear in ((layer.self_attn, "qkv", layer.self_attn.qkv_proj),
+                                             (layer.self_attn, "o", layer.self_attn.o_proj),
+                                             (layer.mlp, "gate_up", layer.mlp.gate_up_proj),
+                                             (layer.mlp, "down", layer.mlp.down_proj))]
+        slots.append((self, "head", self.lm_head))
+        ops = [make_linear_op(linear, fast_linears) for _, _, linear in slots]
+        if fast_linears:
+            ops = tune_row_split(ops, kernel)
+        for (owner, name, _), op in zip(slots, ops):
+            set_op(owner, name, op)
         for layer in self.layers:
             layer.self_attn.backend.use_native_kernel(kernel)
             layer.mlp.silu_mul = kernel.silu_mul if kernel is not None else None
