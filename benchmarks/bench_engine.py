@@ -14,7 +14,7 @@ One run does all of it, in one process, with the same torch thread count through
 5. times Baton's engine step with decode tokens only at batch 1, 16 and 64 (context ~256 each) next
    to this machine's limits measured in the same run: weight (+KV) bytes / memory read bandwidth,
    and step FLOPs / the 2048^3 matmul rate;
-6. with --profile, splits a decode step at batch 1 and 64 into scheduling, metadata, model forward
+6. with --profile, splits a decode step at batch 1, 16 and 64 into scheduling, metadata, model forward
    (matmuls, KV gather, attention, KV write, other ops, Python between ops), sampling and
    bookkeeping.
 
@@ -35,6 +35,7 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -400,13 +401,48 @@ def measure_prefill(engine, length: int, repeats: int, seed: int) -> list[float]
 
 
 OP_GROUPS = [  # top-level aten ops of the model forward, by what they do
-    ("weight matmuls (linear)", ("aten::linear", "aten::mm", "aten::addmm", "mkldnn::_linear_pointwise")),
+    ("weight matmuls (linear)", ("aten::linear", "aten::mm", "aten::addmm", "mkldnn::_linear_pointwise",
+                                 "native::gemv")),
+    ("attention: RoPE + KV write + paged decode (native)", ("native::paged_decode", "native::rope_write_decode")),
+    ("norms and SwiGLU (native)", ("native::add_rms_norm", "native::silu_mul")),
     ("attention (sdpa or matmul/softmax)", ("aten::scaled_dot_product_attention", "aten::matmul", "aten::bmm",
                                             "aten::softmax", "aten::masked_fill", "aten::bitwise_not")),
     ("KV gather (index, index_select)", ("aten::index", "aten::index_select")),
     ("KV write (index_copy_)", ("aten::index_copy_",)),
 ]
 OTHER_OPS = "other ops (norms, rope, residual, silu, copies)"
+
+
+def label_native_kernels(model) -> Callable[[], None]:
+    """Wrap the native kernels' calls (pybind functions, invisible to the profiler) in profiler
+    regions named `native::<kernel>`, for the profile only; returns the function that undoes it."""
+    from torch.profiler import record_function
+
+    from baton.engine import kernels
+
+    module = kernels.loaded()
+    if module is None:
+        return lambda: None
+    undo: list[Callable[[], None]] = []
+
+    def labelled(name: str, fn: Callable) -> Callable:
+        def call(*args, **kwargs):
+            with record_function(f"native::{name}"):
+                return fn(*args, **kwargs)
+        return call
+
+    for name in ("paged_decode", "rope_write_decode", "gemv", "greedy_pick"):
+        if hasattr(module, name):
+            original = getattr(module, name)
+            setattr(module, name, labelled(name, original))
+            undo.append(lambda name=name, original=original: setattr(module, name, original))
+    owners = [(model, "fused_norm", "add_rms_norm")] + [(layer.mlp, "silu_mul", "silu_mul") for layer in model.layers]
+    for owner, attr, name in owners:
+        original = getattr(owner, attr, None)
+        if original is not None:
+            setattr(owner, attr, labelled(name, original))
+            undo.append(lambda owner=owner, attr=attr, original=original: setattr(owner, attr, original))
+    return lambda: [fn() for fn in reversed(undo)] and None
 
 
 def profile_decode(engine, batch: int, context: int, steps: int, seed: int) -> None:
@@ -459,9 +495,11 @@ def profile_decode(engine, batch: int, context: int, steps: int, seed: int) -> N
             return original_forward(*args, **kwargs)
 
     model.forward = forward_region
+    restore = label_native_kernels(model)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             db.step()
+    restore()
     del model.__dict__["forward"]
     db.close()
     region_time = 0.0
@@ -472,7 +510,7 @@ def profile_decode(engine, batch: int, context: int, steps: int, seed: int) -> N
         if ev.name == "bench::forward":
             region_time += ev.cpu_time_total / 1e6
         parent = ev.cpu_parent
-        if parent is None or parent.name != "bench::forward" or not ev.name.startswith(("aten::", "mkldnn::")):
+        if parent is None or parent.name != "bench::forward" or not ev.name.startswith(("aten::", "mkldnn::", "native::")):
             continue
         num_ops += 1
         kind = next((label for label, names in OP_GROUPS if ev.name in names), OTHER_OPS)
@@ -520,7 +558,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="torch threads for the decode-step timings and their floors (default 1: what "
                              "`baton serve` gives a decode worker on 2 cores)")
     parser.add_argument("--profile", action="store_true",
-                        help="also split a decode step at batch 1 and 64 into its parts")
+                        help="also split a decode step at batch 1, 16 and 64 into its parts")
     args = parser.parse_args(argv)
 
     sizes = QUICK if args.quick else FULL
@@ -629,9 +667,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n==> Baton {baton_rate:.1f} tok/s (transformers skipped)")
 
     if args.profile:
-        print(f"\nprofile of a decode step ({args.dtype}):")
-        for batch in (1, 64):
+        torch.set_num_threads(args.step_threads)  # as the decode steps above were timed
+        print(f"\nprofile of a decode step ({args.dtype}, {torch.get_num_threads()} thread(s)):")
+        for batch in (1, 16, 64):
             profile_decode(engine, batch, sizes.step_context, 10, args.seed + 3)
+        torch.set_num_threads(args.threads)
 
     probes.append(measure_matmul(dtype, repeats=5)[0])
     print(f"\nafter: {loadavg()}")

@@ -165,3 +165,37 @@ def test_row_split_linear_routes_few_rows_to_the_native_kernel_and_more_to_onedn
             assert torch.allclose(split(x).float(), torch.nn.functional.linear(x, layers[0].weight).float(),
                                   atol=0.05, rtol=0.01)
     assert calls == ["native"]  # 4 rows native, 5 rows oneDNN
+
+
+@needs_native
+def test_fused_rope_kv_write_decode_equals_the_separate_ops():
+    from baton.engine.attention import AttentionMetadata
+
+    heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
+    lengths = [1, 17, 200]
+    cache, _, group = paged(len(lengths), lengths, head_dim, torch.bfloat16, block_size)
+    gen = torch.Generator().manual_seed(7)
+    batch = len(lengths)
+    qkv = torch.randn(batch, (heads + 2 * kv_heads) * head_dim, generator=gen).to(torch.bfloat16)
+    angles = torch.rand(batch, 1, head_dim, generator=gen) * 6
+    cos, sin = angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16)
+    # each request's new token goes to the slot of its last position
+    table = group.block_ids.view(batch, -1)
+    slots = torch.tensor([int(table[i, (n - 1) // block_size]) * block_size + (n - 1) % block_size
+                          for i, n in enumerate(lengths)])
+    meta = AttentionMetadata(slots, [group], [], block_size)
+
+    from baton.engine.model import apply_rope
+
+    separate = TorchAttention(heads, kv_heads, head_dim)
+    separate.use_native_kernel(native)
+    expected_cache = cache.clone()
+    x = qkv.view(batch, heads + 2 * kv_heads, head_dim)
+    qk = apply_rope(x[:, :heads + kv_heads], cos, sin)
+    separate.write_kv(expected_cache, qk[:, heads:], x[:, heads + kv_heads:], meta)
+    expected = separate.decode(qk[:, :heads], expected_cache, group, block_size).reshape(batch, -1)
+
+    got_cache = cache.clone()
+    got = separate.rope_write_decode(qkv, cos, sin, got_cache, meta)
+    assert torch.equal(got_cache, expected_cache)  # the same K (after RoPE) and V in the same slots
+    assert torch.equal(got, expected)

@@ -83,6 +83,21 @@ class TorchAttention:
         """Whether decode pays for padding to the group's longest context (then group by length)."""
         return self.paged_kernel is None
 
+    @property
+    def fuses_decode(self) -> bool:
+        """Whether a decode-only step's RoPE, KV write and attention run as one native call (bf16 on
+        the CPU with the kernels built; the kernel is attached only for bf16)."""
+        return self.paged_kernel is not None
+
+    def rope_write_decode(self, qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,
+                          kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        # qkv: [B, (heads + 2 kv_heads) * d] from the fused projection; cos, sin_signed: [B, 1, d];
+        # kv_cache: [2, kv_heads, slots, d] -> [B, heads * d]. One decode group (decode-only step).
+        group = meta.decode_groups[0]
+        return self.paged_kernel.rope_write_decode(qkv, cos, sin_signed, kv_cache, meta.slot_mapping,
+                                                   group.block_ids.view(group.count, -1), group.context_lens,
+                                                   self.num_heads, meta.block_size, self.scale)
+
     def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
         # kv_cache: [2, kv_heads, slots, d]; k, v: [T, kv_heads, d]
         kv_cache[0].index_copy_(1, meta.slot_mapping, k.transpose(0, 1))

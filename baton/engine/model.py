@@ -129,12 +129,15 @@ class Attention(nn.Module):
     ) -> torch.Tensor:  # [T, H]
         num_tokens = x.shape[0]
         num_q_heads, num_kv_heads = self.num_heads, self.num_kv_heads
+        backend = self.backend
+        if backend.fuses_decode and not meta.prefills and len(meta.decode_groups) == 1:
+            # decode only (the decode worker's every step): RoPE, KV write and attention in one call
+            return self.o(backend.rope_write_decode(self.qkv(x), cos, sin, kv_cache, meta))
         qkv = self.qkv(x).view(num_tokens, num_q_heads + 2 * num_kv_heads, self.head_dim)
         # RoPE once over the q|k heads together
         qk = apply_rope(qkv[:, :num_q_heads + num_kv_heads], cos, sin)
         q, k = qk[:, :num_q_heads], qk[:, num_q_heads:]
         v = qkv[:, num_q_heads + num_kv_heads:]
-        backend = self.backend
         backend.write_kv(kv_cache, k, v, meta)
         if not meta.prefills and len(meta.decode_groups) == 1:
             out = backend.decode(q, kv_cache, meta.decode_groups[0], meta.block_size)  # the common case

@@ -91,7 +91,7 @@ def _build() -> ModuleType | None:
             name=f"baton_kernels_{digest}_{_cpu_signature()}",
             cpp_sources=sources,
             extra_include_paths=[str(_DIR)],
-            functions=["paged_decode", "greedy_pick", "add_rms_norm", "silu_mul", "gemv", "gemv_pack", "gemv_available"],
+            functions=["paged_decode", "rope_write_decode", "greedy_pick", "add_rms_norm", "silu_mul", "gemv", "gemv_pack", "gemv_available"],
             extra_cflags=["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno"],
             verbose=False,
         )
