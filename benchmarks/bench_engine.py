@@ -404,6 +404,7 @@ OP_GROUPS = [  # top-level aten ops of the model forward, by what they do
     ("weight matmuls (linear)", ("aten::linear", "aten::mm", "aten::addmm", "mkldnn::_linear_pointwise",
                                  "native::gemv")),
     ("attention: RoPE + KV write + paged decode (native)", ("native::paged_decode", "native::rope_write_decode")),
+    ("all layers in one native call (LayersPlan)", ("native::decode_layers",)),
     ("norms and SwiGLU (native)", ("native::add_rms_norm", "native::silu_mul")),
     ("attention (sdpa or matmul/softmax)", ("aten::scaled_dot_product_attention", "aten::matmul", "aten::bmm",
                                             "aten::softmax", "aten::masked_fill", "aten::bitwise_not")),
@@ -431,7 +432,7 @@ def label_native_kernels(model) -> Callable[[], None]:
                 return fn(*args, **kwargs)
         return call
 
-    for name in ("paged_decode", "rope_write_decode", "gemv", "greedy_pick"):
+    for name in ("paged_decode", "rope_write_decode", "decode_layers", "gemv", "greedy_pick"):
         if hasattr(module, name):
             original = getattr(module, name)
             setattr(module, name, labelled(name, original))

@@ -39,7 +39,9 @@ def free_port() -> int:
 def start_server(tree: Path, port: int, extra: list[str]) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(tree))
     log = open(tempfile.mktemp(prefix=f"serve-{tree.name}-", suffix=".log"), "w")
-    proc = subprocess.Popen([sys.executable, "-m", "baton.ops.cli", "serve", "--port", str(port), *extra],
+    # the CLI moved to baton.ops.cli after d084efe; an older tree has its own baton.cli
+    cli = "baton.ops.cli" if (tree / "baton" / "ops" / "cli.py").exists() else "baton.cli"
+    proc = subprocess.Popen([sys.executable, "-m", cli, "serve", "--port", str(port), *extra],
                             cwd=tree, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:

@@ -199,3 +199,41 @@ def test_fused_rope_kv_write_decode_equals_the_separate_ops():
     got = separate.rope_write_decode(qkv, cos, sin, got_cache, meta)
     assert torch.equal(got_cache, expected_cache)  # the same K (after RoPE) and V in the same slots
     assert torch.equal(got, expected)
+
+
+@needs_gemv
+def test_all_layers_in_one_native_call_equal_the_python_layer_loop(tiny_model_dir):
+    """A small decode-only step runs every layer as one native call (LayersPlan): the same kernels in
+    the same order as the Python loop, so the same tokens and bit-identical log-probabilities."""
+    from baton.engine.linear import PackedLinear, RowSplitLinear
+    from baton.engine.model import LayersPlan, set_op
+    from baton.llm import LLM
+    from baton.sampling_params import SamplingParams
+
+    llm = LLM(model=str(tiny_model_dir), dtype="bfloat16", num_kv_blocks=64)
+    model = llm.engine.model
+    # the tuning may keep oneDNN for these tiny shapes on this CPU: route them natively by hand
+    for layer in model.layers:
+        for owner, name in ((layer.self_attn, "qkv"), (layer.self_attn, "o"), (layer.mlp, "gate_up"),
+                            (layer.mlp, "down")):
+            op = getattr(owner, name)
+            if isinstance(op, PackedLinear):
+                op = RowSplitLinear(op, op.weight, native)
+            op.max_native_rows = 3
+            set_op(owner, name, op)
+    plan = LayersPlan.build(model, native)
+    assert plan is not None and plan.max_rows == 3
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    prompts = ["The capital of France is", "Bonjour, je m'appelle", "数学是"]  # 3 rows: the plan's limit
+
+    calls = []
+    model.layers_plan = LayersPlan(**{**plan.__dict__, "kernel": type("Spy", (), {
+        "decode_layers": lambda self, *a: calls.append(1) or native.decode_layers(*a)})()})
+    with_plan = llm.generate(prompts, params)
+    assert len(calls) >= 11  # every decode-only step of the 3 requests
+    model.layers_plan = None
+    without = llm.generate(prompts, params)
+    for a, b in zip(with_plan, without):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs
+        assert a.outputs[0].top_logprobs == b.outputs[0].top_logprobs

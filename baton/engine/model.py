@@ -14,6 +14,7 @@ weights (`baton.engine.linear`), in-place residual adds.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -22,7 +23,7 @@ from torch import nn
 
 from baton.engine.attention import AttentionMetadata, TorchAttention
 from baton.engine.config import ModelConfig
-from baton.engine.linear import LinearOp, make_linear_op, tune_row_split
+from baton.engine.linear import LinearOp, RowSplitLinear, make_linear_op, tune_row_split
 
 
 def set_op(module: nn.Module, name: str, op: LinearOp) -> None:
@@ -199,6 +200,7 @@ class LlamaModel(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         set_op(self, "head", self.lm_head)
         self.fused_norm: Any = None  # the native add + RMSNorm (bf16 on the CPU; see prepare)
+        self.layers_plan: LayersPlan | None = None  # all layers in one native call (see LayersPlan)
         self.rope_cos: torch.Tensor | None = None  # [P, head_dim], built on first use (see rope)
         self.rope_sin: torch.Tensor | None = None
 
@@ -228,6 +230,7 @@ class LlamaModel(nn.Module):
             layer.self_attn.backend.use_native_kernel(kernel)
             layer.mlp.silu_mul = kernel.silu_mul if kernel is not None else None
         self.fused_norm = kernel.add_rms_norm if kernel is not None else None
+        self.layers_plan = LayersPlan.build(self, kernel)
 
     def rope(self, positions: torch.Tensor, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [T] -> cos, sin_signed: [T, 1, head_dim] in the model's dtype
@@ -249,6 +252,9 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:  # [S, vocab] fp32
         x = self.embed_tokens(input_ids)
         cos, sin = self.rope(positions, max_position)
+        plan = self.layers_plan
+        if plan is not None and x.shape[0] <= plan.max_rows and not meta.prefills and len(meta.decode_groups) == 1:
+            return self.head(plan.run(x, cos, sin, kv_cache, meta)[logits_indices]).float()
         if self.fused_norm is not None:
             return self._forward_fused(x, cos, sin, kv_cache, meta, logits_indices)
         for layer, layer_cache in zip(self.layers, kv_cache):
@@ -270,3 +276,51 @@ class LlamaModel(nn.Module):
             following = norms[i + 1][0] if i + 1 < len(norms) else self.norm
             h = add_rms_norm(x, layer.mlp(h), following.weight, following.eps)
         return self.head(h[logits_indices]).float()
+
+
+@dataclass
+class LayersPlan:
+    """Every decoder layer of a small decode-only step as one native call (`kernels/decode_layers.cpp`):
+    the calls `_forward_fused` makes per layer, made from C++ (at batch 1 the Python around ~240
+    native calls per step was ~15% of it). Built only where each projection of each layer is a
+    bias-free `RowSplitLinear` and the step has at most `max_rows` tokens, the fewest rows any of
+    them runs natively; otherwise the Python loop runs."""
+
+    kernel: Any
+    norms: list[torch.Tensor]  # 2L + 1 RMSNorm weights, in the order they apply
+    eps: float
+    packed: tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]
+    out_features: list[int]  # qkv, o, gate_up, down
+    max_rows: int
+    num_heads: int
+    scale: float
+
+    @staticmethod
+    def build(model: LlamaModel, kernel: Any) -> LayersPlan | None:
+        if kernel is None or not hasattr(kernel, "decode_layers") or not model.layers:
+            return None
+        ops = [[layer.self_attn.qkv, layer.self_attn.o, layer.mlp.gate_up, layer.mlp.down] for layer in model.layers]
+        flat = [op for row in ops for op in row]
+        if not all(isinstance(op, RowSplitLinear) and op.bias is None for op in flat):
+            return None
+        max_rows = min(op.max_native_rows for op in flat)
+        if max_rows < 1:
+            return None
+        norms = [model.layers[0].input_layernorm.weight]
+        for i, layer in enumerate(model.layers):
+            following = model.layers[i + 1].input_layernorm if i + 1 < len(model.layers) else model.norm
+            norms += [layer.post_attention_layernorm.weight, following.weight]
+        attn = model.layers[0].self_attn
+        packed = tuple([row[j].packed for row in ops] for j in range(4))
+        return LayersPlan(kernel, [w.detach() for w in norms], model.norm.eps, packed,  # type: ignore[arg-type]
+                          [op.out_features for op in ops[0]], max_rows, attn.num_heads, attn.scale)
+
+    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
+            meta: AttentionMetadata) -> torch.Tensor:
+        # x: [B, H] embeddings (the residual stream, updated in place); cos, sin: [B, 1, d];
+        # kv_cache: [L, 2, kv_heads, slots, d] -> [B, H], the final norm's output
+        group = meta.decode_groups[0]
+        qkv, o, gate_up, down = self.packed
+        return self.kernel.decode_layers(x, self.norms, self.eps, qkv, o, gate_up, down, self.out_features, kv_cache,
+                                         cos, sin, meta.slot_mapping, group.block_ids.view(group.count, -1),
+                                         group.context_lens, self.num_heads, meta.block_size, self.scale)

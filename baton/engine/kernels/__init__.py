@@ -25,7 +25,8 @@ from types import ModuleType
 logger = logging.getLogger("baton.engine.kernels")
 
 _DIR = Path(__file__).parent
-_SOURCES = ("paged_attention.cpp", "pointwise.cpp", "gemv.cpp")  # each includes vec.h
+# each includes vec.h; decode_layers.cpp calls the others, so it comes last (one translation unit)
+_SOURCES = ("paged_attention.cpp", "pointwise.cpp", "gemv.cpp", "decode_layers.cpp")
 _lock = threading.Lock()
 _loaded: dict[str, ModuleType | None] = {}
 
@@ -91,7 +92,7 @@ def _build() -> ModuleType | None:
             name=f"baton_kernels_{digest}_{_cpu_signature()}",
             cpp_sources=sources,
             extra_include_paths=[str(_DIR)],
-            functions=["paged_decode", "rope_write_decode", "greedy_pick", "add_rms_norm", "silu_mul", "gemv", "gemv_pack", "gemv_available"],
+            functions=["paged_decode", "rope_write_decode", "greedy_pick", "add_rms_norm", "silu_mul", "gemv", "gemv_pack", "gemv_available", "decode_layers"],
             extra_cflags=["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno"],
             verbose=False,
         )
