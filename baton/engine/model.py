@@ -23,7 +23,7 @@ from torch import nn
 
 from baton.engine.attention import AttentionMetadata, TorchAttention
 from baton.engine.config import ModelConfig
-from baton.engine.linear import LinearOp, RowSplitLinear, make_linear_op, tune_row_split
+from baton.engine.linear import LinearOp, PackedLinear, RowSplitLinear, make_linear_op, tune_row_split
 
 
 def set_op(module: nn.Module, name: str, op: LinearOp) -> None:
@@ -253,7 +253,7 @@ class LlamaModel(nn.Module):
         x = self.embed_tokens(input_ids)
         cos, sin = self.rope(positions, max_position)
         plan = self.layers_plan
-        if plan is not None and x.shape[0] <= plan.max_rows and not meta.prefills and len(meta.decode_groups) == 1:
+        if plan is not None and not meta.prefills and len(meta.decode_groups) == 1:
             return self.head(plan.run(x, cos, sin, kv_cache, meta)[logits_indices]).float()
         if self.fused_norm is not None:
             return self._forward_fused(x, cos, sin, kv_cache, meta, logits_indices)
@@ -280,18 +280,18 @@ class LlamaModel(nn.Module):
 
 @dataclass
 class LayersPlan:
-    """Every decoder layer of a small decode-only step as one native call (`kernels/decode_layers.cpp`):
-    the calls `_forward_fused` makes per layer, made from C++ (at batch 1 the Python around ~240
-    native calls per step was ~15% of it). Built only where each projection of each layer is a
-    bias-free `RowSplitLinear` and the step has at most `max_rows` tokens, the fewest rows any of
-    them runs natively; otherwise the Python loop runs."""
+    """Every decoder layer of a decode-only step as one native call (`kernels/decode_layers.cpp`): the
+    calls `_forward_fused` makes per layer, made from C++ (at batch 1 the Python around ~240 native
+    calls per step was ~15% of it). Built where every projection is a bias-free prepacked bf16
+    matmul (`PackedLinear`, or `RowSplitLinear` with its native few-row kernel); otherwise, and for
+    steps with prefill chunks, the Python loop runs."""
 
     kernel: Any
     norms: list[torch.Tensor]  # 2L + 1 RMSNorm weights, in the order they apply
     eps: float
-    packed: tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]
-    out_features: list[int]  # qkv, o, gate_up, down
-    max_rows: int
+    weights: list[torch.Tensor]  # per layer and projection (qkv, o, gate_up, down): native pack, oneDNN pack
+    out_features: list[int]  # per projection kind
+    max_native_rows: list[int]  # per projection kind: the native kernel up to this many rows
     num_heads: int
     scale: float
 
@@ -300,27 +300,30 @@ class LayersPlan:
         if kernel is None or not hasattr(kernel, "decode_layers") or not model.layers:
             return None
         ops = [[layer.self_attn.qkv, layer.self_attn.o, layer.mlp.gate_up, layer.mlp.down] for layer in model.layers]
-        flat = [op for row in ops for op in row]
-        if not all(isinstance(op, RowSplitLinear) and op.bias is None for op in flat):
+        if not all(isinstance(op, (PackedLinear, RowSplitLinear)) and op.bias is None for row in ops for op in row):
             return None
-        max_rows = min(op.max_native_rows for op in flat)
-        if max_rows < 1:
-            return None
+        empty = torch.empty(0, dtype=torch.bfloat16)
+        weights: list[torch.Tensor] = []
+        for row in ops:
+            for op in row:
+                split = op if isinstance(op, RowSplitLinear) and op.max_native_rows > 0 else None
+                weights += [split.packed if split else empty, op.large.packed if isinstance(op, RowSplitLinear) else op.packed]
+        max_native_rows = [min(row[j].max_native_rows if isinstance(row[j], RowSplitLinear) else 0 for row in ops)
+                           for j in range(4)]
         norms = [model.layers[0].input_layernorm.weight]
         for i, layer in enumerate(model.layers):
             following = model.layers[i + 1].input_layernorm if i + 1 < len(model.layers) else model.norm
             norms += [layer.post_attention_layernorm.weight, following.weight]
         attn = model.layers[0].self_attn
-        packed = tuple([row[j].packed for row in ops] for j in range(4))
-        return LayersPlan(kernel, [w.detach() for w in norms], model.norm.eps, packed,  # type: ignore[arg-type]
-                          [op.out_features for op in ops[0]], max_rows, attn.num_heads, attn.scale)
+        return LayersPlan(kernel, [w.detach() for w in norms], model.norm.eps, weights,
+                          [op.out_features for op in ops[0]], max_native_rows, attn.num_heads, attn.scale)
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
             meta: AttentionMetadata) -> torch.Tensor:
         # x: [B, H] embeddings (the residual stream, updated in place); cos, sin: [B, 1, d];
         # kv_cache: [L, 2, kv_heads, slots, d] -> [B, H], the final norm's output
         group = meta.decode_groups[0]
-        qkv, o, gate_up, down = self.packed
-        return self.kernel.decode_layers(x, self.norms, self.eps, qkv, o, gate_up, down, self.out_features, kv_cache,
-                                         cos, sin, meta.slot_mapping, group.block_ids.view(group.count, -1),
-                                         group.context_lens, self.num_heads, meta.block_size, self.scale)
+        return self.kernel.decode_layers(x, self.norms, self.eps, self.weights, self.out_features,
+                                         self.max_native_rows, kv_cache, cos, sin, meta.slot_mapping,
+                                         group.block_ids.view(group.count, -1), group.context_lens,
+                                         self.num_heads, meta.block_size, self.scale)

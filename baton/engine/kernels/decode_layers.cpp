@@ -1,37 +1,56 @@
-// All decoder layers of a small decode-only step in one call.
+// All decoder layers of a decode-only step in one call.
 //
 // At batch 1 the matmuls stream the weights at the machine's bandwidth (gemv.cpp); what was left
 // of the step above its floor was ~8 native calls per layer made from Python, each a few
 // microseconds of interpreter, argument parsing and tensor wrapping: 240 per step, ~15% of it. This
 // loop makes the same calls from C++, in the same order, so its output equals the Python loop's
-// bit for bit (tests/test_kernels.py). Used only where every projection of every layer takes the
-// native few-row kernel for this many rows, without biases (LlamaModel.prepare decides).
+// bit for bit (tests/test_kernels.py). Each projection runs the native few-row kernel up to its
+// tuned row count and oneDNN's prepacked matmul (through the dispatcher, as torch.ops would) above
+// it, as RowSplitLinear does. Used for bias-free projections only (LlamaModel.prepare decides).
 //
 // x [T, H] bf16: the residual stream (updated in place); norms: the 2L + 1 RMSNorm weights in the
-// order they apply (layer 0 input, layer 0 post-attention, layer 1 input, ..., final); qkv, o,
-// gate_up, down: the L packed weights of each projection (gemv_pack); out_features: their N;
+// order they apply (layer 0 input, layer 0 post-attention, layer 1 input, ..., final); weights: per
+// layer qkv, o, gate_up, down, each as its gemv_pack (or an empty tensor where max_native_rows is 0)
+// and its oneDNN-packed weight, 8 per layer; out_features and max_native_rows: per projection kind;
 // kv_cache [L, 2, KVH, S, D]; the rest as rope_write_decode. Returns the final norm's output [T, H].
+#include <ATen/core/dispatch/Dispatcher.h>
+
+namespace {
+
+torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed) {
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  // mkldnn::_linear_pointwise(Tensor X, Tensor W, Tensor? B, str attr, Scalar?[] scalars, str? algorithm)
+  std::vector<c10::IValue> stack{x, packed, c10::IValue(), c10::IValue(std::string("none")),
+                                 c10::IValue(c10::List<c10::optional<at::Scalar>>()), c10::IValue(std::string(""))};
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
+}  // namespace
+
 torch::Tensor decode_layers(torch::Tensor x, std::vector<torch::Tensor> norms, double eps,
-                            std::vector<torch::Tensor> qkv, std::vector<torch::Tensor> o,
-                            std::vector<torch::Tensor> gate_up, std::vector<torch::Tensor> down,
-                            std::vector<int64_t> out_features, torch::Tensor kv_cache, torch::Tensor cos,
+                            std::vector<torch::Tensor> weights, std::vector<int64_t> out_features,
+                            std::vector<int64_t> max_native_rows, torch::Tensor kv_cache, torch::Tensor cos,
                             torch::Tensor sin_signed, torch::Tensor slot_mapping, torch::Tensor block_ids,
                             torch::Tensor context_lens, int64_t num_heads, int64_t block_size, double scale) {
-  const int64_t L = static_cast<int64_t>(qkv.size());
-  TORCH_CHECK(static_cast<int64_t>(norms.size()) == 2 * L + 1 && static_cast<int64_t>(o.size()) == L &&
-                  static_cast<int64_t>(gate_up.size()) == L && static_cast<int64_t>(down.size()) == L,
-              "one weight per layer and projection, 2L + 1 norms");
-  TORCH_CHECK(out_features.size() == 4, "out_features: qkv, o, gate_up, down");
+  const int64_t L = static_cast<int64_t>(weights.size()) / 8;
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == 8 * L && static_cast<int64_t>(norms.size()) == 2 * L + 1,
+              "8 weights per layer (4 projections x native and oneDNN), 2L + 1 norms");
+  TORCH_CHECK(out_features.size() == 4 && max_native_rows.size() == 4, "per projection: qkv, o, gate_up, down");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == L, "kv_cache [L, 2, KVH, S, D]");
+  const int64_t rows = x.size(0);
   const c10::optional<torch::Tensor> no_bias;
+  auto project = [&](const torch::Tensor& in, int64_t layer, int kind) {
+    if (rows <= max_native_rows[kind]) return gemv(in, weights[8 * layer + 2 * kind], no_bias, out_features[kind], false);
+    return onednn_linear(in, weights[8 * layer + 2 * kind + 1]);
+  };
   torch::Tensor h = add_rms_norm(x, no_bias, norms[0], eps);
   for (int64_t i = 0; i < L; ++i) {
-    const torch::Tensor attn = rope_write_decode(gemv(h, qkv[i], no_bias, out_features[0], false), cos, sin_signed,
-                                                 kv_cache[i], slot_mapping, block_ids, context_lens, num_heads,
-                                                 block_size, scale);
-    h = add_rms_norm(x, gemv(attn, o[i], no_bias, out_features[1], false), norms[2 * i + 1], eps);
-    const torch::Tensor act = silu_mul(gemv(h, gate_up[i], no_bias, out_features[2], false));
-    h = add_rms_norm(x, gemv(act, down[i], no_bias, out_features[3], false), norms[2 * i + 2], eps);
+    const torch::Tensor attn = rope_write_decode(project(h, i, 0), cos, sin_signed, kv_cache[i], slot_mapping,
+                                                 block_ids, context_lens, num_heads, block_size, scale);
+    h = add_rms_norm(x, project(attn, i, 1), norms[2 * i + 1], eps);
+    const torch::Tensor act = silu_mul(project(h, i, 2));
+    h = add_rms_norm(x, project(act, i, 3), norms[2 * i + 2], eps);
   }
   return h;
 }
