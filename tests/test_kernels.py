@@ -207,7 +207,8 @@ def test_all_layers_in_one_native_call_equal_the_python_layer_loop(tiny_model_di
     same order as the Python loop (the native few-row matmul up to its row count, oneDNN above), so
     the same tokens and bit-identical log-probabilities."""
     from baton.engine.linear import PackedLinear, RowSplitLinear
-    from baton.engine.model import LayersPlan, set_op
+    from baton.engine.layers_plan import LayersPlan
+    from baton.engine.model import set_op
     from baton.llm import LLM
     from baton.sampling_params import SamplingParams
 

@@ -8,13 +8,14 @@ Two numeric paths share this code. float32 computes exactly as the reference (tr
 it is the parity path of the tests. bf16 is the CPU fast path, written for the fewest ops per layer
 (a decode step at batch 1 is ~30 layers x ~30 ops, and each op costs microseconds of dispatch):
 fused RMSNorm, RoPE once over the q|k slice from a precomputed table, matmuls through prepacked
-weights (`baton.engine.linear`), in-place residual adds.
+weights (`baton.engine.linear`), in-place residual adds. A decode-only step (the decode worker's every
+step) runs all layers as one native call (`baton.engine.layers_plan`), the same kernels in the same
+order.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,7 +24,8 @@ from torch import nn
 
 from baton.engine.attention import AttentionMetadata, TorchAttention
 from baton.engine.config import ModelConfig
-from baton.engine.linear import LinearOp, PackedLinear, RowSplitLinear, make_linear_op, tune_row_split
+from baton.engine.layers_plan import LayersPlan
+from baton.engine.linear import LinearOp, make_linear_op, tune_row_split
 
 
 def set_op(module: nn.Module, name: str, op: LinearOp) -> None:
@@ -276,54 +278,3 @@ class LlamaModel(nn.Module):
             following = norms[i + 1][0] if i + 1 < len(norms) else self.norm
             h = add_rms_norm(x, layer.mlp(h), following.weight, following.eps)
         return self.head(h[logits_indices]).float()
-
-
-@dataclass
-class LayersPlan:
-    """Every decoder layer of a decode-only step as one native call (`kernels/decode_layers.cpp`): the
-    calls `_forward_fused` makes per layer, made from C++ (at batch 1 the Python around ~240 native
-    calls per step was ~15% of it). Built where every projection is a bias-free prepacked bf16
-    matmul (`PackedLinear`, or `RowSplitLinear` with its native few-row kernel); otherwise, and for
-    steps with prefill chunks, the Python loop runs."""
-
-    kernel: Any
-    norms: list[torch.Tensor]  # 2L + 1 RMSNorm weights, in the order they apply
-    eps: float
-    weights: list[torch.Tensor]  # per layer and projection (qkv, o, gate_up, down): native pack, oneDNN pack
-    out_features: list[int]  # per projection kind
-    max_native_rows: list[int]  # per projection kind: the native kernel up to this many rows
-    num_heads: int
-    scale: float
-
-    @staticmethod
-    def build(model: LlamaModel, kernel: Any) -> LayersPlan | None:
-        if kernel is None or not hasattr(kernel, "decode_layers") or not model.layers:
-            return None
-        ops = [[layer.self_attn.qkv, layer.self_attn.o, layer.mlp.gate_up, layer.mlp.down] for layer in model.layers]
-        if not all(isinstance(op, (PackedLinear, RowSplitLinear)) and op.bias is None for row in ops for op in row):
-            return None
-        empty = torch.empty(0, dtype=torch.bfloat16)
-        weights: list[torch.Tensor] = []
-        for row in ops:
-            for op in row:
-                split = op if isinstance(op, RowSplitLinear) and op.max_native_rows > 0 else None
-                weights += [split.packed if split else empty, op.large.packed if isinstance(op, RowSplitLinear) else op.packed]
-        max_native_rows = [min(row[j].max_native_rows if isinstance(row[j], RowSplitLinear) else 0 for row in ops)
-                           for j in range(4)]
-        norms = [model.layers[0].input_layernorm.weight]
-        for i, layer in enumerate(model.layers):
-            following = model.layers[i + 1].input_layernorm if i + 1 < len(model.layers) else model.norm
-            norms += [layer.post_attention_layernorm.weight, following.weight]
-        attn = model.layers[0].self_attn
-        return LayersPlan(kernel, [w.detach() for w in norms], model.norm.eps, weights,
-                          [op.out_features for op in ops[0]], max_native_rows, attn.num_heads, attn.scale)
-
-    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
-            meta: AttentionMetadata) -> torch.Tensor:
-        # x: [B, H] embeddings (the residual stream, updated in place); cos, sin: [B, 1, d];
-        # kv_cache: [L, 2, kv_heads, slots, d] -> [B, H], the final norm's output
-        group = meta.decode_groups[0]
-        return self.kernel.decode_layers(x, self.norms, self.eps, self.weights, self.out_features,
-                                         self.max_native_rows, kv_cache, cos, sin, meta.slot_mapping,
-                                         group.block_ids.view(group.count, -1), group.context_lens,
-                                         self.num_heads, meta.block_size, self.scale)

@@ -1,9 +1,13 @@
 """Native CPU kernels, built once per machine at first use, each with a pure-torch fallback.
 
 `greedy_pick` is argmax + log-probability per row in two vectorised passes (torch's CPU argmax
-over a 49k vocabulary is ~14x slower than its amax). `paged_decode` reads K/V through the block table in place (vLLM's and SGLang's CPU decode
-attention do the same): the torch path must first gather every request's blocks into a padded
-copy, which at batch 64 moves three times the KV bytes the attention needs.
+over a 49k vocabulary is ~14x slower than its amax). `paged_decode` reads K/V through the block
+table in place (vLLM's and SGLang's CPU decode attention do the same): the torch path must first
+gather every request's blocks into a padded copy, which at batch 64 moves three times the KV bytes
+the attention needs; `rope_write_decode` adds RoPE and the K/V write to it, one call per layer.
+`gemv` is the few-row bf16 matmul that streams weights at the machine's bandwidth (oneDNN reads them
+at a fraction of it at batch 1-4). `decode_layers` runs a decode-only step's layers in one call.
+Each file says what it measured.
 
 The build uses torch's own extension builder (a C++ compiler and ninja are needed) and is cached
 under `$TORCH_EXTENSIONS_DIR` (default `~/.cache/torch_extensions`), keyed by the source and this
@@ -92,7 +96,7 @@ def _build() -> ModuleType | None:
             name=f"baton_kernels_{digest}_{_cpu_signature()}",
             cpp_sources=sources,
             extra_include_paths=[str(_DIR)],
-            functions=["paged_decode", "rope_write_decode", "greedy_pick", "add_rms_norm", "silu_mul", "gemv", "gemv_pack", "gemv_available", "decode_layers"],
+            functions=["paged_decode", "rope_write_decode", "greedy_pick", "add_rms_norm", "silu_mul", "gemv", "gemv_pack", "gemv_available", "decode_layers", "onednn_linear"],
             extra_cflags=["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno"],
             verbose=False,
         )

@@ -15,8 +15,8 @@
 // kv_cache [L, 2, KVH, S, D]; the rest as rope_write_decode. Returns the final norm's output [T, H].
 #include <ATen/core/dispatch/Dispatcher.h>
 
-namespace {
-
+// oneDNN's prepacked bf16 matmul (what PackedLinear calls through torch.ops), called from C++.
+// Exported too, so that LlamaModel.prepare can check it against PackedLinear before relying on it.
 torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed) {
   static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
   // mkldnn::_linear_pointwise(Tensor X, Tensor W, Tensor? B, str attr, Scalar?[] scalars, str? algorithm)
@@ -25,8 +25,6 @@ torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed)
   op.callBoxed(&stack);
   return stack[0].toTensor();
 }
-
-}  // namespace
 
 torch::Tensor decode_layers(torch::Tensor x, std::vector<torch::Tensor> norms, double eps,
                             std::vector<torch::Tensor> weights, std::vector<int64_t> out_features,

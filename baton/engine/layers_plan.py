@@ -1,0 +1,90 @@
+"""All decoder layers of a decode-only step as one native call (`kernels/decode_layers.cpp`).
+
+At batch 1 a step is ~8 native calls per layer once the matmuls stream at the machine's bandwidth;
+the Python around them (interpreter, argument parsing, tensor wrapping) was ~15% of the step. The
+plan holds what the C++ loop needs (the norms in order, each projection's native and oneDNN packs,
+the row counts up to which each projection takes the native kernel) and makes the same calls in the
+same order as `LlamaModel._forward_fused`, so the output is bit-identical (tests/test_kernels.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from baton.engine.attention import AttentionMetadata
+from baton.engine.linear import PackedLinear, RowSplitLinear
+
+if TYPE_CHECKING:
+    from baton.engine.model import LlamaModel
+
+logger = logging.getLogger("baton.engine.layers_plan")
+
+
+@dataclass
+class LayersPlan:
+    """Every decoder layer of a decode-only step as one native call (`kernels/decode_layers.cpp`): the
+    calls `_forward_fused` makes per layer, made from C++ (at batch 1 the Python around ~240 native
+    calls per step was ~15% of it). Built where every projection is a bias-free prepacked bf16
+    matmul (`PackedLinear`, or `RowSplitLinear` with its native few-row kernel); otherwise, and for
+    steps with prefill chunks, the Python loop runs."""
+
+    kernel: Any
+    norms: list[torch.Tensor]  # 2L + 1 RMSNorm weights, in the order they apply
+    eps: float
+    weights: list[torch.Tensor]  # per layer and projection (qkv, o, gate_up, down): native pack, oneDNN pack
+    out_features: list[int]  # per projection kind
+    max_native_rows: list[int]  # per projection kind: the native kernel up to this many rows
+    num_heads: int
+    scale: float
+
+    @staticmethod
+    def build(model: LlamaModel, kernel: Any) -> LayersPlan | None:
+        if kernel is None or not hasattr(kernel, "decode_layers") or not model.layers:
+            return None
+        ops = [[layer.self_attn.qkv, layer.self_attn.o, layer.mlp.gate_up, layer.mlp.down] for layer in model.layers]
+        if not all(isinstance(op, (PackedLinear, RowSplitLinear)) and op.bias is None for row in ops for op in row):
+            return None
+        if not LayersPlan._onednn_from_cpp_agrees(ops[0][0], kernel):
+            return None
+        empty = torch.empty(0, dtype=torch.bfloat16)
+        weights: list[torch.Tensor] = []
+        for row in ops:
+            for op in row:
+                split = op if isinstance(op, RowSplitLinear) and op.max_native_rows > 0 else None
+                weights += [split.packed if split else empty, op.large.packed if isinstance(op, RowSplitLinear) else op.packed]
+        max_native_rows = [min(row[j].max_native_rows if isinstance(row[j], RowSplitLinear) else 0 for row in ops)
+                           for j in range(4)]
+        norms = [model.layers[0].input_layernorm.weight]
+        for i, layer in enumerate(model.layers):
+            following = model.layers[i + 1].input_layernorm if i + 1 < len(model.layers) else model.norm
+            norms += [layer.post_attention_layernorm.weight, following.weight]
+        attn = model.layers[0].self_attn
+        return LayersPlan(kernel, [w.detach() for w in norms], model.norm.eps, weights,
+                          [op.out_features for op in ops[0]], max_native_rows, attn.num_heads, attn.scale)
+
+    @staticmethod
+    def _onednn_from_cpp_agrees(op: PackedLinear | RowSplitLinear, kernel: Any) -> bool:
+        """The plan calls oneDNN's matmul through the dispatcher by its schema; where this torch's
+        schema differs, it must not be used (then the Python loop runs)."""
+        large = op.large if isinstance(op, RowSplitLinear) else op
+        probe = torch.randn(5, large.in_features, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+        try:
+            with torch.inference_mode():
+                return bool(torch.equal(kernel.onednn_linear(probe, large.packed), large(probe)))
+        except RuntimeError as exc:
+            logger.warning("oneDNN matmul from C++ unavailable (%s): decode layers run from Python", exc)
+            return False
+
+    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
+            meta: AttentionMetadata) -> torch.Tensor:
+        # x: [B, H] embeddings (the residual stream, updated in place); cos, sin: [B, 1, d];
+        # kv_cache: [L, 2, kv_heads, slots, d] -> [B, H], the final norm's output
+        group = meta.decode_groups[0]
+        return self.kernel.decode_layers(x, self.norms, self.eps, self.weights, self.out_features,
+                                         self.max_native_rows, kv_cache, cos, sin, meta.slot_mapping,
+                                         group.block_ids.view(group.count, -1), group.context_lens,
+                                         self.num_heads, meta.block_size, self.scale)
