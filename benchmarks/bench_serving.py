@@ -111,7 +111,7 @@ def main() -> int:
     print("| concurrency | " + " | ".join(f"{t} tok/s" for t, _ in trees)
           + (" | ratio | ITL p50 baton / baseline ms | TTFT p50 baton / baseline ms |" if len(trees) > 1 else
              " | ITL p50 ms | TTFT p50 ms |"))
-    print("| --- " * (2 + 2 * (len(trees) > 1) + len(trees)) + "|")
+    print("| --- " * (1 + len(trees) + (3 if len(trees) > 1 else 2)) + "|")
     for c in levels:
         row = [f"{results[t][c]['output_throughput']:.1f}" for t, _ in trees]
         b = results["baton"][c]

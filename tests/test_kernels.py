@@ -155,7 +155,7 @@ def test_row_split_linear_routes_few_rows_to_the_native_kernel_and_more_to_onedn
     for op in ops[:3]:
         if isinstance(op, RowSplitLinear):  # the native kernel measured faster here for >= 1 row
             assert op.max_native_rows >= 1
-    split = RowSplitLinear(PackedLinear(layers[0].weight, None), layers[0].weight, native)
+    split = RowSplitLinear(PackedLinear(layers[0].weight, None), native)
     split.max_native_rows = 4
     calls = []
     split.kernels = type("Spy", (), {"gemv": lambda self, *a: calls.append("native") or native.gemv(*a)})()
@@ -220,7 +220,7 @@ def test_all_layers_in_one_native_call_equal_the_python_layer_loop(tiny_model_di
                             (layer.mlp, "down")):
             op = getattr(owner, name)
             if isinstance(op, PackedLinear):
-                op = RowSplitLinear(op, op.weight, native)
+                op = RowSplitLinear(op, native)
             op.max_native_rows = 3
             set_op(owner, name, op)
     plan = LayersPlan.build(model, native)

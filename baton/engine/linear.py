@@ -81,10 +81,10 @@ class RowSplitLinear:
     """A PackedLinear plus the native few-row kernel, used for inputs of up to `max_native_rows`
     rows (0 until `tune_row_split` measured where it wins)."""
 
-    def __init__(self, large: PackedLinear, weight: torch.Tensor, kernels: Any) -> None:
+    def __init__(self, large: PackedLinear, kernels: Any) -> None:
         self.large = large
         self.kernels = kernels
-        self.packed = kernels.gemv_pack(weight.detach())  # [ceil(out/64), in/2, 64, 2]
+        self.packed = kernels.gemv_pack(large.weight)  # [ceil(out/64), in/2, 64, 2]
         self.bias = large.bias.float() if large.bias is not None else None
         self.out_features, self.in_features = large.out_features, large.in_features
         self.max_native_rows = 0
@@ -130,7 +130,7 @@ def tune_row_split(ops: Sequence[LinearOp], kernels: Any) -> list[LinearOp]:
         for i in indices:
             large = ops[i]
             assert isinstance(large, PackedLinear)
-            split.append(RowSplitLinear(large, large.weight, kernels))
+            split.append(RowSplitLinear(large, kernels))
         if not _native_agrees(split[0]):
             logger.warning("native bf16 matmul disagrees with oneDNN for %s: using oneDNN", (out_features, in_features))
             continue
@@ -138,8 +138,8 @@ def tune_row_split(ops: Sequence[LinearOp], kernels: Any) -> list[LinearOp]:
         with torch.inference_mode():
             for rows in TUNE_ROWS:
                 x = torch.randn(rows, in_features).to(torch.bfloat16)
-                native = _seconds(lambda: [op.native(x) for op in split])
-                onednn = _seconds(lambda: [op.large(x) for op in split])
+                native = _seconds(lambda x=x: [op.native(x) for op in split])
+                onednn = _seconds(lambda x=x: [op.large(x) for op in split])
                 if native >= onednn:
                     break
                 max_rows = rows
