@@ -48,14 +48,13 @@ class LayersPlan:
         ops = [[layer.self_attn.qkv, layer.self_attn.o, layer.mlp.gate_up, layer.mlp.down] for layer in model.layers]
         if not all(isinstance(op, (PackedLinear, RowSplitLinear)) and op.bias is None for row in ops for op in row):
             return None
-        if not LayersPlan._onednn_from_cpp_agrees(ops[0][0], kernel):
+        if not LayersPlan._onednn_from_cpp_agrees(_onednn(ops[0][0]), kernel):
             return None
-        empty = torch.empty(0, dtype=torch.bfloat16)
+        empty = torch.empty(0, dtype=torch.bfloat16)  # no native pack: that projection is oneDNN only
         weights: list[torch.Tensor] = []
         for row in ops:
             for op in row:
-                split = op if isinstance(op, RowSplitLinear) and op.max_native_rows > 0 else None
-                weights += [split.packed if split else empty, op.large.packed if isinstance(op, RowSplitLinear) else op.packed]
+                weights += [op.packed if isinstance(op, RowSplitLinear) else empty, _onednn(op).packed]
         max_native_rows = [min(row[j].max_native_rows if isinstance(row[j], RowSplitLinear) else 0 for row in ops)
                            for j in range(4)]
         norms = [model.layers[0].input_layernorm.weight]
@@ -67,10 +66,9 @@ class LayersPlan:
                           [op.out_features for op in ops[0]], max_native_rows, attn.num_heads, attn.scale)
 
     @staticmethod
-    def _onednn_from_cpp_agrees(op: PackedLinear | RowSplitLinear, kernel: Any) -> bool:
+    def _onednn_from_cpp_agrees(large: PackedLinear, kernel: Any) -> bool:
         """The plan calls oneDNN's matmul through the dispatcher by its schema; where this torch's
         schema differs, it must not be used (then the Python loop runs)."""
-        large = op.large if isinstance(op, RowSplitLinear) else op
         probe = torch.randn(5, large.in_features, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
         try:
             with torch.inference_mode():
@@ -88,3 +86,7 @@ class LayersPlan:
                                          self.max_native_rows, kv_cache, cos, sin, meta.slot_mapping,
                                          group.block_ids.view(group.count, -1), group.context_lens,
                                          self.num_heads, meta.block_size, self.scale)
+
+
+def _onednn(op: PackedLinear | RowSplitLinear) -> PackedLinear:
+    return op.large if isinstance(op, RowSplitLinear) else op

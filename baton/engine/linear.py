@@ -63,11 +63,7 @@ def make_linear_op(linear: nn.Linear, fast: bool = True) -> LinearOp:
         return linear
     try:
         op = PackedLinear(weight, bias)
-        with torch.inference_mode():
-            probe = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
-            expected = F.linear(probe, weight, bias).float()
-            got = op(probe).float()
-        if not torch.allclose(got, expected, rtol=1e-2, atol=1e-2 * float(expected.abs().max()) + 1e-3):
+        if not _agrees(op, lambda x: F.linear(x, weight, bias), weight.shape[1], weight.dtype):
             logger.warning("prepacked bf16 matmul disagrees with F.linear for %s: using F.linear",
                            tuple(weight.shape))
             return linear
@@ -131,7 +127,7 @@ def tune_row_split(ops: Sequence[LinearOp], kernels: Any) -> list[LinearOp]:
             large = ops[i]
             assert isinstance(large, PackedLinear)
             split.append(RowSplitLinear(large, kernels))
-        if not _native_agrees(split[0]):
+        if not _agrees(split[0].native, split[0].large, in_features, torch.bfloat16):
             logger.warning("native bf16 matmul disagrees with oneDNN for %s: using oneDNN", (out_features, in_features))
             continue
         max_rows = 0
@@ -151,9 +147,10 @@ def tune_row_split(ops: Sequence[LinearOp], kernels: Any) -> list[LinearOp]:
     return out
 
 
-def _native_agrees(op: RowSplitLinear) -> bool:
+def _agrees(op: LinearOp, reference: LinearOp, in_features: int, dtype: torch.dtype) -> bool:
+    """Whether a fast op's output on a fixed probe is within bf16 rounding of the reference's."""
     with torch.inference_mode():
-        probe = torch.randn(3, op.in_features, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
-        expected = op.large(probe).float()
-        got = op.native(probe).float()
+        probe = torch.randn(3, in_features, generator=torch.Generator().manual_seed(0)).to(dtype)
+        expected = reference(probe).float()
+        got = op(probe).float()
     return bool(torch.allclose(got, expected, rtol=1e-2, atol=1e-2 * float(expected.abs().max()) + 1e-3))
