@@ -104,7 +104,20 @@ def validate(structured: dict[str, Any]) -> str:
     return grammar
 
 
-@lru_cache(maxsize=256)
 def compiled_grammar(kind: str, spec: str) -> str:
-    """`validate`, remembered per spec: clients send one schema with request after request."""
-    return validate({"kind": kind, "spec": spec})
+    """`validate`, remembered per spec, failures too: clients send one schema with request after
+    request, and a client that repeats an invalid one must not make every request compile it."""
+    grammar, error = _compile_outcome(kind, spec)
+    if error is not None:
+        raise InvalidStructure(error)
+    assert grammar is not None
+    return grammar
+
+
+@lru_cache(maxsize=256)
+def _compile_outcome(kind: str, spec: str) -> tuple[str | None, str | None]:
+    """(grammar, None) or (None, why it is invalid)."""
+    try:
+        return validate({"kind": kind, "spec": spec}), None
+    except InvalidStructure as exc:
+        return None, str(exc)

@@ -31,6 +31,7 @@ from gateway.errors import ApiError, handle_api_error, handle_http_exception, ha
 from gateway.hosts import HostCheckMiddleware, allowed_names
 from gateway.metrics import GatewayMetrics
 from gateway.request_ids import RequestIdMiddleware
+from gateway.request_scope import ReleaseOnExitMiddleware
 from gateway.router import TokenRouter
 from gateway.services import Services
 from gateway.tokenizer import PromptTokenizer
@@ -38,14 +39,18 @@ from gateway.tokenizer import PromptTokenizer
 log = logging.getLogger(__name__)
 
 
-def redis_client(url: str, socket_timeout: float | None) -> aioredis.Redis:
+def redis_client(url: str, socket_timeout: float | None, max_connections: int = 1024) -> aioredis.Redis:
     # Fail fast instead of redis-py's default exponential retries (seconds per command): a dead
     # Redis must turn into a 503 at once. One immediate retry still heals a pooled connection that
     # went stale when Redis restarted. The URL may name a Redis Cluster or a Sentinel's master.
     # (A refused connection fails at once; 3 s is for connecting itself: under CPU load, a
     # container's lookup of the name "redis" alone took more than a second.)
     return connect_redis(url, socket_connect_timeout=3.0, socket_timeout=socket_timeout,
-                         retry=Retry(NoBackoff(), 1), health_check_interval=0)
+                         retry=Retry(NoBackoff(), 1), health_check_interval=0,
+                         # redis-py's default pool (100) fails a command at once when full, which
+                         # reads as "Redis is down" (every request a 503): room for every request
+                         # in flight sending at once, and then some.
+                         max_connections=max_connections)
 
 
 def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> Starlette:
@@ -54,7 +59,8 @@ def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> 
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        client = redis_client(settings.redis_url, socket_timeout=5.0)
+        client = redis_client(settings.redis_url, socket_timeout=5.0,
+                              max_connections=max(1024, 2 * settings.max_concurrent_requests + 64))
         # The reader blocks in XREAD for a second at a time: its own connection, longer timeout.
         reader_client = redis_client(settings.redis_url, socket_timeout=10.0)
         metrics = GatewayMetrics(settings.model_name)
@@ -112,7 +118,10 @@ def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> 
                 *dashboard.routes],
         middleware=[Middleware(RequestIdMiddleware),  # first: even a refused Host gets its id back
                     Middleware(HostCheckMiddleware, allowed=allowed_names(settings)),
-                    Middleware(ApiKeyMiddleware, api_key=settings.api_key)],
+                    Middleware(ApiKeyMiddleware, api_key=settings.api_key),
+                    # innermost: wraps every route, so whatever way a request ends it releases
+                    # its budget and cancels its workers (gateway.request_scope)
+                    Middleware(ReleaseOnExitMiddleware)],
         exception_handlers={ApiError: handle_api_error, HTTPException: handle_http_exception,
                             Exception: handle_unexpected},
         lifespan=lifespan,

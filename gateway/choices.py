@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -21,10 +22,13 @@ from typing import Any
 from starlette.requests import Request
 
 from gateway.errors import ApiError
-from gateway.generation import ClientGone, Generation, Step, wait_for_disconnect
+from gateway.request_scope import own
+from gateway.generation import ClientGone, Generation, Step, send_all, wait_for_disconnect
 from gateway.respond import rejection_reason, services
 from gateway.tokenizer import apply_limits
 from gateway.validation import GenerationSpec, read_json_body
+
+log = logging.getLogger(__name__)
 
 # How long siblings wait for their first choice's first token before being sent anyway.
 SIBLING_WAIT_S = 30.0
@@ -40,14 +44,18 @@ async def start_choices(request: Request, status: int, parse: Callable[[dict[str
     try:
         if body is None:
             body = await read_json_body(request, svc.settings, status)
-        spec = parse(body)
+        # In a thread: a request's schemas and tools are compiled here (llguidance), and a client
+        # can send many large ones; the event loop must keep serving every other stream.
+        spec = await asyncio.to_thread(parse, body)
         prompts = spec.batch if spec.batch is not None else [spec.prompt]
         for p, prompt in enumerate(prompts):
             one = dataclasses.replace(spec, prompt=prompt, batch=None)
             prompt_ids = await svc.tokenizer.prompt_ids(one, status)
             prompt_ids, max_new_tokens = apply_limits(one, prompt_ids, svc.settings, status)
-            gens += [Generation(svc, one, prompt_ids, max_new_tokens, arrival, status, choice=p * spec.n + j,
-                                sibling=j) for j in range(spec.n)]
+            choices = [Generation(svc, one, prompt_ids, max_new_tokens, arrival, status, choice=p * spec.n + j,
+                                  sibling=j) for j in range(spec.n)]
+            own(request.scope, *choices)  # released when the exchange ends, whatever happens
+            gens += choices
     except ApiError as exc:
         svc.metrics.reject(rejection_reason(exc))
         raise
@@ -55,27 +63,48 @@ async def start_choices(request: Request, status: int, parse: Callable[[dict[str
         await gens[0].admit(asyncio.create_task(wait_for_disconnect(request)), cost=sum(g.cost for g in gens))
         for gen in gens[1:]:
             gen.attach()
-        for gen in gens:
-            if gen.sibling == 0:
-                await gen.send(request)
-        for leader in (g for g in gens if g.sibling == 0):
-            siblings = [g for g in gens if g.choice // spec.n == leader.choice // spec.n and g is not leader]
-            if siblings:
-                svc.spawn(_send_after_first_token(request, leader, siblings))
+        await send_all([gen for gen in gens if gen.sibling == 0], request)
+        groups = [(leader, [g for g in gens if g.choice // spec.n == leader.choice // spec.n and g is not leader])
+                  for leader in gens if leader.sibling == 0]
+        if spec.n > 1:
+            svc.spawn(_send_after_first_tokens(request, groups))
     except BaseException:
         close_all(gens)
         raise
     return gens
 
 
-async def _send_after_first_token(request: Request, leader: Generation, siblings: list[Generation]) -> None:
-    with contextlib.suppress(asyncio.TimeoutError):
-        await asyncio.wait_for(leader.first_event.wait(), SIBLING_WAIT_S)
-    for gen in siblings:
-        try:
-            await gen.send(request)
-        except ApiError as exc:
-            gen.lost(exc.message)
+async def _send_after_first_tokens(request: Request, groups: list[tuple[Generation, list[Generation]]]) -> None:
+    """Send each prompt's siblings once its leader has its first token (or SIBLING_WAIT_S passed):
+    one task per request, and the siblings of leaders that got theirs together in one round trip
+    (64 prompts x n=16 is one task, not 64 sending at once)."""
+    waits = {asyncio.ensure_future(leader.first_event.wait()): siblings for leader, siblings in groups}
+    deadline = asyncio.get_running_loop().time() + SIBLING_WAIT_S
+    try:
+        while waits:
+            timeout = deadline - asyncio.get_running_loop().time()
+            done, _ = await asyncio.wait(waits, timeout=max(0.0, timeout), return_when=asyncio.FIRST_COMPLETED)
+            ready = done or set(waits)  # none in time: send the rest anyway
+            await _send_siblings([gen for wait in ready for gen in waits.pop(wait)], request)
+    finally:
+        for wait in waits:
+            wait.cancel()
+
+
+async def _send_siblings(siblings: list[Generation], request: Request) -> None:
+    try:
+        await send_all(siblings, request)
+    except ApiError as exc:
+        for gen in siblings:
+            gen.lost(exc.message, exc)
+    except Exception as exc:  # noqa: BLE001 - a bug here must end the siblings, never strand them
+        # Nobody awaits this task: siblings whose send died silently would wait the whole
+        # event_timeout for events that can never come, holding the request's budget.
+        choices = ", ".join(str(gen.choice) for gen in siblings)
+        log.exception("could not send choices %s of a request", choices)
+        for gen in siblings:
+            gen.lost(f"internal error sending choices {choices}: {type(exc).__name__}: {exc}",
+                     ApiError(500, f"internal error sending choices {choices}", kind="generation"))
 
 
 def close_all(gens: list[Generation]) -> None:

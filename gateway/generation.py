@@ -1,7 +1,7 @@
 """One request's life after validation: admission, prefill message, token events, teardown.
 
 Both API families use this, through gateway.choices (one per choice): `admit()` waits for admission
-(watching for the client leaving) and `send()` sends the prefill request; `steps()` turns token events into text-bearing steps (deduplicated,
+(watching for the client leaving) and `send_all()` sends the prefill requests; `steps()` turns token events into text-bearing steps (deduplicated,
 detokenized, stop sequences applied); `close()` always runs (routes call it in `finally`) and
 releases everything: the budget reservation, the event queue, and, unless the workers already
 finished the request themselves, it broadcasts a Cancel so they stop spending compute on it.
@@ -41,6 +41,16 @@ from gateway.services import Services
 from gateway.validation import GenerationSpec
 
 log = logging.getLogger(__name__)
+
+
+SEED_SPAN = 2**64  # the wire carries seeds in [-2**63, 2**64 - 1] (msgpack's integers)
+
+
+def sibling_seed(seed: int, sibling: int) -> int:
+    """Choice `sibling`'s seed: `seed + sibling`, wrapped as a uint64 adds, so a seed near 2**64
+    still travels (msgpack cannot carry 2**64) and stays distinct from its siblings'."""
+    derived = seed + sibling
+    return derived - SEED_SPAN if derived >= SEED_SPAN else derived
 
 
 class ClientGone(Exception):
@@ -91,6 +101,28 @@ async def wait_for_disconnect(request: Request) -> None:
             return
 
 
+async def send_all(gens: list[Generation], request: Request) -> None:
+    """Send admitted generations to the prefill stream in one round trip (a request's siblings go
+    together: one connection, not one each); raises ApiError (503) if Redis fails."""
+    messages = [(gen, gen._prefill_message(request)) for gen in gens]
+    messages = [(gen, m) for gen, m in messages if m is not None]
+    if not messages:
+        return
+    svc = gens[0].svc
+    pipe = svc.redis.pipeline(transaction=False)
+    for _, message in messages:
+        pipe.xadd(PREFILL_STREAM, {PAYLOAD_FIELD: encode(message)}, maxlen=STREAM_MAXLEN, approximate=True)
+    try:
+        await pipe.execute()
+    except REDIS_FAILURES as exc:
+        svc.cluster.mark_down(exc)
+        svc.metrics.reject("redis_unavailable")
+        raise unavailable(f"redis is unreachable ({exc}); cannot serve requests",
+                          svc.settings.retry_after_s) from None
+    for gen, _ in messages:
+        gen._on_sent()
+
+
 class Generation:
     def __init__(self, svc: Services, spec: GenerationSpec, prompt_ids: list[int],
                  max_new_tokens: int, arrival: float, api_status: int, choice: int = 0, sibling: int = 0) -> None:
@@ -101,7 +133,7 @@ class Generation:
         self.request_id = uuid.uuid4().hex
         self.choice = choice  # which of the request's generations this is (OpenAI's choice index)
         # Choice i of a seeded request draws with seed + i: reproducible, and unlike its siblings.
-        self.seed = None if spec.seed is None else spec.seed + sibling
+        self.seed = None if spec.seed is None else sibling_seed(spec.seed, sibling)
         self.sibling = sibling  # its place among the generations of the same prompt
         self.prompt_logprobs: list[Any] | None = None  # from the first event, when asked for
         self.num_cached_tokens = 0  # prompt tokens the prefill worker found already computed
@@ -171,33 +203,29 @@ class Generation:
         """Ready a generation admitted under a sibling's ticket (see admit)."""
         self._queue = self.svc.router.register(self.request_id)
 
-    async def send(self, request: Request) -> None:
-        """Send the admitted request to the prefill stream; raises ApiError (503) if Redis fails."""
-        svc = self.svc
+    def _prefill_message(self, request: Request) -> PrefillRequest | None:
+        """What to send, or None when there is nothing to (closed: a sibling sent late, after the
+        response ended, would run unread)."""
         assert self._queue is not None, "admit() first"
         if self._closed:
-            return  # a sibling sent late, after the response ended: nobody would read it
-        message = PrefillRequest(
+            return None
+        svc = self.svc
+        return PrefillRequest(
             request_id=self.request_id, gateway_id=svc.settings.gateway_id,
             prompt_token_ids=self.prompt_ids, sampling=self._sampling(), arrival_time=time.time(),
             client_request_id=client_request_id(request.scope), trace_context=tracing.request_parent())
-        try:
-            await svc.redis.xadd(PREFILL_STREAM, {PAYLOAD_FIELD: encode(message)},
-                                 maxlen=STREAM_MAXLEN, approximate=True)
-        except REDIS_FAILURES as exc:
-            svc.cluster.mark_down(exc)
-            svc.metrics.reject("redis_unavailable")
-            raise unavailable(f"redis is unreachable ({exc}); cannot serve requests",
-                              svc.settings.retry_after_s) from None
-        self._sent = True
-        svc.metrics.prompt_tokens.inc(len(self.prompt_ids))
-        if self._closed:  # closed while the XADD was in flight: it must not run unread
-            svc.spawn(self._send_cancel("client disconnected"))
 
-    def lost(self, message: str) -> None:
-        """This generation can never get an event (its send failed): its steps() raise a 503."""
+    def _on_sent(self) -> None:
+        self._sent = True
+        self.svc.metrics.prompt_tokens.inc(len(self.prompt_ids))
+        if self._closed:  # closed while the XADD was in flight: it must not run unread
+            self._send_cancel("client disconnected")
+
+    def lost(self, message: str, error: ApiError | None = None) -> None:
+        """This generation can never get an event (its send failed): its steps() raise `error`
+        (default: a 503, retryable)."""
         if self._queue is not None:
-            self._queue.put_nowait(StreamLost(message))
+            self._queue.put_nowait(StreamLost(message, error))
 
     def stop_watching(self) -> None:
         """Streaming responses watch for disconnects themselves; stop reading `receive` here."""
@@ -230,6 +258,8 @@ class Generation:
             except asyncio.TimeoutError:
                 self._fail("timeout", f"no token from the workers for {timeout:g}s (event_timeout)")
             if isinstance(event, StreamLost):
+                if event.error is not None:  # its own send failed (gateway.choices)
+                    self._fail("send_failed", event.message, event.error)
                 self._fail("redis_state_lost", event.message,
                            unavailable(event.message, self.svc.settings.retry_after_s))
             self.first_event.set()
@@ -354,13 +384,7 @@ class Generation:
             reason = "stop sequence" if self.finish_reason == "stop_sequence" else (
                 "length" if self.finish_reason == "length" else "client disconnected" if not self._failed
                 else "gateway gave up")
-            svc.spawn(self._send_cancel(reason))
+            self._send_cancel(reason)
 
-    async def _send_cancel(self, reason: str) -> None:
-        message = Cancel(request_id=self.request_id, gateway_id=self.svc.settings.gateway_id, reason=reason)
-        try:
-            await self.svc.redis.xadd(CANCEL_STREAM, {PAYLOAD_FIELD: encode(message)},
-                                      maxlen=STREAM_MAXLEN, approximate=True)
-        except REDIS_FAILURES as exc:
-            self.svc.cluster.mark_down(exc)
-            log.warning("could not send cancel for %s: %s", self.request_id, exc)
+    def _send_cancel(self, reason: str) -> None:
+        self.svc.cancel(Cancel(request_id=self.request_id, gateway_id=self.svc.settings.gateway_id, reason=reason))

@@ -35,6 +35,7 @@ def connection_lost(exc: BaseException) -> bool:
     return not isinstance(exc, RuntimeError) or "handler is closed" in str(exc)
 
 _BATCH = 512
+_YIELD_EVERY = 32  # entries routed between two turns of the event loop
 _BACKOFF_MIN_S = 0.05
 _BACKOFF_MAX_S = 1.0
 # Trim what we have read once in a while so the stream does not grow without bound.
@@ -46,6 +47,7 @@ class StreamLost:
     """Put on a request's queue instead of an event when none of its events can ever arrive."""
 
     message: str
+    error: Any = None  # the ApiError to answer with; None: a 503 (the state is gone, retry)
 
 
 Routed = TokenEvent | StreamLost
@@ -108,9 +110,13 @@ class TokenRouter:
                 self.connected = True
                 backoff = _BACKOFF_MIN_S
                 for _stream, entries in reply or []:
-                    for entry_id, fields in entries:
+                    for i, (entry_id, fields) in enumerate(entries):
                         self._last_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
                         self._route(fields)
+                        if i % _YIELD_EVERY == _YIELD_EVERY - 1:
+                            # A full read (512 entries of batched events with logprobs) takes
+                            # long enough to stall every response: let them run in between.
+                            await asyncio.sleep(0)
                 if loop.time() - last_trim > _TRIM_EVERY_S:
                     last_trim = loop.time()
                     # Everything older than what we read is done with (approximate: cheap).

@@ -13,6 +13,7 @@ is sent as `data: {"error": {...}}`, which the openai client raises as APIError.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -40,6 +41,7 @@ class _Reply:
 
     def __init__(self, gens: list[Generation], chat: bool) -> None:
         self.gens = gens
+        self.all_gens = gens  # every candidate, also those best_of drops: the usage counts them
         self.spec = gens[0].spec
         self.chat = chat
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
@@ -68,12 +70,20 @@ class _Reply:
         self.gens = best
 
     def usage(self) -> dict[str, Any]:
-        # A prompt counts once however many choices it has (OpenAI's rule for n).
-        prompts = [g for g in self.gens if g.sibling == 0]
+        # A prompt counts once however many choices it has (OpenAI's rule for n), and whichever
+        # of them best_of keeps.
+        prompts = [g for g in self.all_gens if g.sibling == 0]
         prompt = sum(len(g.prompt_ids) for g in prompts)
         completion = self.generated if self.generated is not None else sum(len(g.tokens) for g in self.gens)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": sum(g.num_cached_tokens for g in prompts)}}
+
+    def formatting_cost(self) -> int:
+        """About how many token entries the full answer formats (each token once, plus its top
+        logprobs; with echo the prompt's too)."""
+        per_token = 1 + (self.spec.logprobs or 0)
+        tokens = sum(len(g.tokens) + (len(g.prompt_ids) if self.spec.echo else 0) for g in self.gens)
+        return tokens * per_token
 
     def head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -166,7 +176,13 @@ async def _handle(request: Request, chat: bool) -> Response:
     finally:
         close_all(gens)
     reply.keep_best()
-    return JSONResponse(reply.full(), headers=headers)
+    if reply.formatting_cost() <= _INLINE_FORMATTING:
+        return JSONResponse(reply.full(), headers=headers)
+    # Thousands of choices x tokens x top logprobs: built and encoded in a thread, one choice at a
+    # time (each json.dumps holds the GIL only for its own choice), so the event loop keeps
+    # serving every other stream meanwhile.
+    body = await asyncio.to_thread(_encode_in_pieces, reply.full)
+    return Response(body, media_type="application/json", headers=headers)
 
 
 async def completions(request: Request) -> Response:
@@ -197,6 +213,20 @@ async def _stream(reply: _Reply) -> AsyncIterator[bytes]:
     finally:
         close_all(gens)
     yield b"data: [DONE]\n\n"
+
+
+# Below this many token entries, formatting inline costs less than a thread hop (~1 ms).
+_INLINE_FORMATTING = 20_000
+
+
+def _encode_in_pieces(build: Callable[[], dict[str, Any]]) -> bytes:
+    answer = build()
+    choices = answer.pop("choices")
+    head = json.dumps({**answer, "choices": []}, ensure_ascii=False).encode("utf-8")
+    parts = b",".join(json.dumps(c, ensure_ascii=False).encode("utf-8") for c in choices)
+    marker = b'"choices": []'
+    at = head.index(marker)
+    return head[:at] + b'"choices": [' + parts + b"]" + head[at + len(marker):]
 
 
 def _sse(payload: dict[str, Any]) -> bytes:

@@ -29,14 +29,14 @@ from gateway.validation_tgi import STATUS, parse_tgi
 FINISH = {"eos": "eos_token", "length": "length", "stop_sequence": "stop_sequence"}
 
 
-def _parser(request: Request) -> Callable[[dict[str, Any]], GenerationSpec]:
+def _parser(request: Request, streaming: bool) -> Callable[[dict[str, Any]], GenerationSpec]:
     settings = services(request).settings
-    return lambda body: parse_tgi(body, settings)
+    return lambda body: parse_tgi(body, settings, streaming)
 
 
 async def generate(request: Request, body: dict[str, Any] | None = None, as_list: bool = False) -> Response:
     try:
-        gens = await start_choices(request, STATUS, _parser(request), body)
+        gens = await start_choices(request, STATUS, _parser(request, streaming=False), body)
     except ClientGone:
         return client_gone_response()
     try:
@@ -63,7 +63,8 @@ async def generate(request: Request, body: dict[str, Any] | None = None, as_list
 
 async def generate_stream(request: Request, body: dict[str, Any] | None = None) -> Response:
     try:
-        [gen] = await start_choices(request, STATUS, _parser(request), body)  # best_of is never streamed
+        # one generation: validation refuses best_of when streaming (TGI's rule)
+        [gen] = await start_choices(request, STATUS, _parser(request, streaming=True), body)
     except ClientGone:
         return client_gone_response()
     gen.stop_watching()

@@ -10,6 +10,8 @@ Errors are OpenAI-shaped (400), and `model`, when given, must be a served name (
 
 from __future__ import annotations
 
+import asyncio
+import json
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -55,9 +57,17 @@ async def tokenize(request: Request) -> Response:
             raise validation_error("`prompt` or `messages` is required", param="prompt", status=STATUS)
         add_special = f.boolean("add_special_tokens", True)
         ids = await maybe_in_thread(len(prompt), tok.encode_text, prompt, add_special)
-    return JSONResponse({"count": len(ids), "max_model_len": svc.settings.max_total_tokens, "tokens": ids,
-                         "token_strs": tok.token_strs(ids) if return_strs else None},
-                        headers=ignored_fields_header(ignored))
+    headers = ignored_fields_header(ignored)
+    answer = {"count": len(ids), "max_model_len": svc.settings.max_total_tokens, "tokens": ids,
+              "token_strs": await maybe_in_thread(len(ids), tok.token_strs, ids) if return_strs else None}
+    if len(ids) <= _INLINE_IDS:
+        return JSONResponse(answer, headers=headers)
+    # A 1 MiB prompt is ~300k ids (and their strings): encoded off the event loop.
+    body = await asyncio.to_thread(lambda: json.dumps(answer, ensure_ascii=False).encode("utf-8"))
+    return Response(body, media_type="application/json", headers=headers)
+
+
+_INLINE_IDS = 4096
 
 
 async def detokenize(request: Request) -> Response:

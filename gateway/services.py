@@ -10,6 +10,8 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from baton.protocol import CANCEL_STREAM, PAYLOAD_FIELD, STREAM_MAXLEN, Cancel, encode
+from baton.redis_client import REDIS_FAILURES
 from gateway.admission import Admission
 from gateway.cluster import Cluster
 from gateway.config import Settings
@@ -34,6 +36,29 @@ class Services:
     background: set[asyncio.Task[Any]] = field(default_factory=set)
     # The long-running tasks (admission, token reader, cluster); /health checks they are alive.
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    # Cancels not yet written: a response that ends 1024 choices at once (64 prompts x n=16) sends
+    # them in one pipeline, not 1024 concurrent XADDs (which exhausted the connection pool, and a
+    # pool error reads as "Redis is down": every other request then got a 503).
+    _pending_cancels: list[Cancel] = field(default_factory=list)
+
+    def cancel(self, message: Cancel) -> None:
+        """Tell every worker to drop a request (written with the others of this loop turn)."""
+        self._pending_cancels.append(message)
+        if len(self._pending_cancels) == 1:
+            self.spawn(self._flush_cancels())
+
+    async def _flush_cancels(self) -> None:
+        await asyncio.sleep(0)  # let the rest of this turn's cancels join
+        batch, self._pending_cancels = self._pending_cancels, []
+        pipe = self.redis.pipeline(transaction=False)
+        for message in batch:
+            pipe.xadd(CANCEL_STREAM, {PAYLOAD_FIELD: encode(message)}, maxlen=STREAM_MAXLEN, approximate=True)
+        try:
+            await pipe.execute()
+        except REDIS_FAILURES as exc:
+            self.cluster.mark_down(exc)
+            log.warning("could not send %d cancel(s) (%s): %s", len(batch),
+                        ", ".join(m.request_id for m in batch[:3]), exc)
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         task = asyncio.get_running_loop().create_task(coro)

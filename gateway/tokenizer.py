@@ -36,6 +36,9 @@ class PromptTokenizer:
         self.special_ids = frozenset(self.hf.all_special_ids)
         self.eos_token_id: int | None = self.hf.eos_token_id
         self.has_chat_template = bool(getattr(self.hf, "chat_template", None))
+        # Each token's text alone, as logprobs show it: asked for up to 21 times per generated
+        # token (the token and its top 20), so decoded once per id (at most the vocabulary).
+        self._token_texts: dict[int, str] = {}
 
     def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.hf(text, add_special_tokens=add_special_tokens)["input_ids"])
@@ -56,7 +59,10 @@ class PromptTokenizer:
         return [str(t) for t in self.hf.convert_ids_to_tokens(ids)]
 
     def token_text(self, token_id: int) -> str:
-        return self.backend.decode([token_id], skip_special_tokens=False)
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.backend.decode([token_id], skip_special_tokens=False)
+        return text
 
     async def prompt_ids(self, spec: GenerationSpec, status: int) -> list[int]:
         """The prompt's token ids (chat: through the chat template)."""

@@ -219,45 +219,71 @@ def _finish(finish: str | None) -> str | None:
 _ITEM_HEAD = re.compile(r'\{"name": "([A-Za-z0-9_.\-]{1,64})", "arguments": ')
 
 
-def scan_calls(text: str) -> list[tuple[str, str]]:
-    """The (name, arguments so far) of each call in a prefix of a "required" answer (a JSON array
+class CallScanner:
+    """Where each call's name and arguments are in a "required" answer as it grows (a JSON array
     of {"name", "arguments"} written with ", " and ": ", name first: the grammar's order). An
-    argument value's text is complete once its own closing bracket (or the item's end) is seen."""
-    calls: list[tuple[str, str]] = []
-    depth = 0
-    in_string = escaped = False
-    item_start = args_start = None
-    for i, c in enumerate(text):
-        if in_string:
-            if escaped:
-                escaped = False
-            elif c == "\\":
-                escaped = True
+    argument value's text is complete once its own closing bracket (or the item's end) is seen.
+
+    Incremental: `feed` reads only the new text and `spans` says where each call's arguments lie
+    (the open one's end is None: it runs to the end so far), so a streamed answer costs time
+    linear in its length however many chunks it comes in (re-scanning it all per chunk was
+    quadratic, on the event loop, for each of up to 16 choices).
+    """
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.spans: list[tuple[str, int, int | None]] = []  # (name, arguments start, end or None)
+        self.scanned = 0  # characters read so far: each is read once
+        self._depth = 0
+        self._in_string = self._escaped = False
+        self._item_start: int | None = None
+
+    def feed(self, chunk: str) -> None:
+        text = self.text = self.text + chunk
+        spans = self.spans
+        for i in range(self.scanned, len(text)):
+            c = text[i]
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif c == "\\":
+                    self._escaped = True
+                elif c == '"':
+                    self._in_string = False
             elif c == '"':
-                in_string = False
-        elif c == '"':
-            in_string = True
-        elif c in "[{":
-            depth += 1
-            if depth == 2:
-                item_start = i
-        elif c in "]}":
-            depth -= 1
-            if args_start is not None and depth in (1, 2):  # the value closed, or the item did
-                end = i + 1 if depth == 2 else i
-                calls[-1] = (calls[-1][0], text[args_start:end])
-                args_start = None
-            if depth == 1:
-                item_start = None
-        if (depth == 2 and not in_string and item_start is not None and args_start is None
-                and text[i - 1:i + 1] == ": "):
-            head = _ITEM_HEAD.fullmatch(text, item_start, i + 1)
-            if head is not None:
-                calls.append((head.group(1), ""))
-                args_start = i + 1
-    if args_start is not None:
-        calls[-1] = (calls[-1][0], text[args_start:])
-    return calls
+                self._in_string = True
+            elif c in "[{":
+                self._depth += 1
+                if self._depth == 2:
+                    self._item_start = i
+            elif c in "]}":
+                self._depth -= 1
+                if self._open and self._depth in (1, 2):  # the value closed, or the item did
+                    name, start, _ = spans[-1]
+                    spans[-1] = (name, start, i + 1 if self._depth == 2 else i)
+                if self._depth == 1:
+                    self._item_start = None
+            if (self._depth == 2 and not self._in_string and self._item_start is not None
+                    and not self._open and text[i - 1:i + 1] == ": "):
+                head = _ITEM_HEAD.fullmatch(text, self._item_start, i + 1)
+                if head is not None:
+                    spans.append((head.group(1), i + 1, None))
+        self.scanned = len(text)
+
+    @property
+    def _open(self) -> bool:
+        return bool(self.spans) and self.spans[-1][2] is None
+
+    def calls(self) -> list[tuple[str, str]]:
+        """(name, arguments so far) of each call."""
+        return [(name, self.text[start:end]) for name, start, end in self.spans]
+
+
+def scan_calls(text: str) -> list[tuple[str, str]]:
+    """The (name, arguments so far) of each call in a prefix of a "required" answer."""
+    scanner = CallScanner()
+    scanner.feed(text)
+    return scanner.calls()
 
 
 class ToolStream:
@@ -270,6 +296,7 @@ class ToolStream:
         self.held: list[str] = []
         self.call_id = "call_" + uuid.uuid4().hex[:24]
         self.sent: list[int] = []  # "required": per call, the length of the arguments sent
+        self.scanner = CallScanner()  # "required": the calls so far, read incrementally
 
     def rewrite(self, delta: dict[str, Any], finish: str | None) -> tuple[dict[str, Any], str | None]:
         calling = self.calling
@@ -303,17 +330,27 @@ class ToolStream:
             return {"role": "assistant", "content": None}, finish
         if delta.get("content"):
             self.held.append(delta.pop("content"))
+            self.scanner.feed(self.held[-1])
         entries: list[dict[str, Any]] = []
-        for index, (name, arguments) in enumerate(scan_calls("".join(self.held))):
+        text = self.scanner.text
+        # Only calls not yet complete can have news: each call's arguments are sliced once.
+        first = next((i for i, sent in enumerate(self.sent) if sent >= 0), len(self.sent))
+        for index in range(first, len(self.scanner.spans)):
+            name, start, end = self.scanner.spans[index]
             if index == len(self.sent):  # a call is named on its own, its arguments follow
                 entries.append({"index": index, "id": "call_" + uuid.uuid4().hex[:24], "type": "function",
                                 "function": {"name": name, "arguments": ""}})
                 self.sent.append(0)
                 if finish is None:
                     continue
-            if len(arguments) > self.sent[index]:
-                entries.append({"index": index, "function": {"arguments": arguments[self.sent[index]:]}})
-                self.sent[index] = len(arguments)
+            sent = self.sent[index]
+            length = (end if end is not None else len(text)) - start
+            if sent < 0:
+                continue
+            if length > sent:
+                entries.append({"index": index, "function": {"arguments": text[start + sent:start + length]}})
+            # a complete call is marked done (-1): nothing of it is looked at again
+            self.sent[index] = -1 if end is not None else length
         if entries:
             delta["tool_calls"] = entries
         if finish is not None and not self.sent and self.held:  # not even one call began

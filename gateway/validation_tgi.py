@@ -40,7 +40,9 @@ MAX_TOP_N_TOKENS = 5  # TGI's default --max-top-n-tokens
 MAX_BEST_OF = 4  # TGI's default --max-best-of
 
 
-def parse_tgi(body: dict[str, Any], settings: Settings) -> GenerationSpec:
+def parse_tgi(body: dict[str, Any], settings: Settings, streaming: bool) -> GenerationSpec:
+    """`streaming`: whether the route streams (`/generate_stream`, or `POST /` with `stream: true`);
+    the route decides, not the body: `/generate_stream` streams whatever `stream` says."""
     top = Fields(body, STATUS)
     ignored = top.unknown(TOP_LEVEL_FIELDS, "the request", settings.strict_api)
     inputs = top.string("inputs")
@@ -48,7 +50,8 @@ def parse_tgi(body: dict[str, Any], settings: Settings) -> GenerationSpec:
         raise validation_error("`inputs` is required", param="inputs", status=STATUS)
     if inputs == "":
         raise validation_error("`inputs` cannot be empty", param="inputs", status=STATUS)
-    stream = top.boolean("stream", False)
+    top.boolean("stream", False)  # checked; POST / reads it to pick the route
+    stream = streaming
     add_special_tokens = top.boolean("add_special_tokens", True)
 
     raw = body.get("parameters")

@@ -294,6 +294,7 @@ def test_headers_not_sent_in_time_close_the_connection(production_server):
 def test_a_stream_whose_client_stops_reading_is_cancelled(production_server, gw_worker):
     server = production_server(send_buffer=4096, stream_write_timeout=0.5)
     gw_worker.set_reply("word " * 1500)  # ~1500 events: far more than the socket buffers hold
+    gw_worker.delay = 0.002  # still generating when the buffers fill (not done before the first stall)
     body = json.dumps({"prompt": "x", "max_tokens": 1800, "stream": True}).encode()
     before = len(gw_worker.requests)
     with connect(server.port, receive_buffer=4096) as sock:
@@ -303,10 +304,11 @@ def test_a_stream_whose_client_stops_reading_is_cancelled(production_server, gw_
         # While the client still holds the connection: budget released, workers told to drop it.
         assert wait_until(lambda: stats(server.url)["token_budget"]["in_use"] == 0, timeout=10)
         assert stats(server.url)["requests"] == {"running": 0, "waiting": 0}
-        assert stats(server.url)["failed"]["client_not_reading"] == 1
+        assert wait_until(lambda: stats(server.url)["failed"].get("client_not_reading") == 1), stats(server.url)["failed"]
         assert wait_until(lambda: rid in gw_worker.cancelled_ids())
 
     # A client that reads gets the whole stream.
+    gw_worker.delay = 0.0
     gw_worker.set_reply("word " * 300)
     r = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 400, "stream": True})
     assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")

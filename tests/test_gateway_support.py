@@ -81,7 +81,9 @@ class ServerThread:
 
 class EchoWorker:
     """Worker test double. Knobs (set from tests between requests): reply_ids, delay, hold,
-    tokens_per_event, mode ("normal" | "duplicate" | "diverge" | "error" | "silent")."""
+    tokens_per_event, mode ("normal" | "duplicate" | "diverge" | "error" | "silent"), logprob_of
+    (a request's tokens' logprob, from its PrefillRequest), top_logprobs (alternatives sent per
+    token when a request asks for logprobs)."""
 
     def __init__(self, redis_url: str, hf_tokenizer: Any) -> None:
         self.redis_url = redis_url
@@ -103,6 +105,8 @@ class EchoWorker:
         self.tokens_per_event = 1
         self.mode = "normal"
         self.heartbeat = None
+        self.logprob_of: Any = None
+        self.top_logprobs = 0
 
     def set_reply(self, text: str, eos: bool = True) -> None:
         self.reply_ids = list(self.tok(text, add_special_tokens=False)["input_ids"]) + ([self.eos] if eos else [])
@@ -178,8 +182,11 @@ class EchoWorker:
             n = 1 if i == 0 else self.tokens_per_event  # the first token comes alone (prefill)
             chunk = ids[i:i + n]
             last = i + len(chunk) >= len(ids)
-            event = TokenEvent(req.request_id, i, chunk, [-0.25] * len(chunk), finish if last else None,
-                               num_prompt_tokens=len(req.prompt_token_ids), worker_id="echo")
+            logprob = self.logprob_of(req) if self.logprob_of is not None else -0.25
+            top = ([[[float(t), -1.0 - 0.01 * j] for j, t in enumerate(range(100, 100 + self.top_logprobs))]
+                    for _ in chunk] if self.top_logprobs and req.sampling.logprobs is not None else [])
+            event = TokenEvent(req.request_id, i, chunk, [logprob] * len(chunk), finish if last else None,
+                               num_prompt_tokens=len(req.prompt_token_ids), worker_id="echo", top_logprobs=top)
             await self._publish(r, stream, event)
             if self.mode == "duplicate" and i > 0:
                 await self._publish(r, stream, event)  # redelivery: the gateway must drop it
