@@ -3,9 +3,14 @@
 # one prefill and one decode worker, all in one container:
 #
 #   docker build -t baton .
-#   docker run -p 8000:8000 baton                     # the default model, nothing else needed
-#   docker run -p 8000:8000 -v baton-cache:/opt/baton/cache -v $PWD:/models:ro baton \
+#   docker run -p 127.0.0.1:8000:8000 --stop-timeout 90 baton     # the default model, nothing else needed
+#   docker run -p 127.0.0.1:8000:8000 --stop-timeout 90 -v baton-cache:/opt/baton/cache -v $PWD:/models:ro baton \
 #       baton serve --host 0.0.0.0 --model /models/x.gguf      # a GGUF converted into the cache
+#
+# The gateway listens on 0.0.0.0 inside the container with no API key unless BATON_API_KEY is set
+# (it warns at start-up): publish it on 127.0.0.1, or set a key before `-p 8000:8000`. On SIGTERM
+# (`docker stop`) `baton serve` takes up to 80 s to drain (its --stop-timeout): Docker's default
+# stop timeout of 10 s would SIGKILL it mid-drain, hence `--stop-timeout 90`.
 #
 # The default model is fetched and converted at build time, so containers start without touching
 # the network. torch is CPU-only by default; for CUDA pass another wheel index:
@@ -75,4 +80,7 @@ EXPOSE 8000 9100
 # compose.yaml replaces this for the workers (their /health on the metrics port).
 HEALTHCHECK --interval=10s --timeout=5s --start-period=120s --retries=5 \
     CMD ["python", "-c", "import sys, urllib.request; sys.exit(urllib.request.urlopen('http://127.0.0.1:8000/ready', timeout=3).status != 200)"]
+# SIGTERM (Docker's default, said here so that no base image changes it): `baton serve` stops the
+# gateway (streams finish), then the workers (they drain), then its Redis.
+STOPSIGNAL SIGTERM
 CMD ["baton", "serve", "--host", "0.0.0.0", "--port", "8000"]

@@ -125,10 +125,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
+    import logging
+
     import uvicorn
 
     from gateway.app import create_app
+    from gateway.hosts import exposure_warning
     from gateway.http_protocol import http_protocol
+
+    warning = exposure_warning(settings.host, settings.port, settings.api_key)
+    if warning:  # `baton serve` passes its children's stderr on: its users see this line too
+        logging.getLogger("gateway").warning(warning)
 
     app = create_app(settings)
     uvicorn.run(app, host=settings.host, port=settings.port, loop="uvloop", log_level=level,

@@ -33,6 +33,16 @@ def is_loopback(host: str) -> bool:
     return address.is_loopback
 
 
+def exposure_warning(host: str, port: int, api_key: str | None) -> str | None:
+    """The start-up warning for an API that anyone on the network may use: bound beyond loopback
+    (0.0.0.0, ::, a LAN address) with no API key. None when bound to loopback or given a key."""
+    if api_key or is_loopback(host.strip("[]")):
+        return None
+    shown = f"[{host}]" if ":" in host and not host.startswith("[") else (host or "0.0.0.0")
+    return (f"listening on {shown}:{port} without --api-key: anyone who can reach this address can use "
+            "the API; pass --api-key (or set BATON_API_KEY), or bind 127.0.0.1")
+
+
 def host_name(header: str) -> str:
     """The name in a Host header, without port or IPv6 brackets, lower case."""
     header = header.strip()

@@ -326,7 +326,7 @@ say "e: one container, run -p $PORT:8000 $IMAGE (its own Redis)"
 single="${PROJECT}_single"
 SINGLES+=("$single")
 t0=$SECONDS
-E run -d --name "$single" -p "127.0.0.1:$PORT:8000" "$IMAGE" >/dev/null 2>"$TMP/e.err"
+E run -d --name "$single" -p "127.0.0.1:$PORT:8000" --stop-timeout 90 "$IMAGE" >/dev/null 2>"$TMP/e.err"
 # The image's own command (`baton serve`, bfloat16 by default: no float32 parity asked here).
 if helper wait-ready "$URL" 300 >/dev/null && helper serves "$URL" >"$TMP/e.out" 2>&1 \
    && { [ "$ENGINE" != podman ] || E healthcheck run "$single" >/dev/null 2>&1; }; then
@@ -345,7 +345,7 @@ print(os.getuid(), torch.__version__, torch.version.cuda)' 2>"$TMP/f.err")"
 read -r uid torch_v cuda <<<"$facts"
 offline="${PROJECT}_offline"
 SINGLES+=("$offline")
-E run -d --name "$offline" --network none "$IMAGE" >/dev/null 2>>"$TMP/f.err"
+E run -d --name "$offline" --network none --stop-timeout 90 "$IMAGE" >/dev/null 2>>"$TMP/f.err"
 # No network at all: the request comes from inside the container.
 if E exec "$offline" python -c 'import time, urllib.request
 for _ in range(300):

@@ -208,6 +208,33 @@ def test_dockerfile_defaults():
                 assert (REPO / source).exists(), source
 
 
+def test_every_docker_run_example_is_loopback_or_keyed_and_waits_for_the_drain():
+    """Issue 20 (7): `docker run -p 8000:8000` published a keyless API on every host interface, and
+    Docker's default 10 s stop timeout SIGKILLed `baton serve` long before its drain."""
+    import argparse
+    import re
+
+    from baton.ops.serve import add_serve_arguments
+
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    drain = parser.parse_args([]).stop_timeout  # what `baton serve` may take to stop
+    runs = []
+    for name in ("README.md", "Dockerfile", "scripts/container_check.sh"):
+        for line in (REPO / name).read_text().splitlines():
+            command = line.split("`")[1] if line.count("`") >= 2 and "docker run" in line.split("`")[1] else line
+            if re.search(r"(docker|\bE) run\b", command) and not re.search(r"(docker|E) run --rm", command):
+                runs.append((name, command))
+    assert len(runs) >= 6, runs
+    for name, command in runs:
+        published = re.findall(r"-p\s+\"?(\S+?):?8000\b", command)
+        for host_part in published:
+            assert host_part.startswith("127.0.0.1:") or host_part == "127.0.0.1" or "BATON_API_KEY" in command, (
+                name, command)
+        timeout = re.search(r"--stop-timeout\s+(\d+)", command)
+        assert timeout and int(timeout.group(1)) > drain, (name, command)
+
+
 def test_container_check(capsys):
     """scripts/container_check.sh: the image built and the compose stack run for real (podman).
 
