@@ -8,22 +8,38 @@ a Sentinel-managed master.
                                                    names for `service`, followed across failovers
     rediss+cluster://, rediss+sentinel://          the same over TLS
 
-The scheme, not a probe of the server, decides: a client is made before Redis is reachable (the
-gateway comes up and answers 503 while Redis is down), and the choice must not depend on which
-node answered first. Query parameters are redis-py's (`?ssl_cert_reqs=none`, `?socket_timeout=`);
+The scheme decides, with one exception: a plain redis:// (rediss://) URL naming a Redis Cluster
+node (`INFO cluster` says cluster_enabled:1), the scheme users try first, is used as that cluster
+(one INFO line says so), as redis+cluster:// with that node as its seed would be. That probe is
+made once, when the client is made; a Redis not reachable then gets a plain client (the gateway
+comes up and answers 503 while Redis is down), and should it turn out to be a cluster node, its
+first MOVED reply fails with ClusterNodeError, which names the URL (a worker exits on it, and its
+restart detects the cluster). Query parameters are redis-py's (`?ssl_cert_reqs=none`, `?socket_timeout=`);
 on a Sentinel URL, `sentinel_password` / `sentinel_username` authenticate to the Sentinels (the
 URL's own credentials are the master's).
+
+A password can also come from the environment, `BATON_REDIS_PASSWORD`: it is used when the URL
+carries none (a URL's own password wins). Kubernetes hands it from a Secret (deploy/k8s), so the
+URL itself holds no secret; like every password it never goes on a command line.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 
-from redis.exceptions import RedisClusterException, RedisError
+from redis.exceptions import MovedError, RedisClusterException, RedisError, ResponseError
+
+from baton.urls import redact_url
+
+log = logging.getLogger(__name__)
 
 CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 SENTINEL_SCHEMES = {"redis+sentinel": "redis", "rediss+sentinel": "rediss"}
+PLAIN_SCHEMES = {plain: cluster for cluster, plain in CLUSTER_SCHEMES.items()}  # redis -> redis+cluster
+PROBE_TIMEOUT_S = 3.0
 
 
 # What a call raises when Redis cannot serve it. A Redis Cluster client that reaches no node raises
@@ -51,19 +67,96 @@ def connect(url: str, **kwargs: Any) -> Any:
     from redis.asyncio import sentinel
     from redis.asyncio.connection import parse_url
 
+    url = cluster_url_of_node(url, kwargs) or url
     scheme = urlsplit(url).scheme.lower()
     if scheme not in CLUSTER_SCHEMES and scheme not in SENTINEL_SCHEMES and "connection_class" not in kwargs:
         kwargs = {**kwargs, "connection_class": _lost_is_connection_error(
-            parse_url(url).get("connection_class", aioredis.Connection))}
-    return _connect(url, kwargs, aioredis.Redis, aioredis.RedisCluster, sentinel.Sentinel)
+            parse_url(url).get("connection_class", aioredis.Connection), url)}
+    client = _connect(url, kwargs, aioredis.Redis, aioredis.RedisCluster, sentinel.Sentinel)
+    if scheme in CLUSTER_SCHEMES:
+        _cluster_lost_is_connection_error(client)
+    return client
 
 
-def _lost_is_connection_error(base: type) -> type:
+def _cluster_lost_is_connection_error(client: Any) -> None:
+    """The same for the connections of an asyncio RedisCluster (whose constructor takes no
+    connection class): a send on a connection to a master just killed raised uvloop's RuntimeError
+    out of a worker's XREADGROUP and ended it; as ConnectionError, the client refreshes its slots
+    (it learns the promoted replica) and the worker's loop retries."""
+    lost = _lost_is_connection_error(client.connection_kwargs["connection_class"], moved=False)
+    client.connection_kwargs["connection_class"] = lost  # the nodes it discovers copy these options
+    for node in [*client.startup_nodes, *client.nodes_manager.startup_nodes.values()]:
+        node.connection_class = lost
+
+
+class ClusterNodeError(ResponseError):
+    """A plain client's command got a MOVED reply: its URL names a Redis Cluster node, which was
+    not reachable when the client was made (else the client would be a cluster client)."""
+
+
+# Plain URLs already probed by this process: whether each is a cluster node. Only answers are kept
+# (a Redis that was down is asked again by the next client).
+_probed: dict[str, bool] = {}
+
+
+def cluster_url_of_node(url: str, kwargs: dict[str, Any] | None = None) -> str | None:
+    """The redis+cluster:// (rediss+cluster://) URL to use for a plain redis:// (rediss://) `url`
+    whose server is a Redis Cluster node (`INFO cluster`: cluster_enabled:1); None for any other
+    URL, and for a server that does not answer within a few seconds (asked again next time).
+    Raises ValueError for a cluster node URL that names a database other than 0."""
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    if scheme not in PLAIN_SCHEMES:
+        return None
+    if url not in _probed:
+        # without the URL's database: a cluster node refuses SELECT
+        is_node = _probe_cluster_enabled(parts._replace(path="").geturl(),
+                                         (kwargs or {}).get("socket_connect_timeout"))
+        if is_node is None:
+            return None
+        _probed[url] = is_node
+        if is_node:
+            log.info("%s is a Redis Cluster node: using it as a cluster", redact_url(url))
+    if not _probed[url]:
+        return None
+    if parts.path not in ("", "/", "/0"):
+        raise ValueError(f"{redact_url(url)} is a Redis Cluster node, which has only database 0: "
+                         f"drop {parts.path!r} from the URL")
+    return f"{PLAIN_SCHEMES[scheme]}://{parts.netloc}" + (f"?{parts.query}" if parts.query else "")
+
+
+def _probe_cluster_enabled(url: str, connect_timeout: float | None) -> bool | None:
+    """INFO cluster's cluster_enabled of the Redis at `url`; None if it cannot say now. A Redis that
+    refuses INFO (an ACL, a managed Redis's renamed command) counts as no cluster node."""
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    timeout = min(connect_timeout or PROBE_TIMEOUT_S, PROBE_TIMEOUT_S)
+    options = {"socket_connect_timeout": timeout, "socket_timeout": timeout, "retry": Retry(NoBackoff(), 0),
+               "health_check_interval": 0}
+    try:
+        # _connect: the client's own credentials (the URL's, else the environment's password)
+        with _connect(url, options, redis.Redis, None, None) as probe:
+            info = probe.info("cluster")
+    except ResponseError:
+        return False
+    except REDIS_FAILURES as exc:
+        log.debug("could not ask %s whether it is a cluster node: %s", redact_url(url), exc)
+        return None
+    return str(info.get("cluster_enabled", 0)) == "1"
+
+
+def _lost_is_connection_error(base: type, url: str = "", moved: bool = True) -> type:
     """`base` (a redis.asyncio connection class) whose sends on a connection Redis has just closed
     raise ConnectionError. uvloop reports them as RuntimeError ("... the handler is closed"), which
     every retry loop would take for a bug: after a Redis restart it once ended the gateway's token
-    reader, and a worker loop would crash the same way."""
+    reader, and a worker loop would crash the same way. With `moved` (a plain client), a MOVED
+    reply (`url` names a cluster node) raises ClusterNodeError, which says what to do. A send on a
+    connection that another task closed meanwhile is a ConnectionError too (below)."""
     from redis.exceptions import ConnectionError as RedisConnectionError
+
+    shown = redact_url(url) if url else "the Redis URL"
 
     class LostIsConnectionError(base):  # type: ignore[misc, valid-type]
         async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
@@ -74,6 +167,23 @@ def _lost_is_connection_error(base: type) -> type:
                     raise
                 await self.disconnect(nowait=True)
                 raise RedisConnectionError(f"connection to Redis lost: {exc}") from exc
+            except AttributeError as exc:
+                # Closed by another task while this one was sending: the cluster client disconnects
+                # every connection of a node, in use or not, when a command on it fails (a failover),
+                # and the send then finds no writer ("'NoneType' object has no attribute 'writelines'").
+                if getattr(self, "_writer", None) is not None:
+                    raise
+                raise RedisConnectionError(f"connection to Redis lost: {exc}") from exc
+
+        async def read_response(self, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return await super().read_response(*args, **kwargs)
+            except MovedError as exc:
+                if not moved:  # a cluster client follows it
+                    raise
+                raise ClusterNodeError(
+                    f"{shown} is a Redis Cluster node (MOVED {exc.slot_id} {exc.host}:{exc.port}); restart "
+                    f"this process to use it as a cluster, or give a redis+cluster:// URL") from exc
 
     LostIsConnectionError.__name__ = LostIsConnectionError.__qualname__ = f"LostIsConnectionError{base.__name__}"
     return LostIsConnectionError
@@ -84,11 +194,18 @@ def connect_sync(url: str, **kwargs: Any) -> Any:
     import redis
     from redis import sentinel
 
+    url = cluster_url_of_node(url, kwargs) or url
     return _connect(url, kwargs, redis.Redis, redis.RedisCluster, sentinel.Sentinel)
+
+
+PASSWORD_ENV = "BATON_REDIS_PASSWORD"
 
 
 def _connect(url: str, kwargs: dict[str, Any], redis_class: Any, cluster_class: Any, sentinel_class: Any) -> Any:
     scheme = urlsplit(url).scheme.lower()
+    password = os.environ.get(PASSWORD_ENV, "").rstrip("\r\n")
+    if password and "password" not in kwargs:  # the URL's options, applied after kwargs, win
+        kwargs = {**kwargs, "password": password}
     if scheme in CLUSTER_SCHEMES:
         return _cluster(url, kwargs, cluster_class)
     if scheme in SENTINEL_SCHEMES:

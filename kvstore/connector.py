@@ -8,8 +8,10 @@ Loading, in three steps, each owned by one party:
    probe of the store found before the request was added).
 2. The scheduler allocates blocks for the local and the external tokens in one `allocate_slots`,
    parks the request in WAITING_FOR_KV and puts `build_load(...)` in its output.
-3. The worker's shell runs `fetch(store, load)` (one MGET; every block's tokens are re-checked, and
-   it stops at the first missing, unreadable or foreign block) and hands the result to the engine,
+3. The worker's shell runs `fetch(store, load, block_shape)` (one MGET; every block's tokens are
+   re-checked, and its dtype, shape and size: anyone who can write to Redis can write a block's key,
+   and a block of the wrong layout must be a miss, not a crash; it stops at the first missing,
+   unreadable, malformed or foreign block) and hands the result to the engine,
    which writes the blocks that arrived and tells the scheduler how many tokens they hold: the
    request resumes from that valid prefix and computes the rest.
 
@@ -74,6 +76,7 @@ class LoadedKV:
     num_bytes: int = 0
     block_hashes: list[str] = field(default_factory=list)  # of the full blocks among them
     num_missing: int = 0  # blocks of the load that did not arrive intact (computed instead)
+    num_rejected: int = 0  # of those, the one found unreadable or of the wrong dtype, shape or size
 
 
 @dataclass
@@ -153,8 +156,28 @@ class KVConnector:
         return save
 
 
-async def fetch(store: BlockReader, load: KVLoad) -> LoadedKV:
-    """Read a load's blocks (one round trip); keep the leading ones that hold the expected tokens."""
+# Keys already reported as malformed: a poisoned popular prefix is rejected on every request that
+# shares it, and is logged once (bounded: a flood of bad keys cannot grow it without end).
+_reported: set[str] = set()
+_MAX_REPORTED = 4096
+
+
+def _reject(key: str, reason: str) -> None:
+    if key in _reported:
+        logger.debug("block %s in the store rejected again: %s", key, reason)
+        return
+    if len(_reported) >= _MAX_REPORTED:
+        _reported.clear()
+    _reported.add(key)
+    logger.warning("block %s in the store rejected (%s); computing it instead (further rejections "
+                   "of this key are not logged)", key, reason)
+
+
+async def fetch(store: BlockReader, load: KVLoad, block_shape: Seq[int] | None = None) -> LoadedKV:
+    """Read a load's blocks (one round trip); keep the leading ones that hold the expected tokens,
+    as a well-formed block of `block_shape` ([layers, 2, block_size, kv_heads, head_dim], this
+    engine's; None: any shape). The first that is not ends the valid prefix: it and the blocks
+    after it are computed instead, and it counts in `num_rejected`."""
     result = LoadedKV(load.seq_id, num_missing=len(load.blocks))
     values = await store.get([b.key for b in load.blocks])
     for block, value in zip(load.blocks, values):
@@ -162,8 +185,11 @@ async def fetch(store: BlockReader, load: KVLoad) -> LoadedKV:
             break
         try:
             stored_tokens, kv = decode_block(value)
-        except (ValueError, KeyError, TypeError) as exc:
-            logger.warning("block %s in the store is unreadable: %s", block.key, exc)
+            if block_shape is not None and list(kv.shape) != list(block_shape):
+                raise ValueError(f"shape {list(kv.shape)}, expected {list(block_shape)}")
+        except Exception as exc:  # untrusted bytes: whatever fails to decode is a miss, never a crash
+            result.num_rejected += 1
+            _reject(block.key, f"{type(exc).__name__}: {exc}")
             break
         if stored_tokens != block.token_ids:  # a hash collision or a stale partial: recompute
             logger.warning("block %s holds other tokens than expected; recomputing", block.key)

@@ -1,4 +1,6 @@
-"""A throwaway 3-master Redis Cluster on loopback ports, for tests (no replicas, nothing on disk)."""
+"""A throwaway Redis Cluster on loopback ports, for tests: 3 masters, each with `replicas` replicas
+(none by default), nothing on disk; a node timeout of 2 s, so a killed master's replica takes over
+within seconds."""
 
 from __future__ import annotations
 
@@ -17,10 +19,15 @@ import redis
 from baton.ops.redis_server import child_preexec, find_redis_server
 
 
+NODE_TIMEOUT_MS = 2000
+
+
 class RedisClusterServers:
-    def __init__(self, masters: int = 3, ports: list[int] | None = None) -> None:
+    def __init__(self, masters: int = 3, ports: list[int] | None = None, replicas: int = 0) -> None:
         self.workdir = Path(tempfile.mkdtemp(prefix="baton-redis-cluster-"))
-        self.ports = ports or cluster_ports(masters)
+        self.ports = ports or cluster_ports(masters * (1 + replicas))
+        self.replicas = replicas
+        self.procs_by_port: dict[int, subprocess.Popen] = {}
         self.procs: list[subprocess.Popen] = []
         try:
             server = find_redis_server()
@@ -30,18 +37,22 @@ class RedisClusterServers:
                 self.procs.append(subprocess.Popen(
                     [server, "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
                      "--cluster-config-file", "nodes.conf", "--dir", str(node_dir), "--save", "",
-                     "--appendonly", "no", "--cluster-node-timeout", "2000", "--logfile", str(node_dir / "log")],
+                     "--appendonly", "no", "--cluster-node-timeout", str(NODE_TIMEOUT_MS),
+                     "--logfile", str(node_dir / "log")],
                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                     # dies with this test process, even one killed by SIGKILL
                     preexec_fn=child_preexec(new_session=False, death_signal=signal.SIGKILL)))
+                self.procs_by_port[port] = self.procs[-1]
             for port in self.ports:
                 self._wait_answering(port)
             cli = shutil.which("redis-cli") or shutil.which("valkey-cli")
             assert cli, "redis-cli is needed to create a cluster"
             subprocess.run([cli, "--cluster", "create", *(f"127.0.0.1:{p}" for p in self.ports),
-                            "--cluster-replicas", "0", "--cluster-yes"],
+                            "--cluster-replicas", str(replicas), "--cluster-yes"],
                            check=True, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, timeout=30)
             self._wait_cluster_ok()
+            if replicas:
+                self._wait_replicas_synced()
         except BaseException:
             self.stop()
             raise
@@ -73,6 +84,57 @@ class RedisClusterServers:
                 return
             assert time.monotonic() < deadline, f"cluster not ok after {timeout}s: {states}"
             time.sleep(0.1)
+
+    def _wait_replicas_synced(self, timeout: float = 30) -> None:
+        """Every replica has done its first sync (else its master's death would leave a slot that no
+        replica may take over)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            infos = {p: self.node(p).info("replication") for p in self.ports}
+            links = {p: info.get("master_link_status") for p, info in infos.items() if info["role"] == "slave"}
+            if len(links) == len(self.ports) // (1 + self.replicas) * self.replicas and all(
+                    link == "up" for link in links.values()):
+                return
+            assert time.monotonic() < deadline, f"replicas not synced after {timeout}s: {links}"
+            time.sleep(0.1)
+
+    def live_ports(self) -> list[int]:
+        return [port for port in self.ports if self.procs_by_port[port].poll() is None]
+
+    def masters(self) -> list[int]:
+        """The ports of the live nodes that are masters now."""
+        return [port for port in self.live_ports() if self.node(port).info("replication")["role"] == "master"]
+
+    def master_of(self, key: str) -> int:
+        """The port of the master that serves `key`'s slot now."""
+        port = self.live_ports()[0]
+        slot = self.node(port).cluster("keyslot", key)
+        for start, end, master, *_replicas in self.node(port).cluster("slots"):
+            if start <= slot <= end:
+                return int(master[1])
+        raise AssertionError(f"no master serves slot {slot}")
+
+    def kill(self, port: int) -> None:
+        """SIGKILL the node on `port` (a crash: no goodbye to the other nodes)."""
+        proc = self.procs_by_port[port]
+        proc.kill()
+        proc.wait()
+
+    def wait_failover(self, dead: int, timeout: float) -> float:
+        """Wait until every live node sees the cluster ok again and none counts `dead` among the
+        masters (its replica took its slots); returns the seconds it took."""
+        start = time.monotonic()
+        while True:
+            try:
+                live = self.live_ports()
+                if all(self.node(p).cluster("info").get("cluster_state") == "ok" for p in live) and all(
+                        int(master[1]) != dead for p in live
+                        for _s, _e, master, *_r in self.node(p).cluster("slots")):
+                    return time.monotonic() - start
+            except redis.RedisError:
+                pass
+            assert time.monotonic() - start < timeout, f"no failover of {dead} within {timeout}s"
+            time.sleep(0.05)
 
     def stop(self) -> None:
         for proc in self.procs:

@@ -29,7 +29,7 @@ def test_the_scheme_picks_the_client():
     assert set(cluster.nodes_manager.startup_nodes) == {"10.0.0.1:7000", "10.0.0.2:7001"}
     assert cluster.connection_kwargs["username"] == "user" and cluster.connection_kwargs["password"] == "s3cret"
     tls = connect("rediss+cluster://:pw@10.0.0.1:7000?ssl_cert_reqs=none")
-    assert tls.connection_kwargs["connection_class"].__name__ == "SSLConnection"
+    assert tls.connection_kwargs["connection_class"].__mro__[1].__name__ == "SSLConnection"
     assert tls.connection_kwargs["ssl_cert_reqs"] == "none"
 
 
@@ -164,3 +164,31 @@ def test_a_send_on_a_connection_redis_closed_is_a_connection_error(redis_url):
             await client.aclose()
 
     asyncio.run(scenario())
+
+
+def test_the_password_can_come_from_the_environment(monkeypatch):
+    """Issue 20 (6): Kubernetes hands the Redis password from a Secret as BATON_REDIS_PASSWORD;
+    a URL without one uses it, a URL's own password wins, on every kind of URL."""
+    server = start_private_redis(password="from-the-secret")
+    try:
+        url = f"redis://127.0.0.1:{server.port}/0"
+        with pytest.raises(redis.AuthenticationError):
+            connect_sync(url).ping()
+        monkeypatch.setenv("BATON_REDIS_PASSWORD", "from-the-secret\n")  # a file's newline is no part of it
+        assert connect_sync(url).ping()
+        assert asyncio.run(_ping(url))
+        monkeypatch.setenv("BATON_REDIS_PASSWORD", "wrong")
+        assert connect_sync(f"redis://:from-the-secret@127.0.0.1:{server.port}/0").ping()  # the URL wins
+        cluster = connect("redis+cluster://10.0.0.1:7000")
+        assert cluster.connection_kwargs["password"] == "wrong"
+        assert connect("redis+cluster://:url-pw@10.0.0.1:7000").connection_kwargs["password"] == "url-pw"
+    finally:
+        server.stop()
+
+
+async def _ping(url: str) -> bool:
+    client = connect(url)
+    try:
+        return bool(await client.ping())
+    finally:
+        await client.aclose()

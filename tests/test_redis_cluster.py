@@ -1,12 +1,17 @@
-"""Baton on a 3-master Redis Cluster: 2 gateways, 2 prefill and 2 decode workers (issue 13, item 1).
+"""Baton on a Redis Cluster of 3 masters, each with a replica: 2 gateways, 2 prefill and 2 decode
+workers (issue 13, item 1).
 
 Streams answer what the offline engine answers, a decode worker killed by SIGKILL mid-stream costs
-no stream its tokens, KV blocks spread over the masters, and everything stops at the end.
+no stream its tokens, KV blocks spread over the masters, and everything stops at the end. Half the
+processes take a plain redis:// URL of one node, which works as the cluster (issue 20, item 11). The
+master of the work streams killed by SIGKILL under streaming load: every stream ends, with its tokens
+or a retryable error, and the system serves again once the replica took over (issue 20, item 10).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 import signal
 import time
@@ -14,9 +19,10 @@ import time
 import httpx
 import pytest
 
-from baton.protocol import DECODE_GROUP, DECODE_STREAM
+from baton import redis_client
+from baton.protocol import DECODE_GROUP, DECODE_STREAM, PREFILL_STREAM
 from tests.cluster import Cluster
-from tests.redis_cluster import RedisClusterServers, cluster_ports
+from tests.redis_cluster import NODE_TIMEOUT_MS, RedisClusterServers, cluster_ports
 from tests.test_gateway_support import start_gateway, wait_until
 from tests.test_faults import WORDS, expected_ids, stream_ids
 
@@ -28,14 +34,33 @@ MAX_NEW_TOKENS = 48
 
 @pytest.fixture(scope="module")
 def servers():
-    with RedisClusterServers(masters=3) as servers:
+    with RedisClusterServers(masters=3, replicas=1) as servers:
         yield servers
 
 
+class MixedUrlCluster(Cluster):
+    """prefill-1, decode-1 and gateway-1 take `plain_url`, the others the cluster's URL."""
+
+    def __init__(self, *args, plain_url: str, **kwargs) -> None:
+        self.plain_url = plain_url
+        super().__init__(*args, **kwargs)
+
+    def _spawn(self, name, cmd):
+        if name.endswith("-1"):
+            cmd = [self.plain_url if arg == self.redis_url else arg for arg in cmd]
+        return super()._spawn(name, cmd)
+
+
 @pytest.fixture(scope="module")
-def system(servers, tiny_model_dir):
-    with Cluster(tiny_model_dir, prefill=2, decode=2, gateways=2, redis_url=servers.url,
-                 decode_args=("--max-num-seqs", "8")) as system:
+def plain_url(servers) -> str:
+    """redis://host:port of one master, not the work streams' one: its MOVED replies matter."""
+    return f"redis://127.0.0.1:{next(p for p in servers.masters() if p != servers.master_of(PREFILL_STREAM))}"
+
+
+@pytest.fixture(scope="module")
+def system(servers, tiny_model_dir, plain_url):
+    with MixedUrlCluster(tiny_model_dir, prefill=2, decode=2, gateways=2, redis_url=servers.url,
+                         decode_args=("--max-num-seqs", "8"), plain_url=plain_url) as system:
         yield system
 
 
@@ -77,6 +102,27 @@ def stream_all(system: Cluster, texts: list[str], kill: str | None = None, after
     return asyncio.run(run())
 
 
+def test_a_plain_client_of_a_cluster_node_names_the_url_on_moved(servers):
+    """A node that was not reachable when the client was made got a plain client: its first MOVED
+    reply says what the URL is and what to do (a worker exits on it; its restart detects it)."""
+    node = servers.masters()[0]
+    url = f"redis://127.0.0.1:{node}"
+    key = next(f"k{i}" for i in range(1000) if servers.master_of(f"k{i}") != node)
+
+    async def scenario() -> None:
+        redis_client._probed[url] = False  # as if it had not answered
+        client = redis_client.connect(url)
+        try:
+            with pytest.raises(redis_client.ClusterNodeError, match=rf"redis://127.0.0.1:{node} is a Redis Cluster "
+                                                                    "node .*redis\\+cluster://"):
+                await client.get(key)
+        finally:
+            await client.aclose()
+            redis_client._probed.pop(url, None)
+
+    asyncio.run(scenario())
+
+
 def test_streams_match_the_reference_on_a_cluster(system, reference):
     texts = prompts(6, offset=0)
     assert stream_all(system, texts) == expected_ids(reference, texts, MAX_NEW_TOKENS)
@@ -96,12 +142,13 @@ def test_the_dashboard_samples_the_streams_on_a_cluster(system):
 
 
 def test_kv_blocks_spread_over_the_masters(system, servers):
+    masters = servers.masters()
     holders = {port: sum(1 for key in servers.node(port).scan_iter(match="baton:kv:*", count=1000)
                          if not key.startswith(b"baton:kv:partial:"))
-               for port in servers.ports}
+               for port in masters}
     assert sum(1 for n in holders.values() if n > 0) > 1, holders
     # the pipeline streams share one slot (their MULTI/EXEC): one master holds them all
-    stream_nodes = [port for port in servers.ports if any(servers.node(port).scan_iter(match="{baton}:*"))]
+    stream_nodes = [port for port in masters if any(servers.node(port).scan_iter(match="{baton}:*"))]
     assert len(stream_nodes) == 1, stream_nodes
 
 
@@ -114,6 +161,20 @@ def test_sigkill_of_a_decode_worker_mid_stream(system, reference):
     assert system.procs["decode-0"].poll() is not None
     system.wait_idle(timeout=30)
     assert httpx.get(system.base_urls[1] + "/stats", timeout=5).json()["requests"]["running"] == 0
+
+
+def test_processes_given_a_plain_url_of_one_node_use_it_as_the_cluster(system, plain_url):
+    """redis://host:port of one cluster node (the URL users try first): prefill-1, decode-1 and
+    gateway-1 detect the cluster and use it as one. Before, the workers died on MOVED in a loop and
+    /ready stayed 503. decode-1 served every stream since decode-0 was killed above."""
+    line = f"{plain_url} is a Redis Cluster node: using it as a cluster"
+    for name in ("prefill-1", "decode-1", "gateway-1"):
+        assert system.procs[name].poll() is None, name
+        assert line in (system.log_dir / f"{name}-{system.port}.log").read_text(), name
+    assert httpx.get(system.base_urls[1] + "/ready", timeout=5).status_code == 200
+    states = {s["worker_id"]: s for kind in ("prefill", "decode") for s in system.fresh_worker_states(kind)}
+    assert {"prefill-1", "decode-1"} <= set(states), states
+    assert states["decode-1"]["num_requests_finished"] > 0
 
 
 def test_a_gateway_started_before_its_cluster_answers_503_then_serves(default_model_dir, gw_tokenizer):
@@ -130,6 +191,91 @@ def test_a_gateway_started_before_its_cluster_answers_503_then_serves(default_mo
             assert wait_until(lambda: httpx.get(server.url + "/health", timeout=5).status_code == 200, timeout=15)
     finally:
         server.stop()
+
+
+async def stream_outcome(client: httpx.AsyncClient, prompt: str, counter: list[int]) -> tuple[list[int], dict | None]:
+    """(token ids, -1 after a proper end; the error that ended the stream, None if none)."""
+    ids: list[int] = []
+    async with client.stream("POST", "/generate_stream", json={
+            "inputs": prompt, "parameters": {"max_new_tokens": MAX_NEW_TOKENS, "do_sample": False,
+                                             "details": True}}) as response:
+        if response.status_code != 200:
+            return ids, {"status": response.status_code, **json.loads(await response.aread())}
+        async for line in response.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            event = json.loads(line[5:])
+            if "error" in event:
+                return ids, event
+            ids.append(event["token"]["id"])
+            counter[0] += 1
+            if event.get("details"):
+                ids.append(-1)
+    return ids, None
+
+
+def test_failover_of_the_streams_master_under_streaming_load(system, servers, reference):
+    """SIGKILL the master of the work streams' slot while 6 streams run: each ends within a bound
+    with its whole greedy output or a retryable error (a 503 `unavailable`), its tokens so far a
+    prefix of that output; once the replica took over, both gateways serve again, and every budget
+    is released."""
+    texts = prompts(6, offset=7)
+    want = expected_ids(reference, texts, MAX_NEW_TOKENS)
+    victim = servers.master_of(PREFILL_STREAM)
+    failover_bound_s = 5 * NODE_TIMEOUT_MS / 1000  # detection (node timeout), election, promotion
+    streams_bound_s = failover_bound_s + 20
+
+    async def run() -> tuple[float, float, float, list[tuple[list[int], dict | None]]]:
+        counter = [0]
+        clients = [httpx.AsyncClient(base_url=url, timeout=120) for url in system.base_urls]
+        try:
+            tasks = [asyncio.create_task(stream_outcome(clients[i % len(clients)], text, counter))
+                     for i, text in enumerate(texts)]
+            while counter[0] < 30 and not all(t.done() for t in tasks):
+                await asyncio.sleep(0.01)
+            assert not all(t.done() for t in tasks), "every stream ended before the kill"
+            killed = time.monotonic()
+            servers.kill(victim)
+            failover_s = await asyncio.to_thread(servers.wait_failover, victim, failover_bound_s)
+            done, pending = await asyncio.wait(tasks, timeout=streams_bound_s - (time.monotonic() - killed))
+            for task in pending:
+                task.cancel()
+            assert not pending, f"{len(pending)} streams still open {streams_bound_s:.0f}s after the kill"
+            return killed, failover_s, time.monotonic() - killed, [t.result() for t in tasks]
+        finally:
+            for client in clients:
+                await client.aclose()
+
+    killed, failover_s, streams_s, outcomes = asyncio.run(run())
+    for (ids, error), expected in zip(outcomes, want):
+        if error is None:
+            assert ids == expected
+        else:
+            assert error.get("error_type") == "unavailable" and error.get("status", 503) == 503, error
+            assert ids == expected[:len(ids)], (ids, expected)
+    # serving again: the first request that succeeds after the kill, then every prompt, both gateways
+    while True:
+        ids, error = asyncio.run(_one(system.base_urls[1], texts[0]))
+        if error is None:
+            break
+        assert error.get("error_type") == "unavailable", error
+        assert time.monotonic() - killed < failover_bound_s + 10, f"not serving again: {error}"
+        time.sleep(0.2)
+    serving_s = time.monotonic() - killed
+    assert ids == want[0]
+    assert stream_all(system, texts) == want
+    system.wait_idle(timeout=30)
+    for url in system.base_urls:
+        stats = httpx.get(url + "/stats", timeout=5).json()
+        assert stats["token_budget"]["in_use"] == 0 and stats["requests"]["running"] == 0, stats
+    print(f"failover: cluster ok again {failover_s:.1f}s after the kill, streams ended {streams_s:.1f}s after, "
+          f"serving {serving_s:.1f}s after; {sum(e is not None for _, e in outcomes)}/{len(outcomes)} streams "
+          "ended with an error")
+
+
+async def _one(base_url: str, text: str) -> tuple[list[int], dict | None]:
+    async with httpx.AsyncClient(base_url=base_url, timeout=60) as client:
+        return await stream_outcome(client, text, [0])
 
 
 def test_everything_stops(system, servers):

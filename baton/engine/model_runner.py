@@ -145,6 +145,11 @@ class ModelRunner:
 
     # --- moving blocks in and out (the disaggregated workers hand KV through the store) ---
 
+    @property
+    def block_shape(self) -> list[int]:
+        """One block in the store's format, as `read_block` gives and `write_block` takes it."""
+        return [self.config.num_layers, 2, self.block_size, self.config.num_kv_heads, self.config.head_dim]
+
     def read_block(self, block: int) -> torch.Tensor:
         """A block's KV in the store's format: [layers, 2, block_size, kv_heads, head_dim] (a copy,
         on the CPU; the cache itself is head-major)."""

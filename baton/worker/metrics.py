@@ -11,7 +11,8 @@ plain `sum()` over all scraped processes counts it twice. As rendered by prometh
     baton:worker_generation_tokens_total
     baton:worker_prefix_cache_queries_total, baton:worker_prefix_cache_hits_total        (tokens)
     baton:worker_kv_blocks_fetched_total, baton:worker_kv_blocks_missing_total,
-    baton:worker_kv_blocks_computed_total, baton:worker_kv_blocks_written_total
+    baton:worker_kv_blocks_computed_total, baton:worker_kv_blocks_written_total,
+    baton:worker_kv_blocks_rejected_total
     baton:worker_kv_handoff_bytes_total{direction="fetched"|"written"}, baton:worker_dead_letters_total
     baton:worker_requests_finished_total{finished_reason}
     baton:worker_iteration_tokens_total, baton:worker_engine_step_seconds,
@@ -52,6 +53,7 @@ class WorkerMetrics:
                                       buckets=_TIME_BUCKETS, registry=r).labels(**lbl)
         self.blocks_fetched = Counter("baton:worker_kv_blocks_fetched", "Full KV blocks loaded from the store", LABELS, registry=r).labels(**lbl)
         self.blocks_missing = Counter("baton:worker_kv_blocks_missing", "KV blocks a load expected that the store no longer had (computed instead)", LABELS, registry=r).labels(**lbl)
+        self.blocks_rejected = Counter("baton:worker_kv_blocks_rejected", "KV blocks from the store that were unreadable or of the wrong dtype, shape or size (a miss: computed instead)", LABELS, registry=r).labels(**lbl)
         self.blocks_computed = Counter("baton:worker_kv_blocks_computed", "Full KV blocks computed here", LABELS, registry=r).labels(**lbl)
         self.blocks_written = Counter("baton:worker_kv_blocks_written", "KV blocks written to the store", LABELS, registry=r).labels(**lbl)
         self.handoff_bytes = Counter("baton:worker_kv_handoff_bytes", "Bytes of KV moved through the store", LABELS + ["direction"], registry=r)

@@ -1,0 +1,162 @@
+"""Issue 20 (6): a KV block in the store that is not what this model's blocks look like (shape, dtype,
+byte length) is a cache miss, counted and logged once, never a crash. Anyone who can write to Redis
+can pre-write `baton:kv:<hash>` for a popular prefix (SET NX: the first write wins), so a worker
+must not trust a block's layout any more than its tokens.
+
+Real workers over the private Redis; the test plays the gateway (tests/test_workers.py's helper).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import urllib.request
+
+import msgpack
+import pytest
+import redis
+import torch
+
+from baton.ops.redis_server import free_port
+from kvstore.connector import BlockLoad, KVLoad, fetch
+from kvstore.redis_backend import encode_block
+from tests.test_workers import Gateway, wait_heartbeats
+
+BLOCK_SIZE = 16
+REJECTED = "baton:worker_kv_blocks_rejected_total"
+
+
+def _layout(model_dir) -> list[int]:
+    from baton.engine.config import ModelConfig
+
+    config = ModelConfig.from_dir(model_dir)
+    return [config.num_layers, 2, BLOCK_SIZE, config.num_kv_heads, config.head_dim]
+
+
+def malformed_block(kind: str, tokens: list[int], shape: list[int]) -> bytes:
+    """A value that decodes as a Baton block holding `tokens`, but of the wrong layout."""
+    if kind == "shape":  # self-consistent bytes, one head too many
+        return encode_block(tokens, torch.ones([*shape[:3], shape[3] + 1, shape[4]]))
+    if kind == "dtype":  # the right shape, integers
+        return encode_block(tokens, torch.ones(shape, dtype=torch.int32))
+    if kind == "bytes":  # says float32 of the right shape, carries fewer bytes
+        good = msgpack.unpackb(encode_block(tokens, torch.ones(shape)), raw=False)
+        return msgpack.packb({**good, "data": good["data"][:-4]}, use_bin_type=True)
+    if kind == "rank":  # a flat tensor of exactly the right number of elements
+        return encode_block(tokens, torch.ones(shape).flatten())
+    raise ValueError(kind)
+
+
+class Store:
+    def __init__(self, values: dict[str, bytes]) -> None:
+        self.values = values
+
+    async def get(self, keys):
+        return [self.values.get(k) for k in keys]
+
+
+@pytest.mark.parametrize("kind", ["shape", "dtype", "bytes", "rank"])
+async def test_fetch_keeps_the_valid_prefix_and_counts_the_rejected_block(kind, caplog):
+    shape = [2, 2, BLOCK_SIZE, 3, 8]
+    tokens = [list(range(i * BLOCK_SIZE, (i + 1) * BLOCK_SIZE)) for i in range(3)]
+    keys = [f"baton:kv:{kind}-{i}" for i in range(3)]
+    store = Store({keys[0]: encode_block(tokens[0], torch.ones(shape, dtype=torch.bfloat16)),
+                   keys[1]: malformed_block(kind, tokens[1], shape),
+                   keys[2]: encode_block(tokens[2], torch.ones(shape))})
+    load = KVLoad("req", [BlockLoad(i, keys[i], tokens[i], f"h{i}") for i in range(3)])
+    for attempt in range(2):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, "baton.kv_connector"):
+            result = await fetch(store, load, shape)
+        # the first block kept; the malformed one and the rest are computed instead
+        assert result.num_tokens == BLOCK_SIZE and result.block_hashes == ["h0"]
+        assert result.num_rejected == 1 and result.num_missing == 2
+        assert [list(kv.shape) for kv in result.kv] == [shape]
+        # logged once, with its key: a poisoned popular prefix is met by every request sharing it
+        assert [keys[1] in r.getMessage() for r in caplog.records] == ([True] if attempt == 0 else [])
+
+
+def start_worker(module: str, model_dir, redis_url: str, log_path, *extra: str) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    with open(log_path, "w") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", module, "--model", str(model_dir), "--redis-url", redis_url, "--threads", "1",
+             "--dtype", "float32", "--claim-idle-ms", "1000", *extra],
+            env=env, stdout=subprocess.DEVNULL, stderr=log, text=True)
+
+
+@pytest.fixture(scope="module")
+def workers(tiny_model_dir, redis_url, tmp_path_factory):
+    client = redis.Redis.from_url(redis_url)
+    client.flushall()
+    logs = tmp_path_factory.mktemp("kv-integrity")
+    ports = {"prefill": free_port(), "decode": free_port()}
+    procs = {
+        "prefill": start_worker("prefill_worker", tiny_model_dir, redis_url, logs / "prefill.log",
+                                "--metrics-port", str(ports["prefill"])),
+        "decode": start_worker("decode_worker", tiny_model_dir, redis_url, logs / "decode.log",
+                               "--num-kv-blocks", "64", "--metrics-port", str(ports["decode"])),
+    }
+    try:
+        wait_heartbeats(client, ["prefill", "decode"])
+        yield client, procs, ports, logs
+    finally:
+        for proc in procs.values():
+            proc.terminate()
+        for proc in procs.values():
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        client.close()
+
+
+def rejected(port: int) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        lines = resp.read().decode().splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(REJECTED + "{"))
+
+
+@pytest.fixture(scope="module")
+def reference_llm(tiny_model_dir):
+    from baton import LLM
+
+    return LLM(model=str(tiny_model_dir), dtype="float32", enable_prefix_caching=False)
+
+
+@pytest.mark.parametrize("kind", ["shape", "dtype", "bytes"])
+def test_a_malformed_block_in_the_store_is_a_counted_miss(workers, reference_llm, tiny_model_dir, kind):
+    from baton import SamplingParams
+    from baton.engine.config import ModelConfig
+    from kvstore.hashing import hash_blocks
+
+    client, procs, ports, logs = workers
+    gateway = Gateway(client)
+    base = {"shape": 3000, "dtype": 4000, "bytes": 5000}[kind]
+    first, second = list(range(base, base + 16)), list(range(base + 100, base + 116))
+    prompt = first + second + [7, 8, 9]
+    # The first block genuinely in the store (a request that shares it); the second poisoned.
+    warm = gateway.submit(first + [1, 2], 2, temperature=0.0)
+    gateway.wait_all([warm])
+    model_id = ModelConfig.from_dir(tiny_model_dir).model_id
+    hashes = hash_blocks(prompt, BLOCK_SIZE, model_id)
+    assert client.exists(f"baton:kv:{hashes[0]}")
+    key = f"baton:kv:{hashes[1]}"
+    client.set(key, malformed_block(kind, second, _layout(tiny_model_dir)))
+    before = {name: rejected(port) for name, port in ports.items()}
+
+    expected = reference_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    rid = gateway.submit(prompt, 8, temperature=0.0, ignore_eos=True)
+    gateway.wait_all([rid], timeout=60)
+    assert gateway.tokens(rid) == expected[0].outputs[0].token_ids
+    assert gateway.events[rid][0].num_cached_tokens == BLOCK_SIZE  # the good block, not the bad one
+    assert all(proc.poll() is None for proc in procs.values()), "a worker crashed"
+    after = {name: rejected(port) for name, port in ports.items()}
+    # The prefill worker finds both blocks by a probe; the handoff names both, so decode meets it too.
+    assert after["prefill"] - before["prefill"] == 1
+    assert after["decode"] - before["decode"] == 1
+    for name in ("prefill", "decode"):
+        text = (logs / f"{name}.log").read_text()
+        assert sum(key in line for line in text.splitlines()) == 1, (name, text[-3000:])
