@@ -17,11 +17,12 @@ budget; a request larger than one share can never be admitted by one gateway and
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Union
 
 from baton import tracing
 from baton.logs import bound_client_id
@@ -30,6 +31,24 @@ from gateway.errors import ApiError, overloaded, validation_error
 from gateway.metrics import GatewayMetrics
 
 log = logging.getLogger(__name__)
+
+
+class TicketState(enum.Enum):
+    """A ticket's life, written only by the admission task: NEW -> (WAITING ->) RUNNING -> DONE, or
+    NEW/WAITING -> DONE (refused, or given up before admission)."""
+
+    NEW = "new"
+    WAITING = "waiting"
+    RUNNING = "running"
+    DONE = "done"
+
+
+_TRANSITIONS = {
+    TicketState.NEW: {TicketState.WAITING, TicketState.RUNNING, TicketState.DONE},
+    TicketState.WAITING: {TicketState.RUNNING, TicketState.DONE},
+    TicketState.RUNNING: {TicketState.DONE},
+    TicketState.DONE: set(),
+}
 
 
 @dataclass(eq=False)
@@ -41,19 +60,44 @@ class Ticket:
     decision: asyncio.Future[ApiError | None] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future())
     submitted_at: float = field(default_factory=time.monotonic)
-    state: str = "new"  # new -> waiting -> running -> done; written only by the admission task
+    state: TicketState = TicketState.NEW  # written only by the admission task (`move`)
     # Tracing (baton/tracing.py; None when off): the request's span at the gateway, from submit to
     # done, and its child for the wait for budget.
     span: Any = None
     admission_span: Any = None
     rejected: str = ""  # why it was answered with an error before admission, if it was
 
+    def move(self, to: TicketState) -> None:
+        assert to in _TRANSITIONS[self.state], f"ticket {self.state.name} -> {to.name}"
+        self.state = to
+
+
+# The admission task's inbox: typed messages, applied in order by their one owner.
+@dataclass(frozen=True)
+class Submit:
+    ticket: Ticket
+
+
+@dataclass(frozen=True)
+class Done:
+    ticket: Ticket
+
+
+@dataclass(frozen=True)
+class BudgetUpdate:
+    total_tokens: int  # the live decode workers' KV capacity
+    largest_worker_tokens: int
+    gateways: int  # live gateways sharing it (this one included)
+
+
+Command = Union[Submit, Done, BudgetUpdate]
+
 
 class Admission:
     def __init__(self, settings: Settings, metrics: GatewayMetrics) -> None:
         self._settings = settings
         self._metrics = metrics
-        self._inbox: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        self._inbox: asyncio.Queue[Command] = asyncio.Queue()
         self._waiting: deque[Ticket] = deque()
         self._running = 0
         self._in_use = 0
@@ -72,16 +116,16 @@ class Admission:
             ticket.admission_span = tracing.start_span("admission", ticket.span)
             # The caller's task sends the request's messages: they carry this span as their parent.
             tracing.set_request_parent(tracing.traceparent(ticket.span))
-        self._inbox.put_nowait(("submit", ticket))
+        self._inbox.put_nowait(Submit(ticket))
         return ticket
 
     def done(self, ticket: Ticket) -> None:
-        self._inbox.put_nowait(("done", ticket))
+        self._inbox.put_nowait(Done(ticket))
 
     def set_derived_budget(self, total_tokens: int, largest_worker_tokens: int, gateways: int = 1) -> None:
         """What the heartbeats say: the decode workers' KV capacity (in all, and the largest one's)
         and how many live gateways share it."""
-        self._inbox.put_nowait(("budget", (total_tokens, largest_worker_tokens, max(1, gateways))))
+        self._inbox.put_nowait(BudgetUpdate(total_tokens, largest_worker_tokens, max(1, gateways)))
 
     # ---- read-only views (safe: same event loop, the task is the only writer) ----
 
@@ -124,20 +168,20 @@ class Admission:
 
     async def run(self) -> None:
         while True:
-            command, arg = await self._inbox.get()
-            self._apply(command, arg)
+            self._apply(await self._inbox.get())
             while not self._inbox.empty():  # drain a burst before trying to admit
-                self._apply(*self._inbox.get_nowait())
+                self._apply(self._inbox.get_nowait())
             self._admit_waiting()
             self._publish()
 
-    def _apply(self, command: str, arg: Any) -> None:
-        if command == "submit":
-            self._on_submit(arg)
-        elif command == "done":
-            self._on_done(arg)
-        elif command == "budget":
-            self._derived_total, self._derived_largest, self._gateways = arg
+    def _apply(self, command: Command) -> None:
+        if isinstance(command, Submit):
+            self._on_submit(command.ticket)
+        elif isinstance(command, Done):
+            self._on_done(command.ticket)
+        else:
+            self._derived_total, self._derived_largest = command.total_tokens, command.largest_worker_tokens
+            self._gateways = command.gateways
 
     def _on_submit(self, t: Ticket) -> None:
         s = self._settings
@@ -166,19 +210,21 @@ class Admission:
                 f"server overloaded: admission queue is full ({s.max_queue_size} waiting, "
                 f"max_queue_size={s.max_queue_size}); retry later", s.retry_after_s))
             return
-        t.state = "waiting"
+        t.move(TicketState.WAITING)
         self._waiting.append(t)
 
     def _on_done(self, t: Ticket) -> None:
-        if t.state == "waiting":
+        if t.state is TicketState.DONE:
+            return  # a second done(): the first released it
+        if t.state is TicketState.WAITING:
             self._waiting.remove(t)  # gave up (timeout, client gone) before admission
             tracing.end_span(t.admission_span, "gave up waiting for token budget")
             t.rejected = "gave up waiting"
-        elif t.state == "running":
+        elif t.state is TicketState.RUNNING:
             self._running -= 1
             self._in_use -= t.cost
         tracing.end_span(t.span, t.rejected or None)
-        t.state = "done"
+        t.move(TicketState.DONE)
         if not t.decision.done():
             t.decision.cancel()
 
@@ -191,7 +237,7 @@ class Admission:
             self._grant(self._waiting.popleft())
 
     def _grant(self, t: Ticket) -> None:
-        t.state = "running"
+        t.move(TicketState.RUNNING)
         self._running += 1
         self._in_use += t.cost
         self._metrics.queue_time.observe(time.monotonic() - t.submitted_at)
