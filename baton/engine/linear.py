@@ -15,11 +15,25 @@ and oneDNN reads bf16 weights at a fraction of the machine's bandwidth there (10
 Zen 4). `RowSplitLinear` adds the native kernel (`kernels/gemv.cpp`) for up to `max_native_rows`
 rows, chosen per weight shape by timing both on this machine at load (`tune_row_split`): the
 fastest per shape and row count, as the kernels differ by CPU.
+
+Batch invariance (`BATON_BATCH_INVARIANT`: auto, the default, is on where the CPU has AMX; full,
+matmul or off, see `batch_invariant_mode`): greedy tokens must not depend
+on what else shares a step, or a request that a live decode worker resumes after a crash (in another
+batch) produces other tokens than were already sent, and the gateway must fail it
+(`resume_mismatch`). Choosing the kernel per row count breaks that: oneDNN and the native kernel
+round differently, and oneDNN itself changes its kernel (and its reduction order) with M (measured
+on an Intel Xeon with AMX: rows of an M = 40 call differ from the same rows alone). So in this mode every
+bf16 projection runs the native kernel for every row count (`use_native_for_all_rows`), whose
+per-row arithmetic does not depend on M (`kernels/gemv.cpp`: AMX where the CPU has it, else
+AVX512-BF16), prefill and decode alike; no timing decides anything, so two workers on the same
+kind of CPU compute the same numbers. This is vLLM's batch-invariant mode and SGLang's
+deterministic inference, for this engine's CPU kernels (the costs: docs/performance.md).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -33,6 +47,43 @@ logger = logging.getLogger("baton.engine.linear")
 LinearOp = Callable[[torch.Tensor], torch.Tensor]  # [..., in] -> [..., out]
 
 PACK_BATCH_HINT = 64  # oneDNN picks its blocking for this M; measured flat across M = 1..64
+ALL_ROWS = 1 << 40  # max_native_rows of a projection that takes the native kernel for every row count
+
+
+BATCH_INVARIANT_MODES = ("full", "matmul", "off")
+_auto_said: set[str] = set()
+
+
+def batch_invariant_mode(kernels: Any = None) -> str:
+    """`BATON_BATCH_INVARIANT`: "full" (also 1/true/yes/on): every projection computes a row the
+    same whatever the row count, and prefill queries attend as decode steps do (see
+    `TorchAttention.use_native_kernel`); "matmul": the projections only (prefill attention keeps
+    SDPA, faster for long prompts, but a prompt's numbers then depend on how it was chunked);
+    "off" (0/false/no): the fastest matmul kernel per row count. "auto" (the default): "full"
+    where the native matmul runs on AMX (`kernels`' choice; there it costs decode nothing), "off"
+    elsewhere (the AVX512-BF16 path is 2-6x slower than oneDNN from 8 rows on: measured on an Intel
+    Xeon with its AMX turned off; docs/performance.md), said once in the log."""
+    raw = os.environ.get("BATON_BATCH_INVARIANT", "auto").strip().lower() or "auto"
+    if raw in ("1", "true", "yes", "on", "full"):
+        return "full"
+    if raw in ("0", "false", "no", "off"):
+        return "off"
+    if raw == "matmul":
+        return raw
+    if raw != "auto":
+        logger.warning("BATON_BATCH_INVARIANT=%r is none of auto, full, matmul, off: using auto", raw)
+    kernel = kernels.gemv_kernel("") if kernels is not None and hasattr(kernels, "gemv_kernel") else "none"
+    mode = "full" if kernel == "amx" else "off"
+    if kernel not in _auto_said:
+        _auto_said.add(kernel)
+        if mode == "full":
+            logger.info("greedy decode is batch-invariant (the native matmul runs on AMX for every row count)")
+        else:
+            logger.info("greedy decode is not batch-invariant on this CPU (native matmul: %s; without AMX "
+                        "the invariant matmul costs 2-6x from 8 rows): a decode worker's takeover in bf16 "
+                        "may end a stream with resume_mismatch; BATON_BATCH_INVARIANT=full makes it "
+                        "invariant at that cost", kernel)
+    return mode
 
 
 class PackedLinear:
@@ -144,6 +195,36 @@ def tune_row_split(ops: Sequence[LinearOp], kernels: Any) -> list[LinearOp]:
             for i, op in zip(indices, split):
                 op.max_native_rows = max_rows
                 out[i] = op
+    return out
+
+
+def use_native_for_all_rows(ops: Sequence[LinearOp], kernels: Any) -> list[LinearOp]:
+    """Batch-invariant mode: wrap every PackedLinear of `ops` to run the native kernel for every row
+    count (its per-row result does not depend on how many rows share the call). Where the native
+    kernel is missing or disagrees with oneDNN, oneDNN stays (and the output may then depend on the
+    batch: said once in the log)."""
+    out: list[LinearOp] = list(ops)
+    if kernels is None or not hasattr(kernels, "gemv") or not kernels.gemv_available():
+        if any(isinstance(op, PackedLinear) for op in ops):
+            logger.warning("batch-invariant matmuls need the native kernel (AVX512-BF16): oneDNN runs, and "
+                           "greedy tokens may depend on the batch")
+        return out
+    checked: dict[tuple[int, int], bool] = {}
+    for i, op in enumerate(ops):
+        if not isinstance(op, PackedLinear) or op.in_features % 2 != 0:
+            continue
+        split = RowSplitLinear(op, kernels)
+        shape = (op.out_features, op.in_features)
+        if shape not in checked:
+            checked[shape] = _agrees(split.native, split.large, op.in_features, torch.bfloat16)
+            if not checked[shape]:
+                logger.warning("native bf16 matmul disagrees with oneDNN for %s: using oneDNN (not "
+                               "batch-invariant)", shape)
+        if checked[shape]:
+            split.max_native_rows = ALL_ROWS
+            out[i] = split
+    kernel_name = kernels.gemv_kernel("") if hasattr(kernels, "gemv_kernel") else "native"
+    logger.info("batch-invariant matmuls: the native kernel (%s) for every row count", kernel_name)
     return out
 
 

@@ -25,7 +25,8 @@ from torch import nn
 from baton.engine.attention import AttentionMetadata, TorchAttention
 from baton.engine.config import ModelConfig
 from baton.engine.layers_plan import LayersPlan
-from baton.engine.linear import LinearOp, make_linear_op, tune_row_split
+from baton.engine.linear import (BATCH_INVARIANT_MODES, LinearOp, batch_invariant_mode, make_linear_op, tune_row_split,
+                                 use_native_for_all_rows)
 
 
 def set_op(module: nn.Module, name: str, op: LinearOp) -> None:
@@ -206,10 +207,15 @@ class LlamaModel(nn.Module):
         self.rope_cos: torch.Tensor | None = None  # [P, head_dim], built on first use (see rope)
         self.rope_sin: torch.Tensor | None = None
 
-    def prepare(self, fast_linears: bool = True, native_kernels: bool = True) -> None:
+    def prepare(self, fast_linears: bool = True, native_kernels: bool = True,
+                batch_invariant: bool | str | None = None) -> None:
         """After the weights are loaded: pick the fastest matmul per projection (`baton.engine.linear`) and,
         for bf16 on the CPU, the native paged-attention kernel (`baton.engine.kernels`; built on first
-        use)."""
+        use). batch_invariant (default: `BATON_BATCH_INVARIANT`, "auto"; True = "full", False = "off"):
+        one matmul kernel per projection for every row count and, with "full", prefill attention
+        through the decode kernel, so that a row's numbers (and greedy tokens) do not depend on the
+        batch, the chunking, or whether a token was computed in prefill or decode; "matmul": the
+        matmuls only; "off": the fastest kernel per row count, measured here."""
         self.rope_cos = self.rope_sin = None
         param = self.embed_tokens.weight
         kernel = None
@@ -224,12 +230,17 @@ class LlamaModel(nn.Module):
                                              (layer.mlp, "down", layer.mlp.down_proj))]
         slots.append((self, "head", self.lm_head))
         ops = [make_linear_op(linear, fast_linears) for _, _, linear in slots]
+        mode = batch_invariant_mode(kernel) if batch_invariant is None else \
+            {True: "full", False: "off"}.get(batch_invariant, batch_invariant)  # type: ignore[call-overload]
+        if mode not in BATCH_INVARIANT_MODES:
+            raise ValueError(f"batch_invariant must be full, matmul or off, not {batch_invariant!r}")
         if fast_linears:
-            ops = tune_row_split(ops, kernel)
+            ops = use_native_for_all_rows(ops, kernel) if mode != "off" else tune_row_split(ops, kernel)
         for (owner, name, _), op in zip(slots, ops):
             set_op(owner, name, op)
         for layer in self.layers:
-            layer.self_attn.backend.use_native_kernel(kernel)
+            # batch-invariant: prefill queries attend as decode steps do (see TorchAttention)
+            layer.self_attn.backend.use_native_kernel(kernel, decode_style_prefill=fast_linears and mode == "full")
             layer.mlp.silu_mul = kernel.silu_mul if kernel is not None else None
         self.fused_norm = kernel.add_rms_norm if kernel is not None else None
         self.layers_plan = LayersPlan.build(self, kernel)

@@ -117,7 +117,8 @@ class ModelRunner:
                 # query i sits at position start + i and sees keys 0 .. start + i
                 mask = (torch.arange(end).unsqueeze(0) <= torch.arange(start, end).unsqueeze(1))
                 mask = mask.view(1, 1, num_new, end).to(device)
-            prefills.append(PrefillSpan(offset, num_new, end, gather, mask))
+            table = torch.tensor(seq.block_table[:-(-end // bs)], dtype=torch.long, device=device)
+            prefills.append(PrefillSpan(offset, num_new, end, gather, mask, block_ids=table, block_size=bs))
             if seq.sampling_params.prompt_logprobs is not None:
                 # the logits at position p score the prompt token at p + 1
                 count = min(end, seq.num_prompt_tokens - 1) - start

@@ -5,8 +5,9 @@
 // microseconds of interpreter, argument parsing and tensor wrapping: 240 per step, ~15% of it. This
 // loop makes the same calls from C++, in the same order, so its output equals the Python loop's
 // bit for bit (tests/test_kernels.py). Each projection runs the native few-row kernel up to its
-// tuned row count and oneDNN's prepacked matmul (through the dispatcher, as torch.ops would) above
-// it, as RowSplitLinear does. Used for bias-free projections only (LlamaModel.prepare decides).
+// tuned row count (every row count in the batch-invariant mode: max_native_rows is then 2^40) and
+// oneDNN's prepacked matmul (through the dispatcher, as torch.ops would) above it, as RowSplitLinear
+// does. Used for bias-free projections only (LlamaModel.prepare decides).
 //
 // x [T, H] bf16: the residual stream (updated in place); norms: the 2L + 1 RMSNorm weights in the
 // order they apply (layer 0 input, layer 0 post-attention, layer 1 input, ..., final); weights: per

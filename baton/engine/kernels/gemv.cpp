@@ -8,13 +8,30 @@
 // columns, each pair of input columns is one 256-byte vector row of the strip; an activation row's
 // pair is broadcast and multiplied into 4 accumulators (64 outputs) per activation row, MT
 // activation rows at a time (MT x 4 accumulators in registers). The outputs come out of the
-// accumulators as they are: no horizontal reductions. The model uses it per weight shape and row
-// count only where it measured faster than oneDNN (`baton.engine.linear`), so a CPU where oneDNN
-// is the better choice keeps oneDNN.
+// accumulators as they are: no horizontal reductions. In the batch-invariant mode (the default) the
+// model uses it for every projection and row count; with BATON_BATCH_INVARIANT=0 only per weight
+// shape and row count where it measured faster than oneDNN (`baton.engine.linear`).
 //
 // Packed weight: [ceil(N/64), K/2, 64, 2] bf16 (N padded with zero rows; K must be even).
 // x [..., K] bf16 -> [..., N] bf16 (rounded to nearest even, as torch) or fp32.
+//
+// Batch invariance: every output row is computed by the same arithmetic in the same order whatever
+// the number of rows M and wherever the row sits in x (so greedy tokens do not depend on what else
+// shares a step; a request resumed in another batch continues with the tokens already sent). The
+// AVX512-BF16 path: each row has its own accumulators, reduced over K in pair order; the row tile
+// (6, 5, ..., 1 rows) only decides how many rows share a weight load. Where AMX is usable (Intel
+// Sapphire Rapids and later) and K % 32 == 0, every row count runs the AMX path instead (one
+// kernel per machine and shape, never chosen by M): each 16 x 16 output tile accumulates K in
+// 32-column chunks, in order, with TDPBF16PS, whose rows are independent; a tail of fewer than 16
+// rows is copied into a zero-padded tile. AMX keeps the kernel near oneDNN's speed at 16-512 rows
+// (AVX512-BF16 pair products are 4-7x slower there on that CPU), so that one kernel for every row
+// count costs little (docs/performance.md, batch invariance).
 #include "vec.h"
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #if defined(__AVX512BF16__)
 namespace {
@@ -57,6 +74,179 @@ inline void strip_kernel(const c10::BFloat16* x, int64_t K, const c10::BFloat16*
 
 }  // namespace
 #endif
+
+#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define BATON_GEMV_AMX 1
+namespace {
+
+// Tile registers: tmm0-3 outputs (16 rows x 16 fp32), tmm4-5 activations (16 rows x 32 bf16),
+// tmm6-7 weights (16 column pairs x 16 outputs x 2 bf16: 16 rows of 64 bytes, read in place from
+// the packed strip with a 256-byte stride).
+struct alignas(64) TileConfig {
+  uint8_t palette_id;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+inline void amx_load_config() {
+  TileConfig cfg{};
+  cfg.palette_id = 1;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// The kernel asks the OS for the AMX tile state once per process (Linux gives it only on request:
+// without it the first tile instruction is SIGILL); where that is refused the AVX512-BF16 path runs.
+bool amx_permitted() {
+  static const bool ok = [] {
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+}
+
+bool& amx_selected() {
+  static bool selected = [] {
+    const char* env = std::getenv("BATON_GEMV_AMX");
+    return !(env != nullptr && (std::strcmp(env, "0") == 0 || std::strcmp(env, "false") == 0 ||
+                                std::strcmp(env, "no") == 0));
+  }();
+  return selected;
+}
+
+// Bias, rounding and the store of one 16 x 16 output tile (rows valid of them; cols of 16 valid).
+inline void amx_store(const float* tile, int64_t rows, const float* bias, int64_t c0, int64_t N, float* out_f,
+                      c10::BFloat16* out_b) {
+  const int64_t cols = std::min<int64_t>(16, N - c0);
+  const __mmask16 mask = (__mmask16)((1u << cols) - 1);
+  const __m512 bv = bias != nullptr ? _mm512_maskz_loadu_ps(mask, bias + c0) : _mm512_setzero_ps();
+  for (int64_t m = 0; m < rows; ++m) {
+    const __m512 y = _mm512_add_ps(_mm512_loadu_ps(tile + 16 * m), bv);
+    if (out_f != nullptr) _mm512_mask_storeu_ps(out_f + m * N + c0, mask, y);
+    else _mm256_mask_storeu_epi16(out_b + m * N + c0, mask, (__m256i)_mm512_cvtneps_pbh(y));
+  }
+}
+
+// One strip of 64 outputs for one block of 16 activation rows (x0: 16 rows, stride K); the strip is
+// read once, in order. rows: how many of the 16 are real.
+inline void amx_strip_16(const c10::BFloat16* x0, int64_t K, const c10::BFloat16* strip, int64_t rows,
+                         const float* bias, int64_t n0, int64_t N, float* out_f, c10::BFloat16* out_b) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  const int64_t xs = K * 2, ws = kStrip * 2 * 2;  // bytes per activation row, per packed pair row
+  for (int64_t k = 0; k < K; k += 32) {
+    const c10::BFloat16* w = strip + (k / 2) * kStrip * 2;
+    _tile_loadd(4, x0 + k, xs);
+    _tile_loadd(6, w, ws);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_loadd(7, w + 32, ws);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_loadd(6, w + 64, ws);
+    _tile_dpbf16ps(2, 4, 6);
+    _tile_loadd(7, w + 96, ws);
+    _tile_dpbf16ps(3, 4, 7);
+  }
+  alignas(64) float tile[4][256];
+  _tile_stored(0, tile[0], 64);
+  _tile_stored(1, tile[1], 64);
+  _tile_stored(2, tile[2], 64);
+  _tile_stored(3, tile[3], 64);
+  for (int j = 0; j < 4 && n0 + 16 * j < N; ++j) amx_store(tile[j], rows, bias, n0 + 16 * j, N, out_f, out_b);
+}
+
+// The same for two blocks of 16 rows (x0 and x1), 32 outputs at a time: each weight tile loaded
+// once serves 32 rows. The same per-row arithmetic as amx_strip_16 (tile rows are independent and
+// each output accumulates the same chunks in the same order).
+inline void amx_strip_32(const c10::BFloat16* x0, const c10::BFloat16* x1, int64_t K, const c10::BFloat16* strip,
+                         int64_t rows1, const float* bias, int64_t n0, int64_t N, float* out_f0,
+                         c10::BFloat16* out_b0, float* out_f1, c10::BFloat16* out_b1) {
+  const int64_t xs = K * 2, ws = kStrip * 2 * 2;
+  for (int half = 0; half < 2; ++half) {
+    const int64_t c = n0 + 32 * half;
+    if (c >= N) break;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t k = 0; k < K; k += 32) {
+      const c10::BFloat16* w = strip + (k / 2) * kStrip * 2 + 64 * half;
+      _tile_loadd(4, x0 + k, xs);
+      _tile_loadd(6, w, ws);
+      _tile_loadd(7, w + 32, ws);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_loadd(5, x1 + k, xs);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+    alignas(64) float tile[4][256];
+    _tile_stored(0, tile[0], 64);
+    _tile_stored(1, tile[1], 64);
+    _tile_stored(2, tile[2], 64);
+    _tile_stored(3, tile[3], 64);
+    for (int j = 0; j < 2 && c + 16 * j < N; ++j) {
+      amx_store(tile[j], 16, bias, c + 16 * j, N, out_f0, out_b0);
+      amx_store(tile[2 + j], rows1, bias, c + 16 * j, N, out_f1, out_b1);
+    }
+  }
+}
+
+void gemv_amx(const c10::BFloat16* xp, int64_t M, int64_t K, const c10::BFloat16* wp, int64_t NS, const float* b,
+              int64_t N, float* out_f, c10::BFloat16* out_b) {
+  // a tail of fewer than 16 rows: copied into a zero-padded block (tile loads read 16 rows)
+  const int64_t full = M / 16, tail = M % 16;
+  std::vector<c10::BFloat16> padded;
+  if (tail != 0) {
+    padded.assign(16 * K, c10::BFloat16(0.f));
+    std::memcpy(padded.data(), xp + full * 16 * K, tail * K * sizeof(c10::BFloat16));
+  }
+  const int64_t blocks = full + (tail != 0);
+  auto block_x = [&](int64_t i) { return i < full ? xp + i * 16 * K : padded.data(); };
+  auto block_rows = [&](int64_t i) { return i < full ? int64_t{16} : tail; };
+  at::parallel_for(0, NS, 4, [&](int64_t begin, int64_t end) {
+    amx_load_config();
+    for (int64_t s = begin; s < end; ++s) {
+      const c10::BFloat16* strip = wp + s * K * kStrip;
+      int64_t i = 0;
+      for (; i + 2 <= blocks; i += 2) {
+        const int64_t r0 = i * 16, r1 = r0 + 16;
+        amx_strip_32(block_x(i), block_x(i + 1), K, strip, block_rows(i + 1), b, s * kStrip, N,
+                     out_f ? out_f + r0 * N : nullptr, out_b ? out_b + r0 * N : nullptr,
+                     out_f ? out_f + r1 * N : nullptr, out_b ? out_b + r1 * N : nullptr);
+      }
+      if (i < blocks) {
+        const int64_t r0 = i * 16;
+        amx_strip_16(block_x(i), K, strip, block_rows(i), b, s * kStrip, N, out_f ? out_f + r0 * N : nullptr,
+                     out_b ? out_b + r0 * N : nullptr);
+      }
+    }
+    _tile_release();
+  });
+}
+
+}  // namespace
+#endif
+
+// Which kernel `gemv` runs here: "amx" or "avx512bf16" (or "none"). `choice` "amx" / "avx512bf16"
+// selects one for the rest of the process (for benchmarks and tests; the default is AMX where it
+// is usable, unless BATON_GEMV_AMX=0); "" only asks.
+std::string gemv_kernel(std::string choice) {
+#if defined(BATON_GEMV_AMX)
+  if (choice == "amx" || choice == "avx512bf16") amx_selected() = choice == "amx";
+  return amx_selected() && amx_permitted() ? "amx" : "avx512bf16";
+#elif defined(__AVX512BF16__)
+  return "avx512bf16";
+#else
+  return "none";
+#endif
+}
 
 bool gemv_available() {
 #if defined(__AVX512BF16__)
@@ -101,6 +291,12 @@ torch::Tensor gemv(torch::Tensor x, torch::Tensor packed, c10::optional<torch::T
   const auto* wp = packed.data_ptr<c10::BFloat16>();
   float* out_f = out_float ? out.data_ptr<float>() : nullptr;
   c10::BFloat16* out_b = out_float ? nullptr : out.data_ptr<c10::BFloat16>();
+#if defined(BATON_GEMV_AMX)
+  if (K % 32 == 0 && M > 0 && amx_selected() && amx_permitted()) {
+    gemv_amx(xp, M, K, wp, NS, b, N, out_f, out_b);
+    return out.view(out_shape);
+  }
+#endif
   at::parallel_for(0, NS, 4, [&](int64_t begin, int64_t end) {
     for (int64_t s = begin; s < end; ++s) {
       const c10::BFloat16* strip = wp + s * K * kStrip;
