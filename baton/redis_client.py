@@ -51,14 +51,6 @@ def is_cluster_url(url: str) -> bool:
     return urlsplit(url).scheme.lower() in CLUSTER_SCHEMES
 
 
-def is_cluster(client: Any) -> bool:
-    """Whether `client` (or the client of a pipeline) talks to a Redis Cluster: there, writes to
-    keys of different slots are neither ordered nor atomic within one pipeline."""
-    from redis.asyncio.cluster import ClusterPipeline, RedisCluster
-    from redis.cluster import ClusterPipeline as SyncClusterPipeline, RedisCluster as SyncRedisCluster
-
-    return isinstance(client, (RedisCluster, SyncRedisCluster, ClusterPipeline, SyncClusterPipeline))
-
 
 def connect(url: str, **kwargs: Any) -> Any:
     """An asyncio client for `url` (`redis.asyncio.Redis` or `RedisCluster`); `kwargs` are

@@ -3,14 +3,20 @@ workers, the gateway and Redis are killed, stopped and restarted; then a table o
 
     python benchmarks/chaos.py                       # about 6 minutes on 2 cores
     python benchmarks/chaos.py --duration 120 --seed 3
+    python benchmarks/chaos.py --dtype bfloat16      # the default dtype of `baton serve`
 
-Every request is checked: greedy ones against the reference engine's output (float32, same
-weights, computed in this process), seeded sampled ones against a seeded rerun on the reference.
+Every request is checked: greedy ones against the reference engine's output (the served dtype,
+`--dtype`, float32 unless told; same weights, computed in this process, one request at a time: bf16
+holds only because greedy decode is batch-invariant), seeded sampled ones against a seeded rerun on
+the reference. A `resume_mismatch` (a worker that took over regenerated other tokens) counts as bad.
 A request ends in one of: exact (the right tokens), error (a clear 4xx/5xx or error event: 429
 overload, 503 while Redis is down, a request that lost its state), hung (no end within the bound:
 none may) or wrong (ended normally with other tokens: none may). Faults, in random order: kill -9
 and SIGTERM of a worker, SIGSTOP/SIGCONT of the gateway for a few seconds, kill -9 of Redis (serve
-restarts it), a client that reads slowly, oversized and malformed requests (each must get a 4xx).
+restarts it), a client that reads slowly, oversized and malformed requests (each must get a 4xx),
+and issue 20's hostile requests (best_of on a streaming route, a seed near 2**64 with n, best_of's
+usage, streamed required tool calls with n, prompts x n with echo and 20 logprobs, a 1 MiB /tokenize
+with token strings, an invalid schema: each must get its own answer, never a hang or a 500).
 Afterwards the cluster must hold nothing: budget, running requests, pending stream entries and KV
 blocks in use all back to zero.
 """
@@ -57,12 +63,19 @@ class Tally:
     errors: dict[str, int] = field(default_factory=dict)
     rejected_bad_input: int = 0
     bad_input_not_4xx: int = 0
+    hostile_as_expected: int = 0  # issue 20's hostile requests, answered as they should be
+    hostile_unexpected: list[str] = field(default_factory=list)
     faults: list[str] = field(default_factory=list)
     wrong_examples: list[str] = field(default_factory=list)
 
     def error(self, kind: str) -> None:
         self.outcomes["error"] += 1
         self.errors[kind] = self.errors.get(kind, 0) + 1
+
+
+def resume_mismatches(tally: Tally) -> int:
+    # the gateway's error text for it: "the worker that resumed this request produced different tokens ..."
+    return sum(n for kind, n in tally.errors.items() if "resumed this request produced different" in kind)
 
 
 def cpu_model() -> str:
@@ -102,10 +115,10 @@ def role_pids(serve_pid: int, role: str) -> list[int]:
     return [pid for pid, cmd in children(serve_pid).items() if marker in cmd]
 
 
-async def references(model: Path, jobs: list[Job]) -> dict[tuple, list[int]]:
+async def references(model: Path, jobs: list[Job], dtype: str = "float32") -> dict[tuple, list[int]]:
     from baton import LLM, SamplingParams
 
-    llm = LLM(model=str(model), dtype="float32", enable_prefix_caching=False)
+    llm = LLM(model=str(model), dtype=dtype, enable_prefix_caching=False)
     out: dict[tuple, list[int]] = {}
     for job in jobs:
         key = (job.prompt, job.max_tokens, job.seed)
@@ -180,6 +193,76 @@ async def bad_input(client: httpx.AsyncClient, tally: Tally, rng: random.Random)
         tally.bad_input_not_4xx += 1
 
 
+# Issue 20's hostile requests: each was once able to lock up or mislead the gateway. The answer
+# each must get (a 503 is clear too: a fault may be under way).
+TOOL = {"type": "function", "function": {"name": "save", "parameters": {
+    "type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}}}
+HOSTILE: dict[str, tuple[str, dict[str, object], int]] = {
+    # best_of on the streaming route without a `stream` field: leaked its budget for good
+    "best_of_stream": ("/generate_stream", {"inputs": "Hi", "parameters": {
+        "best_of": 4, "do_sample": True, "max_new_tokens": 200}}, 422),
+    # a seed near 2**64 with n > 1: its siblings' seeds overflowed the wire, the request hung 120 s
+    "seed_2_64": ("/v1/completions", {"prompt": "Hi", "n": 2, "seed": 2**64 - 1, "max_tokens": 4,
+                                      "temperature": 1.0}, 200),
+    # best_of: usage once reported prompt_tokens 0
+    "best_of_usage": ("/v1/completions", {"prompt": "Hi there", "best_of": 3, "max_tokens": 4,
+                                          "temperature": 1.0, "seed": 7}, 200),
+    # streamed required tool calls with n: rescanned the answer per chunk on the event loop
+    "tools_required_n": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "save hi"}],
+                                                  "tools": [TOOL], "tool_choice": "required", "n": 3,
+                                                  "max_tokens": 24, "stream": True, "temperature": 1.0}, 200),
+    # several prompts x n with echo and logprobs: formatted on the event loop
+    "echo_logprobs": ("/v1/completions", {"prompt": ["Hi", "Bonjour", "你好"], "n": 2, "echo": True,
+                                          "logprobs": 20, "max_tokens": 6, "temperature": 1.0}, 200),
+    # a 1 MiB prompt's token strings, outside admission
+    "tokenize_1mib": ("/tokenize", {"prompt": "héllo wörld 你好 " * 45_000, "return_token_strs": True}, 200),
+    # an invalid schema, sent again and again
+    "invalid_schema": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}}}, 400),
+}
+
+
+async def hostile(client: httpx.AsyncClient, tally: Tally, rng: random.Random, hang_s: float) -> None:
+    name = rng.choice(sorted(HOSTILE))
+    path, body, expected = HOSTILE[name]
+    try:
+        async with asyncio.timeout(hang_s):
+            r = await client.post(path, content=json.dumps(body, ensure_ascii=False).encode("utf-8"),
+                                  headers={"content-type": "application/json"})
+    except TimeoutError:
+        tally.outcomes["hung"] += 1
+        tally.hostile_unexpected.append(f"{name}: hung")
+        return
+    except httpx.HTTPError as exc:
+        tally.error(f"connection: {type(exc).__name__}")
+        return
+    if r.status_code == 200 and name == "tools_required_n" and '"error"' in r.text:
+        tally.error(f"hostile {name}: error event")  # a stream's error event: as run_job counts it
+    elif r.status_code == expected and _hostile_answer_ok(name, r):
+        tally.hostile_as_expected += 1
+    elif r.status_code == 503 or (r.status_code == 429 and expected == 200):
+        tally.error(f"hostile {name}: {r.status_code}")  # a fault under way, or overload: clear answers
+    elif r.status_code == 400 and expected == 200 and "needs" in r.text and "tokens" in r.text:
+        tally.error(f"hostile {name}: exceeds the budget")
+    else:
+        tally.hostile_unexpected.append(f"{name}: {r.status_code} {r.text[:80]!r}")
+
+
+def _hostile_answer_ok(name: str, r: httpx.Response) -> bool:
+    if r.status_code != 200:
+        return r.headers.get("content-type", "").startswith("application/json")
+    if name == "tools_required_n":
+        return r.text.rstrip().endswith("data: [DONE]")
+    body = r.json()
+    if name == "seed_2_64":
+        return sorted(c["index"] for c in body["choices"]) == [0, 1]
+    if name == "best_of_usage":
+        return body["usage"]["prompt_tokens"] > 0 and len(body["choices"]) == 1
+    if name == "echo_logprobs":
+        return len(body["choices"]) == 6 and all(c["logprobs"]["top_logprobs"] for c in body["choices"])
+    return name == "tokenize_1mib" and len(body["token_strs"]) == body["count"] > 0
+
+
 async def inject(serve_pid: int, tally: Tally, rng: random.Random, stop_at: float, every_s: float) -> None:
     faults = ["kill_prefill", "kill_decode", "term_prefill", "term_decode", "stop_gateway", "kill_redis"]
     await asyncio.sleep(every_s)
@@ -215,8 +298,12 @@ async def load(base_url: str, jobs: list[Job], refs: dict[tuple, list[int]], tal
             nonlocal sent
             while time.monotonic() < stop_at:
                 sent += 1
-                if rng.random() < 0.05:
+                draw = rng.random()
+                if draw < 0.05:
                     await bad_input(client, tally, rng)
+                    continue
+                if draw < 0.10:
+                    await hostile(client, tally, rng, hang_s)
                     continue
                 job = rng.choice(jobs)
                 await run_job(client, job, refs[(job.prompt, job.max_tokens, job.seed)], tally, hang_s)
@@ -262,6 +349,8 @@ def main() -> None:
     parser.add_argument("--fault-every", type=float, default=15, help="seconds between faults")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--hang-timeout", type=float, default=150, help="a request without an end this long is hung")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="the workers' dtype (and the reference's)")
     args = parser.parse_args()
     duration = min(args.duration, 480)
     rng = random.Random(args.seed)
@@ -272,8 +361,9 @@ def main() -> None:
     jobs = [Job(p, n, None) for p in PROMPTS for n in (16, 40)]
     jobs += [Job(p, 24, seed) for p, seed in zip(PROMPTS, range(100, 108))]
     jobs += [Job(PROMPTS[0], 40, None, slow=True)]
-    print(f"CPU: {cpu_model()}, {os.cpu_count()} cores; model {model.name}; computing references ...", flush=True)
-    refs = asyncio.run(references(model, jobs))
+    print(f"CPU: {cpu_model()}, {os.cpu_count()} cores; model {model.name} ({args.dtype}); computing references ...",
+          flush=True)
+    refs = asyncio.run(references(model, jobs, args.dtype))
 
     port = free_port()
     base_url = f"http://127.0.0.1:{port}"
@@ -281,7 +371,7 @@ def main() -> None:
     budget = max(256, args.concurrency * 50 // 2)
     log = tempfile.NamedTemporaryFile("w", prefix="baton-chaos-", suffix=".log", delete=False)
     cmd = [str(Path(sys.executable).parent / "baton"), "serve", "--model", str(model), "--port", str(port),
-           "--prefill-workers", "2", "--decode-workers", "2", "--dtype", "float32",
+           "--prefill-workers", "2", "--decode-workers", "2", "--dtype", args.dtype,
            "--max-batch-total-tokens", str(budget), "--max-total-tokens", "256", "--max-input-tokens", "128",
            "--max-queue-wait", "5"]
     serve = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -317,7 +407,8 @@ def main() -> None:
         except subprocess.TimeoutExpired:
             os.killpg(serve.pid, signal.SIGKILL)
     print()
-    print(f"CPU: {cpu_model()}; `python benchmarks/chaos.py --duration {duration:.0f} --seed {args.seed}`")
+    print(f"CPU: {cpu_model()}; `python benchmarks/chaos.py --duration {duration:.0f} --seed {args.seed} "
+          f"--dtype {args.dtype}`")
     print(f"faults injected: {len(tally.faults)} ({', '.join(sorted(set(tally.faults)))})")
     print()
     print("| requests | count |")
@@ -327,15 +418,21 @@ def main() -> None:
     print(f"| ended with a clear error | {tally.outcomes['error']} |")
     print(f"| bad input answered 4xx (JSON) | {tally.rejected_bad_input} |")
     print(f"| bad input not answered 4xx | {tally.bad_input_not_4xx} |")
+    print(f"| hostile requests (issue 20) answered as they should be | {tally.hostile_as_expected} |")
+    print(f"| hostile requests answered otherwise | {len(tally.hostile_unexpected)} |")
     print(f"| hung | {tally.outcomes['hung']} |")
     print(f"| wrong output | {tally.outcomes['wrong']} |")
+    print(f"| resume_mismatch (a takeover regenerated other tokens) | {resume_mismatches(tally)} |")
     for key, value in after.items():
         print(f"| afterwards: {key} | {value} |")
     print()
     print("errors by kind: " + ", ".join(f"{k}: {v}" for k, v in sorted(tally.errors.items(), key=lambda kv: -kv[1])))
+    if tally.hostile_unexpected:
+        print("hostile, answered otherwise: " + "; ".join(tally.hostile_unexpected[:5]))
     if tally.wrong_examples:
         print("wrong: " + "; ".join(tally.wrong_examples[:5]))
-    bad = (tally.outcomes["hung"] or tally.outcomes["wrong"] or tally.bad_input_not_4xx
+    bad = (tally.outcomes["hung"] or tally.outcomes["wrong"] or tally.bad_input_not_4xx or resume_mismatches(tally)
+           or tally.hostile_unexpected
            or after.get("budget in use (tokens)") or after.get("KV blocks in use") or after.get("stream entries pending"))
     sys.exit(1 if bad else 0)
 

@@ -19,11 +19,19 @@ import msgpack
 import torch
 from redis.asyncio import Redis
 
-from baton.redis_client import is_cluster
-
 KEY_PREFIX = "baton:kv:"
 PARTIAL_PREFIX = "baton:kv:partial:"
 DEFAULT_TTL_S = 900
+
+
+def is_cluster(client: object) -> bool:
+    """Whether `client` (or the client of a pipeline) talks to a Redis Cluster: there, writes to
+    keys of different slots are neither ordered nor atomic within one pipeline. (Here, in the bottom
+    layer, so the store imports nothing from baton; the workers' writer asks it too.)"""
+    from redis.asyncio.cluster import ClusterPipeline, RedisCluster
+    from redis.cluster import ClusterPipeline as SyncClusterPipeline, RedisCluster as SyncRedisCluster
+
+    return isinstance(client, (RedisCluster, SyncRedisCluster, ClusterPipeline, SyncClusterPipeline))
 
 
 def block_key(block_hash: str) -> str:

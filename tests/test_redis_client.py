@@ -15,7 +15,8 @@ import redis.asyncio as aioredis
 
 from baton import protocol
 from baton.ops.redis_server import child_preexec, find_redis_server, free_port, start_private_redis
-from baton.redis_client import connect, connect_sync, is_cluster, is_cluster_url
+from baton.redis_client import connect, connect_sync, is_cluster_url
+from kvstore.redis_backend import is_cluster
 from baton.urls import redact_url
 from baton.worker import writer
 from baton.worker.core import Effects

@@ -22,7 +22,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from baton import redis_client
 from baton.ops.redis_server import child_preexec, find_redis_server
-from baton.redis_client import connect, connect_sync, is_cluster
+from baton.redis_client import connect, connect_sync
+from kvstore.redis_backend import is_cluster
 from tests.redis_cluster import cluster_ports
 
 

@@ -12,9 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from baton.redis_client import is_cluster
 from baton.worker.core import Effects, queue_data, queue_deletes, queue_effects, queue_stream_ops
-from kvstore.redis_backend import DEFAULT_TTL_S
+from kvstore.redis_backend import DEFAULT_TTL_S, is_cluster
 
 
 async def write_effects(redis: Any, effects: Effects, stream: str, group: str, transaction: bool = False,
