@@ -64,9 +64,9 @@ async def start_choices(request: Request, status: int, parse: Callable[[dict[str
         for gen in gens[1:]:
             gen.attach()
         await send_all([gen for gen in gens if gen.sibling == 0], request)
-        groups = [(leader, [g for g in gens if g.choice // spec.n == leader.choice // spec.n and g is not leader])
-                  for leader in gens if leader.sibling == 0]
-        if spec.n > 1:
+        n = spec.n  # gens are in choice order: prompt p's choices are gens[p * n:(p + 1) * n]
+        groups = [(gens[i], gens[i + 1:i + n]) for i in range(0, len(gens), n)]
+        if n > 1:
             svc.spawn(_send_after_first_tokens(request, groups))
     except BaseException:
         close_all(gens)
