@@ -67,6 +67,10 @@ def connect(url: str, **kwargs: Any) -> Any:
     client = _connect(url, kwargs, aioredis.Redis, aioredis.RedisCluster, sentinel.Sentinel)
     if scheme in CLUSTER_SCHEMES:
         _cluster_lost_is_connection_error(client)
+    elif scheme not in SENTINEL_SCHEMES:
+        # from_url lets the URL's own options win, and a rediss:// URL names SSLConnection: set the
+        # (wrapped) class after, before any connection exists, or TLS clients miss the wrapper
+        client.connection_pool.connection_class = kwargs["connection_class"]
     return client
 
 

@@ -38,7 +38,10 @@ def test_managed_redis_url_with_tls_and_password():
     """rediss://user:pass@host:port goes to redis-py as TLS with those credentials."""
     client = connect("rediss://app:p%40ss@redis.example.com:6380/2", socket_timeout=3)
     kwargs = client.connection_pool.connection_kwargs
-    assert client.connection_pool.connection_class.__name__ == "SSLConnection"
+    # TLS, with sends on a connection Redis closed raising ConnectionError as on plain clients
+    tls_class = client.connection_pool.connection_class
+    assert tls_class.__name__ == "LostIsConnectionErrorSSLConnection"
+    assert tls_class.__mro__[1].__name__ == "SSLConnection"
     assert (kwargs["username"], kwargs["password"], kwargs["host"], kwargs["port"], kwargs["db"]) == (
         "app", "p@ss", "redis.example.com", 6380, 2)
 
