@@ -102,7 +102,7 @@ class LLM:
     def _output(self, seq: Sequence, prompt: str | None) -> RequestOutput:
         token_ids = seq.output_token_ids
         text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
-        finish = seq.finish_reason if seq.finish_reason in ("stop", "length") else seq.finish_reason
+        finish = seq.finish_reason.value if seq.finish_reason is not None else None  # vLLM's: a plain string
         return RequestOutput(seq.seq_id, prompt, seq.prompt_token_ids,
                              [CompletionOutput(0, text, token_ids, finish, list(seq.logprobs),
                                                list(seq.top_logprobs))],

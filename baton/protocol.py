@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 import msgpack
 
+from baton.finish_reason import WIRE_REASONS, FinishReason
 from baton.sampling_params import SamplingParams
 
 # 2: one SamplingParams type; a handoff's partial_block_key is the store key
@@ -118,15 +119,15 @@ class TokenEvent:
     """worker -> gateway: new tokens of a request, and whether it finished.
 
     `index` is the position in the output of `token_ids[0]`, so a gateway can drop duplicates and
-    detect gaps. `finish_reason` is None while running, else "stop" (EOS or stop token), "length",
-    "cancelled" or "error" (with `error`).
+    detect gaps. `finish_reason` is None while running, else STOP (EOS or stop token), LENGTH,
+    CANCELLED or ERROR (with `error`): `baton.finish_reason.WIRE_REASONS`.
     """
 
     request_id: str
     index: int
     token_ids: list[int]
     logprobs: list[float]
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None  # its string value on the wire
     error: str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
@@ -234,6 +235,9 @@ def _decode_batch(payload: dict) -> TokenBatch:
     return TokenBatch(events)
 
 
+_WIRE_VALUES = frozenset(reason.value for reason in WIRE_REASONS)
+
+
 @functools.lru_cache(maxsize=None)
 def _field_names(cls: type) -> tuple[str, ...]:
     # dataclasses.fields() builds its answer anew per call: it was the gateway's hottest line
@@ -256,3 +260,7 @@ def _check_types(message: Any) -> None:
             raise MalformedMessage("block_hashes must be a list of strings")
         elif name == "partial_block_key" and value is not None and not isinstance(value, str):
             raise MalformedMessage("partial_block_key must be a string or nil")
+        elif name == "finish_reason" and value is not None:
+            if not isinstance(value, str) or value not in _WIRE_VALUES:
+                raise MalformedMessage(f"finish_reason must be one of {sorted(map(str, WIRE_REASONS))} or nil")
+            message.finish_reason = FinishReason(value)

@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import time
 
+from baton.finish_reason import FinishReason
 from baton import protocol
 from baton.logs import request_extra
 from baton.tracing import RequestSpans
@@ -105,16 +106,16 @@ class DecodeCore(WorkerCore[protocol.Handoff]):
                 seq.seq_id, first_index + skip, tokens, logprobs,
                 finish_reason=seq.finish_reason if out.finished else None,
                 error=(seq.error or "the request does not fit in this worker's KV pool")
-                if seq.finish_reason == "error" else None,
+                if seq.finish_reason is FinishReason.ERROR else None,
                 num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens,
                 worker_id=self.worker_id, top_logprobs=out.new_top_logprobs[skip:]))
             if out.finished:
                 del self.in_flight[seq.seq_id]
-                self.spans.end(seq.seq_id, (seq.error or "error") if seq.finish_reason == "error" else None)
+                self.spans.end(seq.seq_id, (seq.error or "error") if seq.finish_reason is FinishReason.ERROR else None)
                 self.num_finished += 1
                 effects.acks.append(entry.message_id)
                 effects.deletes += self._partial_keys(entry)
-                self.metrics.finished(seq.finish_reason or "stop")
+                self.metrics.finished(seq.finish_reason or FinishReason.STOP)
                 self.metrics.request_decode_time.observe(time.time() - entry.admitted)
         return effects
 

@@ -30,11 +30,13 @@ from baton.protocol import (
     TokenEvent,
     encode,
 )
+from baton.finish_reason import FinishReason
 from baton.redis_client import REDIS_FAILURES
 from baton.sampling_params import SamplingParams
 from gateway.admission import Ticket
 from gateway.detokenizer import IncrementalDetokenizer, StopMatcher
 from gateway.errors import ApiError, unavailable
+from gateway.finish import spelled
 from gateway.request_ids import client_request_id
 from gateway.router import Routed, StreamLost
 from gateway.services import Services
@@ -81,10 +83,10 @@ class TokenOut:
 
 @dataclass
 class Step:
-    """What one token event contributed. `finish`: None, "eos", "length" or "stop_sequence"."""
+    """What one token event contributed. `finish`: None, or STOP, LENGTH or STOP_SEQUENCE."""
 
     tokens: list[TokenOut] = field(default_factory=list)
-    finish: str | None = None
+    finish: FinishReason | None = None
     tail: str = ""  # final text released by a step that carries no token
 
     @property
@@ -140,7 +142,7 @@ class Generation:
         self.first_event = asyncio.Event()  # set once the workers answered (or it ended)
         self.arrival = arrival  # time.monotonic() when the HTTP request arrived
         self.tokens: list[TokenOut] = []
-        self.finish_reason: str | None = None
+        self.finish_reason: FinishReason | None = None  # once it ended normally
         self._api_status = api_status
         self._detok = IncrementalDetokenizer(svc.tokenizer, prompt_ids)
         self._stops = StopMatcher(spec.stop)
@@ -297,7 +299,7 @@ class Generation:
         special = self.svc.tokenizer.special_ids
         for i, token_id in enumerate(ids):
             if len(self.tokens) >= self.max_new_tokens:
-                step.finish = "length"  # more than we asked for: stop here (and cancel)
+                step.finish = FinishReason.LENGTH  # more than we asked for: stop here (and cancel)
                 break
             # (vLLM's rule: stop strings count from the min_tokens-th token on)
             released, hit = self._stops.push(self._detok.push(token_id),
@@ -308,29 +310,29 @@ class Generation:
             self.tokens.append(token)
             step.tokens.append(token)
             if hit:
-                step.finish = "stop_sequence"
+                step.finish = FinishReason.STOP_SEQUENCE
                 break
         if step.finish is None and event.finish_reason is not None:
-            if event.finish_reason in ("error", "cancelled"):
+            if not event.finish_reason.ended_normally:  # ERROR, CANCELLED
                 self._worker_finished = True  # the worker dropped it already
                 self._fail(f"worker_{event.finish_reason}",
                            event.error or f"the worker ended the request ({event.finish_reason})")
             self._worker_finished = True
-            step.finish = "eos" if event.finish_reason == "stop" else "length"
+            step.finish = event.finish_reason  # STOP or LENGTH
         elif step.finish is None and len(self.tokens) >= self.max_new_tokens:
-            step.finish = "length"
-        if step.finish in ("eos", "length"):
+            step.finish = FinishReason.LENGTH
+        if step.finish in (FinishReason.STOP, FinishReason.LENGTH):
             released, hit = self._stops.push(self._detok.flush())
             tail = released if hit else released + self._stops.flush()
             if hit:
-                step.finish = "stop_sequence"
+                step.finish = FinishReason.STOP_SEQUENCE
             if step.tokens:
                 step.tokens[-1].text += tail
             else:
                 step.tail = tail
         if step.finish is not None:
             self.finish_reason = step.finish
-            self.svc.metrics.success("length" if step.finish == "length" else "stop")
+            self.svc.metrics.success(spelled(step.finish, "metrics"))
             self.svc.metrics.e2e.observe(time.monotonic() - self.arrival)
         self.svc.metrics.generation_tokens.inc(len(step.tokens))
         return step
@@ -381,8 +383,8 @@ class Generation:
             svc.metrics.failure("client_disconnected")
         if self._sent and not self._worker_finished:
             # Ended by us (client gone, stop sequence, error): tell every worker to drop it.
-            reason = "stop sequence" if self.finish_reason == "stop_sequence" else (
-                "length" if self.finish_reason == "length" else "client disconnected" if not self._failed
+            reason = "stop sequence" if self.finish_reason is FinishReason.STOP_SEQUENCE else (
+                "length" if self.finish_reason is FinishReason.LENGTH else "client disconnected" if not self._failed
                 else "gateway gave up")
             self._send_cancel(reason)
 

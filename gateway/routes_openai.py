@@ -24,8 +24,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from baton.finish_reason import FinishReason
 from gateway.choices import close_all, merged_steps, run_all_to_end, start_choices
 from gateway.errors import error_body, error_response
+from gateway.finish import spelled
 from gateway.generation import ClientGone, Generation, GenerationFailed, Step
 from gateway.logprobs_format import CompletionLogprobs, chat_logprobs, merge, vllm_prompt_logprobs
 from gateway.respond import SSEResponse, client_gone_response, services
@@ -33,7 +35,6 @@ from gateway.tools import ToolStream, assistant_message
 from gateway.validation import GenerationSpec, ignored_fields_header
 from gateway.validation_openai import STATUS, parse_chat, parse_completion
 
-FINISH = {"eos": "stop", "stop_sequence": "stop", "length": "length"}
 
 
 class _Reply:
@@ -91,7 +92,7 @@ class _Reply:
     def full(self) -> dict[str, Any]:
         choices = []
         for gen in self.gens:
-            finish = FINISH.get(gen.finish_reason or "", "length")
+            finish = spelled(gen.finish_reason or FinishReason.LENGTH, "openai")
             if self.chat:
                 logprobs = chat_logprobs(self.tokenizer, gen.tokens) if self.spec.logprobs is not None else None
                 message, finish = assistant_message(self.spec.tool_calling, gen.text, finish)  # tool_calls
@@ -121,7 +122,7 @@ class _Reply:
         first, with echo), or a step's text, logprobs and finish."""
         tokens = step.tokens if step is not None else []
         text = step.text if step is not None else ""
-        finish = FINISH[step.finish] if step is not None and step.finish is not None else None
+        finish = spelled(step.finish, "openai") if step is not None else None
         wants_logprobs = self.spec.logprobs is not None
         if self.chat:
             delta: dict[str, Any] = {}

@@ -18,7 +18,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from baton.finish_reason import FinishReason
 from gateway.errors import ApiError, error_body, error_response
+from gateway.finish import spelled
 from gateway.generation import ClientGone, Generation, GenerationFailed, Step, TokenOut
 from gateway.choices import close_all, run_all_to_end, start_choices
 from gateway.logprobs_format import tgi_prefill, tgi_top_tokens
@@ -26,7 +28,6 @@ from gateway.respond import SSEResponse, client_gone_response, rejection_reason,
 from gateway.validation import GenerationSpec, ignored_fields_header, read_json_body
 from gateway.validation_tgi import STATUS, parse_tgi
 
-FINISH = {"eos": "eos_token", "length": "length", "stop_sequence": "stop_sequence"}
 
 
 def _parser(request: Request, streaming: bool) -> Callable[[dict[str, Any]], GenerationSpec]:
@@ -124,7 +125,7 @@ def _generated_text(gen: Generation) -> str:
 
 def _details(gen: Generation) -> dict[str, Any]:
     return {
-        "finish_reason": FINISH.get(gen.finish_reason or "", "length"),
+        "finish_reason": spelled(gen.finish_reason or FinishReason.LENGTH, "tgi"),
         "generated_tokens": len(gen.tokens),
         "seed": gen.seed,
         "input_length": len(gen.prompt_ids),

@@ -15,6 +15,7 @@ import dataclasses
 import logging
 import time
 
+from baton.finish_reason import FinishReason
 from baton import protocol
 from baton.logs import request_extra
 from baton.tracing import RequestSpans
@@ -68,7 +69,7 @@ class PrefillCore(WorkerCore[protocol.PrefillRequest]):
             return Effects()
         self.engine.abort_request(request_id)
         self.spans.end(request_id, reason)
-        self.metrics.finished("cancelled")
+        self.metrics.finished(FinishReason.CANCELLED)
         logger.info("dropped request %s (%s)", request_id, reason, extra=request_extra(request_id))
         return Effects(acks=[entry[0]])
 
@@ -84,7 +85,7 @@ class PrefillCore(WorkerCore[protocol.PrefillRequest]):
             if entry is None:
                 continue
             message_id, request, admitted = entry
-            self.spans.end(seq.seq_id, (seq.error or "error") if seq.finish_reason == "error" else None)
+            self.spans.end(seq.seq_id, (seq.error or "error") if seq.finish_reason is FinishReason.ERROR else None)
             num_prompt = seq.num_prompt_tokens
             self.metrics.prompt_tokens.inc(num_prompt)
             self.metrics.prefix_cache_queries.inc(num_prompt)
@@ -97,12 +98,12 @@ class PrefillCore(WorkerCore[protocol.PrefillRequest]):
             effects.add_event(request.gateway_id, protocol.TokenEvent(
                 seq.seq_id, 0, out.new_token_ids, out.new_logprobs,
                 finish_reason=None if handoff else seq.finish_reason,
-                error=(seq.error or "the request does not fit in the KV pool") if seq.finish_reason == "error"
+                error=(seq.error or "the request does not fit in the KV pool") if seq.finish_reason is FinishReason.ERROR
                 else None,
                 num_prompt_tokens=num_prompt, num_cached_tokens=seq.num_cached_tokens, worker_id=self.worker_id,
                 top_logprobs=out.new_top_logprobs, prompt_logprobs=seq.prompt_logprobs or []))
             if not handoff:  # EOS as the first token, max_tokens=1, or an error: no handoff
-                self.metrics.finished(seq.finish_reason or "stop")
+                self.metrics.finished(seq.finish_reason or FinishReason.STOP)
             else:
                 save = out.kv_save
                 assert save is not None

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from baton.finish_reason import FinishReason
 from baton.engine.block_manager import BlockManager
 from baton.engine.loader import default_device, load_model
 from baton.engine.logprobs import token_logprobs
@@ -158,7 +159,7 @@ class LLMEngine:
         step_outputs = self.scheduler.update_from_output(plan, sample_seqs, tokens, logprobs, top_logprobs)
         self._end_broken_grammars(step_outputs)
         for out in step_outputs:
-            if out.seq.finish_reason == "handoff":
+            if out.seq.finish_reason is FinishReason.HANDOFF:
                 assert self.connector is not None, "remote_decode needs a KV connector"
                 out.kv_save = self.connector.build_save(out.seq, out.seq.num_prompt_tokens, self.runner.read_block)
                 self.scheduler.free_finished(out.seq)
@@ -206,11 +207,11 @@ class LLMEngine:
                 continue
             seq.error = f"structured output failed: {error}"
             if not out.finished:
-                self.scheduler.finish(seq, "error")
+                self.scheduler.finish(seq, FinishReason.ERROR)
                 out.finished = True
-            elif seq.finish_reason == "handoff":
+            elif seq.finish_reason is FinishReason.HANDOFF:
                 self.scheduler.free_finished(seq)
-            seq.finish_reason = "error"
+            seq.finish_reason = FinishReason.ERROR
 
     def take_kv_loads(self) -> list[KVLoad]:
         """The KV loads scheduled since the last call (run them with `kvstore.connector.fetch`)."""

@@ -27,6 +27,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from baton.engine.block_manager import BlockManager, blocks_for
+from baton.finish_reason import FinishReason
 from baton.engine.sequence import Sequence, SequenceStatus
 from kvstore.connector import KVConnector, KVLoad, KVSave
 
@@ -104,17 +105,17 @@ class Scheduler:
         """Remove a request wherever it is and free its blocks; returns it, or None if unknown."""
         seq = self.loading.pop(seq_id, None)
         if seq is not None:  # its load result, when it comes, is dropped (`finish_kv_load`)
-            self._finish(seq, "cancelled")
+            self._finish(seq, FinishReason.CANCELLED)
             return seq
         for seq in self.running:
             if seq.seq_id == seq_id:
                 self.running.remove(seq)
-                self._finish(seq, "cancelled")
+                self._finish(seq, FinishReason.CANCELLED)
                 return seq
         for seq in self.waiting:
             if seq.seq_id == seq_id:
                 self.waiting.remove(seq)
-                self._finish(seq, "cancelled")
+                self._finish(seq, FinishReason.CANCELLED)
                 return seq
         return None
 
@@ -145,7 +146,7 @@ class Scheduler:
             # Nothing runs or loads, so every block not cached is free, and the head of the queue
             # still does not fit: it never will. End it with an error (it holds no blocks).
             seq = self.waiting.popleft()
-            self._finish(seq, "error")
+            self._finish(seq, FinishReason.ERROR)
             out.failed.append(seq)
             logger.error("request %s needs more KV blocks than the pool has", seq.seq_id)
         # Decode tokens (one per request) first: the model batches them in one padded attention.
@@ -269,27 +270,27 @@ class Scheduler:
             elif seq.remote_decode:
                 self.running.remove(seq)
                 seq.status = SequenceStatus.FINISHED
-                seq.finish_reason = reason = "handoff"
+                seq.finish_reason = reason = FinishReason.HANDOFF
             wants_top = seq.sampling_params.logprobs is not None
             if wants_top:
                 seq.top_logprobs.append(top)
             outputs.append(StepOutput(seq, [token], [logprob], [top] if wants_top else [], reason is not None))
         return outputs
 
-    def check_stop(self, seq: Sequence) -> str | None:
+    def check_stop(self, seq: Sequence) -> FinishReason | None:
         params = seq.sampling_params
         last = seq.token_ids[-1]
         if not params.ignore_eos and last in self.eos_token_ids:
-            return "stop"
+            return FinishReason.STOP
         if last in params.stop_token_ids:
-            return "stop"
+            return FinishReason.STOP
         if seq.num_output_tokens >= params.max_tokens:
-            return "length"
+            return FinishReason.LENGTH
         if seq.num_tokens >= self.config.max_model_len:
-            return "length"
+            return FinishReason.LENGTH
         return None
 
-    def finish(self, seq: Sequence, reason: str) -> None:
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
         self.running.remove(seq)
         self._finish(seq, reason)
 
@@ -298,7 +299,7 @@ class Scheduler:
         assert seq.status is SequenceStatus.FINISHED
         self.block_manager.free(seq)
 
-    def _finish(self, seq: Sequence, reason: str) -> None:
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self.block_manager.free(seq)

@@ -6,6 +6,7 @@ import enum
 import time
 from typing import Any
 
+from baton.finish_reason import FinishReason
 from baton.sampling_params import SamplingParams
 from kvstore.connector import RemoteKV
 from kvstore.hashing import hash_block
@@ -31,7 +32,7 @@ class Sequence:
         self.sampling_params = sampling_params
         self.arrival_time = arrival_time if arrival_time is not None else time.time()
         self.status = SequenceStatus.WAITING
-        self.finish_reason: str | None = None
+        self.finish_reason: FinishReason | None = None
         self.block_table: list[int] = []
         self.num_computed_tokens = 0
         self.num_registered_blocks = 0  # leading full blocks already registered in the prefix cache

@@ -15,6 +15,7 @@ from typing import Generic, TypeVar
 
 from redis.asyncio.client import Pipeline
 
+from baton.finish_reason import FinishReason
 from baton import protocol
 from baton.logs import remember, request_extra
 from baton.engine.llm_engine import LLMEngine
@@ -176,7 +177,7 @@ class WorkerCore(Generic[M]):
         index = len(message.output_token_ids) if isinstance(message, protocol.Handoff) else 0
         effects = Effects(acks=[message_id])
         effects.add_event(message.gateway_id, protocol.TokenEvent(
-            message.request_id, index, [], [], finish_reason="error", error=error,
+            message.request_id, index, [], [], finish_reason=FinishReason.ERROR, error=error,
             num_prompt_tokens=len(message.prompt_token_ids), worker_id=self.worker_id))
-        self.metrics.finished("error")
+        self.metrics.finished(FinishReason.ERROR)
         return effects

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
+from baton.finish_reason import WIRE_REASONS, FinishReason
+
 LABELS = ["model_name"]
 _TIME_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -71,12 +73,12 @@ class WorkerMetrics:
         # Every label value up front, so the series exist (at 0) from the first scrape.
         for direction in ("fetched", "written"):
             self.handoff_bytes.labels(model_name=model_name, direction=direction)
-        for reason in ("stop", "length", "cancelled", "error"):
-            self.requests_finished.labels(model_name=model_name, finished_reason=reason)
+        for reason in sorted(WIRE_REASONS):
+            self.requests_finished.labels(model_name=model_name, finished_reason=str(reason))
 
     def bytes(self, direction: str, n: int) -> None:
         self.handoff_bytes.labels(model_name=self.model_name, direction=direction).inc(n)
 
-    def finished(self, reason: str) -> None:
-        self.requests_finished.labels(model_name=self.model_name, finished_reason=reason).inc()
+    def finished(self, reason: FinishReason) -> None:
+        self.requests_finished.labels(model_name=self.model_name, finished_reason=str(reason)).inc()
 
