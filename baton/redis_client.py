@@ -30,7 +30,9 @@ import os
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 
-from redis.exceptions import MovedError, RedisClusterException, RedisError, ResponseError
+from redis.exceptions import ClusterDownError, ConnectionError as RedisConnectionError, MovedError, OutOfMemoryError
+from redis.exceptions import RedisClusterException, RedisError, ResponseError, TimeoutError as RedisTimeoutError
+from redis.exceptions import TryAgainError
 
 from baton.urls import redact_url
 
@@ -42,9 +44,27 @@ PLAIN_SCHEMES = {plain: cluster for cluster, plain in CLUSTER_SCHEMES.items()}  
 PROBE_TIMEOUT_S = 3.0
 
 
-# What a call raises when Redis cannot serve it. A Redis Cluster client that reaches no node raises
-# RedisClusterException, which is no RedisError: code that catches only RedisError crashes there.
+# "Redis is down", defined once for every process:
+# - REDIS_FAILURES: what a call raises when Redis cannot serve it (the gateway answers 503). A Redis
+#   Cluster client that reaches no node raises RedisClusterException, which is no RedisError: code
+#   that catches only RedisError crashes there.
+# - REDIS_RETRYABLE: those after which the same command can succeed later: the workers retry them with
+#   backoff, never fatal. An out-of-memory Redis is one of them (it recovers as blocks expire or are
+#   evicted; each retry's warning names it), so are a Cluster's failover states (a slot without a
+#   master for a moment, a key being migrated) and its client reaching no node (which also covers a
+#   cross-slot command, a bug the retry warnings then name).
+# - REDIS_DOWN, for a long-lived loop (with `connection_lost`): uvloop reports a command sent on a
+#   connection Redis has just closed as RuntimeError ("... the handler is closed"); `connect`'s
+#   connections turn it into a ConnectionError, a Sentinel's master connections do not.
 REDIS_FAILURES = (RedisError, RedisClusterException, OSError)
+REDIS_RETRYABLE = (RedisConnectionError, RedisTimeoutError, OutOfMemoryError, OSError, ClusterDownError,
+                   TryAgainError, RedisClusterException)
+REDIS_DOWN = (*REDIS_FAILURES, RuntimeError)
+
+
+def connection_lost(exc: BaseException) -> bool:
+    """Whether `exc` (one of REDIS_DOWN) means the connection to Redis went away: retry later."""
+    return not isinstance(exc, RuntimeError) or "handler is closed" in str(exc)
 
 
 def is_cluster_url(url: str) -> bool:

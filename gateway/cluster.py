@@ -26,7 +26,8 @@ from baton.protocol import create_token_stream, token_stream
 from baton.urls import redact_url
 from gateway.admission import Admission
 from gateway.config import Settings
-from gateway.router import REDIS_DOWN, TokenRouter, connection_lost
+from baton.redis_client import REDIS_DOWN, connection_lost
+from gateway.router import TokenRouter
 
 log = logging.getLogger(__name__)
 

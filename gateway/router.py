@@ -19,20 +19,11 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from baton.protocol import PAYLOAD_FIELD, MalformedMessage, TokenBatch, TokenEvent, decode, token_stream
-from baton.redis_client import REDIS_FAILURES
+from baton.redis_client import REDIS_DOWN, connection_lost
 
 log = logging.getLogger(__name__)
 
 _BLOCK_MS = 1000
-# What a lost Redis connection raises in a long-lived loop. uvloop reports a command sent on a
-# connection Redis has just closed as RuntimeError ("... the handler is closed"), not as a
-# connection error: uncaught, it once ended the token reader for good after a Redis restart.
-REDIS_DOWN = (*REDIS_FAILURES, RuntimeError)
-
-
-def connection_lost(exc: BaseException) -> bool:
-    """Whether `exc` (one of REDIS_DOWN) means the connection to Redis went away: retry later."""
-    return not isinstance(exc, RuntimeError) or "handler is closed" in str(exc)
 
 _BATCH = 512
 _YIELD_EVERY = 32  # entries routed between two turns of the event loop

@@ -19,7 +19,7 @@ from collections import deque
 from redis.asyncio import Redis
 
 from baton.worker.core import Effects
-from baton.worker.runtime import REDIS_ERRORS
+from baton.redis_client import REDIS_RETRYABLE
 from baton.worker.writer import write_effects
 
 logger = logging.getLogger("baton.worker.publisher")
@@ -66,7 +66,7 @@ class EventPublisher:
             publication = self.queue[0]
             try:
                 await self._write(publication)
-            except REDIS_ERRORS as exc:
+            except REDIS_RETRYABLE as exc:
                 self.num_retries += 1
                 logger.warning("publishing tokens failed (%s); retrying in %.2fs (%d steps queued)",
                                exc, backoff, len(self.queue))

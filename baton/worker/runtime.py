@@ -15,21 +15,13 @@ from collections.abc import Callable
 from typing import Any
 
 from redis.asyncio import Redis
-from redis.exceptions import ClusterDownError, ConnectionError as RedisConnectionError
-from redis.exceptions import OutOfMemoryError, RedisClusterException, ResponseError, TimeoutError as RedisTimeoutError
-from redis.exceptions import TryAgainError
+from redis.exceptions import ResponseError
 
 from baton import heartbeats, protocol, redis_client
+from baton.redis_client import REDIS_RETRYABLE
 
 logger = logging.getLogger("baton.worker")
 
-# Errors after which the same command can succeed later: retried with backoff, never fatal. An
-# out-of-memory Redis is one of them (it recovers as blocks expire or are evicted); the warning
-# each retry logs names it. So are a Redis Cluster's failover states (a slot without a master for
-# a moment, a key being migrated) and its client reaching no node (RedisClusterException, which is
-# no RedisError; it also covers a cross-slot command, a bug the retry warnings then name).
-REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, OutOfMemoryError, OSError, ClusterDownError,
-                TryAgainError, RedisClusterException)
 HEARTBEAT_INTERVAL_S = 1.0
 HEARTBEAT_TTL_S = 5
 
@@ -137,13 +129,13 @@ class CancelWatcher:
                 self.last_id = info["last-generated-id"]
             except ResponseError:
                 self.last_id = b"0-0"
-            except REDIS_ERRORS:
+            except REDIS_RETRYABLE:
                 self.last_id = b"0-0"
         while not stopping.is_set():
             try:
                 reply = await self.redis.xread({protocol.CANCEL_STREAM: self.last_id}, count=500, block=500)
                 backoff = 0.1
-            except REDIS_ERRORS as exc:
+            except REDIS_RETRYABLE as exc:
                 logger.warning("cancel reader: redis unavailable (%s); retrying", exc)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
@@ -170,7 +162,7 @@ async def heartbeat_loop(redis: Redis, kind: str, worker_id: str, state: Callabl
             pipe = redis.pipeline(transaction=False)
             heartbeats.queue_beat(pipe, kind, worker_id, payload, HEARTBEAT_TTL_S)
             await pipe.execute()
-        except REDIS_ERRORS as exc:
+        except REDIS_RETRYABLE as exc:
             logger.warning("heartbeat failed (%s)", exc)
         try:
             await asyncio.wait_for(stopping.wait(), HEARTBEAT_INTERVAL_S)
@@ -180,7 +172,7 @@ async def heartbeat_loop(redis: Redis, kind: str, worker_id: str, state: Callabl
         pipe = redis.pipeline(transaction=False)
         heartbeats.queue_withdraw(pipe, kind, worker_id)  # a clean exit withdraws its capacity at once
         await pipe.execute()
-    except REDIS_ERRORS:
+    except REDIS_RETRYABLE:
         pass
 
 
@@ -219,7 +211,7 @@ async def live_gateways(redis: Redis) -> set[str] | None:
     """Ids of gateways whose heartbeat is alive (None if Redis cannot tell us now)."""
     try:
         beats = await heartbeats.live(redis, "gateway")
-    except REDIS_ERRORS:
+    except REDIS_RETRYABLE:
         return None
     return {heartbeats.worker_id_of(key) for key, _ in beats}
 

@@ -23,7 +23,8 @@ from baton.logs import request_extra
 from baton.worker.core import Effects, Opening, WorkerCore
 from baton.worker.health import LoopWatch, serve_metrics
 from baton.worker.metrics import WorkerMetrics
-from baton.worker.runtime import (REDIS_ERRORS, CancelWatcher, GatewayWatch, claim_from_dead, connect,
+from baton.redis_client import REDIS_RETRYABLE
+from baton.worker.runtime import (CancelWatcher, GatewayWatch, claim_from_dead, connect,
                                   default_worker_id, ensure_group, heartbeat_loop, install_signal_handlers, remove_dead_consumers)
 from baton.worker.writer import write_effects
 from kvstore.connector import LoadedKV, fetch
@@ -115,7 +116,7 @@ class WorkerShell:
             try:
                 await self.iteration(accept_new=True)
                 backoff = 0.1
-            except REDIS_ERRORS as exc:
+            except REDIS_RETRYABLE as exc:
                 logger.warning("redis unavailable (%s); retrying in %.1fs", exc, backoff)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
@@ -137,7 +138,7 @@ class WorkerShell:
             self.watch.turn()
             try:
                 await self.iteration(accept_new=False)
-            except REDIS_ERRORS:
+            except REDIS_RETRYABLE:
                 await asyncio.sleep(0.2)
         await self.flush(timeout=max(1.0, deadline - time.monotonic()))
         self.exiting.set()  # the heartbeat withdraws itself: what is left unacked is now claimable
@@ -158,7 +159,7 @@ class WorkerShell:
             try:
                 await self.redis.ping()
                 return
-            except REDIS_ERRORS as exc:
+            except REDIS_RETRYABLE as exc:
                 logger.warning("waiting for redis (%s)", exc)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
@@ -203,7 +204,7 @@ class WorkerShell:
             try:
                 await self.write(effects, transaction)
                 return True
-            except REDIS_ERRORS as exc:
+            except REDIS_RETRYABLE as exc:
                 if self.drain_deadline is not None and time.monotonic() > self.drain_deadline:
                     logger.error("could not write a step's output before exit (%s); peers will redo it", exc)
                     return False
@@ -225,7 +226,7 @@ class WorkerShell:
         if overlap is not None:
             try:
                 await overlap
-            except REDIS_ERRORS as exc:
+            except REDIS_RETRYABLE as exc:
                 overlap_error = exc
         outputs = await step
         self.metrics.step_seconds.observe(time.perf_counter() - started)
@@ -241,7 +242,7 @@ class WorkerShell:
     async def _fetch(self, load) -> LoadedKV:
         try:
             return await fetch(self.store, load, self.engine.runner.block_shape)
-        except REDIS_ERRORS as exc:  # not fatal: the request computes what it could not load
+        except REDIS_RETRYABLE as exc:  # not fatal: the request computes what it could not load
             logger.warning("loading the KV of %s failed (%s); computing it here", load.seq_id, exc,
                            extra=request_extra(load.seq_id))
             return LoadedKV(load.seq_id)
