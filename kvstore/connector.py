@@ -77,6 +77,7 @@ class LoadedKV:
     block_hashes: list[str] = field(default_factory=list)  # of the full blocks among them
     num_missing: int = 0  # blocks of the load that did not arrive intact (computed instead)
     num_rejected: int = 0  # of those, the one found unreadable or of the wrong dtype, shape or size
+    rejected_keys: list[str] = field(default_factory=list)  # its key: to delete, so a good block can land
 
 
 @dataclass
@@ -169,8 +170,8 @@ def _reject(key: str, reason: str) -> None:
     if len(_reported) >= _MAX_REPORTED:
         _reported.clear()
     _reported.add(key)
-    logger.warning("block %s in the store rejected (%s); computing it instead (further rejections "
-                   "of this key are not logged)", key, reason)
+    logger.warning("block %s in the store rejected (%s); computing it instead, and deleting it so the "
+                   "good block can be stored (further rejections of this key are not logged)", key, reason)
 
 
 async def fetch(store: BlockReader, load: KVLoad, block_shape: Seq[int] | None = None) -> LoadedKV:
@@ -189,6 +190,7 @@ async def fetch(store: BlockReader, load: KVLoad, block_shape: Seq[int] | None =
                 raise ValueError(f"shape {list(kv.shape)}, expected {list(block_shape)}")
         except Exception as exc:  # untrusted bytes: whatever fails to decode is a miss, never a crash
             result.num_rejected += 1
+            result.rejected_keys.append(block.key)
             _reject(block.key, f"{type(exc).__name__}: {exc}")
             break
         if stored_tokens != block.token_ids:  # a hash collision or a stale partial: recompute

@@ -72,7 +72,9 @@ def batch_invariant_mode(kernels: Any = None) -> str:
         return raw
     if raw != "auto":
         logger.warning("BATON_BATCH_INVARIANT=%r is none of auto, full, matmul, off: using auto", raw)
-    kernel = kernels.gemv_kernel("") if kernels is not None and hasattr(kernels, "gemv_kernel") else "none"
+    if kernels is None:
+        return "off"  # no native kernels (float32, another device, no compiler): nothing to choose
+    kernel = kernels.gemv_kernel("") if hasattr(kernels, "gemv_kernel") else "none"
     mode = "full" if kernel == "amx" else "off"
     if kernel not in _auto_said:
         _auto_said.add(kernel)

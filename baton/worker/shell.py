@@ -241,7 +241,10 @@ class WorkerShell:
 
     async def _fetch(self, load) -> LoadedKV:
         try:
-            return await fetch(self.store, load, self.engine.runner.block_shape)
+            loaded = await fetch(self.store, load, self.engine.runner.block_shape)
+            # a malformed block is deleted, so the block this worker computes instead can land (SET NX)
+            await self.store.delete(loaded.rejected_keys)
+            return loaded
         except REDIS_RETRYABLE as exc:  # not fatal: the request computes what it could not load
             logger.warning("loading the KV of %s failed (%s); computing it here", load.seq_id, exc,
                            extra=request_extra(load.seq_id))
