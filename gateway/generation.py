@@ -21,7 +21,6 @@ from starlette.requests import Request
 
 from baton import tracing
 from baton.protocol import (
-    CANCEL_STREAM,
     PAYLOAD_FIELD,
     PREFILL_STREAM,
     STREAM_MAXLEN,

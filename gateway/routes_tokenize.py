@@ -10,9 +10,6 @@ Errors are OpenAI-shaped (400), and `model`, when given, must be a served name (
 
 from __future__ import annotations
 
-import asyncio
-import json
-
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -60,14 +57,7 @@ async def tokenize(request: Request) -> Response:
     headers = ignored_fields_header(ignored)
     answer = {"count": len(ids), "max_model_len": svc.settings.max_total_tokens, "tokens": ids,
               "token_strs": await maybe_in_thread(len(ids), tok.token_strs, ids) if return_strs else None}
-    if len(ids) <= _INLINE_IDS:
-        return JSONResponse(answer, headers=headers)
-    # A 1 MiB prompt is ~300k ids (and their strings): encoded off the event loop.
-    body = await asyncio.to_thread(lambda: json.dumps(answer, ensure_ascii=False).encode("utf-8"))
-    return Response(body, media_type="application/json", headers=headers)
-
-
-_INLINE_IDS = 4096
+    return JSONResponse(answer, headers=headers)
 
 
 async def detokenize(request: Request) -> Response:

@@ -162,6 +162,22 @@ def _seconds(fn: Callable[[], Any], repeats: int = 3) -> float:
     return best
 
 
+def _native_splits(ops: Sequence[LinearOp], kernels: Any, oneDNN_keeps: str) -> dict[tuple[int, int], list[tuple[int, RowSplitLinear]]]:
+    """Per weight shape, the PackedLinears of `ops` the native kernel can run (even in_features),
+    each with its index and wrapped in a RowSplitLinear, for the shapes where the native kernel
+    agrees with oneDNN on a probe here; the others are logged (`oneDNN_keeps`: what that costs)."""
+    by_shape: dict[tuple[int, int], list[tuple[int, RowSplitLinear]]] = {}
+    for i, op in enumerate(ops):
+        if isinstance(op, PackedLinear) and op.in_features % 2 == 0:
+            by_shape.setdefault((op.out_features, op.in_features), []).append((i, RowSplitLinear(op, kernels)))
+    for shape, splits in list(by_shape.items()):
+        first = splits[0][1]
+        if not _agrees(first.native, first.large, shape[1], torch.bfloat16):
+            logger.warning("native bf16 matmul disagrees with oneDNN for %s: using oneDNN%s", shape, oneDNN_keeps)
+            del by_shape[shape]
+    return by_shape
+
+
 def tune_row_split(ops: Sequence[LinearOp], kernels: Any) -> list[LinearOp]:
     """Wrap every PackedLinear of `ops` whose native few-row kernel is correct here, and set, per
     weight shape, the largest row count up to which the native kernel measured faster (each shape's
@@ -170,19 +186,8 @@ def tune_row_split(ops: Sequence[LinearOp], kernels: Any) -> list[LinearOp]:
     if kernels is None or not hasattr(kernels, "gemv") or not kernels.gemv_available():
         return list(ops)
     out: list[LinearOp] = list(ops)
-    by_shape: dict[tuple[int, int], list[int]] = {}
-    for i, op in enumerate(ops):
-        if isinstance(op, PackedLinear) and op.in_features % 2 == 0:
-            by_shape.setdefault((op.out_features, op.in_features), []).append(i)
-    for (out_features, in_features), indices in by_shape.items():
-        split = []
-        for i in indices:
-            large = ops[i]
-            assert isinstance(large, PackedLinear)
-            split.append(RowSplitLinear(large, kernels))
-        if not _agrees(split[0].native, split[0].large, in_features, torch.bfloat16):
-            logger.warning("native bf16 matmul disagrees with oneDNN for %s: using oneDNN", (out_features, in_features))
-            continue
+    for (out_features, in_features), indexed in _native_splits(ops, kernels, "").items():
+        split = [op for _, op in indexed]
         max_rows = 0
         with torch.inference_mode():
             for rows in TUNE_ROWS:
@@ -194,7 +199,7 @@ def tune_row_split(ops: Sequence[LinearOp], kernels: Any) -> list[LinearOp]:
                 max_rows = rows
         logger.info("matmul %dx%d: native kernel for up to %d rows, oneDNN above", out_features, in_features, max_rows)
         if max_rows:
-            for i, op in zip(indices, split):
+            for i, op in indexed:
                 op.max_native_rows = max_rows
                 out[i] = op
     return out
@@ -211,20 +216,10 @@ def use_native_for_all_rows(ops: Sequence[LinearOp], kernels: Any) -> list[Linea
             logger.warning("batch-invariant matmuls need the native kernel (AVX512-BF16): oneDNN runs, and "
                            "greedy tokens may depend on the batch")
         return out
-    checked: dict[tuple[int, int], bool] = {}
-    for i, op in enumerate(ops):
-        if not isinstance(op, PackedLinear) or op.in_features % 2 != 0:
-            continue
-        split = RowSplitLinear(op, kernels)
-        shape = (op.out_features, op.in_features)
-        if shape not in checked:
-            checked[shape] = _agrees(split.native, split.large, op.in_features, torch.bfloat16)
-            if not checked[shape]:
-                logger.warning("native bf16 matmul disagrees with oneDNN for %s: using oneDNN (not "
-                               "batch-invariant)", shape)
-        if checked[shape]:
-            split.max_native_rows = ALL_ROWS
-            out[i] = split
+    for indexed in _native_splits(ops, kernels, " (not batch-invariant)").values():
+        for i, op in indexed:
+            op.max_native_rows = ALL_ROWS
+            out[i] = op
     kernel_name = kernels.gemv_kernel("") if hasattr(kernels, "gemv_kernel") else "native"
     logger.info("batch-invariant matmuls: the native kernel (%s) for every row count", kernel_name)
     return out
