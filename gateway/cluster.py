@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 
 # A dead gateway's token stream is deleted this long after its last heartbeat.
 TOKEN_STREAM_TTL_S = 60
+DOWN_PROBE_INTERVAL_S = 0.2
 
 STATE_LOST = "redis restarted (or was flushed) and lost this request's state; retry it"
 
@@ -77,7 +78,10 @@ class Cluster:
                 if not connection_lost(exc):
                     raise
                 self.mark_down(exc)
-            await asyncio.sleep(self._settings.heartbeat_interval)
+            # While down, every request is refused: probe again soon, so a failover or restart
+            # costs clients the outage itself, not up to a heartbeat interval more.
+            interval = self._settings.heartbeat_interval
+            await asyncio.sleep(interval if self.redis_ok else min(interval, DOWN_PROBE_INTERVAL_S))
 
     async def tick(self) -> None:
         s = self._settings
