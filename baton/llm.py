@@ -8,8 +8,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from baton.engine.llm_engine import EngineConfig, LLMEngine
+from baton.engine.outputs import EngineOutput
+from baton.ops.fetch import resolve_model
 from baton.sampling_params import SamplingParams
-from baton.engine.sequence import Sequence
 
 
 @dataclass
@@ -48,7 +49,7 @@ class LLM:
                  enable_prefix_caching: bool = True, kv_cache_memory: int = 1 << 30,
                  num_threads: int | None = None) -> None:
         self.engine = LLMEngine(EngineConfig(
-            model=model, dtype=dtype, device=device, block_size=block_size, num_kv_blocks=num_kv_blocks,
+            model=resolve_model(model), dtype=dtype, device=device, block_size=block_size, num_kv_blocks=num_kv_blocks,
             kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, scheduler_policy=scheduler_policy,
             enable_prefix_caching=enable_prefix_caching, num_threads=num_threads,
@@ -67,30 +68,30 @@ class LLM:
         params_list = list(sampling_params) if isinstance(sampling_params, Seq) else [sampling_params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} sampling params")
-        seqs: list[Sequence] = []
-        texts: list[str | None] = []
+        requests: list[_Collected] = []
         for prompt, params in zip(prompts, params_list):
             if isinstance(prompt, str):
                 token_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
-                texts.append(prompt)
+                text: str | None = prompt
             else:
-                token_ids = list(prompt)
-                texts.append(None)
-            seq = Sequence(str(next(self._ids)), token_ids, params)
-            self.engine.add_request(seq)
-            seqs.append(seq)
+                token_ids, text = list(prompt), None
+            request = _Collected(str(next(self._ids)), text, token_ids)
+            self.engine.add_request(request.request_id, token_ids, params)
+            requests.append(request)
+        by_id = {r.request_id: r for r in requests}
         progress = None
         if use_tqdm:
             from tqdm import tqdm
 
-            progress = tqdm(total=len(seqs), desc="generating")
+            progress = tqdm(total=len(requests), desc="generating")
         while self.engine.has_unfinished():
             for out in self.engine.step():
+                by_id[out.request_id].add(out)
                 if out.finished and progress is not None:
                     progress.update(1)
         if progress is not None:
             progress.close()
-        return [self._output(seq, text) for seq, text in zip(seqs, texts)]
+        return [self._output(r) for r in requests]
 
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
@@ -99,11 +100,34 @@ class LLM:
                    for conv in conversations]  # type: ignore[arg-type]
         return self.generate(prompts, sampling_params)
 
-    def _output(self, seq: Sequence, prompt: str | None) -> RequestOutput:
-        token_ids = seq.output_token_ids
-        text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
-        finish = seq.finish_reason.value if seq.finish_reason is not None else None  # vLLM's: a plain string
-        return RequestOutput(seq.seq_id, prompt, seq.prompt_token_ids,
-                             [CompletionOutput(0, text, token_ids, finish, list(seq.logprobs),
-                                               list(seq.top_logprobs))],
-                             num_cached_tokens=seq.num_cached_tokens, prompt_logprobs=seq.prompt_logprobs)
+    def _output(self, request: _Collected) -> RequestOutput:
+        text = self.tokenizer.decode(request.token_ids, skip_special_tokens=True)
+        finish = request.finish_reason.value if request.finish_reason is not None else None  # vLLM's: a string
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
+                             [CompletionOutput(0, text, request.token_ids, finish, request.logprobs,
+                                               request.top_logprobs)],
+                             num_cached_tokens=request.num_cached_tokens, prompt_logprobs=request.prompt_logprobs)
+
+
+@dataclass
+class _Collected:
+    """One request's engine outputs, gathered as they come."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list] = field(default_factory=list)
+    prompt_logprobs: list | None = None
+    num_cached_tokens: int = 0
+    finish_reason: Any = None
+
+    def add(self, out: EngineOutput) -> None:
+        self.token_ids += out.new_token_ids
+        self.logprobs += out.new_logprobs
+        self.top_logprobs += out.new_top_logprobs
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = list(out.prompt_logprobs)
+        self.num_cached_tokens = out.num_cached_tokens
+        self.finish_reason = out.finish_reason

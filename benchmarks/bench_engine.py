@@ -46,7 +46,6 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 from baton.engine.config import ModelConfig  # noqa: E402
 from baton.sampling_params import SamplingParams  # noqa: E402
-from baton.engine.sequence import Sequence  # noqa: E402
 
 MIN_TOKEN_ID = 100  # random prompts avoid the special tokens at the start of the vocabulary
 GIB = 1 << 30
@@ -341,29 +340,28 @@ class DecodeBatch:
         self.engine = engine
         rng = random.Random(seed)
         vocab = engine.model_config.vocab_size
-        self.seqs = []
-        for i in range(batch):
-            prompt = [rng.randrange(MIN_TOKEN_ID, vocab) for _ in range(context)]
-            seq = Sequence(f"decode-{seed}-{batch}-{i}", prompt, greedy(steps + 64))
-            engine.add_request(seq)
-            self.seqs.append(seq)
-        # Prefill (chunked by the token budget) until every request has its first token.
-        while not all(s.num_output_tokens >= 1 and s.num_computed_tokens == s.num_tokens - 1 for s in self.seqs):
+        self.request_ids = [f"decode-{seed}-{batch}-{i}" for i in range(batch)]
+        for request_id in self.request_ids:
+            engine.add_request(request_id, [rng.randrange(MIN_TOKEN_ID, vocab) for _ in range(context)],
+                               greedy(steps + 64))
+        # Prefill (chunked by the token budget) until every request has its first token: from then
+        # on each step computes one token per request.
+        started: set[str] = set()
+        while len(started) < batch:
             if not engine.has_unfinished():
                 raise RuntimeError("requests finished before reaching decode")
-            engine.step()
+            started.update(out.request_id for out in engine.step() if out.new_token_ids)
 
     def step(self) -> float:
         t0 = time.perf_counter()
         outputs = self.engine.step()
         seconds = time.perf_counter() - t0
-        if len(outputs) != len(self.seqs):
-            raise RuntimeError(f"decode step produced {len(outputs)} tokens for {len(self.seqs)} requests")
+        if len(outputs) != len(self.request_ids):
+            raise RuntimeError(f"decode step produced {len(outputs)} tokens for {len(self.request_ids)} requests")
         return seconds
 
     def close(self) -> None:
-        for s in self.seqs:
-            self.engine.abort_request(s.seq_id)
+        self.engine.abort(self.request_ids)
 
 
 def measure_decode_steps(engine, batches, context: int, repeats: int, seed: int) -> dict[int, list[float]]:
@@ -384,15 +382,15 @@ def measure_prefill(engine, length: int, repeats: int, seed: int) -> list[float]
     vocab = engine.model_config.vocab_size
     times = []
     for i in range(repeats + 1):
-        seq = Sequence(f"prefill-{seed}-{i}", [rng.randrange(MIN_TOKEN_ID, vocab) for _ in range(length)], greedy(1))
-        engine.add_request(seq)
+        request_id = f"prefill-{seed}-{i}"
+        engine.add_request(request_id, [rng.randrange(MIN_TOKEN_ID, vocab) for _ in range(length)], greedy(1))
         t0 = time.perf_counter()
-        engine.step()
+        outputs = engine.step()
         if i:  # the first is a warm-up
             times.append(time.perf_counter() - t0)
-        if seq.num_output_tokens != 1:
+        if [len(out.new_token_ids) for out in outputs if out.request_id == request_id] != [1]:
             raise RuntimeError("the prompt was not prefilled in one step: raise max_num_batched_tokens")
-        engine.abort_request(seq.seq_id)
+        engine.abort([request_id])
     return times
 
 

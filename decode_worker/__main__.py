@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from baton.worker.args import run_worker
+from decode_worker.worker import DecodeWorker
 
 
 def _decode_args(parser: argparse.ArgumentParser) -> None:
@@ -12,7 +13,7 @@ def _decode_args(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    run_worker("decode", argv, _decode_args)
+    run_worker(DecodeWorker, argv, _decode_args)
 
 
 if __name__ == "__main__":

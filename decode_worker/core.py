@@ -16,10 +16,9 @@ from baton.finish_reason import FinishReason
 from baton import protocol
 from baton.logs import request_extra
 from baton.tracing import RequestSpans
-from baton.engine.llm_engine import StepOutput
-from baton.engine.sequence import Sequence
+from baton.engine.kv_types import RemoteKV
+from baton.engine.outputs import EngineOutput
 from baton.worker.core import Effects, WorkerCore
-from kvstore.connector import RemoteKV
 
 logger = logging.getLogger("baton.decode")
 
@@ -50,14 +49,13 @@ class DecodeCore(WorkerCore[protocol.Handoff]):
         (what is missing from the store is recomputed here)."""
         num_prompt = len(handoff.prompt_token_ids)
         partial_tokens = num_prompt - len(handoff.block_hashes) * self.engine.block_size
-        remote = RemoteKV(handoff.block_hashes, handoff.partial_block_key,
+        remote = RemoteKV(tuple(handoff.block_hashes), handoff.partial_block_key,
                           partial_tokens if handoff.partial_block_key else 0)
         try:
-            seq = Sequence(handoff.request_id, handoff.prompt_token_ids, handoff.sampling,
-                           arrival_time=handoff.arrival_time, output_token_ids=handoff.output_token_ids,
-                           remote_kv=remote)
-            seq.first_token_time = handoff.first_token_time
-            self.engine.add_request(seq)
+            self.engine.add_request(
+                handoff.request_id, handoff.prompt_token_ids, handoff.sampling, arrival_time=handoff.arrival_time,
+                output_token_ids=handoff.output_token_ids, first_token_time=handoff.first_token_time,
+                remote_kv=remote)
         except (ValueError, TypeError) as exc:
             return self.fail(message_id, handoff, str(exc))
         self.metrics.handoff_latency.observe(max(0.0, time.time() - handoff.first_token_time))
@@ -77,7 +75,7 @@ class DecodeCore(WorkerCore[protocol.Handoff]):
         entry = self.in_flight.pop(request_id, None)
         if entry is None:
             return Effects()
-        self.engine.abort_request(request_id)
+        self.engine.abort([request_id])
         self.spans.end(request_id, reason)
         self.metrics.finished(reason)
         logger.info("dropped request %s (%s)", request_id, reason, extra=request_extra(request_id))
@@ -86,36 +84,34 @@ class DecodeCore(WorkerCore[protocol.Handoff]):
     def gateway_of(self, request_id: str) -> str:
         return self.in_flight[request_id].handoff.gateway_id
 
-    def on_step(self, outputs: list[StepOutput]) -> Effects:
+    def on_step(self, outputs: list[EngineOutput]) -> Effects:
         """This step's token events (grouped by gateway), and the acks of finished requests."""
         effects = Effects()
         for out in outputs:
-            seq = out.seq
-            entry = self.in_flight.get(seq.seq_id)
+            entry = self.in_flight.get(out.request_id)
             if entry is None:
                 continue
-            first_index = seq.num_output_tokens - len(out.new_token_ids)
+            first_index = out.num_output_tokens - len(out.new_token_ids)
             # After a resume on this worker, tokens the gateway already has are not sent again.
             skip = max(0, entry.next_index - first_index)
-            tokens, logprobs = out.new_token_ids[skip:], out.new_logprobs[skip:]
-            entry.next_index = max(entry.next_index, seq.num_output_tokens)
+            tokens, logprobs = list(out.new_token_ids[skip:]), list(out.new_logprobs[skip:])
+            entry.next_index = max(entry.next_index, out.num_output_tokens)
             self.metrics.generation_tokens.inc(len(out.new_token_ids))
             if not tokens and not out.finished:
                 continue
+            failed = out.finish_reason is FinishReason.ERROR
             effects.add_event(entry.handoff.gateway_id, protocol.TokenEvent(
-                seq.seq_id, first_index + skip, tokens, logprobs,
-                finish_reason=seq.finish_reason if out.finished else None,
-                error=(seq.error or "the request does not fit in this worker's KV pool")
-                if seq.finish_reason is FinishReason.ERROR else None,
-                num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens,
-                worker_id=self.worker_id, top_logprobs=out.new_top_logprobs[skip:]))
+                out.request_id, first_index + skip, tokens, logprobs, finish_reason=out.finish_reason,
+                error=(out.error or "the request failed") if failed else None,
+                num_prompt_tokens=out.num_prompt_tokens, num_cached_tokens=out.num_cached_tokens,
+                worker_id=self.worker_id, top_logprobs=list(out.new_top_logprobs[skip:])))
             if out.finished:
-                del self.in_flight[seq.seq_id]
-                self.spans.end(seq.seq_id, (seq.error or "error") if seq.finish_reason is FinishReason.ERROR else None)
+                del self.in_flight[out.request_id]
+                self.spans.end(out.request_id, (out.error or "error") if failed else None)
                 self.num_finished += 1
                 effects.acks.append(entry.message_id)
                 effects.deletes += self._partial_keys(entry)
-                self.metrics.finished(seq.finish_reason or FinishReason.STOP)
+                self.metrics.finished(out.finish_reason or FinishReason.STOP)
                 self.metrics.request_decode_time.observe(time.time() - entry.admitted)
         return effects
 

@@ -14,7 +14,6 @@ capacity ledger").
 
 from __future__ import annotations
 
-import argparse
 import logging
 import time
 from collections import deque
@@ -22,8 +21,6 @@ from collections.abc import Coroutine
 from typing import Any
 
 import msgpack
-
-from prometheus_client import REGISTRY, CollectorRegistry
 
 from baton import heartbeats, protocol
 from baton.worker.publisher import EventPublisher
@@ -44,13 +41,13 @@ class DecodeWorker(WorkerShell):
 
     core_class = DecodeCore
 
-    def __init__(self, args: argparse.Namespace, registry: CollectorRegistry = REGISTRY) -> None:
-        super().__init__(args, registry)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self.core: DecodeCore
         self.peer_loads: list[int] = []
         self.last_peer_check = 0.0
         self.pending: deque[tuple[bytes, dict, int]] = deque()  # handoffs read, not yet admitted
-        self.publisher = EventPublisher(self.redis, self.stream, self.group)
+        self.publisher = EventPublisher(self.redis, self.stream, self.group, self.store)
 
     def background_tasks(self) -> list[Coroutine[Any, Any, None]]:
         return [self.publisher.run()]
@@ -63,9 +60,9 @@ class DecodeWorker(WorkerShell):
         return len(self.core.in_flight)
 
     def state(self) -> dict:
-        stats = self.engine.stats()
-        return {**stats, "num_requests_running": stats["num_requests_running"] + stats["num_requests_loading_kv"],
-                "num_free_seqs": self.engine.num_free_seqs() - len(self.pending),
+        stats = self.stats
+        return {**stats.heartbeat(), "num_requests_running": stats.num_requests_running + stats.num_requests_loading_kv,
+                "num_free_seqs": stats.num_free_seqs - len(self.pending),
                 "num_requests_finished": self.core.num_finished, "num_blocks_fetched": self.num_blocks_fetched}
 
     async def iteration(self, accept_new: bool) -> None:
@@ -74,12 +71,12 @@ class DecodeWorker(WorkerShell):
         await self._drop_orphans()
         if accept_new:
             await self._admit_pending()
-        await self.finish_loads()
-        self.update_gauges()  # also after cancels, when no step follows
+        self.refresh_stats()  # after the cancels and admissions, also when no step follows
         if not self.engine.has_unfinished():
             if accept_new:
                 await self._read_new(block_ms=100)  # idle: wait for work
             return
+        await self.wait_for_loads()
         # Nothing here touches the engine while the step runs: the handoffs read meanwhile are
         # admitted at the next iteration.
         outputs = await self.step(self._read_new(block_ms=None) if accept_new else None)
@@ -102,7 +99,7 @@ class DecodeWorker(WorkerShell):
     def _my_turn(self) -> bool:
         """Pull-based balancing: a worker much busier than its least-loaded live peer leaves new
         handoffs in the stream for that peer (an idle worker always takes work)."""
-        my_load = self.engine.num_unfinished() + len(self.pending)
+        my_load = self.stats.num_unfinished + len(self.pending)
         return my_load == 0 or not self.peer_loads or my_load <= min(self.peer_loads) + BALANCE_SLACK
 
     async def _read_new(self, block_ms: int | None) -> None:
@@ -110,10 +107,10 @@ class DecodeWorker(WorkerShell):
         are admitted into the engine at the start of the next iteration."""
         # The engine's free sequence slots are the only capacity count here: the same number the
         # heartbeat advertises and the gateway's budget is built from.
-        room = self.engine.num_free_seqs() - len(self.pending)
+        room = self.stats.num_free_seqs - len(self.pending)
         await self._refresh_peer_loads()
         # A queue inside the engine means its KV pool is full: leave new handoffs to the peers.
-        if room > 0 and not self.engine.num_waiting() and self._my_turn():
+        if room > 0 and not self.stats.num_requests_waiting and self._my_turn():
             for message_id, fields in await read_group(self.redis, self.stream, self.group, self.worker_id,
                                                        min(room, 8), block_ms):
                 self.pending.append((message_id, fields, 1))

@@ -1,2 +1,3 @@
-"""The KV block store: stable block ids (chained hashes), its backends (Redis, in memory) and the
-connector through which an engine's scheduler loads and saves blocks."""
+"""The KV block store, the bottom layer (it imports nothing from baton): stable block ids (chained
+hashes), the block codec, store keys, and the backends that read and write blocks (Redis, and an
+in-memory stand-in for tests)."""

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from baton.worker.args import run_worker
+from prefill_worker.worker import PrefillWorker
 
 
 def main(argv: list[str] | None = None) -> None:
-    run_worker("prefill", argv)
+    run_worker(PrefillWorker, argv)
 
 
 if __name__ == "__main__":

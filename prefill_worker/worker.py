@@ -10,18 +10,15 @@ worker that dies before the ack leaves the message pending; a live one claims it
 
 from __future__ import annotations
 
-import argparse
 import logging
 from collections import deque
-
-from prometheus_client import REGISTRY, CollectorRegistry
+from typing import Any
 
 from baton import protocol
 from baton.logs import request_extra
 from baton.worker.core import Effects
 from baton.worker.runtime import read_group
 from baton.worker.shell import WorkerShell
-from kvstore.connector import probe
 from kvstore.hashing import hash_blocks
 from prefill_worker.core import PrefillCore
 
@@ -35,8 +32,8 @@ class PrefillWorker(WorkerShell):
 
     core_class = PrefillCore
 
-    def __init__(self, args: argparse.Namespace, registry: CollectorRegistry = REGISTRY) -> None:
-        super().__init__(args, registry)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self.core: PrefillCore
         # Prompts read from the stream, not yet admitted: one leaves only once admitted (or failed,
         # with that written), so a Redis error mid-admission loses nothing.
@@ -46,9 +43,9 @@ class PrefillWorker(WorkerShell):
         return len(self.core.in_flight)
 
     def state(self) -> dict:
-        stats = self.engine.stats()
-        return {**stats, "queue_depth": stats["num_requests_waiting"],
-                "num_requests_running": len(self.core.in_flight), "num_free_seqs": self.engine.num_free_seqs(),
+        stats = self.stats
+        return {**stats.heartbeat(), "queue_depth": stats.num_requests_waiting,
+                "num_requests_running": len(self.core.in_flight), "num_free_seqs": stats.num_free_seqs,
                 "num_blocks_fetched": self.num_blocks_fetched,
                 "num_prefix_hit_tokens": self.core.num_prefix_hit_tokens,
                 "num_requests_finished": self.core.num_finished}
@@ -61,17 +58,19 @@ class PrefillWorker(WorkerShell):
             await self.write(self.core.cancel(request_id, "gateway gone"))
         if accept_new:
             await self._accept_new()
-        await self.finish_loads()
+        self.refresh_stats()
         if not self.engine.has_unfinished():
             return
+        await self.wait_for_loads()
         outputs = await self.step()
         effects = self.core.on_step(outputs)
         await self.write_until_done(effects, transaction=True)
 
     async def _accept_new(self) -> None:
-        room = self.engine.num_free_seqs() - len(self.pending)
+        self.refresh_stats()  # after this turn's cancels
+        room = self.stats.num_free_seqs - len(self.pending)
         # Keep only a short local queue: the rest stays in the stream for other prefill workers.
-        if room > 0 and self.engine.num_waiting() < 2:
+        if room > 0 and self.stats.num_requests_waiting < 2:
             block_ms = None if self.engine.has_unfinished() or self.pending else 100
             for message_id, fields in await read_group(self.redis, self.stream, self.group, self.worker_id,
                                                        min(room, 4), block_ms):
@@ -89,6 +88,6 @@ class PrefillWorker(WorkerShell):
                 # Which of the prompt's blocks the store holds (computed by any prefill worker):
                 # the scheduler loads those its local prefix cache lacks instead of computing them.
                 hashes = hash_blocks(request.prompt_token_ids, self.engine.block_size, self.engine.model_id)
-                stored = await probe(self.store, hashes)
+                stored = await self.kv.probe(hashes)
                 await self.write(self.core.admit(message_id, request, stored, hashes))
             self.pending.popleft()

@@ -17,7 +17,6 @@ import pytest
 import torch
 
 from baton import LLM, SamplingParams
-from baton.engine.sequence import Sequence
 
 pytestmark = pytest.mark.real_model
 
@@ -103,21 +102,24 @@ def test_a_request_resumed_in_another_batch_continues_with_the_tokens_already_se
     steps that first made it, and must be the same."""
     targets, others = prompts
     engine = llm.engine
-    busy = [Sequence(f"busy-{i}", ids, greedy(NEW_TOKENS + 8)) for i, ids in enumerate(others[3:14])]
-    for seq in busy:
-        engine.add_request(seq)
+    for i, ids in enumerate(others[3:14]):
+        engine.add_request(f"busy-{i}", ids, greedy(NEW_TOKENS + 8))
     for _ in range(5):  # the others are decoding when the resumed requests arrive
         engine.step()
-    resumed = [Sequence(f"resumed-{i}", ids, greedy(), output_token_ids=original[:1 if i % 2 else 17])
-               for i, (ids, original) in enumerate(zip(targets, in_batch))]
-    for seq in resumed[::-1]:  # another order than the original batch's
-        engine.add_request(seq)
+    resumed_at = [1 if i % 2 else 17 for i in range(len(targets))]
+    for i in reversed(range(len(targets))):  # another order than the original batch's
+        engine.add_request(f"resumed-{i}", targets[i], greedy(), output_token_ids=in_batch[i][:resumed_at[i]])
+    tokens: dict[str, list[int]] = {f"resumed-{i}": in_batch[i][:resumed_at[i]] for i in range(len(targets))}
+    logprobs: dict[str, list[float]] = {request_id: [] for request_id in tokens}
     while engine.has_unfinished():
-        engine.step()
-    differences = [_first_difference(seq.output_token_ids, original) for seq, original in zip(resumed, in_batch)]
+        for out in engine.step():
+            if out.request_id in tokens:
+                tokens[out.request_id] += out.new_token_ids
+                logprobs[out.request_id] += out.new_logprobs
+    differences = [_first_difference(tokens[f"resumed-{i}"], original) for i, original in enumerate(in_batch)]
     assert differences == [None] * len(targets), f"first differing token per resumed request: {differences}"
-    for i, (seq, original) in enumerate(zip(resumed, in_batch_outputs)):
-        assert seq.logprobs == original.logprobs[1 if i % 2 else 17:], i  # the same numbers, bit for bit
+    for i, original in enumerate(in_batch_outputs):
+        assert logprobs[f"resumed-{i}"] == original.logprobs[resumed_at[i]:], i  # the same numbers, bit for bit
 
 
 @pytest.mark.parametrize("choice", ["amx", "avx512bf16"])

@@ -20,8 +20,11 @@ import redis
 import torch
 
 from baton.ops.redis_server import free_port
-from kvstore.connector import BlockLoad, KVLoad, fetch
-from kvstore.redis_backend import decode_block, encode_block
+from baton.engine.kv_types import BlockLoad, KVLoad
+from baton.worker.kv_transfer import StoreKVTransfer
+from kvstore.codec import decode_block, encode_block
+from kvstore.keys import block_key
+from kvstore.memory_backend import InMemoryBlockStore
 from tests.test_gateway_support import wait_until
 from tests.test_workers import Gateway, wait_heartbeats
 
@@ -62,29 +65,26 @@ def malformed_block(kind: str, tokens: list[int], shape: list[int]) -> bytes:
     raise ValueError(kind)
 
 
-class Store:
-    def __init__(self, values: dict[str, bytes]) -> None:
-        self.values = values
-
-    async def get(self, keys):
-        return [self.values.get(k) for k in keys]
-
-
 @pytest.mark.parametrize("kind", ["shape", "dtype", "bytes", "rank"])
 async def test_fetch_keeps_the_valid_prefix_and_counts_the_rejected_block(kind, caplog):
     shape = [2, 2, BLOCK_SIZE, 3, 8]
     tokens = [list(range(i * BLOCK_SIZE, (i + 1) * BLOCK_SIZE)) for i in range(3)]
-    keys = [f"baton:kv:{kind}-{i}" for i in range(3)]
-    store = Store({keys[0]: encode_block(tokens[0], torch.ones(shape, dtype=torch.bfloat16)),
-                   keys[1]: malformed_block(kind, tokens[1], shape),
-                   keys[2]: encode_block(tokens[2], torch.ones(shape))})
-    load = KVLoad("req", [BlockLoad(i, keys[i], tokens[i], f"h{i}") for i in range(3)])
+    hashes = [f"{kind}-{i}" for i in range(3)]
+    keys = [block_key(h) for h in hashes]
+    store = InMemoryBlockStore()
+    transfer = StoreKVTransfer(store, shape)
+    load = KVLoad("req", tuple(BlockLoad(i, tuple(tokens[i]), hashes[i]) for i in range(3)))
     for attempt in range(2):
+        store.values.update({keys[0]: encode_block(tokens[0], torch.ones(shape, dtype=torch.bfloat16)),
+                             keys[1]: malformed_block(kind, tokens[1], shape),
+                             keys[2]: encode_block(tokens[2], torch.ones(shape))})
         caplog.clear()
         with caplog.at_level(logging.WARNING, "baton.kv_connector"):
-            result = await fetch(store, load, shape)
+            result = await transfer.load(load)
         # the first block kept; the malformed one and the rest are computed instead
-        assert result.num_tokens == BLOCK_SIZE and result.block_hashes == ["h0"]
+        assert result.num_tokens == BLOCK_SIZE and result.block_hashes == [hashes[0]]
+        # the malformed block is deleted, so the block computed instead can be stored (SET NX)
+        assert keys[1] not in store.values and keys[0] in store.values and keys[2] in store.values
         assert result.num_rejected == 1 and result.num_missing == 2
         assert [list(kv.shape) for kv in result.kv] == [shape]
         # logged once, with its key: a poisoned popular prefix is met by every request sharing it

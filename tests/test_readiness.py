@@ -108,14 +108,14 @@ async def test_a_worker_whose_loop_is_stuck_fails_its_health_check(tiny_model_di
     from prefill_worker.worker import PrefillWorker
 
     port = free_port()
-    worker = PrefillWorker(worker_args(tiny_model_dir, redis_url, "--metrics-port", str(port), "--stall-timeout", "1"),
+    worker = PrefillWorker.from_args(worker_args(tiny_model_dir, redis_url, "--metrics-port", str(port), "--stall-timeout", "1"),
                            registry=CollectorRegistry())
     release = threading.Event()
     real_step = worker.engine.step
 
-    def stuck_step():  # a step that never returns (until the test lets it)
+    def stuck_step(loaded=()):  # a step that never returns (until the test lets it)
         release.wait(30)
-        return real_step()
+        return real_step(loaded)
 
     worker.engine.step = stuck_step
     health = f"http://127.0.0.1:{port}/health"

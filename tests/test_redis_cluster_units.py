@@ -119,16 +119,15 @@ async def test_a_failed_read_during_a_step_keeps_the_steps_output():
     from baton.worker.shell import WorkerShell
 
     class Engine:
-        last_num_batched_tokens = 1
-
-        def step(self) -> list[str]:
+        def step(self, loaded: list) -> list[str]:
             return ["the step's tokens"]
 
         def take_kv_loads(self) -> list:
             return []
 
     shell = object.__new__(WorkerShell)  # only what step() touches
-    shell.engine, shell.loads, shell.update_gauges = Engine(), [], lambda: None
+    shell.engine, shell.loads, shell.refresh_stats = Engine(), [], lambda: None
+    shell.stats = types.SimpleNamespace(num_batched_tokens=1)
     metric = types.SimpleNamespace(observe=lambda _value: None)
     shell.metrics = types.SimpleNamespace(step_seconds=metric, iteration_tokens=metric)
 

@@ -17,7 +17,8 @@ from baton.sampling_params import SamplingParams
 from baton.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from baton.engine.sequence import Sequence, SequenceStatus
 from baton.engine.block_pool import BlockPool
-from kvstore.connector import KVConnector, RemoteKV
+from baton.engine.kv_connector import KVConnectorScheduler
+from baton.engine.kv_types import RemoteKV
 from kvstore.hashing import hash_blocks
 
 
@@ -31,7 +32,7 @@ class Sim:
         self.pool = BlockPool(num_blocks, block_size)
         self.bm = BlockManager(self.pool, "test-model")
         self.config = SchedulerConfig(max_num_seqs, budget, policy, max_model_len)
-        self.connector = KVConnector(block_size, "test-model")
+        self.connector = KVConnectorScheduler(block_size, "test-model")
         self.sched = Scheduler(self.config, self.bm, connector=self.connector)
         self.seqs: dict[str, Sequence] = {}
         self.steps: list[SchedulerOutput] = []
@@ -362,7 +363,7 @@ def test_abort_of_a_preempted_request():
 # ------------------------------------------------------------------ KV from the store (the connector)
 def remote(seq: Sequence, num_blocks: int, partial: int = 0) -> RemoteKV:
     hashes = hash_blocks(seq.token_ids, 4, "test-model")[:num_blocks]
-    return RemoteKV(hashes, "partial-key" if partial else None, partial)
+    return RemoteKV(tuple(hashes), "partial-key" if partial else None, partial)
 
 
 def test_stored_tokens_are_allocated_with_the_rest_and_the_request_waits_for_its_kv():
@@ -374,7 +375,7 @@ def test_stored_tokens_are_allocated_with_the_rest_and_the_request_waits_for_its
     assert seq.block_table == [1, 2, 3]  # local + external tokens in one allocation
     [load] = out.kv_loads
     assert [(b.block_id, b.block_hash) for b in load.blocks] == list(zip([1, 2], seq.remote_kv.block_hashes))
-    assert [b.token_ids for b in load.blocks] == [seq.token_ids[0:4], seq.token_ids[4:8]]
+    assert [list(b.token_ids) for b in load.blocks] == [seq.token_ids[0:4], seq.token_ids[4:8]]
     assert sim.sched.schedule().scheduled == []  # still loading: nothing to run, nothing failed
     assert sim.sched.finish_kv_load("a", 8) is seq
     assert seq.status is SequenceStatus.RUNNING and seq.num_computed_tokens == 8 and seq.num_cached_tokens == 8
@@ -390,6 +391,7 @@ def test_a_partial_load_keeps_the_valid_prefix_and_computes_the_rest():
     seq.remote_kv = remote(seq, 3, partial=1)  # 3 blocks + 1 token; at least one is left to compute
     [load] = sim.sched.schedule().kv_loads
     assert [len(b.token_ids) for b in load.blocks] == [4, 4, 4, 1] and load.blocks[-1].block_hash is None
+    assert load.blocks[-1].partial_key == "partial-key"
     sim.sched.finish_kv_load("a", 4)  # only the first block arrived intact
     assert sim.step() == [("a", 10)]
     sim.assert_all_done()
@@ -405,7 +407,7 @@ def test_the_load_starts_after_the_local_prefix_cache_hits():
     sim.seqs["b"] = seq
     [load] = sim.sched.schedule().kv_loads
     assert seq.num_computed_tokens == 8 and len(load.blocks) == 1  # the third block only
-    assert load.blocks[0].token_ids == [7, 7, 7, 7]
+    assert load.blocks[0].token_ids == (7, 7, 7, 7)
     sim.sched.finish_kv_load("b", 4)
     assert sim.step() == [("b", 1)]
 

@@ -11,8 +11,7 @@ import pytest
 
 from baton import protocol, tracing
 from baton.worker.core import Opening
-from kvstore.memory_backend import InMemoryBlockStore
-from tests.test_worker_core import PROMPT, apply, decode_core, drive, fields_of, prefill_core, request, run_loads
+from tests.test_worker_core import PROMPT, decode_core, drive, fetch_loads, fields_of, new_store, prefill_core, request
 
 sdk = pytest.importorskip("opentelemetry.sdk.trace.export.in_memory_span_exporter")
 
@@ -66,7 +65,7 @@ async def test_admission_gives_the_request_span_and_its_wait(spans):
 def test_one_request_is_one_trace_across_prefill_and_decode(spans, tiny_model_dir, one_torch_thread):
     root = tracing.start_span("request")
     parent = tracing.traceparent(root)
-    store = InMemoryBlockStore()
+    store = new_store()
     req = request(PROMPT)
     req.trace_context = parent
     decoded = protocol.decode(protocol.encode(req), protocol.PrefillRequest)  # the field travels
@@ -76,7 +75,6 @@ def test_one_request_is_one_trace_across_prefill_and_decode(spans, tiny_model_di
     opened = core.open(fields_of(decoded), 1, set())
     core.admit(b"1-0", opened.message, [])
     effects, _ = drive(core, store)
-    apply(effects, store)
     [handoff] = effects.handoffs
     assert handoff.trace_context == parent
 
@@ -85,8 +83,7 @@ def test_one_request_is_one_trace_across_prefill_and_decode(spans, tiny_model_di
     assert opened.outcome is Opening.ADMIT
     decode.admit(b"9-0", opened.message)
     decode.engine.step()
-    run_loads(decode, store)
-    drive(decode, store)
+    drive(decode, store, loaded=fetch_loads(decode, store))
     tracing.end_span(root)
 
     finished = {s.name: s for s in spans.get_finished_spans()}

@@ -1,6 +1,6 @@
-"""The worker cores without Redis: real engines (the tiny model), the in-memory block store, and the
-effects the shells would write. Handoff, KV loads (whole, partial, refused), preemption after a
-load, cancel races, delivery caps and dead letters, each in milliseconds."""
+"""The worker cores without a Redis server: real engines (the tiny model), the real writer and block
+store over kvstore's in-memory Redis. Handoff, KV loads (whole, partial, refused), preemption after
+a load, cancel races, delivery caps and dead letters, each in milliseconds."""
 
 from __future__ import annotations
 
@@ -15,13 +15,15 @@ from baton import protocol
 from baton.engine.llm_engine import EngineConfig, LLMEngine
 from baton.llm import LLM
 from baton.sampling_params import SamplingParams
+from baton.engine.kv_types import LoadedKV
 from baton.worker.core import Effects, Opening
+from baton.worker.kv_transfer import StoreKVTransfer
 from baton.worker.metrics import WorkerMetrics
+from baton.worker.writer import write_effects
 from decode_worker.core import DecodeCore
-from kvstore.connector import fetch, probe
 from kvstore.hashing import hash_blocks
+from kvstore.keys import block_key
 from kvstore.memory_backend import InMemoryBlockStore
-from kvstore.redis_backend import block_key
 from prefill_worker.core import PrefillCore
 
 BS = 16
@@ -70,33 +72,39 @@ def fields_of(message) -> dict:
     return {protocol.PAYLOAD_FIELD: protocol.encode(message)}
 
 
-def apply(effects: Effects, store: InMemoryBlockStore) -> None:
-    """What the shell's pipeline does to the block store."""
-    for block_hash, value in effects.block_puts:
-        store.put_block(block_hash, value)
-    for key, value in effects.partial_puts:
-        store.values[key] = value
-    for key in effects.deletes:
-        store.values.pop(key, None)
+def new_store() -> InMemoryBlockStore:
+    store = InMemoryBlockStore()
+    store.redis.streams[protocol.token_stream("gw")] = []  # the gateway makes its stream
+    return store
 
 
-def run_loads(core, store: InMemoryBlockStore) -> int:
-    """Fetch the loads the last step asked for and hand them to the engine; returns tokens loaded."""
-    results = [asyncio.run(fetch(store, load)) for load in core.engine.take_kv_loads()]
-    core.engine.finish_kv_loads(results)
-    return sum(r.num_tokens for r in results)
+def write(core, store: InMemoryBlockStore, effects: Effects) -> None:
+    """What the core's shell does with its effects: the real writer, on the in-memory Redis."""
+    stream, group = ((protocol.PREFILL_STREAM, protocol.PREFILL_GROUP) if core.kind == "prefill"
+                     else (protocol.DECODE_STREAM, protocol.DECODE_GROUP))
+    asyncio.run(write_effects(store.redis, effects, stream, group, transaction=True, store=store))
 
 
-def drive(core, store: InMemoryBlockStore, max_steps: int = 200) -> tuple[Effects, list[int]]:
-    """Step the core's engine to the end; returns the merged effects and each step's token count."""
+def fetch_loads(core, store: InMemoryBlockStore) -> list[LoadedKV]:
+    """Run the loads the last step asked for (their results go into the next step)."""
+    transfer = StoreKVTransfer(store, core.engine.block_shape)
+    return [asyncio.run(transfer.load(load)) for load in core.engine.take_kv_loads()]
+
+
+def drive(core, store: InMemoryBlockStore, max_steps: int = 200,
+          loaded: list[LoadedKV] | None = None) -> tuple[Effects, list[int]]:
+    """Step the core's engine to the end, writing each step's effects; returns the merged effects
+    and each step's token count."""
     effects, batched = Effects(), []
     for _ in range(max_steps):
         if not core.engine.has_unfinished():
             return effects, batched
-        run_loads(core, store)
-        outputs = core.engine.step()
-        batched.append(core.engine.last_num_batched_tokens)
-        effects.extend(core.on_step(outputs))
+        outputs = core.engine.step(loaded or [])
+        loaded = fetch_loads(core, store)
+        batched.append(core.engine.stats().num_batched_tokens)
+        step_effects = core.on_step(outputs)
+        write(core, store, step_effects)
+        effects.extend(step_effects)
     raise AssertionError("the engine did not finish")
 
 
@@ -106,10 +114,9 @@ def prefill(model_dir, store: InMemoryBlockStore, prompt: list[int] = PROMPT, re
     req = request(prompt, request_id)
     opened = core.open(fields_of(req), 1, set())
     assert opened.outcome is Opening.ADMIT
-    stored = asyncio.run(probe(store, hash_blocks(prompt, BS, core.engine.model_id)))
+    stored = asyncio.run(StoreKVTransfer(store).probe(hash_blocks(prompt, BS, core.engine.model_id)))
     assert not core.admit(b"1-0", opened.message, stored)
     effects, batched = drive(core, store)
-    apply(effects, store)
     [handoff] = effects.handoffs
     return effects, handoff, batched
 
@@ -120,12 +127,12 @@ def events_of(effects: Effects) -> list[protocol.TokenEvent]:
 
 def assert_pool_free(core) -> None:
     stats = core.engine.stats()
-    assert stats["num_kv_blocks_used"] == 0 and not core.engine.has_unfinished()
+    assert stats.num_kv_blocks_used == 0 and not core.engine.has_unfinished()
     core.engine.pool.check_invariants()
 
 
 def test_handoff_through_the_store_continues_exactly_where_prefill_stopped(tiny_model_dir, reference):
-    store = InMemoryBlockStore()
+    store = new_store()
     effects, handoff, _ = prefill(tiny_model_dir, store)
     expected = reference(PROMPT)
     [first] = events_of(effects)
@@ -138,8 +145,9 @@ def test_handoff_through_the_store_continues_exactly_where_prefill_stopped(tiny_
     assert opened.outcome is Opening.ADMIT
     decode.admit(b"9-0", opened.message)
     decode.engine.step()  # the schedule asks for the load; nothing to compute yet
-    assert run_loads(decode, store) == len(PROMPT)
-    effects, batched = drive(decode, store)
+    loaded = fetch_loads(decode, store)
+    assert sum(r.num_tokens for r in loaded) == len(PROMPT)
+    effects, batched = drive(decode, store, loaded=loaded)
     assert batched[0] == 1, "the prompt's KV came from the store: only the first token is computed"
     events = events_of(effects)
     assert [t for e in events for t in e.token_ids] == expected[1:]
@@ -149,8 +157,34 @@ def test_handoff_through_the_store_continues_exactly_where_prefill_stopped(tiny_
     assert_pool_free(decode)
 
 
+def test_the_writer_leaves_in_redis_the_first_token_the_blocks_the_handoff_and_the_acks(tiny_model_dir, reference):
+    """What the gateway and a decode worker find after the real writer ran the cores' effects: the
+    first token in the gateway's stream, the blocks with their TTL, the handoff on the decode stream,
+    the prompt acked; after decode, its tokens, its ack, and the partial block gone."""
+    store = new_store()
+    _, handoff, _ = prefill(tiny_model_dir, store)
+    redis, expected = store.redis, reference(PROMPT)
+    [(_, fields)] = redis.streams[protocol.DECODE_STREAM]
+    assert protocol.decode(fields[protocol.PAYLOAD_FIELD], protocol.Handoff) == handoff
+    assert redis.acked[(protocol.PREFILL_STREAM, protocol.PREFILL_GROUP)] == [b"1-0"]
+    [(_, fields)] = redis.streams[protocol.token_stream("gw")]
+    [event] = protocol.decode(fields[protocol.PAYLOAD_FIELD], protocol.TokenBatch).events
+    assert (event.request_id, event.token_ids) == ("r1", expected[:1])
+    assert all(redis.ttls[block_key(h)] == store.ttl_s for h in handoff.block_hashes)
+    assert handoff.partial_block_key in redis.values
+
+    decode = decode_core(tiny_model_dir)
+    decode.admit(b"9-0", handoff)
+    drive(decode, store)
+    batches = [protocol.decode(f[protocol.PAYLOAD_FIELD], protocol.TokenBatch) for _, f in
+               redis.streams[protocol.token_stream("gw")][1:]]
+    assert [t for b in batches for e in b.events for t in e.token_ids] == expected[1:]
+    assert redis.acked[(protocol.DECODE_STREAM, protocol.DECODE_GROUP)] == [b"9-0"]
+    assert handoff.partial_block_key not in redis.values
+
+
 def test_the_handoff_carries_the_prompts_block_ids(tiny_model_dir):
-    store = InMemoryBlockStore()
+    store = new_store()
     core = prefill_core(tiny_model_dir)
     _, handoff, _ = prefill(tiny_model_dir, store, core=core)
     assert handoff.block_hashes == hash_blocks(PROMPT, BS, core.engine.model_id)
@@ -160,7 +194,7 @@ def test_the_handoff_carries_the_prompts_block_ids(tiny_model_dir):
 
 @pytest.mark.parametrize("damage", ["missing", "foreign", "garbage"])
 def test_a_damaged_block_ends_the_load_and_the_rest_is_computed(tiny_model_dir, reference, damage):
-    store = InMemoryBlockStore()
+    store = new_store()
     _, handoff, _ = prefill(tiny_model_dir, store)
     second = block_key(handoff.block_hashes[1])
     if damage == "missing":
@@ -172,15 +206,16 @@ def test_a_damaged_block_ends_the_load_and_the_rest_is_computed(tiny_model_dir, 
     decode = decode_core(tiny_model_dir)
     decode.admit(b"9-0", handoff)
     decode.engine.step()
-    assert run_loads(decode, store) == BS  # only the block before the damaged one
-    effects, batched = drive(decode, store)
+    loaded = fetch_loads(decode, store)
+    assert sum(r.num_tokens for r in loaded) == BS  # only the block before the damaged one
+    effects, batched = drive(decode, store, loaded=loaded)
     assert batched[0] == len(PROMPT) + 1 - BS
     assert [t for e in events_of(effects) for t in e.token_ids] == reference(PROMPT)[1:]
     assert_pool_free(decode)
 
 
 def test_a_prefill_worker_loads_a_prefix_another_one_stored(tiny_model_dir, reference):
-    store = InMemoryBlockStore()
+    store = new_store()
     prefill(tiny_model_dir, store, PROMPT, "first")
     longer = PROMPT[:48] + list(range(900, 930))  # shares the 3 full blocks
     _, handoff, batched = prefill(tiny_model_dir, store, longer, "second")  # a fresh worker: cold local cache
@@ -190,23 +225,23 @@ def test_a_prefill_worker_loads_a_prefix_another_one_stored(tiny_model_dir, refe
 
 
 def test_cancel_while_loading_frees_the_blocks_and_drops_the_load(tiny_model_dir):
-    store = InMemoryBlockStore()
+    store = new_store()
     _, handoff, _ = prefill(tiny_model_dir, store)
     decode = decode_core(tiny_model_dir)
     decode.admit(b"9-0", handoff)
     decode.engine.step()
-    loads = decode.engine.take_kv_loads()
-    assert decode.engine.stats()["num_requests_loading_kv"] == 1
+    loaded = fetch_loads(decode, store)
+    assert decode.engine.stats().num_requests_loading_kv == 1
     effects = decode.drop("r1", "cancelled")
     assert effects.acks == [b"9-0"] and effects.deletes == [handoff.partial_block_key]
     # The load comes back after the cancel: its blocks may already be someone else's; nothing is written.
-    decode.engine.finish_kv_loads([asyncio.run(fetch(store, load)) for load in loads])
+    assert decode.engine.step(loaded) == []
     assert_pool_free(decode)
     assert decode.drop("r1", "cancelled") == Effects()  # a second cancel is a no-op
 
 
 def test_preempted_requests_reload_and_resume_without_resending(tiny_model_dir, reference):
-    store = InMemoryBlockStore()
+    store = new_store()
     prompts = [list(range(100 + 60 * i, 140 + 60 * i)) for i in range(3)]
     handoffs = [prefill(tiny_model_dir, store, p, f"r{i}")[1] for i, p in enumerate(prompts)]
     # 3 requests of 40 prompt tokens growing to 40+24: 12 blocks at the end, the pool has 10
@@ -215,7 +250,7 @@ def test_preempted_requests_reload_and_resume_without_resending(tiny_model_dir, 
         handoff.sampling.max_tokens = 24
         decode.admit(f"{i}-0".encode(), handoff)
     effects, _ = drive(decode, store)
-    assert decode.engine.stats()["num_preemptions"] > 0
+    assert decode.engine.stats().num_preemptions > 0
     for i, prompt in enumerate(prompts):
         events = effects.events["gw"]
         mine = [e for e in events if e.request_id == f"r{i}"]
@@ -226,7 +261,7 @@ def test_preempted_requests_reload_and_resume_without_resending(tiny_model_dir, 
 
 
 def test_a_handoff_that_can_never_fit_ends_with_an_error(tiny_model_dir):
-    store = InMemoryBlockStore()
+    store = new_store()
     _, handoff, _ = prefill(tiny_model_dir, store)
     decode = decode_core(tiny_model_dir, num_kv_blocks=3)  # 2 usable blocks: the prompt needs 4
     decode.admit(b"9-0", handoff)
@@ -238,7 +273,7 @@ def test_a_handoff_that_can_never_fit_ends_with_an_error(tiny_model_dir):
 
 
 def test_the_opening_dead_letters_skips_and_caps(tiny_model_dir):
-    store = InMemoryBlockStore()
+    store = new_store()
     _, handoff, _ = prefill(tiny_model_dir, store)
     decode = decode_core(tiny_model_dir)
     bad = {protocol.PAYLOAD_FIELD: b"\x93not a map"}
@@ -262,7 +297,7 @@ def test_the_opening_dead_letters_skips_and_caps(tiny_model_dir):
 def test_a_block_the_store_dropped_is_written_again_and_the_others_kept_alive(tiny_model_dir):
     # Issue 11 (2i): a prefill worker remembered what it had stored and never wrote it again, so
     # once Redis dropped a block (TTL, eviction, restart) every later handoff missed it.
-    store = InMemoryBlockStore()
+    store = new_store()
     core = prefill_core(tiny_model_dir)
     first, handoff, _ = prefill(tiny_model_dir, store, core=core, request_id="first")
     hashes = handoff.block_hashes

@@ -56,7 +56,7 @@ async def test_a_failed_prefill_write_is_retried_and_nothing_is_lost(tiny_model_
     # first token and the handoff, and the prompt stayed pending under a live consumer forever.
     client = aioredis.from_url(redis_url)
     await client.flushall()
-    worker = PrefillWorker(worker_args(tiny_model_dir, redis_url), registry=CollectorRegistry())
+    worker = PrefillWorker.from_args(worker_args(tiny_model_dir, redis_url), registry=CollectorRegistry())
     try:
         await ensure_group(worker.redis, worker.stream, worker.group)
         gateway_id = f"gw-{time.time_ns()}"
@@ -77,7 +77,7 @@ async def test_a_failed_prefill_write_is_retried_and_nothing_is_lost(tiny_model_
         events = [e for _, f in entries for e in protocol.decode(f[protocol.PAYLOAD_FIELD]).events]
         assert [(e.index, e.token_ids) for e in events] == [(0, handoff.output_token_ids)]  # once, not lost
         assert (await client.xpending(protocol.PREFILL_STREAM, protocol.PREFILL_GROUP))["pending"] == 0
-        assert worker.engine.stats()["num_kv_blocks_used"] == 0
+        assert worker.engine.stats().num_kv_blocks_used == 0
     finally:
         await worker.redis.aclose()
         await client.aclose()
@@ -87,7 +87,7 @@ async def test_a_dead_gateways_backlog_is_not_prefilled(tiny_model_dir, redis_ur
     # Issue 11 (2h): the prefill worker prefilled the whole backlog of a gateway that had died.
     client = aioredis.from_url(redis_url)
     await client.flushall()
-    worker = PrefillWorker(worker_args(tiny_model_dir, redis_url, "--gateway-grace", "2"), registry=CollectorRegistry())
+    worker = PrefillWorker.from_args(worker_args(tiny_model_dir, redis_url, "--gateway-grace", "2"), registry=CollectorRegistry())
     try:
         await ensure_group(worker.redis, worker.stream, worker.group)
         live = f"gw-{time.time_ns()}"

@@ -1,18 +1,21 @@
 """The engine: scheduler + model runner + sampler in one process, stepped in a loop.
 
 It is the offline API's core, the baseline the disaggregated pipeline is measured against, and the
-workers' only way into the scheduler, the block pool and the model runner: a worker adds and aborts
-requests, steps, hands over KV loads and their results (through the KV connector), and reads
-`stats()`. Nothing else touches a block.
+workers' only way into the scheduler, the block pool and the model runner. It speaks request ids:
+`add_request(request_id, prompt_token_ids, params, ...)`, `abort(ids)`, `step(loaded=...)` returning
+frozen `EngineOutput`s, `take_kv_loads()` for the KV connector's worker side, and `stats()`, a frozen
+snapshot. No caller sees a `Sequence`; nothing else touches a block. No I/O: the model directory is
+resolved (downloaded, converted) by the caller.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import time
+from collections.abc import Iterable, Sequence as Seq
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -23,17 +26,20 @@ from baton.engine.logprobs import token_logprobs
 from baton.engine.model_runner import ModelRunner, PromptRows, kv_bytes_per_block
 from baton.engine.block_pool import BlockPool
 from baton.engine.sampling import sample, suppress_early_stops
+from baton.engine.kv_connector import KVConnectorScheduler
+from baton.engine.kv_types import KVLoad, LoadedKV, RemoteKV
+from baton.engine.outputs import EngineOutput, EngineStats, KVHandoff
 from baton.engine.scheduler import Scheduler, SchedulerConfig, StepOutput
 from baton.engine.structured import StructuredOutput
 from baton.engine.sequence import Sequence
-from kvstore.connector import KVConnector, KVLoad, LoadedKV
+from baton.sampling_params import SamplingParams
 
 logger = logging.getLogger("baton.engine.llm_engine")
 
 
 @dataclass
 class EngineConfig:
-    model: str | None = None
+    model: str | Path = ""  # a model directory (resolve a name with baton.ops.fetch.resolve_model)
     dtype: str = "auto"
     device: str | None = None
     block_size: int = 16
@@ -50,12 +56,13 @@ class EngineConfig:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
-        from baton.ops.fetch import resolve_model
-
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.config = config
-        self.model_dir: Path = resolve_model(config.model)
+        self.model_dir = Path(config.model)
+        if not (self.model_dir / "config.json").is_file():
+            raise FileNotFoundError(f"{self.model_dir} is not a model directory (no config.json); "
+                                    "resolve a model name with baton.ops.fetch.resolve_model first")
         device = torch.device(config.device) if config.device else default_device()
         self.model, self.model_config = load_model(self.model_dir, config.dtype, device)
         self.dtype = next(self.model.parameters()).dtype
@@ -64,7 +71,8 @@ class LLMEngine:
         max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.pool = BlockPool(num_blocks, config.block_size)
         self.block_manager = BlockManager(self.pool, self.model_config.model_id, config.enable_prefix_caching)
-        self.connector = KVConnector(config.block_size, self.model_config.model_id) if config.kv_connector else None
+        self.connector = (KVConnectorScheduler(config.block_size, self.model_config.model_id)
+                          if config.kv_connector else None)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.scheduler_policy,
                             max_model_len),
@@ -76,6 +84,7 @@ class LLMEngine:
         self.num_generated_tokens = 0
         self.last_num_batched_tokens = 0
         self._kv_loads: list[KVLoad] = []
+        self._requests: dict[str, Sequence] = {}  # unfinished, by id
         logger.info("engine ready: %s (%s, %s), %d KV blocks of %d tokens, policy %s",
                     self.model_dir.name, self.dtype, device, num_blocks, config.block_size,
                     config.scheduler_policy)
@@ -92,15 +101,41 @@ class LLMEngine:
     def model_id(self) -> str:
         return self.model_config.model_id
 
-    def add_request(self, seq: Sequence) -> None:
+    @property
+    def block_shape(self) -> list[int]:
+        """One KV block's shape: [layers, 2, block_size, kv_heads, head_dim]."""
+        return list(self.runner.block_shape)
+
+    def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams, *,
+                    output_token_ids: Seq[int] = (), arrival_time: float | None = None,
+                    first_token_time: float | None = None, remote_kv: RemoteKV | None = None,
+                    remote_decode: bool = False, block_hashes: Seq[str] | None = None) -> None:
+        """Queue a request. `output_token_ids`: tokens already generated (a handoff, a resume);
+        `remote_kv`: what the block store holds of its leading tokens (the connector loads it);
+        `remote_decode`: finish after the first token by handoff, leaving its prompt's blocks in the
+        output to save; `block_hashes`: its full blocks' ids if the caller computed them already.
+        Raises ValueError for a request it cannot take (nothing is queued then)."""
+        seq = Sequence(request_id, list(prompt_token_ids), params, arrival_time=arrival_time,
+                       output_token_ids=list(output_token_ids), remote_kv=remote_kv,
+                       remote_decode=remote_decode, block_hashes=None if block_hashes is None else list(block_hashes))
+        seq.first_token_time = first_token_time
+        self._add(seq)
+
+    def _add(self, seq: Sequence) -> None:
         remote = seq.remote_kv
         if remote is not None and len(remote.block_hashes) * self.block_size > seq.num_prompt_tokens:
             raise ValueError(f"request {seq.seq_id} claims more stored blocks than its prompt has")
+        if seq.seq_id in self._requests:
+            raise ValueError(f"request {seq.seq_id} is already in this engine")
         self.structured.start(seq)  # a constrained request's grammar matcher (ValueError if bad)
         self.scheduler.add(seq)
+        self._requests[seq.seq_id] = seq
 
-    def abort_request(self, seq_id: str) -> Sequence | None:
-        return self.scheduler.abort(seq_id)
+    def abort(self, request_ids: Iterable[str]) -> None:
+        """Stop these requests and free their blocks (unknown or finished ids are ignored)."""
+        for request_id in request_ids:
+            if self._requests.pop(request_id, None) is not None:
+                self.scheduler.abort(request_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -109,32 +144,23 @@ class LLMEngine:
         """Whether a step would compute something now (not only wait for KV loads)."""
         return bool(self.scheduler.running or self.scheduler.waiting)
 
-    def num_waiting(self) -> int:
-        """Requests queued inside the engine (its KV pool or batch is full)."""
-        return len(self.scheduler.waiting)
-
-    def num_unfinished(self) -> int:
-        """Requests running, loading KV or waiting: the load a worker compares with its peers'."""
-        scheduler = self.scheduler
-        return len(scheduler.running) + len(scheduler.loading) + len(scheduler.waiting)
-
-    def num_free_seqs(self) -> int:
-        """How many more requests this engine can take before it would queue them."""
-        scheduler = self.scheduler
-        return scheduler.config.max_num_seqs - scheduler.num_admitted - len(scheduler.waiting)
-
-    def step(self) -> list[StepOutput]:
-        """Schedule, run the model once, sample, apply the results; returns what changed.
+    def step(self, loaded: Iterable[LoadedKV] = ()) -> list[EngineOutput]:
+        """Take the KV loads that arrived (`loaded`), schedule, run the model once, sample, apply the
+        results; returns what changed, one record per request.
 
         KV loads the schedule asked for are kept for `take_kv_loads`; a handed-off request's blocks
-        are encoded here (into its output's `kv_save`) and then freed.
+        are encoded here (into its output's `handoff.save`) and then freed.
         """
+        self._finish_kv_loads(loaded)
         plan = self.scheduler.schedule()
         self._kv_loads.extend(plan.kv_loads)
         outputs = [StepOutput(seq, finished=True) for seq in plan.failed]
         self.last_num_batched_tokens = plan.num_batched_tokens
-        if not plan.scheduled:
-            return outputs
+        if plan.scheduled:
+            outputs += self._run(plan)
+        return [self._output(out) for out in outputs]
+
+    def _run(self, plan) -> list[StepOutput]:
         sample_seqs, all_logits, prompt_rows = self.runner.execute(plan.scheduled)
         logits = all_logits[:len(sample_seqs)]
         self.num_steps += 1
@@ -147,7 +173,7 @@ class LLMEngine:
                                            self.eos_token_ids)
             tokens, logprobs = sample(
                 self.structured.apply(sample_seqs, allowed),  # grammar masks (a no-op when unconstrained)
-                [s.sampling_params for s in sample_seqs],
+                params,
                 [s.token_ids if s.sampling_params.edits_logits else [] for s in sample_seqs],
                 [s.num_output_tokens for s in sample_seqs],
                 [s.num_prompt_tokens for s in sample_seqs],
@@ -158,12 +184,27 @@ class LLMEngine:
         self.num_generated_tokens += len(tokens)
         step_outputs = self.scheduler.update_from_output(plan, sample_seqs, tokens, logprobs, top_logprobs)
         self._end_broken_grammars(step_outputs)
-        for out in step_outputs:
-            if out.seq.finish_reason is FinishReason.HANDOFF:
-                assert self.connector is not None, "remote_decode needs a KV connector"
-                out.kv_save = self.connector.build_save(out.seq, out.seq.num_prompt_tokens, self.runner.read_block)
-                self.scheduler.free_finished(out.seq)
-        return outputs + step_outputs
+        return step_outputs
+
+    def _output(self, out: StepOutput) -> EngineOutput:
+        """The frozen record of a step's change to one request (a handed-off request's blocks are
+        encoded now, then freed)."""
+        seq = out.seq
+        reason = seq.finish_reason if out.finished else None
+        handoff = None
+        if reason is FinishReason.HANDOFF:
+            assert self.connector is not None, "remote_decode needs a KV connector"
+            save = self.connector.build_save(seq, seq.num_prompt_tokens, self.runner.read_block)
+            self.scheduler.free_finished(seq)
+            handoff = KVHandoff(tuple(seq.output_token_ids), seq.first_token_time or time.time(), save)
+        if reason is not None:
+            self._requests.pop(seq.seq_id, None)
+        first = seq.num_output_tokens == len(out.new_token_ids) and bool(out.new_token_ids)
+        return EngineOutput(
+            seq.seq_id, tuple(out.new_token_ids), tuple(out.new_logprobs), tuple(out.new_top_logprobs),
+            reason, seq.error if reason is FinishReason.ERROR else None, seq.num_prompt_tokens,
+            seq.num_output_tokens, seq.num_cached_tokens,
+            tuple(seq.prompt_logprobs) if first and seq.prompt_logprobs is not None else None, handoff)
 
     @staticmethod
     def _requested_logprobs(seqs: list[Sequence], logits: torch.Tensor, tokens: list[int],
@@ -214,30 +255,34 @@ class LLMEngine:
             seq.finish_reason = FinishReason.ERROR
 
     def take_kv_loads(self) -> list[KVLoad]:
-        """The KV loads scheduled since the last call (run them with `kvstore.connector.fetch`)."""
+        """The KV loads scheduled since the last call (the connector's worker side runs them; their
+        results go into the next `step(loaded=...)`)."""
         loads, self._kv_loads = self._kv_loads, []
         return loads
 
-    def finish_kv_loads(self, results: list[LoadedKV]) -> None:
+    def _finish_kv_loads(self, results: Iterable[LoadedKV]) -> None:
         """Write the blocks that arrived and let their requests run (cancelled ones are skipped:
-        their blocks may already belong to another request). Call between steps."""
+        their blocks may already belong to another request)."""
         for result in results:
-            seq = self.scheduler.loading.get(result.seq_id)
+            seq = self.scheduler.loading.get(result.request_id)
             if seq is None:
                 continue
             first = seq.num_computed_tokens // self.block_size
             for offset, kv in enumerate(result.kv):
                 self.runner.write_block(seq.block_table[first + offset], kv)
-            self.scheduler.finish_kv_load(result.seq_id, result.num_tokens)
+            self.scheduler.finish_kv_load(result.request_id, result.num_tokens)
 
-    def stats(self) -> dict[str, Any]:
-        """Counts for heartbeats and metrics."""
+    def stats(self) -> EngineStats:
+        """A snapshot of the counts (take it between steps; it may be read during one)."""
         scheduler, pool = self.scheduler, self.pool
-        return {"num_requests_running": len(scheduler.running), "num_requests_waiting": len(scheduler.waiting),
-                "num_requests_loading_kv": len(scheduler.loading), "num_preemptions": scheduler.num_preemptions,
-                "num_kv_blocks_total": pool.num_usable_blocks, "num_kv_blocks_used": pool.num_used_blocks,
-                "kv_cache_usage": pool.usage(), "block_size": pool.block_size,
-                "max_num_seqs": scheduler.config.max_num_seqs, "policy": scheduler.config.policy}
+        return EngineStats(
+            num_requests_running=len(scheduler.running), num_requests_waiting=len(scheduler.waiting),
+            num_requests_loading_kv=len(scheduler.loading), num_preemptions=scheduler.num_preemptions,
+            num_kv_blocks_total=pool.num_usable_blocks, num_kv_blocks_used=pool.num_used_blocks,
+            kv_cache_usage=pool.usage(), block_size=pool.block_size, max_num_seqs=scheduler.config.max_num_seqs,
+            policy=scheduler.config.policy,
+            num_free_seqs=scheduler.config.max_num_seqs - scheduler.num_admitted - len(scheduler.waiting),
+            num_batched_tokens=self.last_num_batched_tokens)
 
 
 def default_threads() -> int:

@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 from baton.engine.block_manager import BlockManager, blocks_for
 from baton.finish_reason import FinishReason
 from baton.engine.sequence import Sequence, SequenceStatus
-from kvstore.connector import KVConnector, KVLoad, KVSave
+from baton.engine.kv_connector import KVConnectorScheduler
+from baton.engine.kv_types import KVLoad
 
 logger = logging.getLogger("baton.engine.scheduler")
 
@@ -65,19 +66,19 @@ class SchedulerOutput:
 
 @dataclass
 class StepOutput:
-    """What one step changed for one request."""
+    """What one step changed for one request, inside the engine (which turns it into a frozen
+    `EngineOutput` for its callers)."""
 
     seq: Sequence
     new_token_ids: list[int] = field(default_factory=list)
     new_logprobs: list[float] = field(default_factory=list)
     new_top_logprobs: list[list] = field(default_factory=list)  # one per new token, when asked for
     finished: bool = False
-    kv_save: KVSave | None = None  # a handed-off request's encoded blocks
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
-                 eos_token_ids: list[int] | None = None, connector: KVConnector | None = None) -> None:
+                 eos_token_ids: list[int] | None = None, connector: KVConnectorScheduler | None = None) -> None:
         self.config = config
         self.block_manager = block_manager
         self.eos_token_ids = set(eos_token_ids or [])
@@ -147,6 +148,7 @@ class Scheduler:
             # still does not fit: it never will. End it with an error (it holds no blocks).
             seq = self.waiting.popleft()
             self._finish(seq, FinishReason.ERROR)
+            seq.error = "the request does not fit in this worker's KV pool"
             out.failed.append(seq)
             logger.error("request %s needs more KV blocks than the pool has", seq.seq_id)
         # Decode tokens (one per request) first: the model batches them in one padded attention.

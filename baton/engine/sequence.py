@@ -8,7 +8,7 @@ from typing import Any
 
 from baton.finish_reason import FinishReason
 from baton.sampling_params import SamplingParams
-from kvstore.connector import RemoteKV
+from baton.engine.kv_types import RemoteKV
 from kvstore.hashing import hash_block
 
 

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
 import os
 import re
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from baton.worker.shell import WorkerShell
 
 
 # What baton.engine.loader.resolve_dtype loads weights as (auto: bf16 where it is fast, else fp32).
@@ -54,15 +58,17 @@ def add_common_args(parser: argparse.ArgumentParser, kind: str) -> None:
                              "turned for this many seconds (default: $BATON_STALL_TIMEOUT, else 60)")
 
 
-def run_worker(kind: str, argv: list[str] | None, extra: Callable[[argparse.ArgumentParser], None] | None = None) -> None:
+def run_worker(worker_class: type[WorkerShell], argv: list[str] | None,
+               extra: Callable[[argparse.ArgumentParser], None] | None = None) -> None:
     """Parse a worker's flags and run it on uvloop (`python -m prefill_worker` / `decode_worker`)."""
     import asyncio
-    import importlib
 
     from baton.env_flags import apply_env
     from baton.logs import setup_logging
+    from baton.ops.fetch import resolve_model
     from baton.tracing import setup_tracing
 
+    kind = worker_class.kind
     parser = argparse.ArgumentParser(prog=f"python -m {kind}_worker", description=f"Baton {kind} worker")
     add_common_args(parser, kind)
     if extra is not None:
@@ -71,18 +77,14 @@ def run_worker(kind: str, argv: list[str] | None, extra: Callable[[argparse.Argu
     args = parser.parse_args(argv)
     setup_logging(args.log_level, args.log_format)
     setup_tracing(f"baton-{kind}-worker")  # only with an OTLP endpoint set and OpenTelemetry installed
-    from baton.ops.fetch import resolve_model
-
     try:  # before the worker starts: an unknown model is a message, not a traceback from its loop
         args.model = str(resolve_model(args.model))
     except FileNotFoundError as exc:
         parser.exit(2, f"error: {exc}\n")
-    module = importlib.import_module(f"{kind}_worker.worker")
-    worker_class = getattr(module, f"{kind.capitalize()}Worker")
     try:
         import uvloop
 
         uvloop.install()
     except ImportError:
         pass
-    asyncio.run(worker_class(args).run())
+    asyncio.run(worker_class.from_args(args).run())

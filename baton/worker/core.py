@@ -1,6 +1,8 @@
-"""The pure part of a worker: it takes messages and engine outputs and returns `Effects`, the Redis
-writes to make; the shell (`baton.worker.shell`) reads the streams, runs the engine's steps and the
-KV loads, and writes the effects. No I/O here, so the worker cores are unit-tested without Redis.
+"""The pure part of a worker: it takes messages and engine outputs and returns `Effects`, what to
+write; the writer (`baton.worker.writer`) turns effects into Redis commands, and the shell
+(`baton.worker.shell`) reads the streams, runs the engine's steps and the KV loads, and writes the
+effects. No I/O and no Redis here: the worker cores are unit-tested with the real writer against
+kvstore's in-memory Redis.
 
 What both kinds share lives here once: the opening of a stream message (decode it or dead-letter
 it, drop it if cancelled or already in flight, fail it past the delivery cap) and the error event.
@@ -13,14 +15,11 @@ import logging
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from redis.asyncio.client import Pipeline
-
 from baton.finish_reason import FinishReason
 from baton import protocol
 from baton.logs import remember, request_extra
 from baton.engine.llm_engine import LLMEngine
 from baton.worker.metrics import WorkerMetrics
-from kvstore.redis_backend import block_key, DEFAULT_TTL_S
 
 logger = logging.getLogger("baton.worker")
 
@@ -29,7 +28,7 @@ M = TypeVar("M", protocol.PrefillRequest, protocol.Handoff)
 
 @dataclass
 class Effects:
-    """Redis writes, applied in this order (`queue_effects`): a handoff is never visible before its
+    """What to write, in this order (baton/worker/writer.py): a handoff is never visible before its
     blocks and its first token, and a message is acked only after what it produced is written."""
 
     dead_letters: list[tuple[bytes, dict, str]] = field(default_factory=list)  # (message id, fields, error)
@@ -66,52 +65,6 @@ class Effects:
     @property
     def has_stream_ops(self) -> bool:
         return bool(self.dead_letters or self.handoffs or self.acks)
-
-
-def queue_effects(pipe: Pipeline, effects: Effects, stream: str, group: str, ttl_s: int = DEFAULT_TTL_S) -> None:
-    """Add `effects` to a pipeline, in their safe order (the caller chooses MULTI/EXEC or not and
-    executes it). On a Redis Cluster the three parts go out as three round trips instead
-    (`baton.worker.writer`), because there a pipeline's commands on different slots are not ordered."""
-    queue_data(pipe, effects, ttl_s)
-    queue_stream_ops(pipe, effects, stream, group)
-    queue_deletes(pipe, effects)
-
-
-def queue_data(pipe: Pipeline, effects: Effects, ttl_s: int = DEFAULT_TTL_S) -> None:
-    """What may be written twice: blocks (SET NX, same content), TTL refreshes, the partial block
-    (same content), token events (the gateway drops the indices it already has). Any slots."""
-    for block_hash, value in effects.block_puts:
-        pipe.set(block_key(block_hash), value, ex=ttl_s, nx=True)  # the first write wins (same content)
-    for block_hash in effects.block_refreshes:
-        pipe.expire(block_key(block_hash), ttl_s)
-    for key, value in effects.partial_puts:
-        pipe.set(key, value, ex=ttl_s)
-    for gateway_id, events in effects.events.items():
-        pipe.xadd(protocol.token_stream(gateway_id), {protocol.PAYLOAD_FIELD: protocol.encode_token_batch(events)},
-                  maxlen=protocol.STREAM_MAXLEN, approximate=True, nomkstream=True)
-
-
-def queue_stream_ops(pipe: Pipeline, effects: Effects, stream: str, group: str) -> None:
-    """What must happen once, together: dead letters, handoffs and the acks of the messages they
-    came from. All on the pipeline streams' hash tag, so one MULTI/EXEC even on a Redis Cluster."""
-    for message_id, fields, error in effects.dead_letters:
-        pipe.xadd(protocol.DEAD_LETTER_STREAM,
-                  {b"stream": stream, b"id": message_id, b"error": error[:500],
-                   protocol.PAYLOAD_FIELD: fields.get(protocol.PAYLOAD_FIELD, b"")},
-                  maxlen=protocol.STREAM_MAXLEN, approximate=True)
-    for handoff in effects.handoffs:
-        pipe.xadd(protocol.DECODE_STREAM, {protocol.PAYLOAD_FIELD: protocol.encode(handoff)},
-                  maxlen=protocol.STREAM_MAXLEN, approximate=True)
-    ids = [m for m, _, _ in effects.dead_letters] + effects.acks
-    if ids:
-        pipe.xack(stream, group, *ids)
-
-
-def queue_deletes(pipe: Pipeline, effects: Effects) -> None:
-    """Store keys no longer needed (after the ack: a crash before it must find them again). One DEL
-    per key: the keys live on different slots of a cluster."""
-    for key in effects.deletes:
-        pipe.delete(key)
 
 
 class Opening(enum.Enum):

@@ -21,13 +21,15 @@ from redis.asyncio import Redis
 from baton.worker.core import Effects
 from baton.redis_client import REDIS_RETRYABLE
 from baton.worker.writer import write_effects
+from kvstore.redis_backend import RedisBlockStore
 
 logger = logging.getLogger("baton.worker.publisher")
 
 
 class EventPublisher:
-    def __init__(self, redis: Redis, stream: str, group: str) -> None:
+    def __init__(self, redis: Redis, stream: str, group: str, store: RedisBlockStore | None = None) -> None:
         self.redis = redis
+        self.store = store
         self.stream = stream
         self.group = group
         self.queue: deque[Effects] = deque()
@@ -77,4 +79,4 @@ class EventPublisher:
             self.queue.popleft()
 
     async def _write(self, effects: Effects) -> None:
-        await write_effects(self.redis, effects, self.stream, self.group)
+        await write_effects(self.redis, effects, self.stream, self.group, store=self.store)

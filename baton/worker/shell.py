@@ -2,7 +2,10 @@
 the opening of stream messages, the KV loads the scheduler asks for, writing effects, graceful drain.
 
 The shell never touches the scheduler, the block pool or the model runner: it talks to the engine
-(add, abort, step, KV loads, stats) and to its core (messages in, effects out).
+(add, abort, step, KV loads, stats) and to its core (messages in, effects out). It is given its
+engine, Redis client and block store (`from_args` builds the real ones; tests pass their own), and
+nothing touches the engine while a step runs in its thread: the loop and the heartbeat read
+`self.stats`, the snapshot taken after the last step, admission or cancel.
 """
 
 from __future__ import annotations
@@ -17,8 +20,9 @@ from typing import Any
 from prometheus_client import REGISTRY, CollectorRegistry
 from redis.exceptions import ResponseError
 
+from baton.engine.kv_types import KVLoad, LoadedKV
 from baton.engine.llm_engine import EngineConfig, LLMEngine
-from baton.engine.llm_engine import StepOutput
+from baton.engine.outputs import EngineOutput, EngineStats
 from baton.logs import request_extra
 from baton.worker.core import Effects, Opening, WorkerCore
 from baton.worker.health import LoopWatch, serve_metrics
@@ -26,8 +30,8 @@ from baton.worker.metrics import WorkerMetrics
 from baton.redis_client import REDIS_RETRYABLE
 from baton.worker.runtime import (CancelWatcher, GatewayWatch, claim_from_dead, connect,
                                   default_worker_id, ensure_group, heartbeat_loop, install_signal_handlers, remove_dead_consumers)
+from baton.worker.kv_transfer import StoreKVTransfer
 from baton.worker.writer import write_effects
-from kvstore.connector import LoadedKV, fetch
 from kvstore.redis_backend import RedisBlockStore
 
 logger = logging.getLogger("baton.worker")
@@ -50,19 +54,23 @@ class WorkerShell:
     core_class: type[WorkerCore] = WorkerCore
     overlap_warned_at = 0.0  # monotonic: the last warning of a failed read during a step
 
-    def __init__(self, args: argparse.Namespace, registry: CollectorRegistry = REGISTRY) -> None:
-        """`registry`: a private one lets several workers live in one process (tests)."""
+    def __init__(self, args: argparse.Namespace, engine: LLMEngine, redis: Any, store: RedisBlockStore | None = None,
+                 registry: CollectorRegistry = REGISTRY) -> None:
+        """`store`: the block store (default: Redis' over `redis`); `registry`: a private one lets
+        several workers live in one process (tests)."""
         self.args = args
         self.registry = registry
         # /health on the metrics port: the loop below stamps it every turn.
         self.watch = LoopWatch(getattr(args, "stall_timeout", 60.0))
         self.metrics_server: Any = None
-        self.engine = build_engine(args)
+        self.engine = engine
+        self.stats: EngineStats = engine.stats()
         self.worker_id = args.worker_id or default_worker_id(self.kind)
         self.metrics = WorkerMetrics(self.engine.model_dir.name, self.kind, registry)
         self.core = self.core_class(self.engine, self.worker_id, self.metrics)
-        self.redis = connect(args.redis_url)
-        self.store = RedisBlockStore(self.redis)
+        self.redis = redis
+        self.store = store if store is not None else RedisBlockStore(redis)
+        self.kv = StoreKVTransfer(self.store, engine.block_shape)
         self.cancels = CancelWatcher(self.redis)
         self.gateways = GatewayWatch(args.gateway_grace)
         self.stopping = asyncio.Event()  # SIGTERM: take nothing new, drain
@@ -75,8 +83,13 @@ class WorkerShell:
         self.num_preemptions_seen = 0
         self.drain_deadline: float | None = None  # monotonic; set when a drain starts
 
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, registry: CollectorRegistry = REGISTRY) -> WorkerShell:
+        """The worker `python -m <kind>_worker` runs: its engine, Redis client and store from its flags."""
+        return cls(args, build_engine(args), connect(args.redis_url), registry=registry)
+
     def state(self) -> dict:
-        """What the heartbeat advertises (counts of this kind of worker)."""
+        """What the heartbeat advertises (counts of this kind of worker, from `self.stats`)."""
         raise NotImplementedError
 
     def heartbeat(self) -> dict:
@@ -192,7 +205,7 @@ class WorkerShell:
         """Write effects now, in their safe order: one pipeline (MULTI/EXEC if `transaction`) on one
         Redis; on a Redis Cluster, data first, then the single-slot MULTI/EXEC of the stream
         operations (baton/worker/writer.py)."""
-        await write_effects(self.redis, effects, self.stream, self.group, transaction, self.store.ttl_s)
+        await write_effects(self.redis, effects, self.stream, self.group, transaction, self.store)
 
     async def write_until_done(self, effects: Effects, transaction: bool = False) -> bool:
         """Write effects whose state change already happened (a step's output): retried with
@@ -214,14 +227,16 @@ class WorkerShell:
 
     # ---- the engine step and its KV loads ----
 
-    async def step(self, overlap: Coroutine[Any, Any, None] | None = None) -> list[StepOutput]:
-        """One engine step in a thread (the engine is not touched meanwhile); `overlap` runs on the
-        loop during it. Starts the KV loads the step's schedule asked for. A Redis failure of
-        `overlap` is logged (at most once a second), not raised: the step ran all the same, and its
-        output must reach the caller (raising dropped a step's tokens per failed read: a Redis
-        Cluster failover cost every stream 3 tokens, a "token stream gap"). The next step reads again."""
+    async def step(self, overlap: Coroutine[Any, Any, None] | None = None) -> list[EngineOutput]:
+        """One engine step in a thread (the engine is not touched meanwhile), given the KV loads
+        that arrived; `overlap` runs on the loop during it. Starts the KV loads the step's schedule
+        asked for. A Redis failure of `overlap` is logged (at most once a second), not raised: the
+        step ran all the same, and its output must reach the caller (raising dropped a step's tokens
+        per failed read: a Redis Cluster failover cost every stream 3 tokens, a "token stream gap").
+        The next step reads again."""
         started = time.perf_counter()
-        step = asyncio.ensure_future(asyncio.to_thread(self.engine.step))
+        loaded = self._take_loaded()
+        step = asyncio.ensure_future(asyncio.to_thread(self.engine.step, loaded))
         overlap_error: BaseException | None = None
         if overlap is not None:
             try:
@@ -230,37 +245,35 @@ class WorkerShell:
                 overlap_error = exc
         outputs = await step
         self.metrics.step_seconds.observe(time.perf_counter() - started)
-        self.metrics.iteration_tokens.observe(max(1, self.engine.last_num_batched_tokens))
         for load in self.engine.take_kv_loads():
             self.loads.append(asyncio.create_task(self._fetch(load)))
-        self.update_gauges()
+        self.refresh_stats()
+        self.metrics.iteration_tokens.observe(max(1, self.stats.num_batched_tokens))
         if overlap_error is not None and time.monotonic() - self.overlap_warned_at >= 1.0:
             self.overlap_warned_at = time.monotonic()
             logger.warning("redis unavailable during a step (%s); its output is kept, reading again", overlap_error)
         return outputs
 
-    async def _fetch(self, load) -> LoadedKV:
+    async def _fetch(self, load: KVLoad) -> LoadedKV:
         try:
-            loaded = await fetch(self.store, load, self.engine.runner.block_shape)
-            # a malformed block is deleted, so the block this worker computes instead can land (SET NX)
-            await self.store.delete(loaded.rejected_keys)
-            return loaded
+            return await self.kv.load(load)
         except REDIS_RETRYABLE as exc:  # not fatal: the request computes what it could not load
-            logger.warning("loading the KV of %s failed (%s); computing it here", load.seq_id, exc,
-                           extra=request_extra(load.seq_id))
-            return LoadedKV(load.seq_id)
+            logger.warning("loading the KV of %s failed (%s); computing it here", load.request_id, exc,
+                           extra=request_extra(load.request_id))
+            return LoadedKV(load.request_id)
 
-    async def finish_loads(self) -> None:
-        """Hand the finished KV loads to the engine (between steps). When nothing else could run,
-        wait for them: a step now would have nothing to compute."""
-        if self.loads and not self.engine.has_runnable():
-            await asyncio.wait(self.loads)
+    async def wait_for_loads(self) -> None:
+        """When nothing but KV loads is left to run, wait for one: a step now would compute nothing."""
+        if self.loads and not self.engine.has_runnable() and not any(task.done() for task in self.loads):
+            await asyncio.wait(self.loads, return_when=asyncio.FIRST_COMPLETED)
+
+    def _take_loaded(self) -> list[LoadedKV]:
+        """The finished KV loads, for the next step (counted in the metrics here)."""
         done = [task for task in self.loads if task.done()]
         if not done:
-            return
+            return []
         self.loads = [task for task in self.loads if not task.done()]
         results = [task.result() for task in done]
-        self.engine.finish_kv_loads(results)
         for result in results:
             self.num_blocks_fetched += len(result.block_hashes)
             self.metrics.blocks_fetched.inc(len(result.block_hashes))
@@ -269,14 +282,16 @@ class WorkerShell:
             self.metrics.blocks_rejected.inc(result.num_rejected)
             if result.num_missing:
                 logger.info("request %s: %d of its blocks are no longer in the store; computing them here",
-                            result.seq_id, result.num_missing, extra=request_extra(result.seq_id))
+                            result.request_id, result.num_missing, extra=request_extra(result.request_id))
+        return results
 
-    def update_gauges(self) -> None:
-        stats = self.engine.stats()
-        self.metrics.num_requests_running.set(stats["num_requests_running"] + stats["num_requests_loading_kv"])
-        self.metrics.num_requests_waiting.set(stats["num_requests_waiting"])
-        self.metrics.kv_cache_usage_perc.set(stats["kv_cache_usage"])
-        new = stats["num_preemptions"] - self.num_preemptions_seen
+    def refresh_stats(self) -> None:
+        """Take the engine's snapshot (between steps only) and update the gauges from it."""
+        stats = self.stats = self.engine.stats()
+        self.metrics.num_requests_running.set(stats.num_requests_running + stats.num_requests_loading_kv)
+        self.metrics.num_requests_waiting.set(stats.num_requests_waiting)
+        self.metrics.kv_cache_usage_perc.set(stats.kv_cache_usage)
+        new = stats.num_preemptions - self.num_preemptions_seen
         if new:
             self.metrics.num_preemptions.inc(new)
-            self.num_preemptions_seen = stats["num_preemptions"]
+            self.num_preemptions_seen = stats.num_preemptions
