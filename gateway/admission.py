@@ -22,6 +22,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any, Union
 
 from baton import tracing
@@ -66,10 +67,28 @@ class Ticket:
     span: Any = None
     admission_span: Any = None
     rejected: str = ""  # why it was answered with an error before admission, if it was
+    # Sends the Done message to the admission task (set by `Admission.submit`).
+    on_release: Callable[[Ticket], None] | None = field(default=None, repr=False)
+    released: bool = False  # the holder's side: release() was called
 
     def move(self, to: TicketState) -> None:
         assert to in _TRANSITIONS[self.state], f"ticket {self.state.name} -> {to.name}"
         self.state = to
+
+    def release(self) -> None:
+        """Give the budget back, or leave the queue: once, whoever calls it first (every exit path
+        of a request may; the later calls do nothing)."""
+        if self.released:
+            return
+        self.released = True
+        if self.on_release is not None:
+            self.on_release(self)
+
+    def __enter__(self) -> Ticket:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.release()
 
 
 # The admission task's inbox: typed messages, applied in order by their one owner.
@@ -108,7 +127,9 @@ class Admission:
     # ---- the handler-facing API: messages only ----
 
     def submit(self, cost: int, status: int) -> Ticket:
-        ticket = Ticket(cost=cost, status=status)
+        """A ticket for `cost` tokens, queued for admission; release it on every exit path (it is a
+        context manager: `with admission.submit(...) as ticket:`)."""
+        ticket = Ticket(cost=cost, status=status, on_release=self._release)
         if tracing.enabled():
             ticket.span = tracing.start_span("request", attributes={
                 "baton.gateway_id": self._settings.gateway_id, "baton.cost_tokens": cost,
@@ -120,6 +141,9 @@ class Admission:
         return ticket
 
     def done(self, ticket: Ticket) -> None:
+        ticket.release()
+
+    def _release(self, ticket: Ticket) -> None:
         self._inbox.put_nowait(Done(ticket))
 
     def set_derived_budget(self, total_tokens: int, largest_worker_tokens: int, gateways: int = 1) -> None:

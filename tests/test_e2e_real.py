@@ -6,7 +6,6 @@ transformers' greedy output for the same prompt, token for token.
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch

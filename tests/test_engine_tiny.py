@@ -11,7 +11,6 @@ logits are far from ties: broken attention or positions would change its tokens.
 from __future__ import annotations
 
 import random
-import shutil
 
 import pytest
 import torch

@@ -54,6 +54,38 @@ async def test_fifo_head_of_line_and_release():
         task.cancel()
 
 
+async def test_a_ticket_is_released_on_every_exit_path_of_its_with_block():
+    """The ticket as a context manager: budget back after the block, also when it raises or is
+    cancelled, and only once (an explicit release inside the block is not counted twice)."""
+    adm, _ = make_admission(max_batch_total_tokens=100)
+    task = asyncio.create_task(adm.run())
+    try:
+        with pytest.raises(RuntimeError):
+            with adm.submit(70, 422) as ticket:
+                await settle()
+                assert ticket.decision.result() is None and adm.snapshot()["token_budget"]["in_use"] == 70
+                raise RuntimeError("a bug in a route")
+        await settle()
+        assert adm.snapshot()["token_budget"]["in_use"] == 0
+
+        async def held() -> None:
+            with adm.submit(80, 422) as ticket:
+                ticket.release()  # released early, then again by the block's end
+                await asyncio.sleep(3600)
+        waiting = adm.submit(60, 422)
+        holder = asyncio.create_task(held())
+        await settle()
+        assert adm.snapshot()["token_budget"]["in_use"] == 60
+        holder.cancel()  # the client went away while it waited
+        await settle()
+        waiting.release()
+        await settle()
+        assert adm.snapshot()["token_budget"]["in_use"] == 0 and adm.snapshot()["requests"] == {
+            "running": 0, "waiting": 0}
+    finally:
+        task.cancel()
+
+
 async def test_rejections_and_withdrawal():
     adm, metrics = make_admission(max_batch_total_tokens=100, max_concurrent_requests=3, max_queue_size=1)
     task = asyncio.create_task(adm.run())

@@ -11,15 +11,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from baton.engine.attention import AttentionMetadata
 from baton.engine.linear import PackedLinear, RowSplitLinear
-
-if TYPE_CHECKING:
-    from baton.engine.model import LlamaModel
 
 logger = logging.getLogger("baton.engine.layers_plan")
 
@@ -42,7 +39,8 @@ class LayersPlan:
     scale: float
 
     @staticmethod
-    def build(model: LlamaModel, kernel: Any) -> LayersPlan | None:
+    def build(model: torch.nn.Module, kernel: Any) -> LayersPlan | None:
+        # model: a baton.engine.model.LlamaModel (not imported: that module imports this one)
         if kernel is None or not hasattr(kernel, "decode_layers") or not model.layers:
             return None
         ops = [[layer.self_attn.qkv, layer.self_attn.o, layer.mlp.gate_up, layer.mlp.down] for layer in model.layers]

@@ -29,6 +29,7 @@ from baton.engine.sampling import sample, suppress_early_stops
 from baton.engine.kv_connector import KVConnectorScheduler
 from baton.engine.kv_types import KVLoad, LoadedKV, RemoteKV
 from baton.engine.outputs import EngineOutput, EngineStats, KVHandoff
+from baton.engine.quant import quantize_model
 from baton.engine.scheduler import Scheduler, SchedulerConfig, StepOutput
 from baton.engine.structured import StructuredOutput
 from baton.engine.sequence import Sequence
@@ -52,6 +53,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     num_threads: int | None = None
     kv_connector: bool = False  # load from and save to a block store (the workers)
+    quantization: str = "none"  # "int8": projections in Q8_0 blocks (baton.engine.quant)
 
 
 class LLMEngine:
@@ -65,6 +67,7 @@ class LLMEngine:
                                     "resolve a model name with baton.ops.fetch.resolve_model first")
         device = torch.device(config.device) if config.device else default_device()
         self.model, self.model_config = load_model(self.model_dir, config.dtype, device)
+        quantize_model(self.model, config.quantization)
         self.dtype = next(self.model.parameters()).dtype
         block_bytes = kv_bytes_per_block(self.model_config, config.block_size, self.dtype)
         num_blocks = config.num_kv_blocks or max(2, config.kv_cache_memory // block_bytes)
@@ -85,9 +88,9 @@ class LLMEngine:
         self.last_num_batched_tokens = 0
         self._kv_loads: list[KVLoad] = []
         self._requests: dict[str, Sequence] = {}  # unfinished, by id
-        logger.info("engine ready: %s (%s, %s), %d KV blocks of %d tokens, policy %s",
-                    self.model_dir.name, self.dtype, device, num_blocks, config.block_size,
-                    config.scheduler_policy)
+        logger.info("engine ready: %s (%s%s, %s), %d KV blocks of %d tokens, policy %s",
+                    self.model_dir.name, self.dtype, ", int8 weights" if config.quantization == "int8" else "",
+                    device, num_blocks, config.block_size, config.scheduler_policy)
 
     @property
     def eos_token_ids(self) -> list[int]:

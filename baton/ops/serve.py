@@ -35,7 +35,7 @@ from pathlib import Path
 
 from baton.urls import redact_url
 from baton.ops.supervisor import API_KEY_ENV, ChildExited, ChildSpec, StopRequested, Supervisor
-from baton.worker.args import DTYPE_CHOICES
+from baton.worker.args import DTYPE_CHOICES, QUANTIZATION_CHOICES
 
 PREFILL_MODULE = "prefill_worker"
 DECODE_MODULE = "decode_worker"
@@ -155,6 +155,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                         help="worker compute dtype (default auto: bfloat16 on CUDA and on CPUs with fast "
                              "bf16, else float32)")
+    parser.add_argument("--quantization", default="none", choices=QUANTIZATION_CHOICES,
+                        help="worker weights: none (in --dtype) or int8 (GGUF Q8_0 blocks of 32, quantized at "
+                             "load: half the bytes of bf16, read by an integer kernel)")
     parser.add_argument("--threads-per-worker", type=int, default=None,
                         help="torch threads per worker (default: split this machine's cores among the workers)")
     parser.add_argument("--worker-metrics-port", type=int, default=None,
@@ -208,14 +211,16 @@ def build_child_specs(args: argparse.Namespace, model_dir: Path, redis_url: str,
     secret_env = {REDIS_URL_ENV: redis_url}
     metrics_port = args.worker_metrics_port
     for i, threads in enumerate(plan.prefill):
-        argv = [python, "-m", PREFILL_MODULE, *common, "--threads", str(threads), "--dtype", args.dtype]
+        argv = [python, "-m", PREFILL_MODULE, *common, "--threads", str(threads), "--dtype", args.dtype,
+                "--quantization", args.quantization]
         argv += _passthrough(args, WORKER_FLAGS + PREFILL_FLAGS)
         if metrics_port is not None:
             argv += ["--metrics-port", str(metrics_port + i)]
         specs.append(ChildSpec(f"prefill_worker[{i}]", argv, {**_thread_env(threads), **secret_env},
                                "prefill"))
     for j, threads in enumerate(plan.decode):
-        argv = [python, "-m", DECODE_MODULE, *common, "--threads", str(threads), "--dtype", args.dtype]
+        argv = [python, "-m", DECODE_MODULE, *common, "--threads", str(threads), "--dtype", args.dtype,
+                "--quantization", args.quantization]
         argv += _passthrough(args, WORKER_FLAGS + DECODE_FLAGS)
         if metrics_port is not None:
             argv += ["--metrics-port", str(metrics_port + len(plan.prefill) + j)]

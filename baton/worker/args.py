@@ -14,6 +14,8 @@ if TYPE_CHECKING:
 
 # What baton.engine.loader.resolve_dtype loads weights as (auto: bf16 where it is fast, else fp32).
 DTYPE_CHOICES = ["auto", "float32", "bfloat16", "float16"]
+# baton.engine.quant.QUANTIZATIONS (not imported here: parsing flags must not load torch)
+QUANTIZATION_CHOICES = ["none", "int8"]
 
 
 def parse_bytes(text: str) -> int:
@@ -33,6 +35,8 @@ def add_common_args(parser: argparse.ArgumentParser, kind: str) -> None:
                         help="redis[s]://, redis[s]+cluster:// or redis[s]+sentinel:// (default: $REDIS_URL, "
                              "else redis://127.0.0.1:6379/0)")
     parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
+    parser.add_argument("--quantization", default="none", choices=QUANTIZATION_CHOICES,
+                        help="weights: none (in --dtype) or int8 (GGUF Q8_0 blocks of 32, quantized at load)")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if present)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (workers on one machine must share its cores)")
     parser.add_argument("--block-size", type=int, default=16)

@@ -58,18 +58,7 @@ inline void strip_kernel(const c10::BFloat16* x, int64_t K, const c10::BFloat16*
       for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xv, wv[j]);
     }
   }
-  for (int j = 0; j < 4; ++j) {
-    const int64_t c0 = n0 + 16 * j;
-    if (c0 >= N) break;
-    const int64_t cols = std::min<int64_t>(16, N - c0);
-    const __mmask16 mask = (__mmask16)((1u << cols) - 1);
-    const __m512 bv = bias != nullptr ? _mm512_maskz_loadu_ps(mask, bias + c0) : _mm512_setzero_ps();
-    for (int m = 0; m < MT; ++m) {
-      const __m512 y = _mm512_add_ps(acc[m][j], bv);
-      if (out_f != nullptr) _mm512_mask_storeu_ps(out_f + m * N + c0, mask, y);
-      else _mm256_mask_storeu_epi16(out_b + m * N + c0, mask, (__m256i)_mm512_cvtneps_pbh(y));
-    }
-  }
+  store_tiles<MT, 4>(acc, bias, n0, N, out_f, out_b);
 }
 
 }  // namespace
@@ -280,13 +269,8 @@ torch::Tensor gemv(torch::Tensor x, torch::Tensor packed, c10::optional<torch::T
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
   out_shape.back() = N;
   auto out = torch::empty({M, N}, x.options().dtype(out_float ? at::kFloat : at::kBFloat16));
-  const float* b = nullptr;
-  torch::Tensor bias_f;
-  if (bias.has_value()) {
-    bias_f = bias->to(at::kFloat).contiguous();
-    TORCH_CHECK(bias_f.numel() == N, "bias must be [N]");
-    b = bias_f.data_ptr<float>();
-  }
+  const torch::Tensor bias_f = bias_as_float(bias, N);
+  const float* b = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   const auto* xp = x2.data_ptr<c10::BFloat16>();
   const auto* wp = packed.data_ptr<c10::BFloat16>();
   float* out_f = out_float ? out.data_ptr<float>() : nullptr;
@@ -297,26 +281,9 @@ torch::Tensor gemv(torch::Tensor x, torch::Tensor packed, c10::optional<torch::T
     return out.view(out_shape);
   }
 #endif
-  at::parallel_for(0, NS, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t s = begin; s < end; ++s) {
-      const c10::BFloat16* strip = wp + s * K * kStrip;
-      for (int64_t m0 = 0; m0 < M;) {
-        const int64_t left = M - m0;
-        const c10::BFloat16* x0 = xp + m0 * K;
-        float* of = out_f ? out_f + m0 * N : nullptr;
-        c10::BFloat16* ob = out_b ? out_b + m0 * N : nullptr;
-        int64_t mt = left >= 6 ? 6 : left;
-        switch (mt) {
-          case 6: strip_kernel<6>(x0, K, strip, b, s * kStrip, N, of, ob); break;
-          case 5: strip_kernel<5>(x0, K, strip, b, s * kStrip, N, of, ob); break;
-          case 4: strip_kernel<4>(x0, K, strip, b, s * kStrip, N, of, ob); break;
-          case 3: strip_kernel<3>(x0, K, strip, b, s * kStrip, N, of, ob); break;
-          case 2: strip_kernel<2>(x0, K, strip, b, s * kStrip, N, of, ob); break;
-          default: strip_kernel<1>(x0, K, strip, b, s * kStrip, N, of, ob); break;
-        }
-        m0 += mt;
-      }
-    }
+  over_strips_and_row_tiles(NS, M, [&](int64_t s, int64_t m0, auto tile) {
+    strip_kernel<decltype(tile)::value>(xp + m0 * K, K, wp + s * K * kStrip, b, s * kStrip, N,
+                                        out_f ? out_f + m0 * N : nullptr, out_b ? out_b + m0 * N : nullptr);
   });
   return out.view(out_shape);
 #else

@@ -10,9 +10,43 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
+
+// fn(std::integral_constant<int, MT>{}) for the row tile MT = mt (1..6): the matmul kernels keep
+// MT rows' accumulators in registers, so MT must be a compile-time constant.
+template <typename Fn>
+inline void with_row_tile(int64_t mt, Fn&& fn) {
+  switch (mt) {
+    case 6: fn(std::integral_constant<int, 6>{}); break;
+    case 5: fn(std::integral_constant<int, 5>{}); break;
+    case 4: fn(std::integral_constant<int, 4>{}); break;
+    case 3: fn(std::integral_constant<int, 3>{}); break;
+    case 2: fn(std::integral_constant<int, 2>{}); break;
+    default: fn(std::integral_constant<int, 1>{}); break;
+  }
+}
+
+// A matmul's optional bias [N] as contiguous fp32 (undefined when there is none).
+inline torch::Tensor bias_as_float(const c10::optional<torch::Tensor>& bias, int64_t N) {
+  if (!bias.has_value()) return torch::Tensor();
+  auto out = bias->to(at::kFloat).contiguous();
+  TORCH_CHECK(out.numel() == N, "bias must be [N]");
+  return out;
+}
+
+// fn(strip, first_row, tile) for every strip of the packed weight (strips in parallel) and every
+// tile of up to 6 activation rows, in order: the strip stays in cache while its row tiles run.
+template <typename Fn>
+inline void over_strips_and_row_tiles(int64_t num_strips, int64_t M, Fn&& fn) {
+  at::parallel_for(0, num_strips, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t s = begin; s < end; ++s)
+      for (int64_t m0 = 0; m0 < M; m0 += 6)
+        with_row_tile(std::min<int64_t>(M - m0, 6), [&](auto tile) { fn(s, m0, tile); });
+  });
+}
 
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) {
@@ -23,6 +57,37 @@ inline float to_float(c10::BFloat16 x) {
 }
 
 #if defined(__AVX512F__)
+// fp32 -> bf16 rounded to nearest even, as torch converts (NaN is not expected here).
+inline __m256i to_bf16x16(__m512 y) {
+#if defined(__AVX512BF16__)
+  return (__m256i)_mm512_cvtneps_pbh(y);
+#else
+  const __m512i bits = _mm512_castps_si512(y);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+#endif
+}
+
+// The matmul kernels' epilogue: for each of the J accumulators of 16 outputs of MT rows (columns
+// n0 + 16 j, masked at N), add the bias and store as fp32 (out_f) or bf16 (out_b), rows N apart.
+template <int MT, int J>
+inline void store_tiles(const __m512 (&acc)[MT][J], const float* bias, int64_t n0, int64_t N, float* out_f,
+                        c10::BFloat16* out_b) {
+  for (int j = 0; j < J; ++j) {
+    const int64_t c0 = n0 + 16 * j;
+    if (c0 >= N) break;
+    const int64_t cols = std::min<int64_t>(16, N - c0);
+    const __mmask16 mask = (__mmask16)((1u << cols) - 1);
+    const __m512 bv = bias != nullptr ? _mm512_maskz_loadu_ps(mask, bias + c0) : _mm512_setzero_ps();
+    for (int m = 0; m < MT; ++m) {
+      const __m512 y = _mm512_add_ps(acc[m][j], bv);
+      if (out_f != nullptr) _mm512_mask_storeu_ps(out_f + m * N + c0, mask, y);
+      else _mm256_mask_storeu_epi16(out_b + m * N + c0, mask, to_bf16x16(y));
+    }
+  }
+}
+
 // 16 bf16 values -> 16 fp32 (a bf16 is the upper half of an fp32).
 inline __m512 load_bf16x16(const c10::BFloat16* p) {
   __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));

@@ -1,0 +1,123 @@
+"""Quantized projections: int8 weights in GGUF's Q8_0 form (blocks of 32 along the input, one scale
+each: w = d * q), multiplied by the native kernel (`kernels/qgemv.cpp`, AVX512-VNNI integer dot
+products against activations quantized per block, as llama.cpp multiplies Q8_0).
+
+`quantize_model(model, "int8")` replaces each decoder projection's op (q|k|v, o, gate|up, down) and
+the LM head's by a `Q8Linear` and frees the bf16/fp32 weight it replaced, so that each weight lives
+once in memory, quantized. The token embedding stays in the model's dtype (a lookup reads one row
+per token; it is the LM head's weight too when the two are tied, and the head's quantized copy is
+then the only other one).
+
+Where the kernel cannot run (no AVX512-VNNI, or native kernels off), `Q8Linear` dequantizes its
+weight for each call and multiplies in the activations' dtype: correct, and slow; `quantize_model`
+says so in the log once. The quantized weight is the same either way.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from baton.engine.model import set_op
+
+logger = logging.getLogger("baton.engine.quant")
+
+QUANTIZATIONS = ("none", "int8")
+BLOCK = 32  # weights per scale (GGUF's QK8_0)
+
+
+def quantize_q8_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] (K % 32 == 0) -> (q [N, K] int8 in [-127, 127], d [N, K/32] fp32), w ~ d * q per
+    block of 32 (round to nearest: llama.cpp's Q8_0 reference quantization)."""
+    n, k = weight.shape
+    if k % BLOCK:
+        raise ValueError(f"int8 needs the input size to be a multiple of {BLOCK}, not {k}")
+    blocks = weight.detach().float().reshape(n, k // BLOCK, BLOCK)
+    d = blocks.abs().amax(-1) / 127.0
+    inverse = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    q = (blocks * inverse.unsqueeze(-1)).round().clamp(-127, 127).to(torch.int8)
+    return q.reshape(n, k), d
+
+
+def dequantize_q8_0(q: torch.Tensor, d: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """(q [N, K] int8, d [N, K/32]) -> w [N, K] in `dtype`."""
+    n, k = q.shape
+    return (q.float().reshape(n, k // BLOCK, BLOCK) * d.float().unsqueeze(-1)).reshape(n, k).to(dtype)
+
+
+class Q8Linear:
+    """[..., K] -> [..., N] through int8 weights (the native kernel, or a dequantizing fallback)."""
+
+    def __init__(self, q: torch.Tensor, d: torch.Tensor, bias: torch.Tensor | None, kernels: Any) -> None:
+        self.out_features, self.in_features = q.shape
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+        self._kernels = kernels if kernels is not None and kernels.q8_available() else None
+        if self._kernels is not None:
+            self.packed = self._kernels.q8_pack(q, d)  # [ceil(N/32), K/32, 1280] u8: the only copy
+            self.q = self.d = None
+        else:
+            self.packed = None
+            self.q, self.d = q.contiguous(), d.float().contiguous()
+
+    @property
+    def native(self) -> bool:
+        return self._kernels is not None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the quantized weight in memory (scales included)."""
+        if self.packed is not None:
+            return self.packed.numel()
+        assert self.q is not None and self.d is not None
+        return self.q.numel() + self.d.numel() * 4
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self._kernels is not None:
+            return self._kernels.q8_gemv(x, self.packed, self.bias, self.out_features, x.dtype == torch.float32)
+        assert self.q is not None and self.d is not None
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return F.linear(x, dequantize_q8_0(self.q, self.d, x.dtype), bias)
+
+
+def _slots(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
+    """(owner, op attribute, the nn.Linear behind it) for every projection the forward calls."""
+    slots = []
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        slots += [(attn, "qkv", attn.qkv_proj), (attn, "o", attn.o_proj),
+                  (mlp, "gate_up", mlp.gate_up_proj), (mlp, "down", mlp.down_proj)]
+    slots.append((model, "head", model.lm_head))
+    return slots
+
+
+def quantize_model(model: nn.Module, quantization: str, kernels: Any = None) -> int:
+    """Quantize `model`'s projections in place (after `prepare()`); returns the bytes of the
+    quantized weights. `kernels`: the native module (None: `baton.engine.kernels.load()`)."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, not {quantization!r}")
+    if quantization == "none":
+        return 0
+    if kernels is None:
+        from baton.engine import kernels as native
+
+        kernels = native.load()
+    if kernels is None or not kernels.q8_available():
+        logger.warning("int8 weights without the native int8 kernel (it needs AVX512-VNNI and a compiler): "
+                       "each projection dequantizes its weight per call, which is slow")
+    tied = model.lm_head.weight is model.embed_tokens.weight
+    total = 0
+    for owner, name, linear in _slots(model):
+        q, d = quantize_q8_0(linear.weight)
+        op = Q8Linear(q, d, linear.bias, kernels)
+        set_op(owner, name, op)
+        total += op.nbytes
+        if not (tied and linear is model.lm_head):
+            # the only copy now is the quantized one (the tied embedding keeps its weight: lookups)
+            linear.weight = nn.Parameter(torch.empty(0, dtype=linear.weight.dtype), requires_grad=False)
+    # the all-layers native decode call multiplies bf16 packs: it does not apply to int8 weights
+    model.layers_plan = None
+    return total
