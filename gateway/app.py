@@ -1,8 +1,11 @@
 """`create_app(settings)`: the Starlette app and the lifespan that owns the background tasks.
 
-Lifespan: connect to Redis (without failing if it is down: the gateway must come up and say so on
-/health), start the admission task, the token-stream reader and the heartbeat/cluster task; on
-shutdown cancel them, remove our heartbeat and close the connections.
+The lifespan runs a runtime: what builds the app's `Services` and owns their tasks.
+`redis_runtime` (what serves): connect to Redis (without failing if it is down: the gateway must
+come up and say so on /health), start the admission task, the token-stream reader and the
+heartbeat/cluster task; on shutdown cancel them, remove our heartbeat and close the connections.
+`in_memory_runtime` (tests): the same routes, middleware, admission and router, with the workers
+behind a gateway.backend.InMemoryBackend; no Redis call is ever made.
 """
 
 from __future__ import annotations
@@ -10,7 +13,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
@@ -25,6 +29,7 @@ from baton.urls import redact_url
 from gateway import dashboard, routes_misc, routes_openai, routes_tgi, routes_tokenize
 from gateway.admission import Admission
 from gateway.auth import ApiKeyMiddleware
+from gateway.backend import InMemoryBackend, RedisBackend
 from gateway.cluster import Cluster
 from gateway.config import Settings
 from gateway.errors import ApiError, handle_api_error, handle_http_exception, handle_unexpected
@@ -53,65 +58,20 @@ def redis_client(url: str, socket_timeout: float | None, max_connections: int = 
                          max_connections=max_connections)
 
 
-def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> Starlette:
+# Builds the app's services (app.state.services) for the app's life, and owns their tasks.
+Runtime = Callable[[Starlette, Settings, PromptTokenizer], AbstractAsyncContextManager[None]]
+
+
+def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None,
+               runtime: Runtime | None = None) -> Starlette:
     settings.validate()
     tokenizer = tokenizer or PromptTokenizer(settings.model_dir, settings.chat_template)
+    run = runtime or redis_runtime
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        client = redis_client(settings.redis_url, socket_timeout=5.0,
-                              max_connections=max(1024, 2 * settings.max_concurrent_requests + 64))
-        # The reader blocks in XREAD for a second at a time: its own connection, longer timeout.
-        reader_client = redis_client(settings.redis_url, socket_timeout=10.0)
-        metrics = GatewayMetrics(settings.model_name)
-        admission = Admission(settings, metrics)
-        router = TokenRouter(reader_client, settings.gateway_id)
-
-        def gateway_stats() -> dict[str, object]:
-            snap = admission.snapshot()
-            return {"num_requests_running": snap["requests"]["running"],
-                    "num_requests_waiting": snap["requests"]["waiting"],
-                    "token_budget_in_use": snap["token_budget"]["in_use"]}
-
-        cluster = Cluster(client, settings, admission, gateway_stats, router)
-        svc = Services(settings=settings, redis=client, tokenizer=tokenizer, metrics=metrics,
-                       admission=admission, router=router, cluster=cluster)
-        app.state.services = svc
-        monitor = dashboard.Monitor(settings, metrics, admission, cluster, client)
-        app.state.monitor = monitor
-        try:
-            await router.reset_stream()
-            await cluster.tick()
-            cluster.redis_ok, cluster.redis_error = True, None
-        except REDIS_FAILURES as exc:
-            cluster.mark_down(exc)
-            log.warning("redis at %s unreachable at startup (%s); serving 503 until it is back",
-                        redact_url(settings.redis_url), exc)
-        tasks = [asyncio.create_task(admission.run(), name="admission"),
-                 asyncio.create_task(router.run(), name="token-reader"),
-                 asyncio.create_task(cluster.run(), name="cluster"),
-                 asyncio.create_task(monitor.run(), name="monitor")]
-        for task in tasks:
-            task.add_done_callback(_crash_logger)
-        svc.tasks = tasks
-        log.info("gateway %s serving %s (redis %s)", settings.gateway_id, settings.model_name,
-                 redact_url(settings.redis_url))
-        try:
+        async with run(app, settings, tokenizer):
             yield
-        finally:
-            router.stop()
-            cluster.stop()
-            monitor.stop()
-            for task in tasks:
-                task.cancel()
-            # Bounded: shutdown must never hang on a task that missed its cancellation.
-            await asyncio.wait([*tasks, *svc.background], timeout=5.0)
-            with contextlib.suppress(*REDIS_FAILURES):
-                pipe = client.pipeline(transaction=False)
-                heartbeats.queue_withdraw(pipe, "gateway", settings.gateway_id)
-                await pipe.execute()
-            await client.aclose()
-            await reader_client.aclose()
 
     app = Starlette(
         routes=[*routes_tgi.routes, *routes_openai.routes, *routes_tokenize.routes, *routes_misc.routes,
@@ -127,6 +87,91 @@ def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None) -> 
         lifespan=lifespan,
     )
     return app
+
+
+@contextlib.asynccontextmanager
+async def redis_runtime(app: Starlette, settings: Settings, tokenizer: PromptTokenizer) -> AsyncIterator[None]:
+    client = redis_client(settings.redis_url, socket_timeout=5.0,
+                          max_connections=max(1024, 2 * settings.max_concurrent_requests + 64))
+    # The reader blocks in XREAD for a second at a time: its own connection, longer timeout.
+    reader_client = redis_client(settings.redis_url, socket_timeout=10.0)
+    metrics = GatewayMetrics(settings.model_name)
+    admission = Admission(settings, metrics)
+    router = TokenRouter(reader_client, settings.gateway_id)
+
+    def gateway_stats() -> dict[str, object]:
+        snap = admission.snapshot()
+        return {"num_requests_running": snap["requests"]["running"],
+                "num_requests_waiting": snap["requests"]["waiting"],
+                "token_budget_in_use": snap["token_budget"]["in_use"]}
+
+    cluster = Cluster(client, settings, admission, gateway_stats, router)
+    svc = Services(settings=settings, redis=client, tokenizer=tokenizer, metrics=metrics,
+                   admission=admission, router=router, cluster=cluster, backend=RedisBackend(client))
+    app.state.services = svc
+    monitor = dashboard.Monitor(settings, metrics, admission, cluster, client)
+    app.state.monitor = monitor
+    try:
+        await router.reset_stream()
+        await cluster.tick()
+        cluster.redis_ok, cluster.redis_error = True, None
+    except REDIS_FAILURES as exc:
+        cluster.mark_down(exc)
+        log.warning("redis at %s unreachable at startup (%s); serving 503 until it is back",
+                    redact_url(settings.redis_url), exc)
+    tasks = [asyncio.create_task(admission.run(), name="admission"),
+             asyncio.create_task(router.run(), name="token-reader"),
+             asyncio.create_task(cluster.run(), name="cluster"),
+             asyncio.create_task(monitor.run(), name="monitor")]
+    for task in tasks:
+        task.add_done_callback(_crash_logger)
+    svc.tasks = tasks
+    log.info("gateway %s serving %s (redis %s)", settings.gateway_id, settings.model_name,
+             redact_url(settings.redis_url))
+    try:
+        yield
+    finally:
+        router.stop()
+        cluster.stop()
+        monitor.stop()
+        for task in tasks:
+            task.cancel()
+        # Bounded: shutdown must never hang on a task that missed its cancellation.
+        await asyncio.wait([*tasks, *svc.background], timeout=5.0)
+        with contextlib.suppress(*REDIS_FAILURES):
+            pipe = client.pipeline(transaction=False)
+            heartbeats.queue_withdraw(pipe, "gateway", settings.gateway_id)
+            await pipe.execute()
+        await client.aclose()
+        await reader_client.aclose()
+
+
+def in_memory_runtime(backend: InMemoryBackend) -> Runtime:
+    """Services whose workers are `backend` (tests: the HTTP layer without Redis). The Redis client
+    they hold is never used by a generation request (only /health and the dashboard read it)."""
+
+    @contextlib.asynccontextmanager
+    async def run(app: Starlette, settings: Settings, tokenizer: PromptTokenizer) -> AsyncIterator[None]:
+        client = redis_client(settings.redis_url, socket_timeout=1.0)  # connects lazily: never, here
+        metrics = GatewayMetrics(settings.model_name)
+        admission = Admission(settings, metrics)
+        router = TokenRouter(client, settings.gateway_id)
+        backend.attach(router)
+        cluster = Cluster(client, settings, admission, dict, router)
+        cluster.redis_ok, cluster.redis_error = True, None  # the backend is always reachable
+        svc = Services(settings=settings, redis=client, tokenizer=tokenizer, metrics=metrics,
+                       admission=admission, router=router, cluster=cluster, backend=backend)
+        app.state.services = svc
+        svc.tasks = [asyncio.create_task(admission.run(), name="admission")]
+        try:
+            yield
+        finally:
+            for task in svc.tasks:
+                task.cancel()
+            await asyncio.wait([*svc.tasks, *svc.background], timeout=5.0)
+            await client.aclose()
+
+    return run
 
 
 def _crash_logger(task: asyncio.Task[None]) -> None:

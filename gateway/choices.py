@@ -1,20 +1,16 @@
 """One API request, several generations: OpenAI's `n` and batched prompts, TGI's `best_of`.
 
-Each choice is its own request through the pipeline (its own seed: the request's seed + its place
-among its prompt's choices), but they are admitted as one (one ticket for their summed cost, so a
-request either fits whole or waits) and they share their prompt's prefill: the first choice of a
-prompt is sent at once, its siblings once it has its first token. By then the prompt's blocks are
-in the prefill worker's prefix cache and in the block store, so the siblings' prefills load them
-instead of computing the prompt again (one prefill, n decodes; only the partial last block is
-recomputed).
+Each choice is its own request through the pipeline, but they are admitted as one (one ticket for
+their summed cost, so a request either fits whole or waits) and they share their prompt's prefill:
+the first choice of a prompt is sent at once, its siblings once it has its first token (their
+seeds, that late send and best_of's ranking are gateway.siblings'). Here: validate -> tokenize ->
+admit -> send, and the two ways of reading every choice to its end (whole, or merged as a stream).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
-import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -22,16 +18,13 @@ from typing import Any
 from starlette.requests import Request
 
 from gateway.errors import ApiError
-from gateway.request_scope import own
 from gateway.generation import ClientGone, Generation, Step, send_all, wait_for_disconnect
+from gateway.request_scope import own
 from gateway.respond import rejection_reason, services
+from gateway.siblings import sampling_for, send_after_first_tokens
+from gateway.spec import GenerationSpec
 from gateway.tokenizer import apply_limits
-from gateway.validation import GenerationSpec, read_json_body
-
-log = logging.getLogger(__name__)
-
-# How long siblings wait for their first choice's first token before being sent anyway.
-SIBLING_WAIT_S = 30.0
+from gateway.validation import read_json_body
 
 
 async def start_choices(request: Request, status: int, parse: Callable[[dict[str, Any]], GenerationSpec],
@@ -47,13 +40,12 @@ async def start_choices(request: Request, status: int, parse: Callable[[dict[str
         # In a thread: a request's schemas and tools are compiled here (llguidance), and a client
         # can send many large ones; the event loop must keep serving every other stream.
         spec = await asyncio.to_thread(parse, body)
-        prompts = spec.batch if spec.batch is not None else [spec.prompt]
-        for p, prompt in enumerate(prompts):
-            one = dataclasses.replace(spec, prompt=prompt, batch=None)
+        n = spec.choices.n
+        for p, one in enumerate(spec.per_prompt()):
             prompt_ids = await svc.tokenizer.prompt_ids(one, status)
             prompt_ids, max_new_tokens = apply_limits(one, prompt_ids, svc.settings, status)
-            choices = [Generation(svc, one, prompt_ids, max_new_tokens, arrival, status, choice=p * spec.n + j,
-                                  sibling=j) for j in range(spec.n)]
+            choices = [Generation(svc, one, prompt_ids, sampling_for(one.sampling, max_new_tokens, j), arrival,
+                                  status, choice=p * n + j, sibling=j) for j in range(n)]
             own(request.scope, *choices)  # released when the exchange ends, whatever happens
             gens += choices
     except ApiError as exc:
@@ -64,47 +56,14 @@ async def start_choices(request: Request, status: int, parse: Callable[[dict[str
         for gen in gens[1:]:
             gen.attach()
         await send_all([gen for gen in gens if gen.sibling == 0], request)
-        n = spec.n  # gens are in choice order: prompt p's choices are gens[p * n:(p + 1) * n]
+        # gens are in choice order: prompt p's choices are gens[p * n:(p + 1) * n]
         groups = [(gens[i], gens[i + 1:i + n]) for i in range(0, len(gens), n)]
         if n > 1:
-            svc.spawn(_send_after_first_tokens(request, groups))
+            svc.spawn(send_after_first_tokens(request, groups))
     except BaseException:
         close_all(gens)
         raise
     return gens
-
-
-async def _send_after_first_tokens(request: Request, groups: list[tuple[Generation, list[Generation]]]) -> None:
-    """Send each prompt's siblings once its leader has its first token (or SIBLING_WAIT_S passed):
-    one task per request, and the siblings of leaders that got theirs together in one round trip
-    (64 prompts x n=16 is one task, not 64 sending at once)."""
-    waits = {asyncio.ensure_future(leader.first_event.wait()): siblings for leader, siblings in groups}
-    deadline = asyncio.get_running_loop().time() + SIBLING_WAIT_S
-    try:
-        while waits:
-            timeout = deadline - asyncio.get_running_loop().time()
-            done, _ = await asyncio.wait(waits, timeout=max(0.0, timeout), return_when=asyncio.FIRST_COMPLETED)
-            ready = done or set(waits)  # none in time: send the rest anyway
-            await _send_siblings([gen for wait in ready for gen in waits.pop(wait)], request)
-    finally:
-        for wait in waits:
-            wait.cancel()
-
-
-async def _send_siblings(siblings: list[Generation], request: Request) -> None:
-    try:
-        await send_all(siblings, request)
-    except ApiError as exc:
-        for gen in siblings:
-            gen.lost(exc.message, exc)
-    except Exception as exc:  # noqa: BLE001 - a bug here must end the siblings, never strand them
-        # Nobody awaits this task: siblings whose send died silently would wait the whole
-        # event_timeout for events that can never come, holding the request's budget.
-        choices = ", ".join(str(gen.choice) for gen in siblings)
-        log.exception("could not send choices %s of a request", choices)
-        for gen in siblings:
-            gen.lost(f"internal error sending choices {choices}: {type(exc).__name__}: {exc}",
-                     ApiError(500, f"internal error sending choices {choices}", kind="generation"))
 
 
 def close_all(gens: list[Generation]) -> None:

@@ -1,10 +1,16 @@
-"""One request's life after validation: admission, prefill message, token events, teardown.
+"""One request's life after validation, as a state machine: admission, prefill, token events, teardown.
 
-Both API families use this, through gateway.choices (one per choice): `admit()` waits for admission
-(watching for the client leaving) and `send_all()` sends the prefill requests; `steps()` turns token events into text-bearing steps (deduplicated,
-detokenized, stop sequences applied); `close()` always runs (routes call it in `finally`) and
-releases everything: the budget reservation, the event queue, and, unless the workers already
-finished the request themselves, it broadcasts a Cancel so they stop spending compute on it.
+Both API families use this, through gateway.choices (one `Generation` per choice). Rules:
+- Its life is one `State` at a time (gateway.lifecycle), changed only by `_transition`, which
+  refuses any move the table does not allow: CREATED -> QUEUED (waiting for admission) -> ADMITTED
+  -> SENDING -> SENT -> STREAMING -> one end (FINISHED, STOPPED, FAILED, DROPPED) -> CLOSED. What
+  `close()` owes the workers follows from the state alone: a Cancel where they may still hold work.
+- `admit()` waits for admission (watching for the client leaving); `send_all()` hands the prefill
+  requests to the backend (gateway.backend: this file builds no Redis command); `steps()` turns
+  token events into text-bearing steps (deduplicated, resume-checked, detokenized, stop sequences
+  applied); `close()` always runs (routes call it in `finally`, gateway.request_scope in any case)
+  and releases everything: the budget reservation, the event queue, and the workers' work.
+- The request's siblings (n, best_of: their seeds, late sends, ranking) are gateway.siblings'.
 """
 
 from __future__ import annotations
@@ -20,38 +26,21 @@ from typing import Any, NoReturn
 from starlette.requests import Request
 
 from baton import tracing
-from baton.protocol import (
-    PAYLOAD_FIELD,
-    PREFILL_STREAM,
-    STREAM_MAXLEN,
-    Cancel,
-    PrefillRequest,
-    TokenEvent,
-    encode,
-)
 from baton.finish_reason import FinishReason
-from baton.redis_client import REDIS_FAILURES
+from baton.protocol import Cancel, PrefillRequest, TokenEvent
 from baton.sampling_params import SamplingParams
 from gateway.admission import Ticket
+from gateway.backend import BackendUnavailable
 from gateway.detokenizer import IncrementalDetokenizer, StopMatcher
 from gateway.errors import ApiError, unavailable
 from gateway.finish import spelled
+from gateway.lifecycle import AT_WORKERS, State, transition
 from gateway.request_ids import client_request_id
 from gateway.router import Routed, StreamLost
 from gateway.services import Services
-from gateway.validation import GenerationSpec
+from gateway.spec import GenerationSpec
 
 log = logging.getLogger(__name__)
-
-
-SEED_SPAN = 2**64  # the wire carries seeds in [-2**63, 2**64 - 1] (msgpack's integers)
-
-
-def sibling_seed(seed: int, sibling: int) -> int:
-    """Choice `sibling`'s seed: `seed + sibling`, wrapped as a uint64 adds, so a seed near 2**64
-    still travels (msgpack cannot carry 2**64) and stays distinct from its siblings'."""
-    derived = seed + sibling
-    return derived - SEED_SPAN if derived >= SEED_SPAN else derived
 
 
 class ClientGone(Exception):
@@ -103,42 +92,46 @@ async def wait_for_disconnect(request: Request) -> None:
 
 
 async def send_all(gens: list[Generation], request: Request) -> None:
-    """Send admitted generations to the prefill stream in one round trip (a request's siblings go
-    together: one connection, not one each); raises ApiError (503) if Redis fails."""
-    messages = [(gen, gen._prefill_message(request)) for gen in gens]
-    messages = [(gen, m) for gen, m in messages if m is not None]
-    if not messages:
+    """Send the admitted ones of `gens` to the prefill workers in one round trip (a request's
+    siblings go together: one connection, not one each); raises ApiError (503) if the backend is
+    unreachable. A generation already closed or ended is not sent: it would run unread."""
+    ready = [gen for gen in gens if gen.state is State.ADMITTED]
+    if not ready:
         return
-    svc = gens[0].svc
-    pipe = svc.redis.pipeline(transaction=False)
-    for _, message in messages:
-        pipe.xadd(PREFILL_STREAM, {PAYLOAD_FIELD: encode(message)}, maxlen=STREAM_MAXLEN, approximate=True)
+    svc = ready[0].svc
+    messages = [gen._start_send(request) for gen in ready]
     try:
-        await pipe.execute()
-    except REDIS_FAILURES as exc:
-        svc.cluster.mark_down(exc)
+        await svc.backend.send_prefill(messages)
+    except BackendUnavailable as exc:
+        for gen in ready:
+            gen._send_failed()
+        svc.cluster.mark_down(exc.cause)
         svc.metrics.reject("redis_unavailable")
-        raise unavailable(f"redis is unreachable ({exc}); cannot serve requests",
+        raise unavailable(f"redis is unreachable ({exc.cause}); cannot serve requests",
                           svc.settings.retry_after_s) from None
-    for gen, _ in messages:
+    except BaseException:
+        for gen in ready:
+            gen._send_failed()
+        raise
+    for gen in ready:
         gen._on_sent()
 
 
 class Generation:
-    def __init__(self, svc: Services, spec: GenerationSpec, prompt_ids: list[int],
-                 max_new_tokens: int, arrival: float, api_status: int, choice: int = 0, sibling: int = 0) -> None:
+    def __init__(self, svc: Services, spec: GenerationSpec, prompt_ids: list[int], sampling: SamplingParams,
+                 arrival: float, api_status: int, choice: int = 0, sibling: int = 0) -> None:
         self.svc = svc
         self.spec = spec
         self.prompt_ids = prompt_ids
-        self.max_new_tokens = max_new_tokens
+        self.sampling = sampling  # what goes on the wire: the request's, with this one's length and seed
+        self.max_new_tokens = sampling.max_tokens
         self.request_id = uuid.uuid4().hex
         self.choice = choice  # which of the request's generations this is (OpenAI's choice index)
-        # Choice i of a seeded request draws with seed + i: reproducible, and unlike its siblings.
-        self.seed = None if spec.seed is None else sibling_seed(spec.seed, sibling)
         self.sibling = sibling  # its place among the generations of the same prompt
+        self.state = State.CREATED
         self.prompt_logprobs: list[Any] | None = None  # from the first event, when asked for
         self.num_cached_tokens = 0  # prompt tokens the prefill worker found already computed
-        self.first_event = asyncio.Event()  # set once the workers answered (or it ended)
+        self.first_event = asyncio.Event()  # set once the workers answered (or it ended): siblings wait on it
         self.arrival = arrival  # time.monotonic() when the HTTP request arrived
         self.tokens: list[TokenOut] = []
         self.finish_reason: FinishReason | None = None  # once it ended normally
@@ -148,11 +141,11 @@ class Generation:
         self._ticket: Ticket | None = None
         self._queue: asyncio.Queue[Routed] | None = None
         self._watcher: asyncio.Task[None] | None = None
-        self._sent = False  # the prefill request reached Redis
-        self._worker_finished = False  # a worker reported the end itself: no Cancel needed
-        self._failed = False
-        self._closed = False
         self._last_token_at = 0.0
+
+    def _transition(self, to: State) -> None:
+        """The one place the state changes; refuses a move the table does not allow."""
+        self.state = transition(self.state, to, self.request_id)
 
     @property
     def text(self) -> str:
@@ -181,6 +174,7 @@ class Generation:
             svc.metrics.reject("redis_unavailable")
             raise unavailable(f"redis is unreachable ({svc.cluster.redis_error}); cannot serve requests",
                               svc.settings.retry_after_s)
+        self._transition(State.QUEUED)
         self._ticket = svc.admission.submit(self.cost if cost is None else cost, self._api_status)
         decision = self._ticket.decision
         waiters: set[asyncio.Future[Any]] = {decision, watcher}
@@ -198,28 +192,31 @@ class Generation:
         error = decision.result()
         if isinstance(error, ApiError):
             raise error
-        self._queue = svc.router.register(self.request_id)
+        self._queue = svc.router.register(self.request_id)  # before sending: no event goes unrouted
+        self._transition(State.ADMITTED)
 
     def attach(self) -> None:
         """Ready a generation admitted under a sibling's ticket (see admit)."""
         self._queue = self.svc.router.register(self.request_id)
+        self._transition(State.ADMITTED)
 
-    def _prefill_message(self, request: Request) -> PrefillRequest | None:
-        """What to send, or None when there is nothing to (closed: a sibling sent late, after the
-        response ended, would run unread)."""
-        assert self._queue is not None, "admit() first"
-        if self._closed:
-            return None
-        svc = self.svc
+    def _start_send(self, request: Request) -> PrefillRequest:
+        """The prefill request to send (send_all): ADMITTED -> SENDING."""
+        self._transition(State.SENDING)
         return PrefillRequest(
-            request_id=self.request_id, gateway_id=svc.settings.gateway_id,
-            prompt_token_ids=self.prompt_ids, sampling=self._sampling(), arrival_time=time.time(),
+            request_id=self.request_id, gateway_id=self.svc.settings.gateway_id,
+            prompt_token_ids=self.prompt_ids, sampling=self.sampling, arrival_time=time.time(),
             client_request_id=client_request_id(request.scope), trace_context=tracing.request_parent())
 
+    def _send_failed(self) -> None:
+        if self.state is State.SENDING:  # nothing reached the workers: admitted, unsent
+            self._transition(State.ADMITTED)
+
     def _on_sent(self) -> None:
-        self._sent = True
         self.svc.metrics.prompt_tokens.inc(len(self.prompt_ids))
-        if self._closed:  # closed while the XADD was in flight: it must not run unread
+        if self.state is State.SENDING:
+            self._transition(State.SENT)
+        elif self.state is State.CLOSED:  # closed while the send was in flight: it must not run unread
             self._send_cancel("client disconnected")
 
     def lost(self, message: str, error: ApiError | None = None) -> None:
@@ -238,16 +235,6 @@ class Generation:
     def client_gone(self) -> asyncio.Task[None] | None:
         return self._watcher
 
-    def _sampling(self) -> SamplingParams:
-        s = self.spec
-        return SamplingParams(
-            max_tokens=self.max_new_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-            repetition_penalty=s.repetition_penalty, seed=self.seed, stop_token_ids=list(s.stop_token_ids),
-            ignore_eos=s.ignore_eos, presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
-            min_p=s.min_p, logit_bias=[list(pair) for pair in s.logit_bias], logprobs=s.logprobs,
-            prompt_logprobs=s.prompt_logprobs, structured=s.structured,
-            min_tokens=min(s.min_tokens, self.max_new_tokens))
-
     # ---- tokens ----
 
     async def steps(self) -> AsyncIterator[Step]:
@@ -259,10 +246,12 @@ class Generation:
             except asyncio.TimeoutError:
                 self._fail("timeout", f"no token from the workers for {timeout:g}s (event_timeout)")
             if isinstance(event, StreamLost):
-                if event.error is not None:  # its own send failed (gateway.choices)
+                if event.error is not None:  # its own send failed (gateway.siblings)
                     self._fail("send_failed", event.message, event.error)
                 self._fail("redis_state_lost", event.message,
                            unavailable(event.message, self.svc.settings.retry_after_s))
+            if self.state in (State.SENDING, State.SENT):
+                self._transition(State.STREAMING)
             self.first_event.set()
             step = self._apply(event)
             if step is None:
@@ -300,9 +289,9 @@ class Generation:
             if len(self.tokens) >= self.max_new_tokens:
                 step.finish = FinishReason.LENGTH  # more than we asked for: stop here (and cancel)
                 break
-            # (vLLM's rule: stop strings count from the min_tokens-th token on)
+            # (vLLM's rule: stop strings count from the min_tokens-th token on, as asked)
             released, hit = self._stops.push(self._detok.push(token_id),
-                                             armed=len(self.tokens) + 1 >= self.spec.min_tokens)
+                                             armed=len(self.tokens) + 1 >= self.spec.sampling.min_tokens)
             token = TokenOut(index=len(self.tokens), id=token_id, text=released,
                              logprob=logprobs[i] if i < len(logprobs) else None, special=token_id in special,
                              top=tops[i] if i < len(tops) else None)
@@ -311,12 +300,12 @@ class Generation:
             if hit:
                 step.finish = FinishReason.STOP_SEQUENCE
                 break
-        if step.finish is None and event.finish_reason is not None:
-            if not event.finish_reason.ended_normally:  # ERROR, CANCELLED
-                self._worker_finished = True  # the worker dropped it already
+        worker_ended = step.finish is None and event.finish_reason is not None
+        if worker_ended:
+            assert event.finish_reason is not None
+            if not event.finish_reason.ended_normally:  # ERROR, CANCELLED: the worker dropped it already
                 self._fail(f"worker_{event.finish_reason}",
-                           event.error or f"the worker ended the request ({event.finish_reason})")
-            self._worker_finished = True
+                           event.error or f"the worker ended the request ({event.finish_reason})", dropped=True)
             step.finish = event.finish_reason  # STOP or LENGTH
         elif step.finish is None and len(self.tokens) >= self.max_new_tokens:
             step.finish = FinishReason.LENGTH
@@ -331,6 +320,8 @@ class Generation:
                 step.tail = tail
         if step.finish is not None:
             self.finish_reason = step.finish
+            # Ended by the worker, nothing is left there; ended by us, it may still be running.
+            self._end(State.FINISHED if worker_ended else State.STOPPED)
             self.svc.metrics.success(spelled(step.finish, "metrics"))
             self.svc.metrics.e2e.observe(time.monotonic() - self.arrival)
         self.svc.metrics.generation_tokens.inc(len(step.tokens))
@@ -350,42 +341,52 @@ class Generation:
                 m.itl.observe(gap)
         self._last_token_at = now
 
-    def _fail(self, reason: str, message: str, error: ApiError | None = None) -> NoReturn:
-        self._failed = True
+    def _fail(self, reason: str, message: str, error: ApiError | None = None, dropped: bool = False) -> NoReturn:
+        """End in error (FAILED, or DROPPED when the workers hold nothing: `dropped`, or never
+        sent) and raise GenerationFailed."""
+        self._end(State.DROPPED if dropped or self.state not in AT_WORKERS else State.FAILED)
         self.svc.metrics.failure(reason)
         log.warning("request %s failed: %s", self.request_id, message)
         raise GenerationFailed(message, error)
+
+    def _end(self, to: State) -> None:
+        # A generation closed while its steps() were still being read (the response ended first:
+        # a sibling failed, the client left) has nothing left to record.
+        if self.state is not State.CLOSED:
+            self._transition(to)
 
     # ---- end ----
 
     def abandon(self, reason: str, message: str) -> None:
         """End the request from our side, outside `steps()` (the client stopped reading); the
         following close() tells the workers to drop it."""
-        if self._failed or self.finish_reason is not None:
-            return
-        self._failed = True
+        if self.state not in (State.ADMITTED, *AT_WORKERS):
+            return  # already ended (or never admitted): nothing to give up
+        self._transition(State.FAILED if self.state in AT_WORKERS else State.DROPPED)
         self.svc.metrics.failure(reason)
         log.warning("request %s abandoned: %s", self.request_id, message)
 
     def close(self) -> None:
         """Release everything the request holds. Idempotent and synchronous (safe in `finally`)."""
-        if self._closed:
+        if self.state is State.CLOSED:
             return
-        self._closed = True
+        was = self.state
+        self._transition(State.CLOSED)
         self.first_event.set()  # nothing more will come: release any sibling waiting on it
         svc = self.svc
         self.stop_watching()
         svc.router.unregister(self.request_id)
         if self._ticket is not None:
             svc.admission.done(self._ticket)
-        if self.finish_reason is None and not self._failed and self._sent:
+        # What the workers may still run gets a Cancel, by why we ended it. (SENDING: the send's
+        # completion, _on_sent, cancels it.)
+        if was in (State.SENT, State.STREAMING):
             svc.metrics.failure("client_disconnected")
-        if self._sent and not self._worker_finished:
-            # Ended by us (client gone, stop sequence, error): tell every worker to drop it.
-            reason = "stop sequence" if self.finish_reason is FinishReason.STOP_SEQUENCE else (
-                "length" if self.finish_reason is FinishReason.LENGTH else "client disconnected" if not self._failed
-                else "gateway gave up")
-            self._send_cancel(reason)
+            self._send_cancel("client disconnected")
+        elif was is State.STOPPED:
+            self._send_cancel("stop sequence" if self.finish_reason is FinishReason.STOP_SEQUENCE else "length")
+        elif was is State.FAILED:
+            self._send_cancel("gateway gave up")
 
     def _send_cancel(self, reason: str) -> None:
         self.svc.cancel(Cancel(request_id=self.request_id, gateway_id=self.svc.settings.gateway_id, reason=reason))

@@ -137,6 +137,11 @@ class TokenRouter:
             log.warning("dropping malformed token event: %s", exc)
             return
         for event in message.events if isinstance(message, TokenBatch) else (message,):
-            queue = self._queues.get(event.request_id)
-            if queue is not None:
-                queue.put_nowait(event)
+            self.deliver(event)
+
+    def deliver(self, event: TokenEvent) -> None:
+        """Hand one event to its request (dropped if the request is gone). The stream reader calls
+        it for what it reads; gateway.backend.InMemoryBackend for what a test pushes."""
+        queue = self._queues.get(event.request_id)
+        if queue is not None:
+            queue.put_nowait(event)

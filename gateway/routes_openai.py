@@ -25,6 +25,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from baton.finish_reason import FinishReason
+from gateway import siblings
 from gateway.choices import close_all, merged_steps, run_all_to_end, start_choices
 from gateway.errors import error_body, error_response
 from gateway.finish import spelled
@@ -32,7 +33,8 @@ from gateway.generation import ClientGone, Generation, GenerationFailed, Step
 from gateway.logprobs_format import CompletionLogprobs, chat_logprobs, merge, vllm_prompt_logprobs
 from gateway.respond import SSEResponse, client_gone_response, services
 from gateway.tools import ToolStream, assistant_message
-from gateway.validation import GenerationSpec, ignored_fields_header
+from gateway.spec import GenerationSpec
+from gateway.validation import ignored_fields_header
 from gateway.validation_openai import STATUS, parse_chat, parse_completion
 
 
@@ -44,31 +46,27 @@ class _Reply:
         self.gens = gens
         self.all_gens = gens  # every candidate, also those best_of drops: the usage counts them
         self.spec = gens[0].spec
+        self.api = self.spec.api  # what the response looks like
+        self.sampling = self.spec.sampling  # what was asked for (logprobs, prompt_logprobs)
         self.chat = chat
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
-        self.model = self.spec.model or gens[0].svc.settings.model_name
+        self.model = self.api.model or gens[0].svc.settings.model_name
         self.object = ("chat.completion" if chat else "text_completion")
         self.tokenizer = gens[0].svc.tokenizer
         self._logprobs = {id(g): CompletionLogprobs(self.tokenizer) for g in gens}
         self.generated: int | None = None  # tokens of every choice, when best_of dropped some
-        calling = self.spec.tool_calling  # streamed tool calls: each choice's deltas rewritten
+        calling = self.api.tool_calling  # streamed tool calls: each choice's deltas rewritten
         self._tool_streams = {id(g): ToolStream(calling) for g in gens} if chat and calling is not None else {}
 
     def keep_best(self) -> None:
-        """best_of: answer with the `keep` choices of each prompt whose tokens have the highest total
-        logprob (all generated tokens still count in the usage, as OpenAI bills them)."""
-        keep = self.spec.keep
+        """best_of: answer with the `keep` best choices of each prompt (gateway.siblings); all
+        generated tokens still count in the usage, as OpenAI bills them."""
+        keep = self.spec.choices.keep
         if keep is None:
             return
         self.generated = sum(len(g.tokens) for g in self.gens)
-        n, best = self.spec.n, []
-        for start in range(0, len(self.gens), n):
-            group = sorted(self.gens[start:start + n], key=lambda g: g.total_logprob, reverse=True)[:keep]
-            best += group
-        for index, gen in enumerate(best):
-            gen.choice = index
-        self.gens = best
+        self.gens = siblings.keep_best(self.gens, self.spec.choices.n, keep)
 
     def usage(self) -> dict[str, Any]:
         # A prompt counts once however many choices it has (OpenAI's rule for n), and whichever
@@ -82,8 +80,8 @@ class _Reply:
     def formatting_cost(self) -> int:
         """About how many token entries the full answer formats (each token once, plus its top
         logprobs; with echo the prompt's too)."""
-        per_token = 1 + (self.spec.logprobs or 0)
-        tokens = sum(len(g.tokens) + (len(g.prompt_ids) if self.spec.echo else 0) for g in self.gens)
+        per_token = 1 + (self.sampling.logprobs or 0)
+        tokens = sum(len(g.tokens) + (len(g.prompt_ids) if self.api.echo else 0) for g in self.gens)
         return tokens * per_token
 
     def head(self, obj: str) -> dict[str, Any]:
@@ -94,24 +92,24 @@ class _Reply:
         for gen in self.gens:
             finish = spelled(gen.finish_reason or FinishReason.LENGTH, "openai")
             if self.chat:
-                logprobs = chat_logprobs(self.tokenizer, gen.tokens) if self.spec.logprobs is not None else None
-                message, finish = assistant_message(self.spec.tool_calling, gen.text, finish)  # tool_calls
+                logprobs = chat_logprobs(self.tokenizer, gen.tokens) if self.sampling.logprobs is not None else None
+                message, finish = assistant_message(self.api.tool_calling, gen.text, finish)  # tool_calls
                 choices.append({"index": gen.choice, "message": message, "logprobs": logprobs, "finish_reason": finish})
             else:
-                parts = [self._echo_logprobs(gen)] if self.spec.echo else []
+                parts = [self._echo_logprobs(gen)] if self.api.echo else []
                 parts.append(self._logprobs[id(gen)].tokens(gen.tokens))
-                logprobs = merge(parts) if self.spec.logprobs is not None else None
+                logprobs = merge(parts) if self.sampling.logprobs is not None else None
                 choices.append({"index": gen.choice, "text": self._echo_text(gen) + gen.text,
                                 "logprobs": logprobs, "finish_reason": finish})
-            if self.spec.prompt_logprobs is not None:
+            if self.sampling.prompt_logprobs is not None:
                 choices[-1]["prompt_logprobs"] = vllm_prompt_logprobs(self.tokenizer, gen.prompt_ids,
                                                                       gen.prompt_logprobs)
         return {**self.head(self.object), "choices": choices, "usage": self.usage()}
 
     def _echo_text(self, gen: Generation) -> str:
-        if not self.spec.echo:
+        if not self.api.echo:
             return ""
-        prompt = gen.spec.prompt
+        prompt = gen.spec.prompt.input
         return prompt if isinstance(prompt, str) else self.tokenizer.decode(gen.prompt_ids, skip_special_tokens=False)
 
     def _echo_logprobs(self, gen: Generation) -> dict[str, Any]:
@@ -123,7 +121,7 @@ class _Reply:
         tokens = step.tokens if step is not None else []
         text = step.text if step is not None else ""
         finish = spelled(step.finish, "openai") if step is not None else None
-        wants_logprobs = self.spec.logprobs is not None
+        wants_logprobs = self.sampling.logprobs is not None
         if self.chat:
             delta: dict[str, Any] = {}
             if role:
@@ -144,9 +142,9 @@ class _Reply:
                 logprobs = self._logprobs[id(gen)].tokens(tokens) if wants_logprobs and tokens else None
             choice = {"index": gen.choice, "text": text, "logprobs": logprobs, "finish_reason": finish}
             body = {**self.head("text_completion"), "choices": [choice]}
-        if self.spec.continuous_usage:
+        if self.api.continuous_usage:
             body["usage"] = self.usage()
-        elif self.spec.include_usage:
+        elif self.api.include_usage:
             body["usage"] = None  # OpenAI: null on every chunk but the last
         return body
 
@@ -164,8 +162,8 @@ async def _handle(request: Request, chat: bool) -> Response:
         return client_gone_response()
     reply = _Reply(gens, chat)
     # x-request-id (the client's id) is added by RequestIdMiddleware on every response.
-    headers = ignored_fields_header(reply.spec.ignored_fields)
-    if reply.spec.stream:
+    headers = ignored_fields_header(reply.api.ignored_fields)
+    if reply.api.stream:
         gens[0].stop_watching()
         return SSEResponse(_stream(reply), gens, headers=headers)
     try:
@@ -200,13 +198,13 @@ async def _stream(reply: _Reply) -> AsyncIterator[bytes]:
         for gen in gens:
             if reply.chat:
                 yield _sse(reply.chunk(gen, None, role=True))
-            elif reply.spec.echo:
+            elif reply.api.echo:
                 yield _sse(reply.chunk(gen, None, echo=True))
         async for gen, step in merged_steps(gens):
             # (a token whose text is still held back, e.g. half a character, shows only in logprobs)
-            if step.text or step.finish or (step.tokens and reply.spec.logprobs is not None):
+            if step.text or step.finish or (step.tokens and reply.sampling.logprobs is not None):
                 yield _sse(reply.chunk(gen, step))
-        if reply.spec.include_usage:
+        if reply.api.include_usage:
             yield _sse({**reply.head(reply.object + (".chunk" if reply.chat else "")),
                         "choices": [], "usage": reply.usage()})
     except GenerationFailed as exc:

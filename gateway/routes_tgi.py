@@ -19,13 +19,15 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from baton.finish_reason import FinishReason
+from gateway import siblings
 from gateway.errors import ApiError, error_body, error_response
 from gateway.finish import spelled
 from gateway.generation import ClientGone, Generation, GenerationFailed, Step, TokenOut
 from gateway.choices import close_all, run_all_to_end, start_choices
 from gateway.logprobs_format import tgi_prefill, tgi_top_tokens
 from gateway.respond import SSEResponse, client_gone_response, rejection_reason, services
-from gateway.validation import GenerationSpec, ignored_fields_header, read_json_body
+from gateway.spec import GenerationSpec
+from gateway.validation import ignored_fields_header, read_json_body
 from gateway.validation_tgi import STATUS, parse_tgi
 
 
@@ -49,10 +51,10 @@ async def generate(request: Request, body: dict[str, Any] | None = None, as_list
     finally:
         close_all(gens)
     # best_of: the candidate whose tokens have the highest total logprob (TGI's choice)
-    ranked = sorted(gens, key=lambda g: g.total_logprob, reverse=True)
+    ranked = siblings.ranked(gens)
     gen = ranked[0]
     result: dict[str, Any] = {"generated_text": _generated_text(gen)}
-    if gen.spec.details:
+    if gen.spec.api.details:
         result["details"] = {
             **_full_details(gen),
             "best_of_sequences": [{"generated_text": _generated_text(g), **_full_details(g)}
@@ -91,11 +93,11 @@ async def _events(gen: Generation) -> AsyncIterator[bytes]:
             for token, final in _tokens_of(gen, step):
                 event: dict[str, Any] = {"index": token.index + 1, "token": _token(token),
                                          "generated_text": None, "details": None}
-                if gen.spec.logprobs:
+                if gen.sampling.logprobs:
                     event["top_tokens"] = tgi_top_tokens(gen.svc.tokenizer, token)
                 if final:
                     event["generated_text"] = _generated_text(gen)
-                    if gen.spec.details:
+                    if gen.spec.api.details:
                         event["details"] = _details(gen)
                 yield _sse(event)
     except GenerationFailed as exc:
@@ -117,9 +119,9 @@ def _tokens_of(gen: Generation, step: Step) -> list[tuple[TokenOut, bool]]:
 
 
 def _generated_text(gen: Generation) -> str:
-    if gen.spec.return_full_text:
-        assert isinstance(gen.spec.prompt, str)
-        return gen.spec.prompt + gen.text
+    if gen.spec.api.return_full_text:
+        assert isinstance(gen.spec.prompt.input, str)
+        return gen.spec.prompt.input + gen.text
     return gen.text
 
 
@@ -127,7 +129,7 @@ def _details(gen: Generation) -> dict[str, Any]:
     return {
         "finish_reason": spelled(gen.finish_reason or FinishReason.LENGTH, "tgi"),
         "generated_tokens": len(gen.tokens),
-        "seed": gen.seed,
+        "seed": gen.sampling.seed if gen.spec.api.report_seed else None,  # null when greedy
         "input_length": len(gen.prompt_ids),
     }
 
@@ -138,11 +140,11 @@ def _full_details(gen: Generation) -> dict[str, Any]:
     tokenizer = gen.svc.tokenizer
     details = {
         **_details(gen),
-        "prefill": tgi_prefill(tokenizer, gen.prompt_ids, gen.prompt_logprobs) if gen.spec.prompt_logprobs is not None
+        "prefill": tgi_prefill(tokenizer, gen.prompt_ids, gen.prompt_logprobs) if gen.sampling.prompt_logprobs is not None
         else [],
         "tokens": [_token(t) for t in gen.tokens],
     }
-    if gen.spec.logprobs:
+    if gen.sampling.logprobs:
         details["top_tokens"] = [tgi_top_tokens(tokenizer, t) for t in gen.tokens]
     return details
 
@@ -153,7 +155,7 @@ def _token(t: TokenOut) -> dict[str, Any]:
 
 def _headers(gen: Generation) -> dict[str, str]:
     # x-request-id (the client's id) is added by RequestIdMiddleware on every response.
-    return ignored_fields_header(gen.spec.ignored_fields)
+    return ignored_fields_header(gen.spec.api.ignored_fields)
 
 
 def _sse(payload: dict[str, Any]) -> bytes:

@@ -1,4 +1,8 @@
-"""The long-lived parts of one gateway, created in the app's lifespan and shared by the handlers."""
+"""The long-lived parts of one gateway, created in the app's lifespan and shared by the handlers.
+
+The workers are reached only through `backend` (gateway.backend): the Redis client here serves
+the health probe and the dashboard, never a request's messages. Cancels are batched per loop turn.
+"""
 
 from __future__ import annotations
 
@@ -10,9 +14,9 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from baton.protocol import CANCEL_STREAM, PAYLOAD_FIELD, STREAM_MAXLEN, Cancel, encode
-from baton.redis_client import REDIS_FAILURES
+from baton.protocol import Cancel
 from gateway.admission import Admission
+from gateway.backend import Backend, BackendUnavailable
 from gateway.cluster import Cluster
 from gateway.config import Settings
 from gateway.metrics import GatewayMetrics
@@ -31,6 +35,7 @@ class Services:
     admission: Admission
     router: TokenRouter
     cluster: Cluster
+    backend: Backend  # where prefills and cancels go (Redis, or in memory for tests)
     # Fire-and-forget work (cancel messages) that must outlive the request that started it.
     # asyncio keeps only weak references to tasks, so we hold them until they finish.
     background: set[asyncio.Task[Any]] = field(default_factory=set)
@@ -50,15 +55,12 @@ class Services:
     async def _flush_cancels(self) -> None:
         await asyncio.sleep(0)  # let the rest of this turn's cancels join
         batch, self._pending_cancels = self._pending_cancels, []
-        pipe = self.redis.pipeline(transaction=False)
-        for message in batch:
-            pipe.xadd(CANCEL_STREAM, {PAYLOAD_FIELD: encode(message)}, maxlen=STREAM_MAXLEN, approximate=True)
         try:
-            await pipe.execute()
-        except REDIS_FAILURES as exc:
-            self.cluster.mark_down(exc)
+            await self.backend.send_cancels(batch)
+        except BackendUnavailable as exc:
+            self.cluster.mark_down(exc.cause)
             log.warning("could not send %d cancel(s) (%s): %s", len(batch),
-                        ", ".join(m.request_id for m in batch[:3]), exc)
+                        ", ".join(m.request_id for m in batch[:3]), exc.cause)
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         task = asyncio.get_running_loop().create_task(coro)

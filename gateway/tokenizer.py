@@ -18,7 +18,7 @@ from transformers import AutoTokenizer
 from gateway.config import Settings
 from gateway.errors import validation_error
 from gateway.tools import for_template, template_renders_tools
-from gateway.validation import GenerationSpec
+from gateway.spec import GenerationSpec
 
 T = TypeVar("T")
 # Below this many characters (or token ids) tokenizing inline is cheaper than a thread hop.
@@ -66,20 +66,19 @@ class PromptTokenizer:
 
     async def prompt_ids(self, spec: GenerationSpec, status: int) -> list[int]:
         """The prompt's token ids (chat: through the chat template)."""
-        if isinstance(spec.prompt, list):
-            return list(spec.prompt)
-        if spec.messages is not None:
+        prompt = spec.prompt
+        if isinstance(prompt.input, list):
+            return list(prompt.input)
+        if prompt.messages is not None:
             if not self.has_chat_template:
                 raise validation_error("this model has no chat template; use /v1/completions", status=status)
-            calling = spec.tool_calling
+            calling = spec.api.tool_calling
             if calling is not None:  # "auto" parses tool calls when the template asks for them
                 calling.parse_tags = template_renders_tools(self.hf.chat_template)
-            return await self.chat_ids(spec.messages, status, True, False,
+            return await self.chat_ids(prompt.messages, status, True, False,
                                        calling.tools if calling is not None else None)
-        assert isinstance(spec.prompt, str)
-        return await maybe_in_thread(len(spec.prompt), self.encode_text, spec.prompt,
-                                     spec.add_special_tokens)
-
+        assert isinstance(prompt.input, str)
+        return await maybe_in_thread(len(prompt.input), self.encode_text, prompt.input, prompt.add_special_tokens)
 
     async def chat_ids(self, messages: list[dict[str, Any]], status: int, add_generation_prompt: bool = True,
                        add_special_tokens: bool = False, tools: list[dict[str, Any]] | None = None) -> list[int]:
@@ -103,8 +102,9 @@ async def maybe_in_thread(size: int, fn: Callable[..., T], *args: Any) -> T:
 def apply_limits(spec: GenerationSpec, prompt_ids: list[int], settings: Settings,
                  status: int) -> tuple[list[int], int]:
     """Check the prompt against the token limits; return it (maybe truncated) and max_new_tokens."""
-    if spec.truncate is not None and len(prompt_ids) > spec.truncate:
-        prompt_ids = prompt_ids[-spec.truncate:]  # TGI: keep the last `truncate` tokens
+    truncate = spec.prompt.truncate
+    if truncate is not None and len(prompt_ids) > truncate:
+        prompt_ids = prompt_ids[-truncate:]  # TGI: keep the last `truncate` tokens
     n = len(prompt_ids)
     if n == 0:
         raise validation_error("the prompt is empty after tokenization", status=status)

@@ -1,4 +1,4 @@
-"""Request bodies -> a checked `GenerationSpec`, or an ApiError with a clear 4xx message.
+"""Request bodies -> checked fields for a `GenerationSpec` (gateway.spec), or a clear 4xx ApiError.
 
 Nothing a client sends may reach the tokenizer or a worker unchecked: bodies are size-capped and
 must be UTF-8 JSON objects without lone surrogates (the tokenizer would crash on them), and every field
@@ -16,7 +16,6 @@ import json
 import logging
 import math
 from collections.abc import Awaitable
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 from urllib.parse import quote
 
@@ -38,54 +37,6 @@ IGNORED_FIELDS_HEADER = "x-baton-ignored-fields"
 _MAX_LOGGED_NAMES = 1024
 _MAX_HEADER_NAMES = 32
 _logged_ignored: set[str] = set()
-
-
-@dataclass
-class GenerationSpec:
-    """What to generate, independent of the API it came from (before tokenization)."""
-
-    prompt: str | list[int] | None = None  # text or token ids (None for chat)
-    batch: list[str | list[int]] | None = None  # completions' batched prompts (then no `prompt`)
-    messages: list[dict[str, str]] | None = None  # chat messages, normalized to {role, content}
-    max_new_tokens: int | None = None  # None: the API's default, capped by the room left
-    default_max_new_tokens: int = 100
-    temperature: float = 1.0  # 0.0 means greedy
-    top_p: float = 1.0
-    top_k: int = -1
-    repetition_penalty: float = 1.0
-    seed: int | None = None
-    ignore_eos: bool = False
-    stop_token_ids: list[int] = field(default_factory=list)
-    stop: list[str] = field(default_factory=list)
-    stream: bool = False
-    truncate: int | None = None
-    add_special_tokens: bool = True  # for text prompts (TGI's `add_special_tokens`)
-    # TGI only
-    details: bool = False
-    return_full_text: bool = False
-    # OpenAI's penalties and vLLM's min_p (SamplingParams' ranges); logit_bias as [id, bias] pairs
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    min_p: float = 0.0
-    logit_bias: list[list[float]] = field(default_factory=list)
-    # Log-probabilities (SamplingParams' meaning: None = none, k = the token's and the top k);
-    # TGI's top_n_tokens and decoder_input_details land here too
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None
-    echo: bool = False  # completions: the prompt (and its logprobs) before the output
-    min_tokens: int = 0  # vLLM's: no EOS, stop token or stop string before this many tokens
-    n: int = 1  # choices generated per prompt (OpenAI n, or best_of when that is larger)
-    keep: int | None = None  # best_of: answer with the `keep` choices of highest logprob
-    # OpenAI only
-    include_usage: bool = False
-    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every chunk
-    model: str | None = None  # the served name the request asked for (None: the first one)
-    # Unknown fields that were ignored (never with strict_api), named with their prefix.
-    ignored_fields: list[str] = field(default_factory=list)
-    # Structured output (baton.structured: {"kind", "spec"}, compiled) from any API's fields, and
-    # chat's tools (gateway.tools.ToolCalling)
-    structured: dict[str, str] | None = None
-    tool_calling: Any = None
 
 
 def note_ignored(names: list[str]) -> None:

@@ -1,4 +1,4 @@
-"""OpenAI request bodies (`/v1/completions`, `/v1/chat/completions`) -> GenerationSpec.
+"""OpenAI request bodies (`/v1/completions`, `/v1/chat/completions`) -> GenerationSpec (gateway.spec).
 
 OpenAI semantics: temperature defaults to 1.0 (sampling) and 0 means greedy; `n` choices (and
 completions' `best_of`, batched prompts) up to MAX_CHOICES per prompt; `logprobs` (completions: the
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from typing import Any
 
 from gateway.config import Settings
@@ -22,7 +23,8 @@ from gateway.errors import ApiError, validation_error
 from baton.sampling_params import MAX_LOGPROBS
 from gateway.structured import openai_structured
 from gateway.tools import message_extras, parse_tools
-from gateway.validation import MAX_SEED, MIN_SEED, Fields, GenerationSpec
+from gateway.spec import ApiView, Choices, GenerationSpec, Prompt, provisional_sampling
+from gateway.validation import MAX_SEED, MIN_SEED, Fields
 
 STATUS = 400  # OpenAI answers invalid requests with 400 invalid_request_error
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
@@ -66,31 +68,48 @@ CHAT_NEUTRAL: dict[str, tuple[Any, ...]] = {
 }
 
 
+@dataclass
+class _Common:
+    """The fields both OpenAI APIs share, checked; each API adds its own, then builds the spec."""
+
+    sampling: dict[str, Any]  # SamplingParams' fields
+    api: ApiView
+    n: int
+    max_new_tokens: int | None
+    default_max_new_tokens: int
+    stop: list[str]
+
+    def spec(self, prompt: Prompt, choices: Choices) -> GenerationSpec:
+        return GenerationSpec(prompt=prompt, api=self.api, choices=choices, max_new_tokens=self.max_new_tokens,
+                              default_max_new_tokens=self.default_max_new_tokens, stop=self.stop,
+                              sampling=provisional_sampling(self.max_new_tokens, self.default_max_new_tokens,
+                                                            **self.sampling))
+
+
 def parse_completion(body: dict[str, Any], settings: Settings, vocab_size: int) -> GenerationSpec:
     f = Fields(body, STATUS)
     ignored = f.unknown(COMPLETION_FIELDS, "the request", settings.strict_api)
     for key, neutral in COMPLETION_NEUTRAL.items():
         f.unsupported_unless(key, neutral)
-    spec = _common(f, settings, vocab_size, COMPLETIONS_DEFAULT_MAX_TOKENS, ignored)
+    common = _common(f, settings, vocab_size, COMPLETIONS_DEFAULT_MAX_TOKENS, ignored)
     prompts = _prompts(body.get("prompt"), vocab_size, settings.max_input_tokens)
-    if len(prompts) == 1:
-        spec.prompt = prompts[0]
-    else:
-        spec.batch = prompts
-    spec.add_special_tokens = f.boolean("add_special_tokens", True)  # vLLM's extra, for text prompts
+    prompt = Prompt(input=prompts[0]) if len(prompts) == 1 else Prompt(batch=prompts)
+    prompt.add_special_tokens = f.boolean("add_special_tokens", True)  # vLLM's extra, for text prompts
     # logprobs: the number of top alternatives per token (0: the chosen token's only)
-    spec.logprobs = f.integer("logprobs", lo=0, hi=MAX_LOGPROBS)
-    spec.echo = f.boolean("echo", False)
-    if spec.echo and spec.logprobs is not None:
-        spec.prompt_logprobs = max(spec.prompt_logprobs or 0, spec.logprobs)
+    sampling = common.sampling
+    sampling["logprobs"] = logprobs = f.integer("logprobs", lo=0, hi=MAX_LOGPROBS)
+    common.api.echo = f.boolean("echo", False)
+    if common.api.echo and logprobs is not None:
+        sampling["prompt_logprobs"] = max(sampling["prompt_logprobs"] or 0, logprobs)
+    choices = Choices(n=common.n)
     best_of = f.integer("best_of", lo=1, hi=MAX_CHOICES)
-    if best_of is not None and best_of != spec.n:
-        if best_of < spec.n:
-            raise f.fail("best_of", f"must be at least n ({spec.n}), got {best_of}")
-        if spec.stream:
+    if best_of is not None and best_of != common.n:
+        if best_of < common.n:
+            raise f.fail("best_of", f"must be at least n ({common.n}), got {best_of}")
+        if common.api.stream:
             raise f.fail("best_of", "cannot be streamed: the best choices are known only at the end")
-        spec.keep, spec.n = spec.n, best_of
-    return spec
+        choices = Choices(n=best_of, keep=common.n)
+    return common.spec(prompt, choices)
 
 
 def parse_chat(body: dict[str, Any], settings: Settings, vocab_size: int) -> GenerationSpec:
@@ -98,20 +117,20 @@ def parse_chat(body: dict[str, Any], settings: Settings, vocab_size: int) -> Gen
     ignored = f.unknown(CHAT_FIELDS, "the request", settings.strict_api)
     for key, neutral in CHAT_NEUTRAL.items():
         f.unsupported_unless(key, neutral)
-    spec = _common(f, settings, vocab_size, CHAT_DEFAULT_MAX_TOKENS, ignored)
-    spec.messages = parse_messages(body.get("messages"), settings.max_chat_messages)
-    spec.tool_calling, tool_constraint = parse_tools(f, spec.structured is not None)
-    spec.structured = tool_constraint or spec.structured
+    common = _common(f, settings, vocab_size, CHAT_DEFAULT_MAX_TOKENS, ignored)
+    prompt = Prompt(messages=parse_messages(body.get("messages"), settings.max_chat_messages))
+    sampling = common.sampling
+    common.api.tool_calling, tool_constraint = parse_tools(f, sampling["structured"] is not None)
+    sampling["structured"] = tool_constraint or sampling["structured"]
     top_logprobs = f.integer("top_logprobs", lo=0, hi=MAX_LOGPROBS)
     if f.boolean("logprobs", False):
-        spec.logprobs = top_logprobs or 0
+        sampling["logprobs"] = top_logprobs or 0
     elif top_logprobs:
         raise f.fail("top_logprobs", "needs `logprobs` to be true")
-    return spec
+    return common.spec(prompt, Choices(n=common.n))
 
 
-def _common(f: Fields, settings: Settings, vocab_size: int, default_max: int,
-            ignored: list[str]) -> GenerationSpec:
+def _common(f: Fields, settings: Settings, vocab_size: int, default_max: int, ignored: list[str]) -> _Common:
     for key, neutral in COMMON_NEUTRAL.items():
         f.unsupported_unless(key, neutral)
     f.string("user")
@@ -146,14 +165,7 @@ def _common(f: Fields, settings: Settings, vocab_size: int, default_max: int,
     presence = f.number("presence_penalty", ge=-2.0, le=2.0)
     frequency = f.number("frequency_penalty", ge=-2.0, le=2.0)
     min_p = f.number("min_p", ge=0.0, le=1.0)
-    spec = GenerationSpec(
-        model=model,
-        stream=stream,
-        include_usage=include_usage,
-        continuous_usage=continuous_usage,
-        ignored_fields=ignored,
-        max_new_tokens=max_completion_tokens if max_completion_tokens is not None else max_tokens,
-        default_max_new_tokens=default_max,
+    sampling: dict[str, Any] = dict(
         temperature=temperature if temperature is not None else 1.0,
         top_p=top_p if top_p is not None else 1.0,
         top_k=top_k if top_k not in (None, 0) else -1,
@@ -161,19 +173,23 @@ def _common(f: Fields, settings: Settings, vocab_size: int, default_max: int,
         seed=f.integer("seed", lo=MIN_SEED, hi=MAX_SEED),
         ignore_eos=ignore_eos,
         stop_token_ids=f.token_ids("stop_token_ids", vocab_size, settings.max_stop_token_ids),
-        stop=f.stop_strings("stop", settings.max_stop_sequences, settings.max_stop_length, allow_str=True),
+    )
+    stop = f.stop_strings("stop", settings.max_stop_sequences, settings.max_stop_length, allow_str=True)
+    sampling.update(
         presence_penalty=presence if presence is not None else 0.0,
         frequency_penalty=frequency if frequency is not None else 0.0,
         min_p=min_p if min_p is not None else 0.0,
         logit_bias=_logit_bias(f, vocab_size),
-        n=n or 1,
         min_tokens=min_tokens or 0,
         prompt_logprobs=f.integer("prompt_logprobs", lo=0, hi=MAX_LOGPROBS),  # vLLM's extra
     )
-    spec.structured = openai_structured(f)  # response_format, guided_*, structured_outputs
-    if spec.temperature == 0.0:  # greedy: the warpers have nothing to act on
-        spec.top_p, spec.top_k, spec.min_p = 1.0, -1, 0.0
-    return spec
+    sampling["structured"] = openai_structured(f)  # response_format, guided_*, structured_outputs
+    if sampling["temperature"] == 0.0:  # greedy: the warpers have nothing to act on
+        sampling.update(top_p=1.0, top_k=-1, min_p=0.0)
+    api = ApiView(model=model, stream=stream, include_usage=include_usage, continuous_usage=continuous_usage,
+                  ignored_fields=ignored)
+    return _Common(sampling=sampling, api=api, n=n or 1, max_new_tokens=asked_max,
+                   default_max_new_tokens=default_max, stop=stop)
 
 
 def served_model(f: Fields, settings: Settings) -> str | None:

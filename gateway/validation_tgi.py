@@ -1,4 +1,4 @@
-"""TGI request bodies (`/generate`, `/generate_stream`, `POST /`) -> GenerationSpec.
+"""TGI request bodies (`/generate`, `/generate_stream`, `POST /`) -> GenerationSpec (gateway.spec).
 
 TGI semantics kept here: a request samples when `do_sample` is true or any warper is set
 (`temperature` other than 1, `top_p` < 1, `top_k`, `typical_p` < 1), as TGI's NextTokenChooser
@@ -11,14 +11,14 @@ ignored (see gateway.validation), or rejected by name with --strict-api.
 from __future__ import annotations
 
 import math
-
 import random
 from typing import Any
 
 from gateway.config import Settings
 from gateway.errors import validation_error
 from gateway.structured import tgi_structured
-from gateway.validation import MAX_SEED, Fields, GenerationSpec
+from gateway.spec import ApiView, Choices, GenerationSpec, Prompt, provisional_sampling
+from gateway.validation import MAX_SEED, Fields
 
 STATUS = 422  # TGI answers every validation error with 422
 DEFAULT_MAX_NEW_TOKENS = 100
@@ -70,53 +70,49 @@ def parse_tgi(body: dict[str, Any], settings: Settings, streaming: bool) -> Gene
     top_k = p.integer("top_k", lo=1)
     repetition_penalty = p.number("repetition_penalty", gt=0.0, le=100.0)
     seed = p.integer("seed", lo=0, hi=MAX_SEED)
-    spec = GenerationSpec(
-        prompt=inputs,
-        max_new_tokens=p.integer("max_new_tokens", lo=1, hi=math.inf),  # checked against max_total_tokens
-        default_max_new_tokens=DEFAULT_MAX_NEW_TOKENS,
-        repetition_penalty=repetition_penalty if repetition_penalty is not None else 1.0,
-        stop=p.stop_strings("stop", settings.max_stop_sequences, settings.max_stop_length, allow_str=False),
-        stream=stream,
-        truncate=p.integer("truncate", lo=1),
-        details=p.boolean("details", False),
-        return_full_text=p.boolean("return_full_text", False),
-        add_special_tokens=add_special_tokens,
-        ignored_fields=ignored,
-    )
+    max_new_tokens = p.integer("max_new_tokens", lo=1, hi=math.inf)  # checked against max_total_tokens
+    stop = p.stop_strings("stop", settings.max_stop_sequences, settings.max_stop_length, allow_str=False)
+    prompt = Prompt(input=inputs, add_special_tokens=add_special_tokens, truncate=p.integer("truncate", lo=1))
+    api = ApiView(stream=stream, details=p.boolean("details", False),
+                  return_full_text=p.boolean("return_full_text", False), ignored_fields=ignored)
     typical_p = p.number("typical_p", gt=0.0, le=1.0)
     # TGI samples when asked to or when any warper would change the distribution; a temperature
     # of exactly 1 or top_p of 1 changes nothing, so alone they leave the request greedy.
     warped = ((temperature is not None and temperature != 1.0) or (top_p is not None and top_p < 1.0)
               or top_k is not None or (typical_p is not None and typical_p < 1.0))
     greedy = not (do_sample or warped) or temperature == 0.0
+    sampling: dict[str, Any] = {"repetition_penalty": repetition_penalty if repetition_penalty is not None else 1.0}
     if greedy:
-        # Greedy: the warpers have nothing to act on and the seed is moot.
-        spec.temperature, spec.top_p, spec.top_k, spec.seed = 0.0, 1.0, -1, None
+        # Greedy: the warpers have nothing to act on and the seed is moot (none is reported).
+        sampling.update(temperature=0.0, top_p=1.0, top_k=-1, seed=None)
     else:
-        spec.temperature = temperature if temperature is not None else 1.0
-        spec.top_p = top_p if top_p is not None else 1.0
-        spec.top_k = top_k if top_k is not None else -1
         # TGI reports the seed it sampled with, so a client can replay the request.
-        spec.seed = seed if seed is not None else random.getrandbits(63)
-    spec.structured = tgi_structured(p)  # parameters.grammar: json, regex
-    _logprobs_and_best_of(p, spec, greedy)
-    return spec
+        sampling.update(temperature=temperature if temperature is not None else 1.0,
+                        top_p=top_p if top_p is not None else 1.0, top_k=top_k if top_k is not None else -1,
+                        seed=seed if seed is not None else random.getrandbits(63))
+        api.report_seed = True
+    sampling["structured"] = tgi_structured(p)  # parameters.grammar: json, regex
+    choices = _logprobs_and_best_of(p, sampling, stream, greedy)
+    return GenerationSpec(prompt=prompt, api=api, choices=choices, max_new_tokens=max_new_tokens,
+                          default_max_new_tokens=DEFAULT_MAX_NEW_TOKENS, stop=stop,
+                          sampling=provisional_sampling(max_new_tokens, DEFAULT_MAX_NEW_TOKENS, **sampling))
 
 
-def _logprobs_and_best_of(p: Fields, spec: GenerationSpec, greedy: bool) -> None:
+def _logprobs_and_best_of(p: Fields, sampling: dict[str, Any], stream: bool, greedy: bool) -> Choices:
     """top_n_tokens (details.top_tokens / each stream event's top_tokens), decoder_input_details
     (details.prefill with the prompt's logprobs) and best_of (as TGI: sampled, not streamed)."""
     top_n = p.integer("top_n_tokens", lo=0, hi=MAX_TOP_N_TOKENS)
     if top_n:
-        spec.logprobs = top_n
+        sampling["logprobs"] = top_n
     if p.boolean("decoder_input_details", False):
-        if spec.stream:
+        if stream:
             raise p.fail("decoder_input_details", "is not available when streaming (TGI's rule)")
-        spec.prompt_logprobs = 0
+        sampling["prompt_logprobs"] = 0
     best_of = p.integer("best_of", lo=1, hi=MAX_BEST_OF)
     if best_of is not None and best_of > 1:
         if greedy:
             raise p.fail("best_of", "needs sampling: set `do_sample` (greedy candidates would all be the same)")
-        if spec.stream:
+        if stream:
             raise p.fail("best_of", "cannot be streamed (TGI's rule)")
-        spec.n, spec.keep = best_of, 1
+        return Choices(n=best_of, keep=1)
+    return Choices()

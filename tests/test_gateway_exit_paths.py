@@ -24,7 +24,7 @@ from tests.test_gateway_support import free_port, wait_until
 
 from baton.structured import InvalidStructure, compiled_grammar
 from gateway import routes_openai
-from gateway.generation import sibling_seed
+from gateway.siblings import sibling_seed
 from gateway.tools import ToolCalling, ToolStream
 
 MAX_SEED = 2**64 - 1
@@ -108,16 +108,16 @@ def test_n_with_a_seed_near_2_64_answers_every_choice(gw_server, gw_worker):
 
 
 def test_a_sibling_whose_send_fails_ends_with_an_error_not_a_hang(gw_server, gw_worker, monkeypatch):
-    from gateway import choices
+    from gateway import siblings
 
-    real_send_all = choices.send_all
+    real_send_all = siblings.send_all
 
     async def send_all(gens, request):
         if any(g.sibling > 0 for g in gens):
             raise OverflowError("a bug while sending")
         await real_send_all(gens, request)
 
-    monkeypatch.setattr(choices, "send_all", send_all)
+    monkeypatch.setattr(siblings, "send_all", send_all)
     started = time.monotonic()
     r = httpx.post(gw_server.url + "/v1/completions", timeout=60, json={"prompt": "Hello", "max_tokens": 4, "n": 2})
     assert r.status_code == 500, r.text
