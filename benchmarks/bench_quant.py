@@ -26,10 +26,10 @@ from benchmarks.bench_engine import cpu_model, loadavg, measure_bandwidth, measu
 
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes a decode step reads for the projections and the head (their current ops)."""
-    from baton.engine.quant import Q8Linear, _slots
+    from baton.engine.quant import Q8Linear
 
     total = 0
-    for owner, name, linear in _slots(model):
+    for owner, name, linear in model.projection_slots():
         op = getattr(owner, name)
         total += op.nbytes if isinstance(op, Q8Linear) else linear.weight.numel() * linear.weight.element_size()
     return total

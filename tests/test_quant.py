@@ -114,8 +114,6 @@ def _perplexity(llm, token_ids: list[int]) -> float:
 
 def test_int8_weights_keep_perplexity_within_1_percent_and_live_once(native, default_model_dir):
     from baton import LLM
-    from baton.engine.quant import _slots
-
     bf16 = LLM(model=str(default_model_dir), dtype="bfloat16", enable_prefix_caching=False, max_num_batched_tokens=1024)
     ids = bf16.tokenizer.encode(TEXT, add_special_tokens=False)
     assert len(ids) > 350
@@ -125,11 +123,11 @@ def test_int8_weights_keep_perplexity_within_1_percent_and_live_once(native, def
     quantized = _perplexity(int8, ids)
     assert abs(quantized / reference - 1) < 0.01, (reference, quantized)
     model = int8.engine.model
-    ops = [getattr(owner, name) for owner, name, _ in _slots(model)]
+    ops = [getattr(owner, name) for owner, name, _ in model.projection_slots()]
     assert all(isinstance(op, Q8Linear) and op.native for op in ops)
     # one copy: every projection's own weight is gone (the tied embedding keeps its rows for lookups)
     tied = model.lm_head.weight is model.embed_tokens.weight
-    assert all(linear.weight.numel() == 0 for _, _, linear in _slots(model) if not (tied and linear is model.lm_head))
+    assert all(linear.weight.numel() == 0 for _, _, linear in model.projection_slots() if not (tied and linear is model.lm_head))
     # and greedy text starts the same on a plain prompt
     from baton import SamplingParams
 

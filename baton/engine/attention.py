@@ -17,11 +17,18 @@ block and head), then one batched matmul / softmax / matmul with the query heads
 head folded into the rows. Requests are grouped by context length so that one long request does
 not pad 63 short ones to its length. float32 keeps the reference SDPA kernel: it is the parity
 path against transformers.
+
+Sliding windows (Mistral, Gemma 2/3, ...): a window layer attends only the last `window` positions
+(itself included: key j is seen by query i when i - window < j <= i, transformers' rule). The
+window is in the masks, not in the backend: `windowed(meta, window)` rebuilds the step's masks
+once per step and the window layers get that metadata, so every step kind (prefill chunks, mixed,
+decode) is covered by the same code. Soft-capping (Gemma 2) needs the scores between the matmuls,
+so capped layers run the reference's eager attention (`_eager`) instead of SDPA.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -71,12 +78,14 @@ class TorchAttention:
     """Paged attention in plain torch ops (CPU and CUDA); bf16 CPU decode through the native
     in-place kernel (`baton.engine.kernels`) when one was built."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None,
+                 softcap: float | None = None) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.group = num_heads // num_kv_heads
-        self.scale = head_dim**-0.5
+        self.scale = scale if scale is not None else head_dim**-0.5
+        self.softcap = softcap  # scores -> tanh(scores / cap) * cap before the mask (Gemma 2)
         self.paged_kernel: Any = None  # the compiled module; set by `use_native_kernel`
         self.decode_style_prefill = False  # set by `use_native_kernel` (batch-invariant mode)
 
@@ -124,6 +133,9 @@ class TorchAttention:
         length = group.num_blocks * block_size
         k = blocks[0].index_select(1, group.block_ids).view(kv_heads, batch, length, d)
         v = blocks[1].index_select(1, group.block_ids).view(kv_heads, batch, length, d)
+        if self.softcap is not None:
+            out = _eager(q.unsqueeze(2), k.transpose(0, 1), v.transpose(0, 1), group.mask, self.scale, self.softcap)
+            return out.squeeze(2)
         if q.dtype == torch.float32:
             # fp32 is the parity path: the same kernel the reference uses, on [B, kv_heads, L, d] views
             out = F.scaled_dot_product_attention(q.unsqueeze(2), k.transpose(0, 1), v.transpose(0, 1),
@@ -155,9 +167,59 @@ class TorchAttention:
         else:
             kp = kv_cache[0].index_select(1, span.gather_slots).unsqueeze(0)  # [1, kv_heads, ctx, d]
             vp = kv_cache[1].index_select(1, span.gather_slots).unsqueeze(0)
+        if self.softcap is not None:
+            return _eager(qp, kp, vp, span.mask, self.scale, self.softcap).squeeze(0).transpose(0, 1)
         out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=span.mask, is_causal=span.mask is None,
                                              scale=self.scale, enable_gqa=True)
         return out.squeeze(0).transpose(0, 1)
+
+
+def _eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+           softcap: float | None) -> torch.Tensor:
+    """The reference's eager attention (transformers' `eager_attention_forward`), op for op.
+    q: [B, heads, n, d]; k, v: [B, kv_heads, L, d]; mask: bool [B or 1, 1, n, L], True = attend, or
+    None = causal over the last n keys -> [B, heads, n, d]."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # repeat_kv
+    scores = torch.matmul(q, k.transpose(2, 3)) * scale  # [B, heads, n, L]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    n, length = scores.shape[-2:]
+    if mask is None:
+        mask = torch.ones(n, length, dtype=torch.bool, device=q.device).tril(length - n)
+    scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
+
+
+def windowed(meta: AttentionMetadata, window: int) -> AttentionMetadata:
+    """The step's metadata with every mask narrowed to a sliding window of `window` positions
+    (key j is attended by the query at position i when i - window < j <= i). Built once per step
+    for all the window layers; the torch paths read only the masks, so this is all a window takes.
+    Decode groups must carry their padded-path masks (a window model never runs the native kernel)."""
+    groups = []
+    for g in meta.decode_groups:
+        if g.mask is None:
+            raise ValueError("a sliding-window layer needs the torch decode path (masks), not the native kernel")
+        length = g.num_blocks * meta.block_size
+        j = torch.arange(length, device=g.context_lens.device).unsqueeze(0)  # [1, L]
+        lens = g.context_lens.unsqueeze(1)  # [count, 1]; the query sits at lens - 1
+        attend = (j < lens) & (j >= lens - window)  # [count, L]
+        bias = torch.zeros(attend.shape, dtype=torch.float32, device=attend.device).masked_fill_(~attend, float("-inf"))
+        groups.append(replace(g, mask=attend.view(g.count, 1, 1, length), bias=bias.view(1, g.count, 1, length)))
+    spans = []
+    for span in meta.prefills:
+        if span.context_len <= window:
+            spans.append(span)  # nothing is outside the window yet: the causal mask is the window mask
+            continue
+        first = span.context_len - span.length  # position of the chunk's first query
+        device = span.mask.device if span.mask is not None else meta.slot_mapping.device
+        keys = torch.arange(span.context_len, device=device).unsqueeze(0)  # [1, ctx]
+        pos = torch.arange(first, span.context_len, device=device).unsqueeze(1)  # [n, 1]
+        mask = (keys <= pos) & (keys > pos - window)
+        # batch-invariant decode-style prefill attends whole contexts: not for window layers
+        spans.append(replace(span, mask=mask.view(1, 1, span.length, span.context_len), block_ids=None))
+    return replace(meta, decode_groups=groups, prefills=spans)
 
 
 def group_by_context(context_lens: list[int], block_size: int, overhead_tokens: int = 512) -> list[tuple[int, int]]:

@@ -1,4 +1,11 @@
-"""Model configuration read from a Hugging Face `config.json`."""
+"""Model configuration read from a Hugging Face `config.json`, through the family's spec.
+
+Rules: `from_dir` is the only place that reads config.json keys; everything the model needs is a
+plain field here, already resolved (the spec's scheme applied to the checkpoint's numbers: per-layer
+window and rotary flags, the attention scale, the multipliers), so the model never looks at a
+model_type. Every field has the default that makes a plain Llama, so a `ModelConfig(...)` built by
+hand (tests) is a Llama.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +14,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from baton.engine.families import ACTIVATIONS, ROPE_TYPES, FamilySpec, family_spec
 
 
 @dataclass
@@ -20,51 +29,200 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    rope_scaling: dict[str, Any] | None = None
+    rope_scaling: dict[str, Any] | None = None  # rope_type and its parameters; None = default
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
-    attention_bias: bool = False
+    attention_bias: bool = False  # bias on q, k and v
     mlp_bias: bool = False
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
     # Identifies the weights in KV block hashes: the same tokens under another model are other KV.
     model_id: str = ""
+    # --- what the family spec adds (see baton.engine.families) ---
+    model_type: str = "llama"
+    norm_kind: str = "rms"  # rms | gemma ((1 + w) weights)
+    norm_placement: str = "pre"  # pre | sandwich | post
+    qk_norm: str = "none"  # none | head | full
+    o_bias: bool = False
+    hidden_act: str = "silu"  # silu | gelu_pytorch_tanh
+    partial_rotary_factor: float = 1.0  # rotary on the first head_dim * factor dims (Phi-4-mini)
+    # sliding layers' own rotary parameters (Gemma 3's local base); None: the global ones
+    rope_theta_local: float | None = None
+    rope_scaling_local: dict[str, Any] | None = None
+    sliding_window: int | None = None  # tokens a window layer attends, itself included
+    layer_sliding: list[bool] = field(default_factory=list)  # per layer; empty = no window layer
+    layer_rope: list[bool] = field(default_factory=list)  # per layer; empty = rotary everywhere
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
+    embedding_multiplier: float = 1.0
+    embedding_multiplier_in_dtype: bool = False  # Gemma rounds sqrt(hidden) to the model dtype first
+    residual_multiplier: float = 1.0
+    attention_scale: float | None = None  # None: head_dim ** -0.5
+    logits_scaling: float = 1.0  # logits are divided by it (Granite)
+    # MoE (num_experts == 0: dense)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    layer_moe: list[bool] = field(default_factory=list)  # per layer: sparse MLP (Qwen3-MoE mlp_only_layers)
+
+    @property
+    def scale(self) -> float:
+        return self.attention_scale if self.attention_scale is not None else self.head_dim**-0.5
+
+    def is_sliding(self, layer: int) -> bool:
+        return self.sliding_window is not None and bool(self.layer_sliding) and self.layer_sliding[layer]
+
+    def uses_rope(self, layer: int) -> bool:
+        return not self.layer_rope or self.layer_rope[layer]
+
+    def is_moe(self, layer: int) -> bool:
+        return self.num_experts > 0 and (not self.layer_moe or self.layer_moe[layer])
+
+    def native_unsupported(self) -> list[str]:
+        """What this model has that the native bf16 kernels (fused norms, fused decode, the layer
+        plan) do not do; empty: the native fast path may run."""
+        reasons = []
+        checks = {
+            "gemma norms": self.norm_kind != "rms", f"{self.norm_placement}-norms": self.norm_placement != "pre",
+            "q/k norm": self.qk_norm != "none", f"{self.hidden_act} MLP": self.hidden_act != "silu",
+            "partial rotary": self.partial_rotary_factor != 1.0,
+            "local rotary": self.rope_theta_local is not None or self.rope_scaling_local is not None,
+            "sliding window": any(self.is_sliding(i) for i in range(self.num_layers)),
+            "no-rope layers": not all(self.uses_rope(i) for i in range(self.num_layers)),
+            "soft-capping": self.attn_logit_softcap is not None or self.final_logit_softcap is not None,
+            "multipliers": (self.embedding_multiplier, self.residual_multiplier, self.logits_scaling) != (1.0,) * 3,
+            "attention scale": self.attention_scale is not None and self.attention_scale != self.head_dim**-0.5,
+            "MoE": self.num_experts > 0,
+        }
+        reasons += [name for name, hit in checks.items() if hit]
+        return reasons
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
         model_dir = Path(model_dir)
         raw_text = (model_dir / "config.json").read_text()
         raw = json.loads(raw_text)
-        arch = (raw.get("architectures") or ["LlamaForCausalLM"])[0]
-        if raw.get("model_type", "llama") not in ("llama", "mistral", "qwen2") and "Llama" not in arch:
-            raise ValueError(f"unsupported architecture {arch} (Baton runs Llama-architecture models)")
-        # transformers 5 writes rope settings under rope_parameters; 4.x uses rope_theta/rope_scaling.
-        rope = raw.get("rope_parameters") or {}
-        rope_theta = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
-        rope_scaling = raw.get("rope_scaling")
-        if rope and rope.get("rope_type", "default") != "default":
-            rope_scaling = rope
-        eos = _eos_ids(model_dir, raw)
+        model_type = raw.get("model_type")
+        if model_type is None and "Llama" in (raw.get("architectures") or ["LlamaForCausalLM"])[0]:
+            model_type = "llama"  # very old Llama configs carry no model_type
+        spec = family_spec(str(model_type))
         heads = raw["num_attention_heads"]
-        return cls(
-            vocab_size=raw["vocab_size"],
-            hidden_size=raw["hidden_size"],
-            intermediate_size=raw["intermediate_size"],
-            num_layers=raw["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=raw.get("num_key_value_heads") or heads,
-            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
-            rms_norm_eps=raw.get("rms_norm_eps", 1e-5),
-            rope_theta=float(rope_theta),
-            rope_scaling=rope_scaling,
+        num_layers = raw["num_hidden_layers"]
+        hidden = raw["hidden_size"]
+        head_dim = raw.get("head_dim") or hidden // heads
+        fields: dict[str, Any] = dict(
+            vocab_size=raw["vocab_size"], hidden_size=hidden, intermediate_size=raw["intermediate_size"],
+            num_layers=num_layers, num_heads=heads, num_kv_heads=raw.get("num_key_value_heads") or heads,
+            head_dim=head_dim, rms_norm_eps=raw.get("rms_norm_eps", 1e-6 if spec.norm == "gemma" else 1e-5),
             max_position_embeddings=raw.get("max_position_embeddings", 2048),
-            tie_word_embeddings=raw.get("tie_word_embeddings", False),
-            attention_bias=raw.get("attention_bias", raw.get("model_type") == "qwen2"),
-            mlp_bias=raw.get("mlp_bias", False),
-            eos_token_ids=eos,
-            bos_token_id=raw.get("bos_token_id"),
+            tie_word_embeddings=raw.get("tie_word_embeddings", spec.norm == "gemma"),
+            eos_token_ids=_eos_ids(model_dir, raw), bos_token_id=raw.get("bos_token_id"),
             model_id=f"{model_dir.name}:{hashlib.sha256(raw_text.encode()).hexdigest()[:16]}",
+            model_type=spec.model_type, norm_kind=spec.norm, norm_placement=spec.placement, qk_norm=spec.qk_norm,
         )
+        bias = bool(raw.get("attention_bias", False))
+        fields["attention_bias"] = {"none": False, "qkv": True, "config": bias}[spec.bias]
+        fields["o_bias"] = spec.bias == "config" and bias
+        fields["mlp_bias"] = spec.mlp_bias and bool(raw.get("mlp_bias", False))
+        act = raw.get(spec.activation_key) or raw.get("hidden_act") or "silu"
+        if act not in ACTIVATIONS:
+            raise ValueError(f"unsupported activation {act!r} for {model_type} (Baton runs {', '.join(ACTIVATIONS)})")
+        fields["hidden_act"] = act
+        fields.update(_rope_fields(raw, spec))
+        fields.update(_window_fields(raw, spec, num_layers))
+        if spec.no_rope_layers and raw.get("no_rope_layers") is not None:
+            fields["layer_rope"] = [bool(v) for v in raw["no_rope_layers"]]  # 1 = rotary, 0 = none
+        if spec.softcap:
+            fields["attn_logit_softcap"] = raw.get("attn_logit_softcapping")
+            fields["final_logit_softcap"] = raw.get("final_logit_softcapping")
+        if spec.embed_scale == "sqrt_hidden":
+            fields["embedding_multiplier"] = hidden**0.5
+            fields["embedding_multiplier_in_dtype"] = True
+        elif spec.embed_scale == "embedding_multiplier":
+            fields["embedding_multiplier"] = float(raw.get("embedding_multiplier", 1.0))
+        if spec.multipliers:
+            fields["residual_multiplier"] = float(raw.get("residual_multiplier", 1.0))
+            fields["attention_scale"] = float(raw.get("attention_multiplier", head_dim**-0.5))
+            fields["logits_scaling"] = float(raw.get("logits_scaling", 1.0))
+        if spec.query_pre_attn_scalar:
+            fields["attention_scale"] = float(raw.get("query_pre_attn_scalar", head_dim)) ** -0.5
+        if spec.router != "none":
+            fields.update(_moe_fields(raw, spec, num_layers))
+        return cls(**fields)
+
+
+def _rope_dict(rope: dict[str, Any] | None, theta: float, where: str) -> tuple[float, dict[str, Any] | None]:
+    """(theta, scaling) from one rope parameter dict; scaling None for the default rotary."""
+    rope = dict(rope or {})
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type in ("su", "yarn") and "short_factor" in rope:
+        rope_type = "longrope"  # Phi-3's old names (transformers' Phi3Config does the same)
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"unsupported rope type {rope_type!r} in {where} (Baton runs {', '.join(ROPE_TYPES)})")
+    theta = float(rope.get("rope_theta", theta))
+    rope["rope_type"] = rope_type
+    return theta, (None if rope_type == "default" else rope)
+
+
+def _rope_fields(raw: dict[str, Any], spec: FamilySpec) -> dict[str, Any]:
+    # transformers 5 writes rope settings under rope_parameters (per layer type for Gemma 3);
+    # 4.x uses rope_theta / rope_scaling (and rope_local_base_freq for Gemma 3's local layers).
+    params = raw.get("rope_parameters") or {}
+    theta = float(raw.get("rope_theta", 1_000_000.0 if spec.local_rope else 10000.0))
+    out: dict[str, Any] = {}
+    per_type = "full_attention" in params or "sliding_attention" in params
+    global_params = params.get("full_attention", {}) if per_type else params
+    if not global_params and raw.get("rope_scaling"):
+        global_params = raw["rope_scaling"]
+    out["rope_theta"], scaling = _rope_dict(global_params, theta, "rope_parameters")
+    partial = float(raw.get("partial_rotary_factor", (global_params or {}).get("partial_rotary_factor", 1.0)))
+    out["partial_rotary_factor"] = partial
+    if scaling is not None:
+        # parameters the rope functions read from the top level of the config
+        scaling.setdefault("original_max_position_embeddings",
+                           raw.get("original_max_position_embeddings", raw.get("max_position_embeddings", 2048)))
+    out["rope_scaling"] = scaling
+    if spec.local_rope:
+        local = params.get("sliding_attention") if per_type else None
+        local_theta = float(raw.get("rope_local_base_freq", 10000.0))
+        out["rope_theta_local"], out["rope_scaling_local"] = _rope_dict(local, local_theta, "sliding_attention")
+    return out
+
+
+def _window_fields(raw: dict[str, Any], spec: FamilySpec, num_layers: int) -> dict[str, Any]:
+    window = raw.get("sliding_window")
+    if spec.window == "none" or window is None:
+        return {}
+    if "use_sliding_window" in raw and not raw["use_sliding_window"]:
+        return {}  # Qwen2/3 and SmolLM3 carry a window that is off
+    if spec.window == "all":
+        return {"sliding_window": int(window), "layer_sliding": [True] * num_layers}
+    types = raw.get("layer_types")
+    if types is None:
+        if spec.model_type == "gemma2":
+            types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)]
+        elif spec.model_type == "gemma3_text":
+            pattern = raw.get("sliding_window_pattern", 6)
+            types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
+        else:  # Qwen2's rule: layers from max_window_layers on use the window
+            start = raw.get("max_window_layers", num_layers)
+            types = ["sliding_attention" if i >= start else "full_attention" for i in range(num_layers)]
+    return {"sliding_window": int(window), "layer_sliding": [t == "sliding_attention" for t in types[:num_layers]]}
+
+
+def _moe_fields(raw: dict[str, Any], spec: FamilySpec, num_layers: int) -> dict[str, Any]:
+    experts = raw.get("num_local_experts", raw.get("num_experts", 0))
+    out: dict[str, Any] = {
+        "num_experts": int(experts), "num_experts_per_tok": int(raw["num_experts_per_tok"]),
+        "moe_intermediate_size": int(raw.get("moe_intermediate_size") or raw["intermediate_size"]),
+        "norm_topk_prob": spec.renormalize_topk == "always" or bool(raw.get("norm_topk_prob", False)),
+    }
+    if "decoder_sparse_step" in raw or "mlp_only_layers" in raw:  # Qwen3-MoE: some layers dense
+        step = int(raw.get("decoder_sparse_step", 1))
+        dense = set(raw.get("mlp_only_layers") or [])
+        out["layer_moe"] = [i not in dense and (i + 1) % step == 0 for i in range(num_layers)]
+    return out
 
 
 def _eos_ids(model_dir: Path, raw: dict[str, Any]) -> list[int]:

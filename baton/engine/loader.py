@@ -1,14 +1,25 @@
-"""Load Hugging Face safetensors weights into `LlamaModel` (fusing q/k/v and gate/up)."""
+"""Load Hugging Face safetensors weights into the model (`baton.engine.model`), by the family's names.
+
+Rules: every parameter of the model has a recipe (`_recipes`): the checkpoint tensors it is made
+of, concatenated (q|k|v and gate|up, fused as the model runs them) or stacked (MoE experts), with
+the alternatives families use (Phi-3 stores qkv_proj and gate_up_proj already fused; transformers 5
+may store experts as 3D tensors). Loading is strict both ways: a ValueError names every checkpoint
+tensor no recipe used (an unknown tensor means an architecture feature Baton would silently drop)
+and every tensor a recipe needed but did not find. The LM head of a tied checkpoint may be present
+or not, and rotary caches some old checkpoints carry (`rotary_emb.inv_freq`) are not weights.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
 from baton.engine.config import ModelConfig
-from baton.engine.model import LlamaModel
+from baton.engine.families import family_spec
+from baton.engine.model import MLP, LlamaModel
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
@@ -52,6 +63,78 @@ def _read_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+@dataclass
+class _Recipe:
+    """One model parameter from checkpoint tensors: each alternative is a list of parts, each part a
+    list of names concatenated along dim 0; several parts are stacked (experts), one part is the
+    parameter. The first alternative found whole is used."""
+
+    alternatives: list[list[list[str]]]
+
+    def names(self, alternative: int) -> list[str]:
+        return [n for part in self.alternatives[alternative] for n in part]
+
+
+def _recipes(model: LlamaModel, config: ModelConfig) -> dict[str, _Recipe]:
+    spec = family_spec(config.model_type)
+    out: dict[str, _Recipe] = {}
+    for name, _ in model.named_parameters(remove_duplicate=False):
+        out[name] = _Recipe([[[name]]])  # by default the checkpoint's name is the model's
+    for i, layer in enumerate(model.layers):
+        p = f"layers.{i}."
+        attn = p + "self_attn."
+        for kind in ("weight", "bias") if config.attention_bias else ("weight",):
+            out[f"{attn}qkv_proj.{kind}"] = _Recipe([[[f"{attn}qkv_proj.{kind}"]],
+                                                     [[f"{attn}{n}_proj.{kind}" for n in "qkv"]]])
+        mlp = p + "mlp."
+        if isinstance(layer.mlp, MLP):
+            for kind in ("weight", "bias") if config.mlp_bias else ("weight",):
+                out[f"{mlp}gate_up_proj.{kind}"] = _Recipe([[[f"{mlp}gate_up_proj.{kind}"]],
+                                                            [[f"{mlp}gate_proj.{kind}", f"{mlp}up_proj.{kind}"]]])
+            continue
+        gate_name, up_name, down_name = spec.expert_names
+        moe = p + spec.moe_module + "."
+        experts = range(config.num_experts)
+        out[f"{mlp}gate.weight"] = _Recipe([[[f"{moe}gate.weight"]]])
+        out[f"{mlp}experts_gate_up"] = _Recipe([
+            [[f"{moe}experts.gate_up_proj"]],  # transformers 5's stacked form: [E, 2I, H]
+            [[f"{moe}experts.{e}.{gate_name}.weight", f"{moe}experts.{e}.{up_name}.weight"] for e in experts]])
+        out[f"{mlp}experts_down"] = _Recipe([
+            [[f"{moe}experts.down_proj"]],
+            [[f"{moe}experts.{e}.{down_name}.weight"] for e in experts]])
+    if config.tie_word_embeddings:
+        out.pop("lm_head.weight", None)  # it is embed_tokens.weight
+    return out
+
+
+def _build_state(recipes: dict[str, _Recipe], tensors: dict[str, torch.Tensor],
+                 tie_word_embeddings: bool) -> dict[str, torch.Tensor]:
+    state: dict[str, torch.Tensor] = {}
+    used: set[str] = set()
+    missing: list[str] = []
+    for target, recipe in recipes.items():
+        found = next((a for a in range(len(recipe.alternatives)) if all(n in tensors for n in recipe.names(a))), None)
+        if found is None:
+            # name what is missing from the alternative closest to complete
+            best = max(range(len(recipe.alternatives)), key=lambda a: sum(n in tensors for n in recipe.names(a)))
+            missing += [n for n in recipe.names(best) if n not in tensors]
+            continue
+        parts = recipe.alternatives[found]
+        used.update(recipe.names(found))
+        joined = [tensors[part[0]] if len(part) == 1 else torch.cat([tensors[n] for n in part]) for part in parts]
+        state[target] = joined[0] if len(joined) == 1 else torch.stack(joined)
+    unused = sorted(n for n in tensors if n not in used and not n.endswith("rotary_emb.inv_freq")
+                    and not (tie_word_embeddings and n == "lm_head.weight"))
+    if missing or unused:
+        lines = []
+        if unused:
+            lines.append(f"{len(unused)} checkpoint tensor(s) this model does not use: {', '.join(unused)}")
+        if missing:
+            lines.append(f"{len(missing)} tensor(s) the model needs but the checkpoint lacks: {', '.join(missing)}")
+        raise ValueError("checkpoint does not match the model; " + "; ".join(lines))
+    return state
+
+
 def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto",
                device: torch.device | str | None = None) -> tuple[LlamaModel, ModelConfig]:
     model_dir = Path(model_dir)
@@ -61,35 +144,13 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto",
     with torch.device("meta"):
         model = LlamaModel(config)
     tensors = _read_tensors(model_dir)
-    state: dict[str, torch.Tensor] = {"embed_tokens.weight": tensors["embed_tokens.weight"],
-                                      "norm.weight": tensors["norm.weight"]}
-    if not config.tie_word_embeddings:
-        state["lm_head.weight"] = tensors["lm_head.weight"]
-    for i in range(config.num_layers):
-        p = f"layers.{i}."
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            state[p + norm + ".weight"] = tensors[p + norm + ".weight"]
-        attn = p + "self_attn."
-        state[attn + "qkv_proj.weight"] = torch.cat(
-            [tensors[attn + n + ".weight"] for n in ("q_proj", "k_proj", "v_proj")])
-        if config.attention_bias:
-            state[attn + "qkv_proj.bias"] = torch.cat(
-                [tensors[attn + n + ".bias"] for n in ("q_proj", "k_proj", "v_proj")])
-        state[attn + "o_proj.weight"] = tensors[attn + "o_proj.weight"]
-        mlp = p + "mlp."
-        state[mlp + "gate_up_proj.weight"] = torch.cat(
-            [tensors[mlp + "gate_proj.weight"], tensors[mlp + "up_proj.weight"]])
-        state[mlp + "down_proj.weight"] = tensors[mlp + "down_proj.weight"]
-        if config.mlp_bias:
-            for n in ("gate_up_proj", "down_proj"):
-                src = [tensors[mlp + "gate_proj.bias"], tensors[mlp + "up_proj.bias"]] if n == "gate_up_proj" \
-                    else [tensors[mlp + "down_proj.bias"]]
-                state[mlp + n + ".bias"] = torch.cat(src)
+    state = _build_state(_recipes(model, config), tensors, config.tie_word_embeddings)
+    del tensors
     state = {k: v.to(device=device, dtype=torch_dtype) for k, v in state.items()}
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     missing = [m for m in missing if not (config.tie_word_embeddings and m == "lm_head.weight")]
-    if missing or unexpected:
-        raise ValueError(f"checkpoint does not match the model: missing {missing}, unexpected {unexpected}")
+    if missing or unexpected:  # a recipe bug, not a checkpoint problem
+        raise ValueError(f"loaded state does not match the model: missing {missing}, unexpected {unexpected}")
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.eval()

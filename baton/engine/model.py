@@ -1,4 +1,9 @@
-"""A Llama-architecture decoder in plain torch, with attention over a paged KV cache.
+"""One decoder for every supported family, in plain torch, with attention over a paged KV cache.
+
+The family is data, not code: `ModelConfig` carries what the family spec (`baton.engine.families`)
+and the checkpoint's config.json resolve to (norm kind and placement, q/k norm, biases, activation,
+rotary per layer, window layers, soft-capping, multipliers, MoE), and the modules below read those
+fields. Nothing here branches on a model_type.
 
 Selective batching (Orca): embeddings, norms, projections and the MLP run over every token of the
 step flattened to `[T, H]`, whatever request it belongs to; only attention is split, each request
@@ -11,20 +16,29 @@ fused RMSNorm, RoPE once over the q|k slice from a precomputed table, matmuls th
 weights (`baton.engine.linear`), in-place residual adds. A decode-only step (the decode worker's every
 step) runs all layers as one native call (`baton.engine.layers_plan`), the same kernels in the same
 order.
+
+That native path (fused norms, fused decode, the layer plan) does only the plain Llama layer
+(pre-norm RMSNorm, SiLU MLP, full rotary, no window, no caps, no multipliers, dense): `prepare`
+installs it only where `ModelConfig.native_unsupported()` is empty, and records the choice in
+`path` / `describe()`; every other family takes the torch path in every dtype.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from baton.engine.attention import AttentionMetadata, TorchAttention
+from baton.engine.attention import AttentionMetadata, TorchAttention, windowed
 from baton.engine.config import ModelConfig
 from baton.engine.layers_plan import LayersPlan
+from baton.engine.moe import SparseMoE, activation
+from baton.engine.rope import apply_rope, rope_inv_freq, rope_table
+
+__all__ = ["LlamaModel", "DecoderLayer", "Attention", "MLP", "RMSNorm", "set_op", "apply_rope", "rope_inv_freq",
+           "rope_table"]  # the rope functions are re-exported (their home is baton.engine.rope)
 from baton.engine.linear import (BATCH_INVARIANT_MODES, LinearOp, batch_invariant_mode, make_linear_op, tune_row_split,
                                  use_native_for_all_rows)
 
@@ -35,74 +49,27 @@ def set_op(module: nn.Module, name: str, op: LinearOp) -> None:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    """kind "rms": w * x_hat (Llama); "gemma": x_hat * (1 + w), in fp32 whatever the dtype (Gemma's
+    weights are stored as offsets from 1)."""
+
+    def __init__(self, dim: int, eps: float, kind: str = "rms") -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.ones(dim) if kind == "rms" else torch.zeros(dim))
         self.eps = eps
+        self.kind = kind
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [T, H] -> [T, H]
+        # x: [..., dim] -> [..., dim]
+        if self.kind == "gemma":
+            h = x.float()
+            h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+            return (h * (1.0 + self.weight.float())).type_as(x)
         if x.dtype != torch.float32:
             # one fused kernel (it accumulates in fp32) instead of eight ops
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # fp32: the reference's exact sequence of ops (the parity path)
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x
-
-
-def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies [head_dim/2] and the attention scaling, honouring rope_scaling."""
-    dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    scaling = config.rope_scaling or {}
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if rope_type == "linear":
-        inv_freq = inv_freq / float(scaling["factor"])
-    elif rope_type == "llama3":
-        factor = float(scaling["factor"])
-        low_freq_factor = float(scaling.get("low_freq_factor", 1.0))
-        high_freq_factor = float(scaling.get("high_freq_factor", 4.0))
-        old_len = float(scaling.get("original_max_position_embeddings", 8192))
-        low_freq_wavelen = old_len / low_freq_factor
-        high_freq_wavelen = old_len / high_freq_factor
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
-        inv_freq = torch.where(is_medium, smoothed, scaled)
-    elif rope_type not in ("default",):
-        raise ValueError(f"unsupported rope_scaling type {rope_type!r}")
-    return inv_freq, 1.0
-
-
-def rope_table(config: ModelConfig, num_positions: int, dtype: torch.dtype,
-               device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sign-folded sin for positions [0, num_positions): [P, head_dim] each, in `dtype`.
-
-    Computed in fp32 as the reference does (position * inv_freq, then cos/sin), so a lookup equals
-    the on-the-fly value. The sin table carries rotate_half's sign (-sin on the first half), so that
-    rope(x) = x * cos + roll(x, half) * sin_signed: three ops.
-    """
-    inv_freq, scaling = rope_inv_freq(config)
-    positions = torch.arange(num_positions, dtype=torch.int64).float()
-    freqs = positions.unsqueeze(-1) * inv_freq.float().unsqueeze(0)  # [P, d/2]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    cos, sin = emb.cos() * scaling, emb.sin() * scaling
-    half = config.head_dim // 2
-    sin[:, :half] = -sin[:, :half]
-    return cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-    # x: [T, heads, d]; cos, sin_signed: [T, 1, d] -> [T, heads, d]
-    if x.dtype == torch.float32:
-        # the reference's rotate_half, op for op (the parity path)
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        sin = torch.cat((-sin_signed[..., :half], sin_signed[..., half:]), dim=-1)
-        return x * cos + rotated * sin
-    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin_signed)
 
 
 class Attention(nn.Module):
@@ -116,9 +83,20 @@ class Attention(nn.Module):
         self.kv_size = config.num_kv_heads * config.head_dim
         # q, k and v fused into one matmul: one kernel launch instead of three per layer.
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
-        self.scale = self.head_dim**-0.5
-        self.backend = TorchAttention(config.num_heads, config.num_kv_heads, config.head_dim)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        self.qk_norm = config.qk_norm
+        if config.qk_norm != "none":
+            # "head": one norm over head_dim shared by the heads (Qwen3, Gemma 3); "full": over the
+            # whole q (k) projection (OLMo 2)
+            q_dim, k_dim = (self.head_dim, self.head_dim) if config.qk_norm == "head" else (self.q_size, self.kv_size)
+            self.q_norm = RMSNorm(q_dim, config.rms_norm_eps, config.norm_kind)
+            self.k_norm = RMSNorm(k_dim, config.rms_norm_eps, config.norm_kind)
+        self.sliding = config.is_sliding(layer_index)  # attends the last `sliding_window` positions only
+        self.use_rope = config.uses_rope(layer_index)
+        self.local_rope = self.sliding and config.rope_theta_local is not None  # Gemma 3's local base
+        self.scale = config.scale
+        self.backend = TorchAttention(config.num_heads, config.num_kv_heads, config.head_dim, config.scale,
+                                      config.attn_logit_softcap)
         # The ops the forward calls (see `prepare`); plain attributes, not submodules.
         set_op(self, "qkv", self.qkv_proj)
         set_op(self, "o", self.o_proj)
@@ -126,27 +104,39 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [T, H]
-        cos: torch.Tensor,  # [T, 1, head_dim]
-        sin: torch.Tensor,  # [T, 1, head_dim], sign-folded (see rope_table)
+        cos: torch.Tensor,  # [T, 1, rotary_dim]
+        sin: torch.Tensor,  # [T, 1, rotary_dim], sign-folded (see rope_table)
         kv_cache: torch.Tensor,  # [2, kv_heads, num_slots, head_dim] (this layer's)
-        meta: AttentionMetadata,
+        meta: AttentionMetadata,  # windowed (`attention.windowed`) for a sliding layer
     ) -> torch.Tensor:  # [T, H]
         num_tokens = x.shape[0]
-        num_q_heads, num_kv_heads = self.num_heads, self.num_kv_heads
+        num_q_heads, num_kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
         backend = self.backend
         if backend.fuses_decode and not meta.prefills and len(meta.decode_groups) == 1:
             # decode only (the decode worker's every step): RoPE, KV write and attention in one call
             return self.o(backend.rope_write_decode(self.qkv(x), cos, sin, kv_cache, meta))
-        qkv = self.qkv(x).view(num_tokens, num_q_heads + 2 * num_kv_heads, self.head_dim)
-        # RoPE once over the q|k heads together
-        qk = apply_rope(qkv[:, :num_q_heads + num_kv_heads], cos, sin)
-        q, k = qk[:, :num_q_heads], qk[:, num_q_heads:]
-        v = qkv[:, num_q_heads + num_kv_heads:]
+        qkv = self.qkv(x)  # [T, q_size + 2 kv_size]
+        if self.qk_norm == "none":
+            qkv = qkv.view(num_tokens, num_q_heads + 2 * num_kv_heads, d)
+            v = qkv[:, num_q_heads + num_kv_heads:]
+            # RoPE once over the q|k heads together
+            qk = apply_rope(qkv[:, :num_q_heads + num_kv_heads], cos, sin) if self.use_rope else qkv
+            q, k = qk[:, :num_q_heads], qk[:, num_q_heads:num_q_heads + num_kv_heads]
+        else:
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            if self.qk_norm == "full":  # before the split into heads
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = q.view(num_tokens, num_q_heads, d), k.view(num_tokens, num_kv_heads, d)
+            v = v.view(num_tokens, num_kv_heads, d)
+            if self.qk_norm == "head":
+                q, k = self.q_norm(q), self.k_norm(k)
+            if self.use_rope:
+                q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         backend.write_kv(kv_cache, k, v, meta)
         if not meta.prefills and len(meta.decode_groups) == 1:
             out = backend.decode(q, kv_cache, meta.decode_groups[0], meta.block_size)  # the common case
         else:
-            out = torch.empty_like(q)  # [T, heads, head_dim]
+            out = q.new_empty(q.shape)  # [T, heads, head_dim]
             for group in meta.decode_groups:
                 s, e = group.start, group.start + group.count
                 out[s:e] = backend.decode(q[s:e], kv_cache, group, meta.block_size)
@@ -162,6 +152,7 @@ class MLP(nn.Module):
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.act = activation(config.hidden_act)
         set_op(self, "gate_up", self.gate_up_proj)
         set_op(self, "down", self.down_proj)
         self.silu_mul: Any = None  # the native silu(gate) * up, when prepared with native kernels
@@ -172,40 +163,86 @@ class MLP(nn.Module):
         if self.silu_mul is not None:
             return self.down(self.silu_mul(gate_up))  # native, bf16 on the CPU (see LlamaModel.prepare)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down(F.silu(gate) * up)
+        return self.down(self.act(gate) * up)
+
+
+# which norms a layer has, by placement (the checkpoint's names; see FamilySpec)
+_LAYER_NORMS = {
+    "pre": ("input_layernorm", "post_attention_layernorm"),
+    "sandwich": ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                 "post_feedforward_layernorm"),
+    "post": ("post_attention_layernorm", "post_feedforward_layernorm"),
+}
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_index: int) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.placement = config.norm_placement
+        for name in _LAYER_NORMS[self.placement]:
+            setattr(self, name, RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_kind))
         self.self_attn = Attention(config, layer_index)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp: nn.Module = SparseMoE(config) if config.is_moe(layer_index) else MLP(config)
+        self.residual_multiplier = config.residual_multiplier  # Granite scales each branch
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         # x: [T, H] -> [T, H] (x is the step's own residual stream: updated in place)
-        x += self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
-        x += self.mlp(self.post_attention_layernorm(x))
+        if self.placement == "pre":
+            self._add(x, self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta))
+            self._add(x, self.mlp(self.post_attention_layernorm(x)))
+        elif self.placement == "sandwich":
+            self._add(x, self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, kv_cache,
+                                                                      meta)))
+            self._add(x, self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x))))
+        else:  # post
+            self._add(x, self.post_attention_layernorm(self.self_attn(x, cos, sin, kv_cache, meta)))
+            self._add(x, self.post_feedforward_layernorm(self.mlp(x)))
         return x
+
+    def _add(self, x: torch.Tensor, branch: torch.Tensor) -> None:
+        if self.residual_multiplier != 1.0:
+            branch = branch * self.residual_multiplier
+        x += branch
 
 
 class LlamaModel(nn.Module):
+    """The decoder (named for the family it began as; every family is this class, see the module
+    docstring). `path` says which forward runs: "native" (the bf16 CPU kernels) or "torch"."""
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_kind)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         set_op(self, "head", self.lm_head)
         self.fused_norm: Any = None  # the native add + RMSNorm (bf16 on the CPU; see prepare)
         self.layers_plan: LayersPlan | None = None  # all layers in one native call (see LayersPlan)
-        self.rope_cos: torch.Tensor | None = None  # [P, head_dim], built on first use (see rope)
-        self.rope_sin: torch.Tensor | None = None
+        self.rope_tables: dict[bool, tuple[torch.Tensor, torch.Tensor]] = {}  # local? -> cos, sin [P, r]
+        self.has_window = any(layer.self_attn.sliding for layer in self.layers)
+        self.has_local_rope = any(layer.self_attn.local_rope for layer in self.layers)
+        self.path = "torch"  # set by prepare: "native" where the native kernels run the layers
+        self.native_unsupported = config.native_unsupported()
+
+    def describe(self) -> str:
+        why = f" ({', '.join(self.native_unsupported)})" if self.path == "torch" and self.native_unsupported else ""
+        return f"{self.config.model_type}: {self.path} path{why}"
+
+    def projection_slots(self) -> list[tuple[nn.Module, str, nn.Linear]]:
+        """(owner, op attribute, the nn.Linear behind it) for every dense projection the forward
+        calls through an op (MoE experts and routers are not: they run in `baton.engine.moe`)."""
+        slots: list[tuple[nn.Module, str, nn.Linear]] = []
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            slots += [(attn, "qkv", attn.qkv_proj), (attn, "o", attn.o_proj)]
+            if isinstance(mlp, MLP):
+                slots += [(mlp, "gate_up", mlp.gate_up_proj), (mlp, "down", mlp.down_proj)]
+        slots.append((self, "head", self.lm_head))
+        return slots
 
     def prepare(self, fast_linears: bool = True, native_kernels: bool = True,
                 batch_invariant: bool | str | None = None) -> None:
@@ -215,20 +252,19 @@ class LlamaModel(nn.Module):
         one matmul kernel per projection for every row count and, with "full", prefill attention
         through the decode kernel, so that a row's numbers (and greedy tokens) do not depend on the
         batch, the chunking, or whether a token was computed in prefill or decode; "matmul": the
-        matmuls only; "off": the fastest kernel per row count, measured here."""
-        self.rope_cos = self.rope_sin = None
+        matmuls only; "off": the fastest kernel per row count, measured here.
+
+        The native layer kernels (fused norms, fused decode attention, the layer plan) are installed
+        only for a plain Llama layer (`ModelConfig.native_unsupported()` empty); the matmul choice
+        is the same for every family (a projection is a projection)."""
+        self.rope_tables = {}
         param = self.embed_tokens.weight
         kernel = None
         if native_kernels and param.dtype == torch.bfloat16 and param.device.type == "cpu":
             from baton.engine import kernels
 
             kernel = kernels.load()
-        slots = [(owner, name, linear) for layer in self.layers
-                 for owner, name, linear in ((layer.self_attn, "qkv", layer.self_attn.qkv_proj),
-                                             (layer.self_attn, "o", layer.self_attn.o_proj),
-                                             (layer.mlp, "gate_up", layer.mlp.gate_up_proj),
-                                             (layer.mlp, "down", layer.mlp.down_proj))]
-        slots.append((self, "head", self.lm_head))
+        slots = self.projection_slots()
         ops = [make_linear_op(linear, fast_linears) for _, _, linear in slots]
         mode = batch_invariant_mode(kernel) if batch_invariant is None else \
             {True: "full", False: "off"}.get(batch_invariant, batch_invariant)  # type: ignore[call-overload]
@@ -238,20 +274,26 @@ class LlamaModel(nn.Module):
             ops = use_native_for_all_rows(ops, kernel) if mode != "off" else tune_row_split(ops, kernel)
         for (owner, name, _), op in zip(slots, ops):
             set_op(owner, name, op)
+        layer_kernel = kernel if not self.native_unsupported else None
         for layer in self.layers:
             # batch-invariant: prefill queries attend as decode steps do (see TorchAttention)
-            layer.self_attn.backend.use_native_kernel(kernel, decode_style_prefill=fast_linears and mode == "full")
-            layer.mlp.silu_mul = kernel.silu_mul if kernel is not None else None
-        self.fused_norm = kernel.add_rms_norm if kernel is not None else None
-        self.layers_plan = LayersPlan.build(self, kernel)
+            layer.self_attn.backend.use_native_kernel(layer_kernel,
+                                                      decode_style_prefill=fast_linears and mode == "full")
+            if isinstance(layer.mlp, MLP):
+                layer.mlp.silu_mul = layer_kernel.silu_mul if layer_kernel is not None else None
+        self.fused_norm = layer_kernel.add_rms_norm if layer_kernel is not None else None
+        self.layers_plan = LayersPlan.build(self, layer_kernel)
+        self.path = "native" if layer_kernel is not None else "torch"
 
-    def rope(self, positions: torch.Tensor, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions: [T] -> cos, sin_signed: [T, 1, head_dim] in the model's dtype
-        if self.rope_cos is None or max_position >= self.rope_cos.shape[0]:
+    def rope(self, positions: torch.Tensor, max_position: int,
+             local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions: [T] -> cos, sin_signed: [T, 1, rotary_dim] in the model's dtype
+        table = self.rope_tables.get(local)
+        if table is None or max_position >= table[0].shape[0]:
             size = max(self.config.max_position_embeddings, 2 * (max_position + 1))
             param = self.embed_tokens.weight
-            self.rope_cos, self.rope_sin = rope_table(self.config, size, param.dtype, param.device)
-        return self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
+            table = self.rope_tables[local] = rope_table(self.config, size, param.dtype, param.device, local)
+        return table[0][positions].unsqueeze(1), table[1][positions].unsqueeze(1)
 
     @torch.inference_mode()
     def forward(
@@ -270,10 +312,24 @@ class LlamaModel(nn.Module):
             return self.head(plan.run(x, cos, sin, kv_cache, meta)[logits_indices]).float()
         if self.fused_norm is not None:
             return self._forward_fused(x, cos, sin, kv_cache, meta, logits_indices)
+        config = self.config
+        if config.embedding_multiplier != 1.0:
+            # Gemma multiplies by sqrt(hidden) rounded to the model's dtype; Granite by the float
+            scale = config.embedding_multiplier
+            x = x * (torch.tensor(scale, dtype=x.dtype) if config.embedding_multiplier_in_dtype else scale)
+        # the window layers' metadata and the local rotary, once per step for all layers
+        window_meta = windowed(meta, config.sliding_window) if self.has_window else meta  # type: ignore[arg-type]
+        local = self.rope(positions, max_position, local=True) if self.has_local_rope else (cos, sin)
         for layer, layer_cache in zip(self.layers, kv_cache):
-            x = layer(x, cos, sin, layer_cache, meta)
-        x = self.norm(x[logits_indices])
-        return self.head(x).float()
+            attn = layer.self_attn
+            c, s = local if attn.local_rope else (cos, sin)
+            x = layer(x, c, s, layer_cache, window_meta if attn.sliding else meta)
+        logits = self.head(self.norm(x[logits_indices]))
+        if config.logits_scaling != 1.0:
+            logits = logits / config.logits_scaling
+        if config.final_logit_softcap is not None:
+            logits = torch.tanh(logits / config.final_logit_softcap) * config.final_logit_softcap
+        return logits.float()
 
     def _forward_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
                        meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:

@@ -2,8 +2,8 @@
 each: w = d * q), multiplied by the native kernel (`kernels/qgemv.cpp`, AVX512-VNNI integer dot
 products against activations quantized per block, as llama.cpp multiplies Q8_0).
 
-`quantize_model(model, "int8")` replaces each decoder projection's op (q|k|v, o, gate|up, down) and
-the LM head's by a `Q8Linear` and frees the bf16/fp32 weight it replaced, so that each weight lives
+`quantize_model(model, "int8")` replaces each dense projection's op (q|k|v, o, gate|up, down; MoE
+experts stay in the model's dtype) and the LM head's by a `Q8Linear` and frees the bf16/fp32 weight it replaced, so that each weight lives
 once in memory, quantized. The token embedding stays in the model's dtype (a lookup reads one row
 per token; it is the LM head's weight too when the two are tied, and the head's quantized copy is
 then the only other one).
@@ -83,17 +83,6 @@ class Q8Linear:
         return F.linear(x, dequantize_q8_0(self.q, self.d, x.dtype), bias)
 
 
-def _slots(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
-    """(owner, op attribute, the nn.Linear behind it) for every projection the forward calls."""
-    slots = []
-    for layer in model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        slots += [(attn, "qkv", attn.qkv_proj), (attn, "o", attn.o_proj),
-                  (mlp, "gate_up", mlp.gate_up_proj), (mlp, "down", mlp.down_proj)]
-    slots.append((model, "head", model.lm_head))
-    return slots
-
-
 def quantize_model(model: nn.Module, quantization: str, kernels: Any = None) -> int:
     """Quantize `model`'s projections in place (after `prepare()`); returns the bytes of the
     quantized weights. `kernels`: the native module (None: `baton.engine.kernels.load()`)."""
@@ -110,7 +99,8 @@ def quantize_model(model: nn.Module, quantization: str, kernels: Any = None) -> 
                        "each projection dequantizes its weight per call, which is slow")
     tied = model.lm_head.weight is model.embed_tokens.weight
     total = 0
-    for owner, name, linear in _slots(model):
+    # dense projections only: MoE experts keep the model's dtype (no batched-by-expert int8 yet)
+    for owner, name, linear in model.projection_slots():
         q, d = quantize_q8_0(linear.weight)
         op = Q8Linear(q, d, linear.bias, kernels)
         set_op(owner, name, op)

@@ -1,0 +1,326 @@
+"""Every supported family, on a tiny random-init model, against transformers' greedy output.
+
+Each family's model is built from its own transformers config class (a few layers, hidden 64,
+seeded), weights scaled up so that greedy is decided by clear margins (see conftest's
+`tiny_model_dir`), saved with `save_pretrained` next to the default model's tokenizer. Baton's
+greedy tokens (float32, the parity path) must equal `generate(do_sample=False)`'s, batched, in
+8-token prefill chunks, and through preemption and recompute; prompts are longer than every
+sliding window. Also: a checkpoint with an unknown or a missing tensor is refused by name, and
+each non-Llama family runs in bf16 on the torch path (the native kernels do the plain Llama layer
+only).
+
+Runtime: one model per family per session (module-scoped fixtures), one transformers model and
+one greedy reference per prompt, and one torch thread (tiny matmuls gain nothing from more).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from baton import LLM, SamplingParams
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+N = 8
+PROMPT_LENS = (3, 17, 40, 70)
+VOCAB = 49152  # the default model's tokenizer
+WINDOW = 24
+
+SMALL: dict[str, Any] = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=16, bos_token_id=1,
+                             eos_token_id=2, pad_token_id=2, max_position_embeddings=512)
+
+
+def _rotary_factors(n: int, seed: int) -> list[float]:
+    rng = random.Random(seed)
+    return [round(1.0 + 3.0 * rng.random(), 3) for _ in range(n)]
+
+
+# family -> (config class, model class, config overrides)
+FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(
+        rope_parameters=dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0,
+                             high_freq_factor=4.0, original_max_position_embeddings=64))),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict()),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict()),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=WINDOW)),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
+        sliding_window=WINDOW, query_pre_attn_scalar=24, attn_logit_softcapping=5.0, final_logit_softcapping=8.0,
+        num_hidden_layers=4)),
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        sliding_window=WINDOW, query_pre_attn_scalar=24, num_hidden_layers=4,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 4.0}})),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(
+        max_position_embeddings=512, original_max_position_embeddings=128,
+        rope_parameters=dict(rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=0.5,
+                             short_factor=_rotary_factors(4, 1), long_factor=_rotary_factors(4, 2)))),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict()),
+    "granite": ("GraniteConfig", "GraniteForCausalLM", dict(
+        embedding_multiplier=6.0, residual_multiplier=0.5, attention_multiplier=0.1, logits_scaling=4.0)),
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(num_hidden_layers=4, no_rope_layer_interval=2)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1])),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2)),
+}
+NON_LLAMA = [f for f in FAMILIES if f != "llama"]
+
+
+def build_family(family: str, out: Path, tokenizer_dir: Path) -> Path:
+    import transformers
+
+    config_name, model_name, overrides = FAMILIES[family]
+    config = getattr(transformers, config_name)(**{**SMALL, **overrides})
+    torch.manual_seed(sum(map(ord, family)))
+    model = getattr(transformers, model_name)(config).eval()
+    gemma = family.startswith("gemma")
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() >= 2 and name != "model.embed_tokens.weight":
+                param.mul_(5.0)  # far from near-uniform logits (conftest's tiny_model_dir)
+            elif name.endswith("norm.weight"):
+                # norms off their init (a norm loaded wrong changes the output), the final one
+                # large (top logits far apart); Gemma stores (w - 1)
+                param.add_(0.2 * torch.randn_like(param))
+                if name == "model.norm.weight":
+                    param.add_(29.0 if gemma else 0.0).mul_(1.0 if gemma else 30.0)
+            elif name.endswith("bias"):
+                param.normal_(0.0, 0.5)
+    model.save_pretrained(out)
+    for name in os.listdir(tokenizer_dir):
+        if name.startswith("tokenizer") or name.endswith(".jinja") or name == "special_tokens_map.json":
+            shutil.copy(tokenizer_dir / name, out / name)
+    return out
+
+
+_DIRS: dict[str, Path] = {}
+
+
+@pytest.fixture(scope="module")
+def family_dir(tmp_path_factory, default_model_dir):
+    def get(family: str) -> Path:
+        if family not in _DIRS:
+            _DIRS[family] = build_family(family, tmp_path_factory.mktemp(f"tiny-{family}"), default_model_dir)
+        return _DIRS[family]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    rng = random.Random(4321)
+    return [[rng.randrange(3, VOCAB) for _ in range(n)] for n in PROMPT_LENS]
+
+
+_HF: dict[tuple[str, tuple[int, ...]], tuple[list[int], list[float]]] = {}
+_HF_MODELS: dict[str, Any] = {}
+
+
+def hf_reference(model_dir: Path, prompt: list[int]) -> tuple[list[int], list[float]]:
+    """transformers' greedy tokens and their log-probabilities (of the raw logits: what Baton reports)."""
+    key = (str(model_dir), tuple(prompt))
+    if key not in _HF:
+        from transformers import AutoModelForCausalLM, GenerationConfig
+
+        if str(model_dir) not in _HF_MODELS:
+            _HF_MODELS[str(model_dir)] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        model = _HF_MODELS[str(model_dir)]
+        config = GenerationConfig(do_sample=False, max_new_tokens=N, eos_token_id=None, pad_token_id=0,
+                                  output_logits=True, return_dict_in_generate=True)
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+        tokens = out.sequences[0, len(prompt):].tolist()
+        logprobs = [float(torch.log_softmax(step[0].float(), -1)[t]) for step, t in zip(out.logits, tokens)]
+        assert len(tokens) == N
+        _HF[key] = (tokens, logprobs)
+    return _HF[key]
+
+
+def hf_greedy(model_dir: Path, prompt: list[int]) -> list[int]:
+    return hf_reference(model_dir, prompt)[0]
+
+
+def greedy() -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=N, ignore_eos=True)
+
+
+def tokens_of(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+# ------------------------------------------------------------------ greedy parity, float32
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_greedy_matches_transformers(family, family_dir, prompts):
+    model_dir = family_dir(family)
+    expected = [hf_greedy(model_dir, p) for p in prompts]
+    assert len({t for r in expected for t in r}) >= 8  # not one repeated token: the model is fit for parity
+    # batched, prompts of different lengths
+    llm = LLM(model=str(model_dir), dtype="float32", num_kv_blocks=128)
+    assert llm.engine.model.path == "torch"
+    outputs = llm.generate(prompts, greedy())
+    assert tokens_of(outputs) == expected
+    # and the same numbers: what greedy cannot see (final soft-capping, logits scaling) shows here
+    for out, prompt in zip(outputs, prompts):
+        assert out.outputs[0].logprobs == pytest.approx(hf_reference(model_dir, prompt)[1], abs=5e-4)
+    # chunked prefill: 8 tokens a step, decode mixed with the chunks of other requests
+    llm = LLM(model=str(model_dir), dtype="float32", num_kv_blocks=128, max_num_batched_tokens=8)
+    assert tokens_of(llm.generate(prompts, greedy())) == expected
+    # preempted and recomputed: 4-token blocks, 21 in all (the 70-token request alone needs 20)
+    llm = LLM(model=str(model_dir), dtype="float32", block_size=4, num_kv_blocks=21)
+    assert tokens_of(llm.generate(prompts, greedy())) == expected
+    assert llm.engine.scheduler.num_preemptions > 0
+
+
+def test_the_window_matters(family_dir, prompts):
+    """The sliding-window oracle is meaningful: the same model with its window turned off gives
+    other tokens for prompts longer than the window (so a Baton ignoring it would fail above)."""
+    model_dir = family_dir("mistral")
+    config = json.loads((model_dir / "config.json").read_text())
+    unwindowed = model_dir.parent / "mistral-no-window"
+    if not unwindowed.exists():
+        shutil.copytree(model_dir, unwindowed)
+        (unwindowed / "config.json").write_text(json.dumps({**config, "sliding_window": None}))
+    long_prompts = [p for p in prompts if len(p) > WINDOW]
+    assert [hf_greedy(unwindowed, p) for p in long_prompts] != [hf_greedy(model_dir, p) for p in long_prompts]
+
+
+# ------------------------------------------------------------------ bf16 and the path each family takes
+
+@pytest.mark.parametrize("family", NON_LLAMA)
+def test_bf16_runs_on_the_torch_path(family, family_dir, prompts):
+    llm = LLM(model=str(family_dir(family)), dtype="bfloat16", num_kv_blocks=128, max_num_batched_tokens=32)
+    model = llm.engine.model
+    plain = not model.config.native_unsupported()  # qwen2 (bias only): the native kernels run it
+    assert model.path == ("native" if plain and model.fused_norm is not None else "torch"), model.describe()
+    if not plain:
+        assert model.fused_norm is None and model.layers_plan is None and llm.engine.runner.pads_decode
+        assert "torch path" in model.describe()
+    outputs = tokens_of(llm.generate(prompts, greedy()))
+    assert all(len(t) == N and all(0 <= x < VOCAB for x in t) for t in outputs)
+
+
+# ------------------------------------------------------------------ the loader is strict
+
+def _edit_checkpoint(src: Path, dst: Path, edit) -> Path:
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    path = dst / "model.safetensors"
+    tensors = load_file(path)
+    edit(tensors)
+    save_file(tensors, path, metadata={"format": "pt"})
+    return dst
+
+
+def test_a_checkpoint_with_an_unknown_tensor_is_refused_by_name(family_dir, tmp_path):
+    def add(tensors):
+        tensors["model.layers.0.self_attn.mystery_gate.weight"] = torch.zeros(4, 64)
+
+    bad = _edit_checkpoint(family_dir("qwen3"), tmp_path / "extra", add)
+    with pytest.raises(ValueError, match=r"does not use: layers\.0\.self_attn\.mystery_gate\.weight"):
+        LLM(model=str(bad), dtype="float32", num_kv_blocks=16)
+
+
+def test_a_checkpoint_missing_a_tensor_is_refused_by_name(family_dir, tmp_path):
+    def drop(tensors):
+        del tensors["model.layers.1.self_attn.k_norm.weight"]
+        del tensors["model.layers.0.mlp.up_proj.weight"]
+
+    bad = _edit_checkpoint(family_dir("qwen3"), tmp_path / "missing", drop)
+    with pytest.raises(ValueError) as info:
+        LLM(model=str(bad), dtype="float32", num_kv_blocks=16)
+    assert "layers.1.self_attn.k_norm.weight" in str(info.value)
+    assert "layers.0.mlp.up_proj.weight" in str(info.value)
+
+
+def test_qwen3_weights_under_a_llama_config_are_refused(family_dir, tmp_path):
+    """Qwen3's q/k norms forced past the type check (model_type llama) are unused tensors: refused,
+    not loaded silently into a model that would ignore them."""
+    bad = tmp_path / "qwen3-as-llama"
+    shutil.copytree(family_dir("qwen3"), bad)
+    config = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
+    with pytest.raises(ValueError, match="q_norm"):
+        LLM(model=str(bad), dtype="float32", num_kv_blocks=16)
+
+
+def test_an_unknown_model_type_names_the_supported_ones(family_dir, tmp_path):
+    from baton.engine.config import ModelConfig
+
+    bad = tmp_path / "unknown"
+    bad.mkdir()
+    config = json.loads((family_dir("qwen3") / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**config, "model_type": "mamba"}))
+    with pytest.raises(ValueError, match="unsupported model_type 'mamba'.*gemma2.*qwen3_moe"):
+        ModelConfig.from_dir(bad)
+
+
+# ------------------------------------------------------------------ RoPE scaling, as transformers computes it
+
+ROPE_CASES = {
+    "default": dict(rope_type="default"),
+    "linear": dict(rope_type="linear", factor=2.0),
+    "dynamic": dict(rope_type="dynamic", factor=2.0),
+    "yarn": dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=128),
+    "yarn-mscale": dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=128, mscale=0.7,
+                        mscale_all_dim=1.0, beta_fast=16.0),
+    "longrope": dict(rope_type="longrope", original_max_position_embeddings=128, short_factor=_rotary_factors(8, 3),
+                     long_factor=_rotary_factors(8, 4)),
+    "llama3": dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=64),
+}
+
+
+@pytest.mark.parametrize("case", list(ROPE_CASES))
+def test_rope_frequencies_equal_transformers(case, tmp_path):
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from baton.engine.config import ModelConfig
+    from baton.engine.rope import rope_inv_freq, rope_table
+
+    params = {"rope_theta": 10000.0, **ROPE_CASES[case]}
+    hf_config = LlamaConfig(**{**SMALL, "max_position_embeddings": 512}, rope_parameters=params)
+    hf_config.save_pretrained(tmp_path)
+    config = ModelConfig.from_dir(tmp_path)
+    rope_type = params["rope_type"]
+    for seq_len in (None, 100, 2048):  # within the original context, and beyond every context
+        if rope_type == "default":
+            expected = (1.0 / (10000.0 ** (torch.arange(0, 16, 2).float() / 16)), 1.0)
+        else:
+            expected = ROPE_INIT_FUNCTIONS[rope_type](hf_config, None, seq_len=seq_len)
+        got = rope_inv_freq(config, seq_len=seq_len)
+        assert torch.equal(got[0], expected[0].float()), seq_len
+        assert got[1] == pytest.approx(expected[1], rel=1e-12)
+    if rope_type == "longrope":
+        # per position: the short factors below the original context, the long ones from there on
+        cos, _ = rope_table(config, 512, torch.float32, "cpu")
+        short, long_ = rope_inv_freq(config, seq_len=None), rope_inv_freq(config, seq_len=512)
+        assert torch.equal(cos[127, :8], (127 * short[0]).cos() * short[1])
+        assert torch.equal(cos[300, :8], (300.0 * long_[0]).cos() * long_[1])
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+def test_int8_weights_run_on_the_torch_path_and_leave_moe_experts_alone(family, family_dir, prompts):
+    """--quantization int8 on a family outside the native path: every dense projection is int8, the
+    experts stay in bf16 (run by baton.engine.moe), and generation works."""
+    from baton.engine.quant import Q8Linear
+
+    llm = LLM(model=str(family_dir(family)), dtype="bfloat16", num_kv_blocks=128, quantization="int8")
+    model = llm.engine.model
+    assert all(isinstance(getattr(owner, name), Q8Linear) for owner, name, _ in model.projection_slots())
+    experts = [p for n, p in model.named_parameters() if "experts" in n]
+    assert (family == "qwen3_moe") == bool(experts) and all(p.dtype == torch.bfloat16 and p.numel() for p in experts)
+    outputs = tokens_of(llm.generate(prompts, greedy()))
+    assert all(len(t) == N and all(0 <= x < VOCAB for x in t) for t in outputs)
