@@ -12,7 +12,7 @@ def __getattr__(name: str) -> Any:
 
         return LLM
     if name == "SamplingParams":
-        from baton.sampling_params import SamplingParams
+        from baton.common.sampling_params import SamplingParams
 
         return SamplingParams
     raise AttributeError(name)

@@ -9,8 +9,8 @@ from typing import Any
 
 from baton.engine.llm_engine import EngineConfig, LLMEngine
 from baton.engine.outputs import EngineOutput
-from baton.ops.fetch import resolve_model
-from baton.sampling_params import SamplingParams
+from baton.common.model_files import resolve_model
+from baton.common.sampling_params import SamplingParams
 
 
 @dataclass

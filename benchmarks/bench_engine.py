@@ -45,7 +45,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from baton.engine.config import ModelConfig  # noqa: E402
-from baton.sampling_params import SamplingParams  # noqa: E402
+from baton.common.sampling_params import SamplingParams  # noqa: E402
 
 MIN_TOKEN_ID = 100  # random prompts avoid the special tokens at the start of the vocabulary
 GIB = 1 << 30
@@ -565,7 +565,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     dtype = torch_dtype(args.dtype)
 
-    from baton.ops.fetch import resolve_model
+    from baton.common.model_files import resolve_model
     from baton.llm import LLM
 
     model_dir = resolve_model(args.model)

@@ -33,11 +33,11 @@ import httpx
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from baton.bench.datasets import SampleRequest, load_tokenizer, sample_random_requests  # noqa: E402
-from baton.bench.metrics import calculate_metrics, format_result  # noqa: E402
-from baton.bench.serve import run_requests  # noqa: E402
-from baton.ops.fetch import resolve_model  # noqa: E402
-from baton.ops.redis_server import free_port  # noqa: E402
+from baton.cli.bench.datasets import SampleRequest, load_tokenizer, sample_random_requests  # noqa: E402
+from baton.cli.bench.metrics import calculate_metrics, format_result  # noqa: E402
+from baton.cli.bench.serve import run_requests  # noqa: E402
+from baton.common.model_files import resolve_model  # noqa: E402
+from baton.cli.redis_server import free_port  # noqa: E402
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 

@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     from baton.llm import LLM
-    from baton.ops.fetch import resolve_model
+    from baton.common.model_files import resolve_model
 
     model_dir = resolve_model(args.model)
     batches = [int(b) for b in args.batches.split(",")]

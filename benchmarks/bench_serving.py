@@ -39,8 +39,8 @@ def free_port() -> int:
 def start_server(tree: Path, port: int, extra: list[str]) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(tree))
     log = open(tempfile.mktemp(prefix=f"serve-{tree.name}-", suffix=".log"), "w")
-    # the CLI moved to baton.ops.cli after d084efe; an older tree has its own baton.cli
-    cli = "baton.ops.cli" if (tree / "baton" / "ops" / "cli.py").exists() else "baton.cli"
+    # the CLI moved to baton.cli.cli after d084efe; an older tree has its own baton.cli
+    cli = "baton.cli.cli" if (tree / "baton" / "ops" / "cli.py").exists() else "baton.cli"
     proc = subprocess.Popen([sys.executable, "-m", cli, "serve", "--port", str(port), *extra],
                             cwd=tree, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + 600
@@ -64,7 +64,7 @@ def stop_server(proc: subprocess.Popen) -> None:
 
 def bench(port: int, concurrency: int, num_prompts: int, out_dir: Path, tag: str) -> dict:
     name = f"{tag}-c{concurrency}.json"
-    cmd = [sys.executable, "-m", "baton.ops.cli", "bench", "serve", "--base-url", f"http://127.0.0.1:{port}",
+    cmd = [sys.executable, "-m", "baton.cli.cli", "bench", "serve", "--base-url", f"http://127.0.0.1:{port}",
            "--num-prompts", str(num_prompts), "--max-concurrency", str(concurrency), "--request-rate", "inf",
            "--random-input-len", "125", "--random-range-ratio", "0.6", "--random-output-len", "128",
            "--random-output-range-ratio", "0", "--ignore-eos", "--percentile-metrics", "ttft,tpot,itl,e2el",

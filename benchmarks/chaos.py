@@ -42,7 +42,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from baton.ops.redis_server import free_port  # noqa: E402
+from baton.cli.redis_server import free_port  # noqa: E402
 
 PROMPTS = ["The history of the printing press", "東京の天気について教えてください。",
            "Une recette simple de crêpes :", "def fibonacci(n):", "Explain photosynthesis to a child.",
@@ -355,7 +355,7 @@ def main() -> None:
     duration = min(args.duration, 480)
     rng = random.Random(args.seed)
 
-    from baton.ops.fetch import resolve_model
+    from baton.common.model_files import resolve_model
 
     model = resolve_model(args.model)
     jobs = [Job(p, n, None) for p in PROMPTS for n in (16, 40)]

@@ -75,7 +75,7 @@ def bench_llguidance(model_dir: Path, token_rows: list[list[int]], vocab: int) -
     import llguidance
     import llguidance.torch as llg_torch
 
-    from baton.structured import grammar_of, json_schema
+    from baton.common.structured import grammar_of, json_schema
 
     t0 = time.perf_counter()
     tokenizer = llguidance.LLTokenizer((model_dir / "tokenizer.json").read_text(), n_vocab=vocab)
@@ -143,7 +143,7 @@ def bench_apply(rows: int, vocab: int) -> None:
 
 
 def main() -> None:
-    from baton.ops.fetch import resolve_model
+    from baton.common.model_files import resolve_model
     from tokenizers import Tokenizer
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

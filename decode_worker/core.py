@@ -12,10 +12,10 @@ import dataclasses
 import logging
 import time
 
-from baton.finish_reason import FinishReason
-from baton import protocol
-from baton.logs import request_extra
-from baton.tracing import RequestSpans
+from baton.common.finish_reason import FinishReason
+from baton.common import protocol
+from baton.common.logs import request_extra
+from baton.common.tracing import RequestSpans
 from baton.engine.kv_types import RemoteKV
 from baton.engine.outputs import EngineOutput
 from baton.worker.core import Effects, WorkerCore

@@ -22,7 +22,7 @@ from typing import Any
 
 import msgpack
 
-from baton import heartbeats, protocol
+from baton.common import heartbeats, protocol
 from baton.worker.publisher import EventPublisher
 from baton.worker.runtime import read_group
 from baton.worker.shell import WorkerShell

@@ -9,9 +9,9 @@ import sys
 # Counters' `_created` series only clutter /metrics (set before prometheus_client is imported).
 os.environ.setdefault("PROMETHEUS_DISABLE_CREATED_SERIES", "True")
 
-from baton.env_flags import apply_env
-from baton.logs import FORMATS, setup_logging, uvicorn_log_config
-from baton.tracing import setup_tracing
+from baton.common.env_flags import apply_env
+from baton.common.logs import FORMATS, setup_logging, uvicorn_log_config
+from baton.common.tracing import setup_tracing
 from gateway.config import Settings
 
 
@@ -75,7 +75,7 @@ def parse_args(argv: list[str] | None = None) -> Settings:
     apply_env(p)  # every flag as BATON_<FLAG> too
     args = p.parse_args(argv)
 
-    from baton.ops.fetch import model_display_name, resolve_model
+    from baton.common.model_files import model_display_name, resolve_model
     from gateway.chat_template import load_chat_template
 
     model_dir = resolve_model(args.model)

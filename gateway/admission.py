@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from collections.abc import Callable
 from typing import Any, Union
 
-from baton import tracing
-from baton.logs import bound_client_id
+from baton.common import tracing
+from baton.common.logs import bound_client_id
 from gateway.config import Settings
 from gateway.errors import ApiError, overloaded, validation_error
 from gateway.metrics import GatewayMetrics
@@ -62,7 +62,7 @@ class Ticket:
         default_factory=lambda: asyncio.get_running_loop().create_future())
     submitted_at: float = field(default_factory=time.monotonic)
     state: TicketState = TicketState.NEW  # written only by the admission task (`move`)
-    # Tracing (baton/tracing.py; None when off): the request's span at the gateway, from submit to
+    # Tracing (baton/common/tracing.py; None when off): the request's span at the gateway, from submit to
     # done, and its child for the wait for budget.
     span: Any = None
     admission_span: Any = None

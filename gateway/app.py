@@ -23,9 +23,9 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 
-from baton import heartbeats
-from baton.redis_client import REDIS_FAILURES, connect as connect_redis
-from baton.urls import redact_url
+from baton.common import heartbeats
+from baton.common.redis_client import REDIS_FAILURES, connect as connect_redis
+from baton.common.urls import redact_url
 from gateway import dashboard, routes_misc, routes_openai, routes_tgi, routes_tokenize
 from gateway.admission import Admission
 from gateway.auth import ApiKeyMiddleware

@@ -9,7 +9,7 @@ Rules of this file:
 - Events come back through the `TokenRouter` (gateway.router): `RedisBackend`'s are read from this
   gateway's token stream by the router's own task; `InMemoryBackend` delivers them to the router
   directly, so the HTTP layer can be tested without Redis.
-- The wire contract (baton.protocol) is the same for both: the in-memory backend encodes and
+- The wire contract (baton.common.protocol) is the same for both: the in-memory backend encodes and
   decodes every message it is given, so a message Redis would refuse fails here too.
 """
 
@@ -21,7 +21,7 @@ from typing import Protocol
 
 import redis.asyncio as aioredis
 
-from baton.protocol import (
+from baton.common.protocol import (
     CANCEL_STREAM,
     PAYLOAD_FIELD,
     PREFILL_STREAM,
@@ -32,7 +32,7 @@ from baton.protocol import (
     decode,
     encode,
 )
-from baton.redis_client import REDIS_FAILURES
+from baton.common.redis_client import REDIS_FAILURES
 from gateway.router import TokenRouter
 
 

@@ -21,12 +21,12 @@ from typing import Any
 import msgpack
 import redis.asyncio as aioredis
 
-from baton import heartbeats
-from baton.protocol import create_token_stream, token_stream
-from baton.urls import redact_url
+from baton.common import heartbeats
+from baton.common.protocol import create_token_stream, token_stream
+from baton.common.urls import redact_url
 from gateway.admission import Admission
 from gateway.config import Settings
-from baton.redis_client import REDIS_DOWN, connection_lost
+from baton.common.redis_client import REDIS_DOWN, connection_lost
 from gateway.router import TokenRouter
 
 log = logging.getLogger(__name__)

@@ -63,7 +63,7 @@ class Settings:
     # in the x-baton-ignored-fields header; True: it is a 4xx naming it (a typo never goes unseen).
     strict_api: bool = False
     log_level: str = "info"
-    log_format: str = "text"  # or "json" (baton.logs)
+    log_format: str = "text"  # or "json" (baton.common.logs)
     # SIGTERM: seconds requests in flight get to finish (uvicorn's graceful shutdown) before they are
     # cut. Longer than the workers' drain (30 s), so what a draining worker finishes is delivered.
     shutdown_grace: float = 40.0

@@ -31,8 +31,8 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
-from baton.protocol import DECODE_GROUP, DECODE_STREAM, PREFILL_GROUP, PREFILL_STREAM
-from baton.redis_client import REDIS_FAILURES
+from baton.common.protocol import DECODE_GROUP, DECODE_STREAM, PREFILL_GROUP, PREFILL_STREAM
+from baton.common.redis_client import REDIS_FAILURES
 from gateway.admission import Admission
 from gateway.cluster import Cluster
 from gateway.config import Settings

@@ -1,4 +1,4 @@
-"""Each API's spelling of how a generation ended: the one table (baton.finish_reason has the enum).
+"""Each API's spelling of how a generation ended: the one table (baton.common.finish_reason has the enum).
 
 A generation that ends normally ends with STOP (EOS or a stop token id), LENGTH (max tokens) or
 STOP_SEQUENCE (a stop string, matched here); errors and cancellations are answered as errors, not
@@ -7,7 +7,7 @@ as a finish reason.
 
 from __future__ import annotations
 
-from baton.finish_reason import FinishReason
+from baton.common.finish_reason import FinishReason
 
 SPELLING: dict[FinishReason, dict[str, str]] = {
     FinishReason.STOP: {"openai": "stop", "tgi": "eos_token", "metrics": "stop"},

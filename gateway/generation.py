@@ -25,10 +25,10 @@ from typing import Any, NoReturn
 
 from starlette.requests import Request
 
-from baton import tracing
-from baton.finish_reason import FinishReason
-from baton.protocol import Cancel, PrefillRequest, TokenEvent
-from baton.sampling_params import SamplingParams
+from baton.common import tracing
+from baton.common.finish_reason import FinishReason
+from baton.common.protocol import Cancel, PrefillRequest, TokenEvent
+from baton.common.sampling_params import SamplingParams
 from gateway.admission import Ticket
 from gateway.backend import BackendUnavailable
 from gateway.detokenizer import IncrementalDetokenizer, StopMatcher

@@ -1,7 +1,7 @@
 """Log-probabilities in the shapes the APIs answer with.
 
 The workers send, per generated token, its logprob and its top k as [[token id, logprob], ...],
-and per prompt token (the first excepted) [logprob, top k] (see baton.protocol.TokenEvent). Here
+and per prompt token (the first excepted) [logprob, top k] (see baton.common.protocol.TokenEvent). Here
 they become: OpenAI completions' `{tokens, token_logprobs, top_logprobs, text_offset}` (with echo,
 the prompt's tokens first), OpenAI chat's `{content: [{token, logprob, bytes, top_logprobs}]}`,
 and TGI's `top_tokens` / `prefill`. Token strings are each token decoded alone (as vLLM shows them).

@@ -22,7 +22,7 @@ from typing import Any
 from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from baton.logs import bind_client_id, sanitize_client_id
+from baton.common.logs import bind_client_id, sanitize_client_id
 
 HEADER = "x-request-id"
 _SCOPE_KEY = "baton.client_request_id"

@@ -18,8 +18,8 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from baton.protocol import PAYLOAD_FIELD, MalformedMessage, TokenBatch, TokenEvent, decode, token_stream
-from baton.redis_client import REDIS_DOWN, connection_lost
+from baton.common.protocol import PAYLOAD_FIELD, MalformedMessage, TokenBatch, TokenEvent, decode, token_stream
+from baton.common.redis_client import REDIS_DOWN, connection_lost
 
 log = logging.getLogger(__name__)
 

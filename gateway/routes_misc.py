@@ -22,8 +22,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from baton.redis_client import REDIS_FAILURES
-from baton.urls import redact_url
+from baton.common.redis_client import REDIS_FAILURES
+from baton.common.urls import redact_url
 from gateway.openapi import openapi_spec
 from gateway.respond import services
 from gateway.services import Services

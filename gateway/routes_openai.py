@@ -24,7 +24,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from baton.finish_reason import FinishReason
+from baton.common.finish_reason import FinishReason
 from gateway import siblings
 from gateway.choices import close_all, merged_steps, run_all_to_end, start_choices
 from gateway.errors import error_body, error_response

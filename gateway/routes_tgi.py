@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from baton.finish_reason import FinishReason
+from baton.common.finish_reason import FinishReason
 from gateway import siblings
 from gateway.errors import ApiError, error_body, error_response
 from gateway.finish import spelled

@@ -14,7 +14,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from baton.protocol import Cancel
+from baton.common.protocol import Cancel
 from gateway.admission import Admission
 from gateway.backend import Backend, BackendUnavailable
 from gateway.cluster import Cluster

@@ -20,7 +20,7 @@ import logging
 
 from starlette.requests import Request
 
-from baton.sampling_params import SamplingParams
+from baton.common.sampling_params import SamplingParams
 from gateway.errors import ApiError
 from gateway.generation import Generation, send_all
 

@@ -18,7 +18,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from baton.sampling_params import SamplingParams
+from baton.common.sampling_params import SamplingParams
 
 PromptInput = str | list[int]
 

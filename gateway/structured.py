@@ -1,4 +1,4 @@
-"""Structured-output fields of both APIs -> one constraint (`baton.structured`), compiled here.
+"""Structured-output fields of both APIs -> one constraint (`baton.common.structured`), compiled here.
 
 OpenAI: `response_format` ({"type": "text" | "json_object" | "json_schema", "json_schema":
 {"name", "schema", "strict"}}); vLLM's `guided_json`, `guided_regex`, `guided_choice`,
@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from baton.structured import InvalidStructure, compiled_grammar, json_schema
+from baton.common.structured import InvalidStructure, compiled_grammar, json_schema
 from gateway.validation import Fields
 
 OPENAI_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",

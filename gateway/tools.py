@@ -27,7 +27,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from baton.structured import InvalidStructure, compiled_grammar, json_schema
+from baton.common.structured import InvalidStructure, compiled_grammar, json_schema
 from gateway.validation import Fields
 
 MAX_TOOLS = 128

@@ -20,7 +20,7 @@ from typing import Any
 
 from gateway.config import Settings
 from gateway.errors import ApiError, validation_error
-from baton.sampling_params import MAX_LOGPROBS
+from baton.common.sampling_params import MAX_LOGPROBS
 from gateway.structured import openai_structured
 from gateway.tools import message_extras, parse_tools
 from gateway.spec import ApiView, Choices, GenerationSpec, Prompt, provisional_sampling

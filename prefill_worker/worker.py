@@ -14,8 +14,8 @@ import logging
 from collections import deque
 from typing import Any
 
-from baton import protocol
-from baton.logs import request_extra
+from baton.common import protocol
+from baton.common.logs import request_extra
 from baton.worker.core import Effects
 from baton.worker.runtime import read_group
 from baton.worker.shell import WorkerShell

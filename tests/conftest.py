@@ -16,7 +16,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 @pytest.fixture(scope="session")
 def redis_server():
-    from baton.ops.redis_server import start_private_redis
+    from baton.cli.redis_server import start_private_redis
 
     server = start_private_redis()
     yield server
@@ -30,7 +30,7 @@ def redis_url(redis_server) -> str:
 
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
-    from baton.ops.fetch import resolve_model
+    from baton.common.model_files import resolve_model
 
     return resolve_model(None)
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import redis
 
-from baton.ops.redis_server import child_preexec, find_redis_server
+from baton.cli.redis_server import child_preexec, find_redis_server
 
 
 NODE_TIMEOUT_MS = 2000

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from baton.engine.block_manager import BlockManager, blocks_for
-from baton.sampling_params import SamplingParams
+from baton.common.sampling_params import SamplingParams
 from baton.engine.sequence import Sequence
 from baton.engine.block_pool import BlockPool
 from kvstore.hashing import hash_blocks

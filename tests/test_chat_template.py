@@ -79,8 +79,8 @@ def test_a_bad_chat_template_stops_the_gateway_at_start(default_model_dir, value
 
 
 def test_serve_passes_the_template_to_the_gateway_only(template_file, monkeypatch):
-    from baton.ops.cli import build_parser
-    from baton.ops.serve import ThreadPlan, build_child_specs
+    from baton.cli.cli import build_parser
+    from baton.cli.serve import ThreadPlan, build_child_specs
 
     monkeypatch.chdir(template_file.parent)
 
@@ -100,7 +100,7 @@ def test_serve_passes_the_template_to_the_gateway_only(template_file, monkeypatc
 
 def test_serve_refuses_a_bad_template_before_starting_anything(tiny_model_dir):
     result = subprocess.run(
-        [sys.executable, "-m", "baton.ops.cli", "serve", "--model", str(tiny_model_dir),
+        [sys.executable, "-m", "baton.cli.cli", "serve", "--model", str(tiny_model_dir),
          "--chat-template", "{% if %}"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert "not a valid Jinja template" in result.stderr

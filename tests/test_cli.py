@@ -20,14 +20,14 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from baton.ops.serve import ThreadPlan, add_serve_arguments, build_child_specs, plan_threads, probe_host
+from baton.cli.serve import ThreadPlan, add_serve_arguments, build_child_specs, plan_threads, probe_host
 
 VENV_BIN = Path(sys.executable).parent
 BATON = str(VENV_BIN / "baton") if (VENV_BIN / "baton").exists() else None
 
 
 def baton_cmd(*args: str) -> list[str]:
-    return [BATON, *args] if BATON else [sys.executable, "-m", "baton.ops.cli", *args]
+    return [BATON, *args] if BATON else [sys.executable, "-m", "baton.cli.cli", *args]
 
 
 # ------------------------------------------------------------------ model fetch
@@ -151,7 +151,7 @@ def test_served_model_names_and_strict_api_reach_the_gateway_only(monkeypatch):
     for argv in workers:
         assert "--served-model-name" not in argv and "--strict-api" not in argv
     # The gateway's own parser reads back exactly what baton serve passed.
-    monkeypatch.setattr("baton.ops.fetch.resolve_model", lambda model: Path("/m"))
+    monkeypatch.setattr("baton.common.model_files.resolve_model", lambda model: Path("/m"))
     settings = parse_args(gw[3:])
     assert settings.served_model_names == ("a", "b/c") and settings.model_name == "a"
     assert settings.strict_api is True
@@ -194,7 +194,7 @@ def test_probe_host():
 FAKE_SERVICE = r'''
 import argparse, json, os, signal, sys, threading, time
 import redis
-from baton import heartbeats
+from baton.common import heartbeats
 
 KIND = {kind!r}
 parser = argparse.ArgumentParser()
@@ -256,7 +256,7 @@ def fake_services(tmp_path):
 
 
 def _free_port() -> int:
-    from baton.ops.redis_server import free_port
+    from baton.cli.redis_server import free_port
 
     return free_port()
 

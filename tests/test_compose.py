@@ -214,7 +214,7 @@ def test_every_docker_run_example_is_loopback_or_keyed_and_waits_for_the_drain()
     import argparse
     import re
 
-    from baton.ops.serve import add_serve_arguments
+    from baton.cli.serve import add_serve_arguments
 
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)

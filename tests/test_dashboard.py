@@ -214,7 +214,7 @@ def test_page_renders_live_numbers_in_chromium(system, tmp_path):
 @needs_chromium
 def test_page_without_data_says_so(tmp_path):
     """A gateway that cannot be reached: the page must say 'disconnected', not show stale numbers."""
-    from baton.ops.redis_server import free_port
+    from baton.cli.redis_server import free_port
 
     port = free_port()
     page = tmp_path / "dashboard.html"
@@ -282,7 +282,7 @@ def test_stream_backlog_sampling(redis_url):
     import redis
     import redis.asyncio as aioredis
 
-    from baton.protocol import DECODE_STREAM, PREFILL_STREAM
+    from baton.common.protocol import DECODE_STREAM, PREFILL_STREAM
 
     url = redis_url.rsplit("/", 1)[0] + "/13"  # a database of our own
     sync = redis.Redis.from_url(url)
@@ -355,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     if CHROMIUM is None:
         print("chromium is not installed", file=sys.stderr)
         return 1
-    from baton.ops.fetch import resolve_model
+    from baton.common.model_files import resolve_model
 
     model = resolve_model(args.model)
     # A deliberately tight system, so the page has something to show: a small KV pool under a budget

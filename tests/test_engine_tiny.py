@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from baton.llm import LLM
-from baton.sampling_params import SamplingParams
+from baton.common.sampling_params import SamplingParams
 
 N = 8
 PROMPT_LENS = (1, 5, 17, 40, 70)

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from baton.env_flags import apply_env
+from baton.common.env_flags import apply_env
 
 
 def parser() -> argparse.ArgumentParser:
@@ -53,12 +53,12 @@ def test_a_bad_value_is_a_usage_error_naming_the_variable(name, value, message, 
 def test_the_real_commands_read_their_variables(monkeypatch):
     from gateway.__main__ import parse_args
 
-    monkeypatch.setattr("baton.ops.fetch.resolve_model", lambda model: "/models/Some-Model")
+    monkeypatch.setattr("baton.common.model_files.resolve_model", lambda model: "/models/Some-Model")
     monkeypatch.setenv("BATON_MAX_QUEUE_WAIT", "3.5")
     monkeypatch.setenv("BATON_SERVED_MODEL_NAME", "alpha,beta")
     settings = parse_args([])
     assert settings.max_queue_wait == 3.5 and settings.served_model_names == ("alpha", "beta")
-    from baton.ops.cli import build_parser
+    from baton.cli.cli import build_parser
 
     monkeypatch.setenv("BATON_DECODE_WORKERS", "3")
     args = build_parser().parse_args(["serve"])
@@ -71,7 +71,7 @@ def test_the_real_commands_read_their_variables(monkeypatch):
 
 
 def test_baton_serve_keeps_one_process_identity_out_of_its_children(monkeypatch, tmp_path):
-    from baton.ops.supervisor import ChildSpec, Supervisor
+    from baton.cli.supervisor import ChildSpec, Supervisor
 
     monkeypatch.setenv("BATON_WORKER_ID", "same-for-all")
     monkeypatch.setenv("BATON_MAX_NUM_SEQS", "7")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from baton.ops.redis_server import free_port
+from baton.cli.redis_server import free_port
 from gateway.hosts import exposure_warning
 
 WARNING = "without --api-key: anyone who can reach this address can use the API"
@@ -119,7 +119,7 @@ def test_no_warning_on_loopback_or_with_a_key(tiny_model_dir, redis_url, case):
 def test_baton_serve_passes_the_warning_on(tiny_model_dir, redis_url):
     """The image runs `baton serve --host 0.0.0.0`: its output (what `docker logs` shows) has it."""
     exe = Path(sys.executable).parent / "baton"
-    baton = [str(exe)] if exe.exists() else [sys.executable, "-m", "baton.ops.cli"]
+    baton = [str(exe)] if exe.exists() else [sys.executable, "-m", "baton.cli.cli"]
     port = free_port()
     proc, out = _start([*baton, "serve", "--model", str(tiny_model_dir), "--host", "0.0.0.0", "--port", str(port),
                         "--dtype", "float32", "--threads-per-worker", "1"], REDIS_URL=redis_url)

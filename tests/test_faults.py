@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from baton.protocol import DECODE_STREAM
+from baton.common.protocol import DECODE_STREAM
 from tests.cluster import Cluster
 
 WORDS = "the quick brown fox jumps over a lazy dog while 東京 and café ☕ wait".split()
@@ -151,7 +151,7 @@ def test_redis_outage_gives_503_then_recovers(tiny_model_dir):
         assert response.status_code == 503 and time.time() - started < 5, response.text
         assert httpx.get(cluster.base_url + "/health", timeout=10).status_code == 503
         # Redis comes back (empty, as a restarted cache would) on the same port.
-        from baton.ops.redis_server import start_private_redis
+        from baton.cli.redis_server import start_private_redis
 
         cluster.redis = start_private_redis(port=port)
         deadline = time.time() + 60

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from baton import protocol
-from baton.finish_reason import WIRE_REASONS, FinishReason
+from baton.common import protocol
+from baton.common.finish_reason import WIRE_REASONS, FinishReason
 from gateway.finish import SPELLING, spelled
 
 

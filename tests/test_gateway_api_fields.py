@@ -435,7 +435,7 @@ def test_every_documented_openai_field_is_accepted(gw_server, gw_worker, path, s
 def test_served_model_name_and_strict_api_flags(monkeypatch):
     from gateway.__main__ import parse_args
 
-    monkeypatch.setattr("baton.ops.fetch.resolve_model", lambda model: "/models/Some-Model")
+    monkeypatch.setattr("baton.common.model_files.resolve_model", lambda model: "/models/Some-Model")
     monkeypatch.delenv("BATON_STRICT_API", raising=False)
     default = parse_args([])
     assert default.served_model_names == ("Some-Model",) and default.model_name == "Some-Model"

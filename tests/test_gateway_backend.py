@@ -16,8 +16,8 @@ from typing import Any
 import httpx
 import pytest
 
-from baton.finish_reason import FinishReason
-from baton.protocol import PrefillRequest, TokenEvent
+from baton.common.finish_reason import FinishReason
+from baton.common.protocol import PrefillRequest, TokenEvent
 from gateway.app import create_app, in_memory_runtime
 from gateway.backend import InMemoryBackend
 from gateway.config import Settings

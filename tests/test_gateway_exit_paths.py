@@ -22,7 +22,7 @@ import httpx
 import pytest
 from tests.test_gateway_support import free_port, wait_until
 
-from baton.structured import InvalidStructure, compiled_grammar
+from baton.common.structured import InvalidStructure, compiled_grammar
 from gateway import routes_openai
 from gateway.siblings import sibling_seed
 from gateway.tools import ToolCalling, ToolStream
@@ -172,7 +172,7 @@ def test_streamed_required_tool_calls_read_each_character_once():
 # ---- 5: grammars ----
 
 def test_an_invalid_schema_is_compiled_once(monkeypatch):
-    from baton import structured
+    from baton.common import structured
 
     calls = []
     real = structured.validate
@@ -281,5 +281,8 @@ def test_the_event_loop_stays_responsive_under_the_heaviest_legal_requests(gatew
     assert statuses == {i: 200 for i in range(len(threads))}, statuses
     p99 = latencies[int(0.99 * (len(latencies) - 1))]
     assert len(latencies) > 100
-    assert p99 < 0.25, f"/health p99 {p99 * 1000:.0f} ms (max {latencies[-1] * 1000:.0f} ms)"
+    # A locked loop answers /health after the heavy requests are done (seconds); 0.5 s leaves room
+    # for the 2-core machine this shares with the worker, the poller and ten clients (p99 there:
+    # 60-250 ms).
+    assert p99 < 0.5, f"/health p99 {p99 * 1000:.0f} ms (max {latencies[-1] * 1000:.0f} ms)"
     assert released(url, timeout=10)

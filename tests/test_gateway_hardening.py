@@ -178,7 +178,7 @@ def test_host_policy_follows_the_bind_address_and_the_setting(tmp_path, bind, al
 def test_allowed_hosts_flag_and_environment(monkeypatch):
     from gateway.__main__ import parse_args
 
-    monkeypatch.setattr("baton.ops.fetch.resolve_model", lambda model: "/nonexistent/model")
+    monkeypatch.setattr("baton.common.model_files.resolve_model", lambda model: "/nonexistent/model")
     monkeypatch.setenv("BATON_ALLOWED_HOSTS", "a.example, b.example")
     assert parse_args([]).allowed_hosts == ("a.example", "b.example")
     assert parse_args(["--allowed-hosts", "*"]).allowed_hosts == ("*",)

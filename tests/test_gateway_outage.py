@@ -14,8 +14,8 @@ import httpx
 from redis import Redis
 from tests.test_gateway_support import EchoWorker, start_gateway, wait_until
 
-from baton.ops.redis_server import start_private_redis
-from baton.protocol import token_stream
+from baton.cli.redis_server import start_private_redis
+from baton.common.protocol import token_stream
 
 
 def stats(url: str) -> dict[str, Any]:
@@ -130,7 +130,7 @@ async def test_the_token_reader_survives_a_connection_closed_under_it(gw_redis_u
 
     import redis.asyncio as aioredis
 
-    from baton import protocol
+    from baton.common import protocol
     from gateway.router import TokenRouter
 
     client = aioredis.from_url(gw_redis_url)

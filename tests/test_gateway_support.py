@@ -23,8 +23,8 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 import uvicorn
 
-from baton import heartbeats
-from baton.protocol import (
+from baton.common import heartbeats
+from baton.common.protocol import (
     CANCEL_STREAM,
     PAYLOAD_FIELD,
     PREFILL_GROUP,

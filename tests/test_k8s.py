@@ -269,7 +269,7 @@ def test_redis_runs_with_requirepass_from_the_secret(docs, tmp_path):
     """The Redis container's own command and probes, run here with the environment Kubernetes
     gives them (redis-server on a free port): it refuses clients without the password, the probe
     passes with it, and the password is on no command line."""
-    from baton.ops.redis_server import find_redis_server, free_port
+    from baton.cli.redis_server import find_redis_server, free_port
 
     try:
         real_server = find_redis_server()

@@ -97,7 +97,7 @@ def test_bf16_model_with_native_kernels_matches_its_torch_path(tiny_model_dir):
     """The same bf16 weights through the native kernels (fused norms, paged decode, packed matmuls)
     and through plain torch ops give the same greedy tokens and near-equal logprobs."""
     from baton.llm import LLM
-    from baton.sampling_params import SamplingParams
+    from baton.common.sampling_params import SamplingParams
 
     prompts = [[5 + i for i in range(n)] for n in (3, 17, 40, 70)]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -215,7 +215,7 @@ def test_all_layers_in_one_native_call_equal_the_python_layer_loop(tiny_model_di
     from baton.engine.layers_plan import LayersPlan
     from baton.engine.model import set_op
     from baton.llm import LLM
-    from baton.sampling_params import SamplingParams
+    from baton.common.sampling_params import SamplingParams
 
     llm = LLM(model=str(tiny_model_dir), dtype="bfloat16", num_kv_blocks=64)
     model = llm.engine.model

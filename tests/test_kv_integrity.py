@@ -19,7 +19,7 @@ import pytest
 import redis
 import torch
 
-from baton.ops.redis_server import free_port
+from baton.cli.redis_server import free_port
 from baton.engine.kv_types import BlockLoad, KVLoad
 from baton.worker.kv_transfer import StoreKVTransfer
 from kvstore.codec import decode_block, encode_block

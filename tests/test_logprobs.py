@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from baton.llm import LLM
-from baton.sampling_params import SamplingParams
+from baton.common.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 TOP = 5

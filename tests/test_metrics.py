@@ -20,7 +20,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from baton.ops.redis_server import free_port
+from baton.cli.redis_server import free_port
 from tests.cluster import Cluster
 
 BLOCK_SIZE = 16  # the workers' default

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from baton.llm import LLM
-from baton.sampling_params import SamplingParams
+from baton.common.sampling_params import SamplingParams
 from tests.hub_standin import COMMIT, HubRepo, HubStandIn
 from tests.test_cli import _children_records, _start_serve, _wait_for, baton_cmd, fake_services  # noqa: F401
 
@@ -31,7 +31,7 @@ MODEL_FILES = {"config.json", "generation_config.json", "model.safetensors", "to
 LOAD_SCRIPT = """
 import json, sys
 from baton.llm import LLM
-from baton.sampling_params import SamplingParams
+from baton.common.sampling_params import SamplingParams
 from gateway.__main__ import parse_args
 from gateway.tokenizer import PromptTokenizer
 
@@ -107,7 +107,7 @@ def test_a_repo_id_loads_the_engine_and_the_gateway_tokenizer_then_works_offline
 
 
 def test_a_second_online_start_downloads_nothing_again(hub, hf_env):
-    code = "import sys; from baton.ops.fetch import resolve_model; print(resolve_model(sys.argv[1]))"
+    code = "import sys; from baton.common.model_files import resolve_model; print(resolve_model(sys.argv[1]))"
     first = run_py(code, "org/tiny", env=hf_env)
     assert first.returncode == 0, first.stderr
     hub.requests.clear()
@@ -118,7 +118,7 @@ def test_a_second_online_start_downloads_nothing_again(hub, hf_env):
 
 
 def test_a_private_repo_needs_hf_token(hub, hf_env):
-    code = "import sys; from baton.ops.fetch import resolve_model; print(resolve_model(sys.argv[1]))"
+    code = "import sys; from baton.common.model_files import resolve_model; print(resolve_model(sys.argv[1]))"
     without = run_py(code, "org/private", env=hf_env)
     assert without.returncode != 0
     assert "has no model repo 'org/private'" in without.stderr and "HF_TOKEN" in without.stderr
@@ -154,15 +154,15 @@ def test_offline_and_not_cached_says_so(hf_env):
 
 def test_an_unreachable_hub_says_so(hf_env):
     env = {**hf_env, "HF_ENDPOINT": "http://127.0.0.1:9"}  # nothing listens on the discard port
-    result = run_py("import sys; from baton.ops.fetch import resolve_model; resolve_model(sys.argv[1])",
+    result = run_py("import sys; from baton.common.model_files import resolve_model; resolve_model(sys.argv[1])",
                     "org/tiny", env=env)
     assert result.returncode != 0
     assert "http://127.0.0.1:9 could not be reached" in result.stderr
 
 
 def test_a_path_that_is_neither_a_model_nor_a_repo_id(tmp_path):
-    from baton.ops.fetch import resolve_model
-    from baton.ops.hub import ModelNotFoundError
+    from baton.common.model_files import resolve_model
+    from baton.common.hub import ModelNotFoundError
 
     for name in (str(tmp_path / "nope"), "./not/a/model", str(tmp_path)):  # missing, not a repo id, not a model
         with pytest.raises(ModelNotFoundError, match="is not a model directory .* or a Hugging Face repo id"):
@@ -172,7 +172,7 @@ def test_a_path_that_is_neither_a_model_nor_a_repo_id(tmp_path):
 
 
 def test_a_local_directory_wins_over_a_repo_id_of_the_same_spelling(tiny_model_dir, monkeypatch):
-    from baton.ops import fetch
+    from baton.common import model_files as fetch
 
     monkeypatch.chdir(tiny_model_dir.parent)
     name = tiny_model_dir.name  # also a valid repo id
@@ -216,7 +216,7 @@ def test_float16_greedy_decode_runs_and_matches_float32(tiny_model_dir):
 def test_an_unsupported_dtype_is_a_clear_error(tiny_model_dir, capsys):
     with pytest.raises(ValueError, match="unknown dtype 'int8': use auto, float32, bfloat16 or float16"):
         LLM(model=str(tiny_model_dir), dtype="int8", num_kv_blocks=64)
-    from baton.ops.cli import build_parser
+    from baton.cli.cli import build_parser
 
     assert build_parser().parse_args(["serve", "--dtype", "float16"]).dtype == "float16"
     with pytest.raises(SystemExit) as exc:
@@ -229,8 +229,8 @@ def test_an_unsupported_dtype_is_a_clear_error(tiny_model_dir, capsys):
 
 
 def test_serve_passes_float16_to_both_workers():
-    from baton.ops.cli import build_parser
-    from baton.ops.serve import ThreadPlan, build_child_specs
+    from baton.cli.cli import build_parser
+    from baton.cli.serve import ThreadPlan, build_child_specs
 
     args = build_parser().parse_args(["serve", "--dtype", "float16"])
     specs = build_child_specs(args, Path("/m"), "redis://127.0.0.1:1/0", ThreadPlan([1], [1], cpus=2), python="py")

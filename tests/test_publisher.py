@@ -10,7 +10,7 @@ import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from baton import heartbeats, protocol
+from baton.common import heartbeats, protocol
 from baton.worker.core import Effects
 from baton.worker.publisher import EventPublisher
 
@@ -202,7 +202,7 @@ async def test_events_for_a_gateway_without_a_stream_do_not_recreate_it(redis_ur
 
 async def test_an_out_of_memory_redis_delays_the_output_but_loses_nothing():
     # Issue 11 (2d): an OOM reply was re-raised and the worker exited.
-    from baton.ops.redis_server import start_private_redis
+    from baton.cli.redis_server import start_private_redis
 
     server = start_private_redis()
     client = aioredis.from_url(server.url)
@@ -235,7 +235,7 @@ def test_worker_metrics_bind_loopback_unless_told_otherwise():
     import argparse
     import socket
 
-    from baton.ops.redis_server import free_port
+    from baton.cli.redis_server import free_port
     from baton.worker.args import add_common_args
     from baton.worker.health import serve_metrics
 

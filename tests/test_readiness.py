@@ -16,9 +16,9 @@ import redis
 from prometheus_client import CollectorRegistry
 from tests.test_gateway_support import private_db, start_gateway, wait_until
 
-from baton import heartbeats, logs, protocol
-from baton.ops.redis_server import free_port
-from baton.sampling_params import SamplingParams
+from baton.common import heartbeats, logs, protocol
+from baton.cli.redis_server import free_port
+from baton.common.sampling_params import SamplingParams
 
 
 def beat(client: redis.Redis, kind: str, worker_id: str, **state: object) -> None:

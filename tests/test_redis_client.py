@@ -13,11 +13,11 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from baton import protocol
-from baton.ops.redis_server import child_preexec, find_redis_server, free_port, start_private_redis
-from baton.redis_client import connect, connect_sync, is_cluster_url
+from baton.common import protocol
+from baton.cli.redis_server import child_preexec, find_redis_server, free_port, start_private_redis
+from baton.common.redis_client import connect, connect_sync, is_cluster_url
 from kvstore.redis_backend import is_cluster
-from baton.urls import redact_url
+from baton.common.urls import redact_url
 from baton.worker import writer
 from baton.worker.core import Effects
 

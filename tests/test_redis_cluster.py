@@ -19,8 +19,8 @@ import time
 import httpx
 import pytest
 
-from baton import redis_client
-from baton.protocol import DECODE_GROUP, DECODE_STREAM, PREFILL_STREAM
+from baton.common import redis_client
+from baton.common.protocol import DECODE_GROUP, DECODE_STREAM, PREFILL_STREAM
 from tests.cluster import Cluster
 from tests.redis_cluster import NODE_TIMEOUT_MS, RedisClusterServers, cluster_ports
 from tests.test_gateway_support import start_gateway, wait_until

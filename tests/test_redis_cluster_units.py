@@ -20,9 +20,9 @@ import redis
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from baton import redis_client
-from baton.ops.redis_server import child_preexec, find_redis_server
-from baton.redis_client import connect, connect_sync
+from baton.common import redis_client
+from baton.cli.redis_server import child_preexec, find_redis_server
+from baton.common.redis_client import connect, connect_sync
 from kvstore.redis_backend import is_cluster
 from tests.redis_cluster import cluster_ports
 
@@ -61,7 +61,7 @@ def fresh_probes():
 
 def test_a_plain_url_of_a_cluster_node_is_used_as_the_cluster(cluster_node, caplog):
     url = f"redis://:s3cret@127.0.0.1:{cluster_node}"
-    caplog.set_level(logging.INFO, logger="baton.redis_client")
+    caplog.set_level(logging.INFO, logger="baton.common.redis_client")
     assert redis_client.cluster_url_of_node(url) == f"redis+cluster://:s3cret@127.0.0.1:{cluster_node}"
     client = connect(url, socket_timeout=3)
     assert type(client) is aioredis.RedisCluster and is_cluster(client)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from baton.engine.sampling import apply_repetition_penalty, sample
-from baton.sampling_params import SamplingParams
+from baton.common.sampling_params import SamplingParams
 
 V = 64
 

@@ -13,7 +13,7 @@ import logging
 import pytest
 
 from baton.engine.block_manager import BlockManager
-from baton.sampling_params import SamplingParams
+from baton.common.sampling_params import SamplingParams
 from baton.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from baton.engine.sequence import Sequence, SequenceStatus
 from baton.engine.block_pool import BlockPool

@@ -37,14 +37,14 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
 def _free_port() -> int:
-    from baton.ops.redis_server import free_port
+    from baton.cli.redis_server import free_port
 
     return free_port()
 
 
 def _baton() -> list[str]:
     exe = Path(sys.executable).parent / "baton"
-    return [str(exe)] if exe.exists() else [sys.executable, "-m", "baton.ops.cli"]
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "baton.cli.cli"]
 
 
 def _processes() -> dict[int, tuple[int, str]]:

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from baton.ops.redis_server import PrivateRedis, start_private_redis
-from baton.ops.supervisor import ChildExited, Supervisor
+from baton.cli.redis_server import PrivateRedis, start_private_redis
+from baton.cli.supervisor import ChildExited, Supervisor
 
 PASSWORD = "test-password-Zq9xW2"
 
@@ -95,7 +95,7 @@ def test_supervisor_restarts_a_dead_redis_then_gives_up(private_redis: PrivateRe
 
 def test_a_child_whose_arguments_are_refused_is_not_restarted():
     """A usage error (exit 2) would repeat on every restart: it ends `baton serve` at once."""
-    from baton.ops.supervisor import ChildSpec
+    from baton.cli.supervisor import ChildSpec
 
     logs: list[str] = []
     sup = Supervisor(log=logs.append, max_restarts=5, restart_window=60)
@@ -119,8 +119,8 @@ def test_redis_and_children_die_with_a_killed_baton_serve(tiny_model_dir):
     env = dict(os.environ)
     env.pop("REDIS_URL", None)
     exe = Path(sys.executable).parent / "baton"
-    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "baton.ops.cli"]
-    from baton.ops.redis_server import free_port
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "baton.cli.cli"]
+    from baton.cli.redis_server import free_port
 
     proc = subprocess.Popen([*cmd, "serve", "--model", str(tiny_model_dir), "--port", str(free_port())],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

@@ -256,7 +256,7 @@ def test_sigkill_decode_worker_mid_structured_stream(tiny_model_dir):
     import signal
 
     from baton import LLM, SamplingParams
-    from baton.structured import json_schema
+    from baton.common.structured import json_schema
 
     schema = {"type": "object", "properties": {"xs": {"type": "array", "minItems": 24, "maxItems": 24,
                                                       "items": {"type": "integer", "minimum": 0, "maximum": 99}}},

@@ -10,8 +10,8 @@ import torch
 
 from baton.engine.sequence import Sequence
 from baton.engine.structured import StructuredOutput, apply_bitmask
-from baton.sampling_params import SamplingParams
-from baton.structured import InvalidStructure, choice_regex, json_schema, validate
+from baton.common.sampling_params import SamplingParams
+from baton.common.structured import InvalidStructure, choice_regex, json_schema, validate
 
 SCHEMA = {
     "type": "object",
@@ -180,7 +180,7 @@ def test_workers_answer_a_spec_they_cannot_compile_with_an_error_event(tiny_mode
     import dataclasses
     import time
 
-    from baton import protocol
+    from baton.common import protocol
     from tests.test_worker_core import decode_core, events_of, prefill_core
 
     bad = SamplingParams(max_tokens=8, structured={"kind": "regex", "spec": "(unclosed"})

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from baton import protocol, tracing
+from baton.common import protocol, tracing
 from baton.worker.core import Opening
 from tests.test_worker_core import PROMPT, decode_core, drive, fetch_loads, fields_of, new_store, prefill_core, request
 
@@ -31,7 +31,7 @@ def test_off_without_an_endpoint_and_off_with_a_warning_without_the_packages(mon
     assert tracing.start_span("x") is None and tracing.traceparent(None) == ""
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:9")
     monkeypatch.setitem(sys.modules, "opentelemetry.exporter.otlp.proto.http.trace_exporter", None)  # not installed
-    with caplog.at_level(logging.WARNING, logger="baton.tracing"):
+    with caplog.at_level(logging.WARNING, logger="baton.common.tracing"):
         assert not tracing.setup_tracing("baton-test")
     assert "OpenTelemetry is not installed" in caplog.text and not tracing.enabled()
 

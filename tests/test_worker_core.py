@@ -11,10 +11,10 @@ import msgpack
 import pytest
 from prometheus_client import CollectorRegistry
 
-from baton import protocol
+from baton.common import protocol
 from baton.engine.llm_engine import EngineConfig, LLMEngine
 from baton.llm import LLM
-from baton.sampling_params import SamplingParams
+from baton.common.sampling_params import SamplingParams
 from baton.engine.kv_types import LoadedKV
 from baton.worker.core import Effects, Opening
 from baton.worker.kv_transfer import StoreKVTransfer

@@ -11,8 +11,8 @@ import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from baton import heartbeats, protocol
-from baton.sampling_params import SamplingParams
+from baton.common import heartbeats, protocol
+from baton.common.sampling_params import SamplingParams
 from baton.worker.args import add_common_args
 from baton.worker.runtime import ensure_group
 from prefill_worker.worker import PrefillWorker

@@ -14,8 +14,8 @@ import uuid
 import pytest
 import redis
 
-from baton import heartbeats, protocol
-from baton.sampling_params import SamplingParams
+from baton.common import heartbeats, protocol
+from baton.common.sampling_params import SamplingParams
 
 
 def start_worker(module: str, model_dir, redis_url: str, *extra: str) -> subprocess.Popen:

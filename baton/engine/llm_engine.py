@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from baton.finish_reason import FinishReason
+from baton.common.finish_reason import FinishReason
 from baton.engine.block_manager import BlockManager
 from baton.engine.loader import default_device, load_model
 from baton.engine.logprobs import token_logprobs
@@ -33,14 +33,14 @@ from baton.engine.quant import quantize_model
 from baton.engine.scheduler import Scheduler, SchedulerConfig, StepOutput
 from baton.engine.structured import StructuredOutput
 from baton.engine.sequence import Sequence
-from baton.sampling_params import SamplingParams
+from baton.common.sampling_params import SamplingParams
 
 logger = logging.getLogger("baton.engine.llm_engine")
 
 
 @dataclass
 class EngineConfig:
-    model: str | Path = ""  # a model directory (resolve a name with baton.ops.fetch.resolve_model)
+    model: str | Path = ""  # a model directory (resolve a name with baton.common.model_files.resolve_model)
     dtype: str = "auto"
     device: str | None = None
     block_size: int = 16
@@ -64,7 +64,7 @@ class LLMEngine:
         self.model_dir = Path(config.model)
         if not (self.model_dir / "config.json").is_file():
             raise FileNotFoundError(f"{self.model_dir} is not a model directory (no config.json); "
-                                    "resolve a model name with baton.ops.fetch.resolve_model first")
+                                    "resolve a model name with baton.common.model_files.resolve_model first")
         device = torch.device(config.device) if config.device else default_device()
         self.model, self.model_config = load_model(self.model_dir, config.dtype, device)
         quantize_model(self.model, config.quantization)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from baton.engine.kv_types import KVSave
-from baton.finish_reason import FinishReason
+from baton.common.finish_reason import FinishReason
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ import hashlib
 import torch
 
 from baton.engine import kernels as native_kernels
-from baton.sampling_params import SamplingParams
+from baton.common.sampling_params import SamplingParams
 
 
 def _token_generator(seed: int, index: int, device: torch.device | str = "cpu") -> torch.Generator:

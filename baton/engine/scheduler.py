@@ -27,7 +27,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from baton.engine.block_manager import BlockManager, blocks_for
-from baton.finish_reason import FinishReason
+from baton.common.finish_reason import FinishReason
 from baton.engine.sequence import Sequence, SequenceStatus
 from baton.engine.kv_connector import KVConnectorScheduler
 from baton.engine.kv_types import KVLoad

@@ -6,8 +6,8 @@ import enum
 import time
 from typing import Any
 
-from baton.finish_reason import FinishReason
-from baton.sampling_params import SamplingParams
+from baton.common.finish_reason import FinishReason
+from baton.common.sampling_params import SamplingParams
 from baton.engine.kv_types import RemoteKV
 from kvstore.hashing import hash_block
 

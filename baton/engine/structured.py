@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from baton.engine.sequence import Sequence
-from baton.structured import InvalidStructure, compiled_grammar
+from baton.common.structured import InvalidStructure, compiled_grammar
 
 logger = logging.getLogger("baton.engine.structured")
 

@@ -67,10 +67,10 @@ def run_worker(worker_class: type[WorkerShell], argv: list[str] | None,
     """Parse a worker's flags and run it on uvloop (`python -m prefill_worker` / `decode_worker`)."""
     import asyncio
 
-    from baton.env_flags import apply_env
-    from baton.logs import setup_logging
-    from baton.ops.fetch import resolve_model
-    from baton.tracing import setup_tracing
+    from baton.common.env_flags import apply_env
+    from baton.common.logs import setup_logging
+    from baton.common.model_files import resolve_model
+    from baton.common.tracing import setup_tracing
 
     kind = worker_class.kind
     parser = argparse.ArgumentParser(prog=f"python -m {kind}_worker", description=f"Baton {kind} worker")

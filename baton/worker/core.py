@@ -15,9 +15,9 @@ import logging
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from baton.finish_reason import FinishReason
-from baton import protocol
-from baton.logs import remember, request_extra
+from baton.common.finish_reason import FinishReason
+from baton.common import protocol
+from baton.common.logs import remember, request_extra
 from baton.engine.llm_engine import LLMEngine
 from baton.worker.metrics import WorkerMetrics
 

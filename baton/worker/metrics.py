@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
-from baton.finish_reason import WIRE_REASONS, FinishReason
+from baton.common.finish_reason import WIRE_REASONS, FinishReason
 
 LABELS = ["model_name"]
 _TIME_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)

@@ -19,7 +19,7 @@ from collections import deque
 from redis.asyncio import Redis
 
 from baton.worker.core import Effects
-from baton.redis_client import REDIS_RETRYABLE
+from baton.common.redis_client import REDIS_RETRYABLE
 from baton.worker.writer import write_effects
 from kvstore.redis_backend import RedisBlockStore
 

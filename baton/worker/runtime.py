@@ -17,8 +17,8 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
-from baton import heartbeats, protocol, redis_client
-from baton.redis_client import REDIS_RETRYABLE
+from baton.common import heartbeats, protocol, redis_client
+from baton.common.redis_client import REDIS_RETRYABLE
 
 logger = logging.getLogger("baton.worker")
 
@@ -34,7 +34,7 @@ def default_worker_id(kind: str) -> str:
 
 
 def connect(url: str) -> Redis:
-    """A client for `url`: one Redis, a Redis Cluster or a Sentinel's master (baton/redis_client.py)."""
+    """A client for `url`: one Redis, a Redis Cluster or a Sentinel's master (baton/common/redis_client.py)."""
     return redis_client.connect(url, decode_responses=False, socket_timeout=10, socket_connect_timeout=5,
                                 health_check_interval=10)
 

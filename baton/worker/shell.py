@@ -23,11 +23,11 @@ from redis.exceptions import ResponseError
 from baton.engine.kv_types import KVLoad, LoadedKV
 from baton.engine.llm_engine import EngineConfig, LLMEngine
 from baton.engine.outputs import EngineOutput, EngineStats
-from baton.logs import request_extra
+from baton.common.logs import request_extra
 from baton.worker.core import Effects, Opening, WorkerCore
 from baton.worker.health import LoopWatch, serve_metrics
 from baton.worker.metrics import WorkerMetrics
-from baton.redis_client import REDIS_RETRYABLE
+from baton.common.redis_client import REDIS_RETRYABLE
 from baton.worker.runtime import (CancelWatcher, GatewayWatch, claim_from_dead, connect,
                                   default_worker_id, ensure_group, heartbeat_loop, install_signal_handlers, remove_dead_consumers)
 from baton.worker.kv_transfer import StoreKVTransfer

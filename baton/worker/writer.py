@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from baton import protocol
+from baton.common import protocol
 from baton.worker.core import Effects
 from kvstore.redis_backend import RedisBlockStore, is_cluster
 

@@ -14,9 +14,9 @@ from typing import Any
 import httpx
 import numpy as np
 
-from baton.bench.client import RequestInput, RequestOutput, fetch_first_model, make_client, request_completion
-from baton.bench.datasets import SampleRequest, load_tokenizer, sample_file_requests, sample_random_requests
-from baton.bench.metrics import (BenchmarkMetrics, calculate_metrics, format_result, parse_goodput,
+from baton.cli.bench.client import RequestInput, RequestOutput, fetch_first_model, make_client, request_completion
+from baton.cli.bench.datasets import SampleRequest, load_tokenizer, sample_file_requests, sample_random_requests
+from baton.cli.bench.metrics import (BenchmarkMetrics, calculate_metrics, format_result, parse_goodput,
                                  parse_percentiles, result_json)
 
 
@@ -140,7 +140,7 @@ def benchmark_level(args: argparse.Namespace, tokenizer: Any, model: str, reques
             path.write_text(json.dumps(result))
             print(f"Saved result to {path}")
         if args.plot:
-            from baton.bench.plots import plot_run
+            from baton.cli.bench.plots import plot_run
 
             for png in plot_run(run.outputs, metrics.output_lens, run.duration, path.with_suffix("")):
                 print(f"Saved plot to {png}")
@@ -150,7 +150,7 @@ def benchmark_level(args: argparse.Namespace, tokenizer: Any, model: str, reques
 def prepare(args: argparse.Namespace) -> tuple[Any, str, list[SampleRequest]]:
     """Tokenizer, model name and the workload: shared by serve and sweep (a sweep samples once)."""
     if args.tokenizer is None:
-        from baton.ops.fetch import default_model_dir
+        from baton.common.model_files import default_model_dir
 
         args.tokenizer = str(default_model_dir())
     args.tokenizer_id = args.tokenizer

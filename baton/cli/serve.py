@@ -7,7 +7,7 @@ prefill workers, the decode workers and the gateway start as `python -m <service
 Threads are a budget (DESIGN.md): two processes each running 2 torch threads on 2 cores slow down
 catastrophically, so the workers' `--threads` add up to at most the cores this process may use.
 
-The supervisor (`baton.ops.supervisor`) owns its children: they run in their own process group (a terminal's Ctrl-C reaches
+The supervisor (`baton.cli.supervisor`) owns its children: they run in their own process group (a terminal's Ctrl-C reaches
 only the supervisor, which then stops them in order: gateway first, then the workers, then Redis),
 and on Linux each child gets SIGTERM from the kernel if the supervisor itself dies (even by
 SIGKILL). A child that exits on its own is restarted with backoff; so is the private Redis, on the
@@ -33,8 +33,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from baton.urls import redact_url
-from baton.ops.supervisor import API_KEY_ENV, ChildExited, ChildSpec, StopRequested, Supervisor
+from baton.common.urls import redact_url
+from baton.cli.supervisor import API_KEY_ENV, ChildExited, ChildSpec, StopRequested, Supervisor
 from baton.worker.args import DTYPE_CHOICES, QUANTIZATION_CHOICES
 
 PREFILL_MODULE = "prefill_worker"
@@ -315,7 +315,7 @@ def wait_until_ready(sup: Supervisor, host: str, port: int, timeout: float) -> N
 # --------------------------------------------------------------------------------------------
 
 def run(args: argparse.Namespace) -> int:
-    from baton.ops.fetch import model_display_name, resolve_model
+    from baton.common.model_files import model_display_name, resolve_model
     from gateway.chat_template import load_chat_template
 
     log = lambda msg: print(f"baton: {msg}", file=sys.stderr, flush=True)  # noqa: E731
@@ -356,7 +356,7 @@ def run(args: argparse.Namespace) -> int:
         if redis_url:
             log(f"redis: {redact_url(redis_url)}")
         else:
-            from baton.ops.redis_server import start_private_redis
+            from baton.cli.redis_server import start_private_redis
 
             # A random password: any local user can reach a port on 127.0.0.1.
             private_redis = start_private_redis(password=secrets.token_urlsafe(32))

@@ -7,8 +7,8 @@ from typing import Any
 
 import numpy as np
 
-from baton.bench.client import RequestOutput
-from baton.bench.datasets import SampleRequest
+from baton.cli.bench.client import RequestOutput
+from baton.cli.bench.datasets import SampleRequest
 
 # (key, name in the block, section header), in vLLM's order.
 METRICS = (

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from baton.protocol import heartbeat_key
+from baton.common.protocol import heartbeat_key
 
 REGISTRY = "{baton:heartbeats}"
 DATA = "{baton:heartbeats}:data"

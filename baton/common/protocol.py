@@ -16,8 +16,8 @@ from typing import Any, TypeVar
 
 import msgpack
 
-from baton.finish_reason import WIRE_REASONS, FinishReason
-from baton.sampling_params import SamplingParams
+from baton.common.finish_reason import WIRE_REASONS, FinishReason
+from baton.common.sampling_params import SamplingParams
 
 # 2: one SamplingParams type; a handoff's partial_block_key is the store key
 # 3: token events carry top/prompt logprobs, requests the client's request id
@@ -66,7 +66,7 @@ async def create_token_stream(redis: Any, gateway_id: str, ttl_s: int) -> None:
 
 def heartbeat_key(kind: str, worker_id: str) -> str:
     """Name of a worker's (or gateway's) heartbeat: a member of the heartbeat index, not a key of
-    its own (baton/heartbeats.py)."""
+    its own (baton/common/heartbeats.py)."""
     return f"baton:heartbeat:{kind}:{worker_id}"
 
 
@@ -86,7 +86,7 @@ class PrefillRequest:
     kind: str = "prefill_request"
     # The client's x-request-id (or the one the gateway made up): for log lines, never for routing.
     client_request_id: str = ""
-    trace_context: str = ""  # W3C traceparent of the gateway's request span (baton/tracing.py), or ""
+    trace_context: str = ""  # W3C traceparent of the gateway's request span (baton/common/tracing.py), or ""
 
 
 @dataclass
@@ -120,7 +120,7 @@ class TokenEvent:
 
     `index` is the position in the output of `token_ids[0]`, so a gateway can drop duplicates and
     detect gaps. `finish_reason` is None while running, else STOP (EOS or stop token), LENGTH,
-    CANCELLED or ERROR (with `error`): `baton.finish_reason.WIRE_REASONS`.
+    CANCELLED or ERROR (with `error`): `baton.common.finish_reason.WIRE_REASONS`.
     """
 
     request_id: str

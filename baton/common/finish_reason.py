@@ -1,7 +1,7 @@
 """How a request ended: one enum from the engine, over the wire, to the gateway.
 
 The engine sets it, the workers send it in `TokenEvent.finish_reason` (as its string value: the wire
-format is unchanged, and `baton.protocol.decode` turns it back into the enum, refusing any other
+format is unchanged, and `baton.common.protocol.decode` turns it back into the enum, refusing any other
 value), and the gateway adds the one reason only it can see (a stop string: the workers never see
 text). Each API's spelling of it is one table, `gateway.finish`.
 """

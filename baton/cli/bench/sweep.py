@@ -8,8 +8,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from baton.bench.metrics import BenchmarkMetrics, parse_percentiles
-from baton.bench.serve import benchmark_level, parse_rate, prepare
+from baton.cli.bench.metrics import BenchmarkMetrics, parse_percentiles
+from baton.cli.bench.serve import benchmark_level, parse_rate, prepare
 
 STATS = ("mean", "median", "p99")
 LATENCIES = ("ttft", "tpot", "itl", "e2el")
@@ -76,7 +76,7 @@ def run_sweep(args: argparse.Namespace) -> int:
         writer = csv.DictWriter(f, fieldnames=COLUMNS)
         writer.writeheader()
         writer.writerows(rows)
-    from baton.bench.plots import plot_sweep
+    from baton.cli.bench.plots import plot_sweep
 
     png_path = plot_sweep(rows, kind, args.sweep_latency, out_dir / f"{stem}.png")
     print("\n" + format_table(rows, kind))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from baton.bench.serve import parse_rate
+from baton.cli.bench.serve import parse_rate
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
@@ -62,10 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     if args.bench_command == "serve":
-        from baton.bench.serve import run_serve
+        from baton.cli.bench.serve import run_serve
 
         return run_serve(args)
-    from baton.bench.sweep import run_sweep
+    from baton.cli.bench.sweep import run_sweep
 
     return run_sweep(args)
 

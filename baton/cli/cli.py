@@ -1,6 +1,6 @@
 """The `baton` command: `baton model fetch`, `baton serve`, `baton bench`.
 
-Process supervision lives in baton/ops/serve.py; this module only parses arguments and dispatches.
+Process supervision lives in baton/cli/serve.py; this module only parses arguments and dispatches.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from baton.env_flags import apply_env
-    from baton.ops.serve import add_serve_arguments
+    from baton.common.env_flags import apply_env
+    from baton.cli.serve import add_serve_arguments
 
     parser = argparse.ArgumentParser(
         prog="baton",
@@ -35,13 +35,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_arguments(serve)
     apply_env(serve)  # every flag as BATON_<FLAG> too
 
-    sub.add_parser("bench", help="benchmark a running Baton (arguments go to baton.bench.cli)",
+    sub.add_parser("bench", help="benchmark a running Baton (arguments go to baton.cli.bench.cli)",
                    add_help=False)
     return parser
 
 
 def cmd_model_fetch(args: argparse.Namespace) -> int:
-    from baton.ops.fetch import fetch_default_model
+    from baton.common.model_files import fetch_default_model
 
     path = fetch_default_model(force=args.force)
     print(path, flush=True)
@@ -50,10 +50,10 @@ def cmd_model_fetch(args: argparse.Namespace) -> int:
 
 def cmd_bench(argv: list[str]) -> int:
     try:
-        bench = importlib.import_module("baton.bench.cli")
+        bench = importlib.import_module("baton.cli.bench.cli")
     except ModuleNotFoundError as exc:
-        if exc.name in ("baton.bench", "baton.bench.cli"):
-            print("baton bench is not available in this version of Baton (no module baton.bench.cli)",
+        if exc.name in ("baton.cli.bench", "baton.cli.bench.cli"):
+            print("baton bench is not available in this version of Baton (no module baton.cli.bench.cli)",
                   file=sys.stderr)
             return 2
         raise
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "model" and args.model_command == "fetch":
             return cmd_model_fetch(args)
         if args.command == "serve":
-            from baton.ops.serve import run
+            from baton.cli.serve import run
 
             return run(args)
         return 2

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from baton.bench.client import RequestOutput
+from baton.cli.bench.client import RequestOutput
 
 
 def _pyplot() -> Any:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from baton.structured import check_shape
+from baton.common.structured import check_shape
 
 GREEDY_TEMPERATURE = 1e-5  # below this, sampling is greedy
 MAX_LOGPROBS = 20  # OpenAI's cap on top_logprobs (vLLM's default max_logprobs is 20 too)
@@ -37,7 +37,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # the same for every prompt token after the first
     # EOS and stop_token_ids cannot be sampled before this many output tokens (vLLM's min_tokens)
     min_tokens: int = 0
-    # Structured output: {"kind": ..., "spec": ...} the output must match (see baton.structured)
+    # Structured output: {"kind": ..., "spec": ...} the output must match (see baton.common.structured)
     structured: dict | None = None
 
     def __post_init__(self) -> None:

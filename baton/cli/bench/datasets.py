@@ -23,7 +23,7 @@ def load_tokenizer(path: str | os.PathLike | None) -> Any:
     from transformers import AutoTokenizer
 
     if path is None:
-        from baton.ops.fetch import default_model_dir
+        from baton.common.model_files import default_model_dir
 
         path = default_model_dir()
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True)

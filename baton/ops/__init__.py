@@ -1,1 +1,0 @@
-"""Operations: the `baton` command, `baton serve`, model fetching, the private Redis server."""
