@@ -134,3 +134,23 @@ def test_int8_weights_keep_perplexity_within_1_percent_and_live_once(native, def
     params = SamplingParams(max_tokens=8, temperature=0)
     prompt = "The capital of France is"
     assert int8.generate(prompt, params)[0].outputs[0].token_ids[:3] == bf16.generate(prompt, params)[0].outputs[0].token_ids[:3]
+
+
+def test_a_decode_step_runs_all_int8_layers_in_one_native_call_with_the_python_loops_numbers(native, default_model_dir):
+    """The all-layers decode call (kernels/decode_layers.cpp) multiplies the int8 packs too: the
+    decode worker's every step, at the Python loop's numbers bit for bit."""
+    from baton import LLM, SamplingParams
+
+    llm = LLM(model=str(default_model_dir), dtype="bfloat16", enable_prefix_caching=False, quantization="int8")
+    model = llm.engine.model
+    assert model.layers_plan is not None
+    params = SamplingParams(max_tokens=12, temperature=0, logprobs=0)
+    prompts = ["The capital of France is", "Écris un poème sur la mer", "数学は"]
+    planned = [o.outputs[0] for o in llm.generate(prompts, params)]
+    plan, model.layers_plan = model.layers_plan, None
+    try:
+        looped = [o.outputs[0] for o in llm.generate(prompts, params)]
+    finally:
+        model.layers_plan = plan
+    assert [o.token_ids for o in planned] == [o.token_ids for o in looped]
+    assert [o.logprobs for o in planned] == [o.logprobs for o in looped]

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from baton.engine.attention import AttentionMetadata
-from baton.engine.linear import PackedLinear, RowSplitLinear
+from baton.engine.linear import ALL_ROWS, PackedLinear, RowSplitLinear
 
 logger = logging.getLogger("baton.engine.layers_plan")
 
@@ -43,18 +43,28 @@ class LayersPlan:
         # model: a baton.engine.model.LlamaModel (not imported: that module imports this one)
         if kernel is None or not hasattr(kernel, "decode_layers") or not model.layers:
             return None
+        from baton.engine.quant import Q8Linear  # not at the top: quant imports the model, which imports this
+
+        if not all(hasattr(layer.mlp, "gate_up") for layer in model.layers):
+            return None  # MoE layers: their experts run in baton.engine.moe
         ops = [[layer.self_attn.qkv, layer.self_attn.o, layer.mlp.gate_up, layer.mlp.down] for layer in model.layers]
-        if not all(isinstance(op, (PackedLinear, RowSplitLinear)) and op.bias is None for row in ops for op in row):
+        kinds = (PackedLinear, RowSplitLinear, Q8Linear)
+        if not all(isinstance(op, kinds) and op.bias is None for row in ops for op in row):
             return None
-        if not LayersPlan._onednn_from_cpp_agrees(_onednn(ops[0][0]), kernel):
+        if any(isinstance(op, Q8Linear) and not op.native for row in ops for op in row):
+            return None
+        dense = [op for row in ops for op in row if not isinstance(op, Q8Linear)]
+        if dense and not LayersPlan._onednn_from_cpp_agrees(_onednn(dense[0]), kernel):
             return None
         empty = torch.empty(0, dtype=torch.bfloat16)  # no native pack: that projection is oneDNN only
         weights: list[torch.Tensor] = []
         for row in ops:
             for op in row:
-                weights += [op.packed if isinstance(op, RowSplitLinear) else empty, _onednn(op).packed]
-        max_native_rows = [min(row[j].max_native_rows if isinstance(row[j], RowSplitLinear) else 0 for row in ops)
-                           for j in range(4)]
+                if isinstance(op, Q8Linear):  # int8: q8_gemv for every row count (its uint8 pack says so)
+                    weights += [op.packed, empty]
+                else:
+                    weights += [op.packed if isinstance(op, RowSplitLinear) else empty, _onednn(op).packed]
+        max_native_rows = [min(_max_native_rows(row[j]) for row in ops) for j in range(4)]
         norms = [model.layers[0].input_layernorm.weight]
         for i, layer in enumerate(model.layers):
             following = model.layers[i + 1].input_layernorm if i + 1 < len(model.layers) else model.norm
@@ -84,6 +94,12 @@ class LayersPlan:
                                          self.max_native_rows, kv_cache, cos, sin, meta.slot_mapping,
                                          group.block_ids.view(group.count, -1), group.context_lens,
                                          self.num_heads, meta.block_size, self.scale)
+
+
+def _max_native_rows(op: Any) -> int:
+    if isinstance(op, RowSplitLinear):
+        return op.max_native_rows
+    return ALL_ROWS if not isinstance(op, PackedLinear) else 0  # int8 runs its kernel for every row count
 
 
 def _onednn(op: PackedLinear | RowSplitLinear) -> PackedLinear:

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from baton.engine.layers_plan import LayersPlan
 from baton.engine.model import set_op
 
 logger = logging.getLogger("baton.engine.quant")
@@ -108,6 +109,6 @@ def quantize_model(model: nn.Module, quantization: str, kernels: Any = None) -> 
         if not (tied and linear is model.lm_head):
             # the only copy now is the quantized one (the tied embedding keeps its weight: lookups)
             linear.weight = nn.Parameter(torch.empty(0, dtype=linear.weight.dtype), requires_grad=False)
-    # the all-layers native decode call multiplies bf16 packs: it does not apply to int8 weights
-    model.layers_plan = None
+    # the all-layers native decode call, rebuilt over the int8 packs (None where it cannot run them)
+    model.layers_plan = LayersPlan.build(model, kernels) if model.layers_plan is not None else None
     return total
