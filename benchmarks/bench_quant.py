@@ -26,7 +26,7 @@ from benchmarks.bench_engine import cpu_model, loadavg, measure_bandwidth, measu
 
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes a decode step reads for the projections and the head (their current ops)."""
-    from baton.engine.quant import Q8Linear
+    from baton.engine.linear import Q8Linear
 
     total = 0
     for owner, name, linear in model.projection_slots():

@@ -53,9 +53,14 @@ def _imports_of(source: str, own: str, modules: dict[str, Path] | set[str], top_
     """The first-party modules `source` imports (`from a import b` names a.b when b is a module).
     `top_level_only`: what runs on import (also under `if TYPE_CHECKING:`), not inside functions."""
     tree = ast.parse(source)
-    if top_level_only:
-        nodes = [n for stmt in tree.body if not isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef))
-                 for n in ast.walk(stmt)]
+    if top_level_only:  # what runs on import: module and class bodies, not function bodies
+        nodes, todo = [], list(tree.body)
+        while todo:
+            node = todo.pop()
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                continue
+            nodes.append(node)
+            todo.extend(ast.iter_child_nodes(node))
     else:
         nodes = list(ast.walk(tree))
     found: set[str] = set()
@@ -127,7 +132,7 @@ def test_the_checker_sees_an_upward_import_and_a_cycle():
     modules = _files()
     assert _imports_of("from gateway.app import create_app\n", "baton.engine.probe", modules, False) == {"gateway.app"}
     assert _layer(modules["gateway.app"]) > _layer(modules["baton.engine.llm_engine"])
-    lazy = "def f():\n    from baton.engine import llm_engine\n"
+    lazy = "class C:\n    def f(self):\n        from baton.engine import llm_engine\n"
     assert _imports_of(lazy, "x", modules, top_level_only=True) == set()
     assert _imports_of(lazy, "x", modules, top_level_only=False) == {"baton.engine", "baton.engine.llm_engine"}
     guarded = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from kvstore import keys\n"

@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from baton.engine import kernels
-from baton.engine.quant import Q8Linear, dequantize_q8_0, quantize_q8_0
+from baton.engine.linear import Q8Linear, dequantize_q8_0
+from baton.engine.quant import quantize_q8_0
 
 # A fixed text of ~500 tokens: perplexity over a few dozen tokens moves by percents with noise alone.
 TEXT = """The history of the city begins with a small fishing village on the bank of a wide river. Over

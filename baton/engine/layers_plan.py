@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from baton.engine.attention import AttentionMetadata
-from baton.engine.linear import ALL_ROWS, PackedLinear, RowSplitLinear
+from baton.engine.linear import ALL_ROWS, PackedLinear, Q8Linear, RowSplitLinear
 
 logger = logging.getLogger("baton.engine.layers_plan")
 
@@ -43,8 +43,6 @@ class LayersPlan:
         # model: a baton.engine.model.LlamaModel (not imported: that module imports this one)
         if kernel is None or not hasattr(kernel, "decode_layers") or not model.layers:
             return None
-        from baton.engine.quant import Q8Linear  # not at the top: quant imports the model, which imports this
-
         if not all(hasattr(layer.mlp, "gate_up") for layer in model.layers):
             return None  # MoE layers: their experts run in baton.engine.moe
         ops = [[layer.self_attn.qkv, layer.self_attn.o, layer.mlp.gate_up, layer.mlp.down] for layer in model.layers]

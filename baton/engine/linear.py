@@ -232,3 +232,48 @@ def _agrees(op: LinearOp, reference: LinearOp, in_features: int, dtype: torch.dt
         expected = reference(probe).float()
         got = op(probe).float()
     return bool(torch.allclose(got, expected, rtol=1e-2, atol=1e-2 * float(expected.abs().max()) + 1e-3))
+
+
+# ---- int8 (Q8_0) weights: quantized by baton.engine.quant, multiplied by kernels/qgemv.cpp
+
+Q8_BLOCK = 32  # weights per scale (GGUF's QK8_0)
+
+
+def dequantize_q8_0(q: torch.Tensor, d: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """(q [N, K] int8, d [N, K/32]) -> w [N, K] in `dtype`."""
+    n, k = q.shape
+    return (q.float().reshape(n, k // Q8_BLOCK, Q8_BLOCK) * d.float().unsqueeze(-1)).reshape(n, k).to(dtype)
+
+
+class Q8Linear:
+    """[..., K] -> [..., N] through int8 weights (the native kernel, or a dequantizing fallback)."""
+
+    def __init__(self, q: torch.Tensor, d: torch.Tensor, bias: torch.Tensor | None, kernels: Any) -> None:
+        self.out_features, self.in_features = q.shape
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+        self._kernels = kernels if kernels is not None and kernels.q8_available() else None
+        if self._kernels is not None:
+            self.packed = self._kernels.q8_pack(q, d)  # [ceil(N/32), K/32, 1280] u8: the only copy
+            self.q = self.d = None
+        else:
+            self.packed = None
+            self.q, self.d = q.contiguous(), d.float().contiguous()
+
+    @property
+    def native(self) -> bool:
+        return self._kernels is not None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the quantized weight in memory (scales included)."""
+        if self.packed is not None:
+            return self.packed.numel()
+        assert self.q is not None and self.d is not None
+        return self.q.numel() + self.d.numel() * 4
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self._kernels is not None:
+            return self._kernels.q8_gemv(x, self.packed, self.bias, self.out_features, x.dtype == torch.float32)
+        assert self.q is not None and self.d is not None
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return F.linear(x, dequantize_q8_0(self.q, self.d, x.dtype), bias)

@@ -19,69 +19,28 @@ import logging
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from baton.engine.layers_plan import LayersPlan
+from baton.engine.linear import Q8_BLOCK, Q8Linear
 from baton.engine.model import set_op
 
 logger = logging.getLogger("baton.engine.quant")
 
 QUANTIZATIONS = ("none", "int8")
-BLOCK = 32  # weights per scale (GGUF's QK8_0)
 
 
 def quantize_q8_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w [N, K] (K % 32 == 0) -> (q [N, K] int8 in [-127, 127], d [N, K/32] fp32), w ~ d * q per
     block of 32 (round to nearest: llama.cpp's Q8_0 reference quantization)."""
     n, k = weight.shape
-    if k % BLOCK:
-        raise ValueError(f"int8 needs the input size to be a multiple of {BLOCK}, not {k}")
-    blocks = weight.detach().float().reshape(n, k // BLOCK, BLOCK)
+    if k % Q8_BLOCK:
+        raise ValueError(f"int8 needs the input size to be a multiple of {Q8_BLOCK}, not {k}")
+    blocks = weight.detach().float().reshape(n, k // Q8_BLOCK, Q8_BLOCK)
     d = blocks.abs().amax(-1) / 127.0
     inverse = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
     q = (blocks * inverse.unsqueeze(-1)).round().clamp(-127, 127).to(torch.int8)
     return q.reshape(n, k), d
-
-
-def dequantize_q8_0(q: torch.Tensor, d: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """(q [N, K] int8, d [N, K/32]) -> w [N, K] in `dtype`."""
-    n, k = q.shape
-    return (q.float().reshape(n, k // BLOCK, BLOCK) * d.float().unsqueeze(-1)).reshape(n, k).to(dtype)
-
-
-class Q8Linear:
-    """[..., K] -> [..., N] through int8 weights (the native kernel, or a dequantizing fallback)."""
-
-    def __init__(self, q: torch.Tensor, d: torch.Tensor, bias: torch.Tensor | None, kernels: Any) -> None:
-        self.out_features, self.in_features = q.shape
-        self.bias = None if bias is None else bias.detach().float().contiguous()
-        self._kernels = kernels if kernels is not None and kernels.q8_available() else None
-        if self._kernels is not None:
-            self.packed = self._kernels.q8_pack(q, d)  # [ceil(N/32), K/32, 1280] u8: the only copy
-            self.q = self.d = None
-        else:
-            self.packed = None
-            self.q, self.d = q.contiguous(), d.float().contiguous()
-
-    @property
-    def native(self) -> bool:
-        return self._kernels is not None
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the quantized weight in memory (scales included)."""
-        if self.packed is not None:
-            return self.packed.numel()
-        assert self.q is not None and self.d is not None
-        return self.q.numel() + self.d.numel() * 4
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self._kernels is not None:
-            return self._kernels.q8_gemv(x, self.packed, self.bias, self.out_features, x.dtype == torch.float32)
-        assert self.q is not None and self.d is not None
-        bias = None if self.bias is None else self.bias.to(x.dtype)
-        return F.linear(x, dequantize_q8_0(self.q, self.d, x.dtype), bias)
 
 
 def quantize_model(model: nn.Module, quantization: str, kernels: Any = None) -> int:
