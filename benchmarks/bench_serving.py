@@ -39,8 +39,14 @@ def free_port() -> int:
 def start_server(tree: Path, port: int, extra: list[str]) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(tree))
     log = open(tempfile.mktemp(prefix=f"serve-{tree.name}-", suffix=".log"), "w")
-    # the CLI moved to baton.cli.cli after d084efe; an older tree has its own baton.cli
-    cli = "baton.cli.cli" if (tree / "baton" / "ops" / "cli.py").exists() else "baton.cli"
+    # where the CLI lives in the tree: baton/cli/cli.py (now), baton/ops/cli.py (before the layers), or
+    # baton/cli.py (d084efe and earlier)
+    if (tree / "baton" / "cli" / "cli.py").exists():
+        cli = "baton.cli.cli"
+    elif (tree / "baton" / "ops" / "cli.py").exists():
+        cli = "baton.ops.cli"
+    else:
+        cli = "baton.cli"
     proc = subprocess.Popen([sys.executable, "-m", cli, "serve", "--port", str(port), *extra],
                             cwd=tree, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + 600
