@@ -30,7 +30,7 @@ from baton.engine.kv_connector import KVConnectorScheduler
 from baton.engine.kv_types import KVLoad, LoadedKV, RemoteKV
 from baton.engine.outputs import EngineOutput, EngineStats, KVHandoff
 from baton.engine.quant import quantize_model
-from baton.engine.scheduler import Scheduler, SchedulerConfig, StepOutput
+from baton.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, StepOutput
 from baton.engine.structured import StructuredOutput
 from baton.engine.sequence import Sequence
 from baton.common.sampling_params import SamplingParams
@@ -163,7 +163,7 @@ class LLMEngine:
             outputs += self._run(plan)
         return [self._output(out) for out in outputs]
 
-    def _run(self, plan) -> list[StepOutput]:
+    def _run(self, plan: SchedulerOutput) -> list[StepOutput]:
         sample_seqs, all_logits, prompt_rows = self.runner.execute(plan.scheduled)
         logits = all_logits[:len(sample_seqs)]
         self.num_steps += 1
