@@ -47,7 +47,7 @@ class LLM:
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
                  scheduler_policy: str = "max-utilization", dtype: str = "auto", device: str | None = None,
                  enable_prefix_caching: bool = True, kv_cache_memory: int = 1 << 30,
-                 num_threads: int | None = None, quantization: str = "none") -> None:
+                 num_threads: int | None = None, quantization: str = "auto") -> None:
         self.engine = LLMEngine(EngineConfig(
             model=resolve_model(model), dtype=dtype, device=device, block_size=block_size, num_kv_blocks=num_kv_blocks,
             kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,

@@ -26,12 +26,12 @@ from benchmarks.bench_engine import cpu_model, loadavg, measure_bandwidth, measu
 
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes a decode step reads for the projections and the head (their current ops)."""
-    from baton.engine.linear import Q8Linear
+    from baton.engine.linear import QuantizedLinear
 
     total = 0
     for owner, name, linear in model.projection_slots():
         op = getattr(owner, name)
-        total += op.nbytes if isinstance(op, Q8Linear) else linear.weight.numel() * linear.weight.element_size()
+        total += op.nbytes if isinstance(op, QuantizedLinear) else linear.weight.numel() * linear.weight.element_size()
     return total
 
 

@@ -29,10 +29,27 @@ def redis_url(redis_server) -> str:
 
 
 @pytest.fixture(scope="session")
-def default_model_dir() -> Path:
+def default_gguf_model_dir() -> Path:
+    """The default model as `baton serve` serves it: converted from its GGUF, whose Q4_1 blocks the
+    engine serves as they are (`--quantization auto`)."""
     from baton.common.model_files import resolve_model
 
     return resolve_model(None)
+
+
+@pytest.fixture(scope="session")
+def default_model_dir(tmp_path_factory, default_gguf_model_dir) -> Path:
+    """The default model as a plain Hugging Face checkpoint: the converted directory's files (the
+    weights transformers dequantized from the GGUF) without its GGUF source record, so that Baton
+    serves them in --dtype, the weights the transformers oracle runs."""
+    from baton.common.model_files import GGUF_SOURCE_FILE
+
+    out = tmp_path_factory.mktemp("hf-checkpoint") / default_gguf_model_dir.name
+    out.mkdir()
+    for entry in default_gguf_model_dir.iterdir():
+        if entry.name != GGUF_SOURCE_FILE:
+            (out / entry.name).symlink_to(entry)
+    return out
 
 
 @pytest.fixture(scope="session")

@@ -315,11 +315,11 @@ def test_rope_frequencies_equal_transformers(case, tmp_path):
 def test_int8_weights_run_on_the_torch_path_and_leave_moe_experts_alone(family, family_dir, prompts):
     """--quantization int8 on a family outside the native path: every dense projection is int8, the
     experts stay in bf16 (run by baton.engine.moe), and generation works."""
-    from baton.engine.linear import Q8Linear
+    from baton.engine.linear import QuantizedLinear
 
     llm = LLM(model=str(family_dir(family)), dtype="bfloat16", num_kv_blocks=128, quantization="int8")
     model = llm.engine.model
-    assert all(isinstance(getattr(owner, name), Q8Linear) for owner, name, _ in model.projection_slots())
+    assert all(isinstance(getattr(owner, name), QuantizedLinear) for owner, name, _ in model.projection_slots())
     experts = [p for n, p in model.named_parameters() if "experts" in n]
     assert (family == "qwen3_moe") == bool(experts) and all(p.dtype == torch.bfloat16 and p.numel() for p in experts)
     outputs = tokens_of(llm.generate(prompts, greedy()))

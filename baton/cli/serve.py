@@ -35,7 +35,7 @@ from pathlib import Path
 
 from baton.common.urls import redact_url
 from baton.cli.supervisor import API_KEY_ENV, ChildExited, ChildSpec, StopRequested, Supervisor
-from baton.worker.args import DTYPE_CHOICES, QUANTIZATION_CHOICES
+from baton.worker.args import DTYPE_CHOICES, QUANTIZATION_CHOICES, QUANTIZATION_HELP
 
 PREFILL_MODULE = "prefill_worker"
 DECODE_MODULE = "decode_worker"
@@ -155,9 +155,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                         help="worker compute dtype (default auto: bfloat16 on CUDA and on CPUs with fast "
                              "bf16, else float32)")
-    parser.add_argument("--quantization", default="none", choices=QUANTIZATION_CHOICES,
-                        help="worker weights: none (in --dtype) or int8 (GGUF Q8_0 blocks of 32, quantized at "
-                             "load: half the bytes of bf16, read by an integer kernel)")
+    parser.add_argument("--quantization", default="auto", choices=QUANTIZATION_CHOICES, help="worker " + QUANTIZATION_HELP)
     parser.add_argument("--threads-per-worker", type=int, default=None,
                         help="torch threads per worker (default: split this machine's cores among the workers)")
     parser.add_argument("--worker-metrics-port", type=int, default=None,

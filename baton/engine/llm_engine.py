@@ -14,12 +14,14 @@ import logging
 import os
 import time
 from collections.abc import Iterable, Sequence as Seq
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from baton.common.finish_reason import FinishReason
+from baton.common.model_files import gguf_source
 from baton.engine.block_manager import BlockManager
 from baton.engine.loader import default_device, load_model
 from baton.engine.logprobs import token_logprobs
@@ -53,7 +55,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     num_threads: int | None = None
     kv_connector: bool = False  # load from and save to a block store (the workers)
-    quantization: str = "none"  # "int8": projections in Q8_0 blocks (baton.engine.quant)
+    quantization: str = "auto"  # auto, none, int8, int4: the projections' weights (baton.engine.quant)
 
 
 class LLMEngine:
@@ -67,7 +69,12 @@ class LLMEngine:
                                     "resolve a model name with baton.common.model_files.resolve_model first")
         device = torch.device(config.device) if config.device else default_device()
         self.model, self.model_config = load_model(self.model_dir, config.dtype, device)
-        quantize_model(self.model, config.quantization)
+        self.quantization = quantize_model(self.model, config.quantization, gguf_source=gguf_source(self.model_dir))
+        if self.quantization != "none":
+            # KV computed with other weights is another model's: prefix hashes (and the block store's
+            # keys) must not match across quantizations
+            self.model_config = dataclasses.replace(
+                self.model_config, model_id=f"{self.model_config.model_id}+{self.quantization}")
         self.dtype = next(self.model.parameters()).dtype
         block_bytes = kv_bytes_per_block(self.model_config, config.block_size, self.dtype)
         num_blocks = config.num_kv_blocks or max(2, config.kv_cache_memory // block_bytes)
@@ -89,7 +96,8 @@ class LLMEngine:
         self._kv_loads: list[KVLoad] = []
         self._requests: dict[str, Sequence] = {}  # unfinished, by id
         logger.info("engine ready: %s (%s%s, %s), %d KV blocks of %d tokens, policy %s",
-                    self.model_dir.name, self.dtype, ", int8 weights" if config.quantization == "int8" else "",
+                    self.model_dir.name, self.dtype,
+                    "" if self.quantization == "none" else f", {self.quantization} weights",
                     device, num_blocks, config.block_size, config.scheduler_policy)
 
     @property

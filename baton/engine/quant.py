@@ -1,10 +1,14 @@
 """Quantized projections: int8 weights in GGUF's Q8_0 form (blocks of 32 along the input, one scale
-each: w = d * q), multiplied by the native kernel (`kernels/qgemv.cpp`, AVX512-VNNI integer dot
-products against activations quantized per block, as llama.cpp multiplies Q8_0).
+each: w = d * q) or 4-bit ones in Q4_1's (w = d * q + m, q in 0..15), multiplied by the native
+kernel (`kernels/qgemv.cpp`, AVX512-VNNI integer dot products against activations quantized per
+block, as llama.cpp multiplies them).
 
-`quantize_model(model, "int8")` replaces each dense projection's op (q|k|v, o, gate|up, down; MoE
-experts stay in the model's dtype) and the LM head's by a `Q8Linear` and frees the bf16/fp32 weight it replaced, so that each weight lives
-once in memory, quantized. The token embedding stays in the model's dtype (a lookup reads one row
+`quantize_model(model, quantization, gguf_source=...)`: "int8" / "int4" quantize each dense projection
+(q|k|v, o, gate|up, down; MoE experts stay in the model's dtype) and the LM head at load and replace
+its op by a `QuantizedLinear`, freeing the bf16/fp32 weight it replaced, so that each weight lives
+once in memory, quantized. "auto" (the default) serves a model converted from a GGUF in the GGUF's own
+quantization (`baton.engine.gguf_weights`) and any other model as it is; "none" keeps the model's
+dtype (a GGUF then runs dequantized, in --dtype). The token embedding stays in the model's dtype (a lookup reads one row
 per token; it is the LM head's weight too when the two are tied, and the head's quantized copy is
 then the only other one).
 
@@ -16,18 +20,19 @@ says so in the log once. The quantized weight is the same either way.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from baton.engine.layers_plan import LayersPlan
-from baton.engine.linear import Q8_BLOCK, Q8Linear
+from baton.engine.linear import Q8_BLOCK, QuantizedLinear
 from baton.engine.model import set_op
 
 logger = logging.getLogger("baton.engine.quant")
 
-QUANTIZATIONS = ("none", "int8")
+QUANTIZATIONS = ("auto", "none", "int8", "int4")
 
 
 def quantize_q8_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,31 +48,72 @@ def quantize_q8_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.reshape(n, k), d
 
 
-def quantize_model(model: nn.Module, quantization: str, kernels: Any = None) -> int:
-    """Quantize `model`'s projections in place (after `prepare()`); returns the bytes of the
-    quantized weights. `kernels`: the native module (None: `baton.engine.kernels.load()`)."""
+def quantize_q4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [N, K] (K % 32 == 0) -> (q [N, K] uint8 in 0..15, d, m [N, K/32] fp32), w ~ d * q + m per
+    block of 32 (llama.cpp's Q4_1 reference: m the block's minimum, d its range / 15; d and m are
+    rounded to fp16 first, as they are stored, and q against those)."""
+    n, k = weight.shape
+    if k % Q8_BLOCK:
+        raise ValueError(f"int4 needs the input size to be a multiple of {Q8_BLOCK}, not {k}")
+    blocks = weight.detach().float().reshape(n, k // Q8_BLOCK, Q8_BLOCK)
+    low, high = blocks.amin(-1), blocks.amax(-1)
+    d = ((high - low) / 15.0).to(torch.float16).float()
+    m = low.to(torch.float16).float()
+    inverse = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    q = ((blocks - m.unsqueeze(-1)) * inverse.unsqueeze(-1)).round().clamp(0, 15).to(torch.uint8)
+    return q.reshape(n, k), d, m
+
+
+def quantize_model(model: nn.Module, quantization: str, kernels: Any = None,
+                   gguf_source: Path | None = None) -> str:
+    """Quantize `model`'s projections in place (after `prepare()`) and return the scheme that now
+    serves them: "none", "int8", "int4" or "gguf" (auto with `gguf_source`, the GGUF file the model
+    directory was converted from). `kernels`: the native module (None: `baton.engine.kernels.load()`)."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, not {quantization!r}")
+    if quantization == "auto":  # the GGUF's own blocks on the CPU (the kernels are CPU ones), else as loaded
+        on_cpu = model.embed_tokens.weight.device.type == "cpu"
+        quantization = "gguf" if gguf_source is not None and on_cpu else "none"
     if quantization == "none":
-        return 0
+        return quantization
+    if model.embed_tokens.weight.device.type != "cpu":
+        raise ValueError(f"--quantization {quantization} runs on the CPU only")
     if kernels is None:
         from baton.engine import kernels as native
 
         kernels = native.load()
     if kernels is None or not kernels.q8_available():
-        logger.warning("int8 weights without the native int8 kernel (it needs AVX512-VNNI and a compiler): "
+        logger.warning("quantized weights without the native kernel (it needs AVX512-VNNI and a compiler): "
                        "each projection dequantizes its weight per call, which is slow")
+    if quantization == "gguf":
+        assert gguf_source is not None
+        from baton.engine.gguf_weights import load_gguf_projections
+
+        load_gguf_projections(model, gguf_source, kernels)
+    else:
+        _quantize_projections(model, quantization, kernels)
+    # the all-layers native decode call, rebuilt over the quantized packs (None where it cannot run them)
+    model.layers_plan = LayersPlan.build(model, kernels) if model.layers_plan is not None else None
+    return quantization
+
+
+def _quantize_projections(model: nn.Module, quantization: str, kernels: Any) -> None:
     tied = model.lm_head.weight is model.embed_tokens.weight
-    total = 0
     # dense projections only: MoE experts keep the model's dtype (no batched-by-expert int8 yet)
     for owner, name, linear in model.projection_slots():
-        q, d = quantize_q8_0(linear.weight)
-        op = Q8Linear(q, d, linear.bias, kernels)
+        # int4 keeps the LM head in int8, as llama.cpp's 4-bit files keep `output` in 6-8 bits: the
+        # logits are what sampling reads, and 4 bits there cost most of int4's perplexity (measured)
+        if quantization == "int8" or linear is model.lm_head:
+            op = QuantizedLinear.q8_0(*quantize_q8_0(linear.weight), linear.bias, kernels)
+        else:
+            op = QuantizedLinear.q4(*quantize_q4(linear.weight), linear.bias, kernels)
         set_op(owner, name, op)
-        total += op.nbytes
         if not (tied and linear is model.lm_head):
             # the only copy now is the quantized one (the tied embedding keeps its weight: lookups)
             linear.weight = nn.Parameter(torch.empty(0, dtype=linear.weight.dtype), requires_grad=False)
-    # the all-layers native decode call, rebuilt over the int8 packs (None where it cannot run them)
-    model.layers_plan = LayersPlan.build(model, kernels) if model.layers_plan is not None else None
-    return total
+
+
+def quantized_bytes(model: nn.Module) -> int:
+    """Bytes of the quantized projections' packs (0 when none is quantized)."""
+    return sum(op.nbytes for owner, name, _ in model.projection_slots()
+               if isinstance(op := getattr(owner, name), QuantizedLinear))

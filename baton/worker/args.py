@@ -15,7 +15,11 @@ if TYPE_CHECKING:
 # What baton.engine.loader.resolve_dtype loads weights as (auto: bf16 where it is fast, else fp32).
 DTYPE_CHOICES = ["auto", "float32", "bfloat16", "float16"]
 # baton.engine.quant.QUANTIZATIONS (not imported here: parsing flags must not load torch)
-QUANTIZATION_CHOICES = ["none", "int8"]
+QUANTIZATION_CHOICES = ["auto", "none", "int8", "int4"]
+QUANTIZATION_HELP = ("weights: auto (the default: a model converted from a GGUF keeps its own quantization, "
+                     "Q8_0 / Q4_0 / Q4_1 / Q4_K as they are and other types requantized to Q8_0; any other model "
+                     "in --dtype), none (in --dtype; a GGUF dequantized), int8 (Q8_0 blocks of 32) or int4 (Q4_1 "
+                     "blocks of 32), both quantized at load")
 
 
 def parse_bytes(text: str) -> int:
@@ -35,8 +39,8 @@ def add_common_args(parser: argparse.ArgumentParser, kind: str) -> None:
                         help="redis[s]://, redis[s]+cluster:// or redis[s]+sentinel:// (default: $REDIS_URL, "
                              "else redis://127.0.0.1:6379/0)")
     parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
-    parser.add_argument("--quantization", default="none", choices=QUANTIZATION_CHOICES,
-                        help="weights: none (in --dtype) or int8 (GGUF Q8_0 blocks of 32, quantized at load)")
+    parser.add_argument("--quantization", default="auto", choices=QUANTIZATION_CHOICES,
+                        help=QUANTIZATION_HELP)
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if present)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (workers on one machine must share its cores)")
     parser.add_argument("--block-size", type=int, default=16)

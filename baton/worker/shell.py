@@ -43,7 +43,7 @@ def build_engine(args: argparse.Namespace) -> LLMEngine:
         num_kv_blocks=args.num_kv_blocks, kv_cache_memory=args.kv_cache_memory,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         scheduler_policy=getattr(args, "scheduler_policy", "max-utilization"), num_threads=args.threads,
-        kv_connector=True, quantization=getattr(args, "quantization", "none"),
+        kv_connector=True, quantization=getattr(args, "quantization", "auto"),
     ))
 
 

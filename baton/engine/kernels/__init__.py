@@ -6,8 +6,8 @@ table in place (vLLM's and SGLang's CPU decode attention do the same): the torch
 gather every request's blocks into a padded copy, which at batch 64 moves three times the KV bytes
 the attention needs; `rope_write_decode` adds RoPE and the K/V write to it, one call per layer.
 `gemv` is the few-row bf16 matmul that streams weights at the machine's bandwidth (oneDNN reads them
-at a fraction of it at batch 1-4); `q8_gemv` is its int8 (GGUF Q8_0) counterpart, with integer
-dot products. `decode_layers` runs a decode-only step's layers in one call.
+at a fraction of it at batch 1-4); `qgemv` is its int8 (GGUF Q8_0) and 4-bit (Q4_0/Q4_1/Q4_K)
+counterpart, with integer dot products. `decode_layers` runs a decode-only step's layers in one call.
 Each file says what it measured.
 
 The build uses torch's own extension builder (a C++ compiler and ninja are needed) and is cached
@@ -50,7 +50,7 @@ _DIR = Path(__file__).parent
 # each includes vec.h; decode_layers.cpp calls the others, so it comes last (one translation unit)
 _SOURCES = ("paged_attention.cpp", "pointwise.cpp", "gemv.cpp", "qgemv.cpp", "decode_layers.cpp")
 _FUNCTIONS = ("paged_decode", "rope_write_decode", "greedy_pick", "add_rms_norm", "silu_mul", "gemv", "gemv_pack",
-              "gemv_available", "gemv_kernel", "q8_pack", "q8_gemv", "q8_available", "decode_layers", "onednn_linear")
+              "gemv_available", "gemv_kernel", "q8_pack", "q4_pack", "qgemv", "q8_available", "decode_layers", "onednn_linear")
 _lock = threading.Lock()
 _loaded: dict[str, ModuleType | None] = {}
 

@@ -7,8 +7,8 @@
 // bit for bit (tests/test_kernels.py). Each projection runs the native few-row kernel up to its
 // tuned row count (every row count in the batch-invariant mode: max_native_rows is then 2^40) and
 // oneDNN's prepacked matmul (through the dispatcher, as torch.ops would) above it, as RowSplitLinear
-// does. A projection whose native pack is a q8_pack (uint8, int8 weights: qgemv.cpp) runs q8_gemv
-// for every row count. Used for bias-free projections only (LayersPlan.build decides).
+// does. A projection whose native pack is a q8_pack or q4_pack (uint8: qgemv.cpp) runs qgemv for
+// every row count. Used for bias-free projections only (LayersPlan.build decides).
 //
 // x [T, H] bf16: the residual stream (updated in place); norms: the 2L + 1 RMSNorm weights in the
 // order they apply (layer 0 input, layer 0 post-attention, layer 1 input, ..., final); weights: per
@@ -42,7 +42,7 @@ torch::Tensor decode_layers(torch::Tensor x, std::vector<torch::Tensor> norms, d
   const c10::optional<torch::Tensor> no_bias;
   auto project = [&](const torch::Tensor& in, int64_t layer, int kind) {
     const torch::Tensor& native = weights[8 * layer + 2 * kind];
-    if (native.scalar_type() == at::kByte) return q8_gemv(in, native, no_bias, out_features[kind], false);
+    if (native.scalar_type() == at::kByte) return qgemv(in, native, no_bias, out_features[kind], false);
     if (rows <= max_native_rows[kind]) return gemv(in, native, no_bias, out_features[kind], false);
     return onednn_linear(in, weights[8 * layer + 2 * kind + 1]);
   };

@@ -15,6 +15,15 @@
 // VPDPBUSD lane takes are 4 consecutive K of one output), then 32 fp32 scales d, then 32 fp32 c.
 // N is padded with zero rows (scale 0). K must be a multiple of 32.
 //
+// 4-bit weights (GGUF's Q4_0, Q4_1 and Q4_K, repacked as they are): blocks of 32 along K, each 32
+// unsigned nibbles q in [0, 15], a scale d and an offset m (w = d * q + m; Q4_0 is m = -8 d, Q4_K's
+// sub-blocks are d = d_super * sc, m = -dmin * mn). Here the nibbles are the unsigned operand of
+// VPDPBUSD and the activations (p, not offset) the signed one, so the dot needs no correction term;
+// the offset adds m * s * sum(p) per block. Packed: [ceil(N/32), K/32, 640] bytes; per (strip, block)
+// 8 groups of 4 K-columns x 16 outputs x 4 bytes (64 bytes: the low nibbles are outputs 0-15, the high
+// ones outputs 16-31, the 4 bytes of a lane 4 consecutive K), then 32 fp16 d, then 32 fp16 m: 0.625
+// bytes per weight, as GGUF's Q4_1. `qgemv` runs either pack (its last size says which).
+//
 // x [..., K] bf16 or fp32 -> [..., N] bf16 (rounded to nearest even, as torch) or fp32. Each output
 // row is computed by the same arithmetic whatever M is (the row tile only decides how many rows
 // share a weight load): batch-invariant, as the bf16 kernel.
@@ -25,6 +34,7 @@ namespace {
 constexpr int64_t kQStrip = 32;  // outputs per strip: 2 zmm of int32 (and 2 of fp32) per row
 constexpr int64_t kQBlock = 32;  // K per block (GGUF's QK8_0)
 constexpr int64_t kQBlockBytes = 8 * kQStrip * 4 + 2 * kQStrip * 4;  // weights, d, c: 1280
+constexpr int64_t kQ4BlockBytes = 8 * 64 + 2 * kQStrip * 2;  // nibbles, d, m (fp16): 640
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 // One strip of 32 outputs for MT activation rows. xq: [MT, K] u8 (offset 128), xs: [MT, K/32] fp32.
@@ -60,11 +70,50 @@ inline void q8_strip(const uint8_t* xq, const float* xs, int64_t K, const uint8_
   }
   store_tiles<MT, 2>(acc, bias, n0, N, out_f, out_b);
 }
+
+// The 4-bit strip. xq: [MT, K] int8 (not offset), xs: [MT, K/32] scales, xsum: [MT, K/32] s * sum(p).
+template <int MT>
+inline void q4_strip(const uint8_t* xq, const float* xs, const float* xsum, int64_t K, const uint8_t* strip,
+                     const float* bias, int64_t n0, int64_t N, float* out_f, c10::BFloat16* out_b) {
+  __m512 acc[MT][2];
+  for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+  const int64_t blocks = K / kQBlock;
+  const int32_t* x4 = reinterpret_cast<const int32_t*>(xq);
+  const int64_t words = K / 4;
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* blk = strip + b * kQ4BlockBytes;
+    __m512i dot[MT][2];
+    for (int m = 0; m < MT; ++m) dot[m][0] = dot[m][1] = _mm512_setzero_si512();
+    for (int g = 0; g < 8; ++g) {
+      const __m512i v = _mm512_loadu_si512(blk + g * 64);
+      const __m512i w0 = _mm512_and_si512(v, low4);
+      const __m512i w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+      for (int m = 0; m < MT; ++m) {
+        const __m512i xv = _mm512_set1_epi32(x4[m * words + b * 8 + g]);
+        dot[m][0] = _mm512_dpbusd_epi32(dot[m][0], w0, xv);
+        dot[m][1] = _mm512_dpbusd_epi32(dot[m][1], w1, xv);
+      }
+    }
+    const __m256i* dm = reinterpret_cast<const __m256i*>(blk + 512);
+    const __m512 d0 = _mm512_cvtph_ps(_mm256_loadu_si256(dm)), d1 = _mm512_cvtph_ps(_mm256_loadu_si256(dm + 1));
+    const __m512 o0 = _mm512_cvtph_ps(_mm256_loadu_si256(dm + 2)), o1 = _mm512_cvtph_ps(_mm256_loadu_si256(dm + 3));
+    for (int m = 0; m < MT; ++m) {
+      const __m512 s = _mm512_set1_ps(xs[m * blocks + b]);
+      const __m512 sp = _mm512_set1_ps(xsum[m * blocks + b]);
+      acc[m][0] = _mm512_fmadd_ps(o0, sp, _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dot[m][0]), d0), s, acc[m][0]));
+      acc[m][1] = _mm512_fmadd_ps(o1, sp, _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dot[m][1]), d1), s, acc[m][1]));
+    }
+  }
+  store_tiles<MT, 2>(acc, bias, n0, N, out_f, out_b);
+}
 #endif
 
-// Row m of x -> its blocks as u8 (p + 128) and their scales s = amax / 127 (0 for an all-zero block).
+// Row m of x -> its blocks as bytes p + offset (128 for the Q8_0 kernel's unsigned operand, 0 for the
+// 4-bit one's signed operand), their scales s = amax / 127 (0 for an all-zero block) and, where xsum
+// is given, s * sum(p) per block.
 template <typename T>
-void quantize_rows(const T* x, int64_t M, int64_t K, uint8_t* xq, float* xs) {
+void quantize_rows(const T* x, int64_t M, int64_t K, int offset, uint8_t* xq, float* xs, float* xsum) {
   const int64_t blocks = K / kQBlock;
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
@@ -80,7 +129,13 @@ void quantize_rows(const T* x, int64_t M, int64_t K, uint8_t* xq, float* xs) {
         const float inv = s > 0.f ? 1.f / s : 0.f;
         xs[m * blocks + b] = s;
         uint8_t* dst = xq + m * K + b * kQBlock;
-        for (int i = 0; i < kQBlock; ++i) dst[i] = static_cast<uint8_t>(static_cast<int>(std::nearbyint(v[i] * inv)) + 128);
+        int sum = 0;
+        for (int i = 0; i < kQBlock; ++i) {
+          const int p = static_cast<int>(std::nearbyint(v[i] * inv));
+          sum += p;
+          dst[i] = static_cast<uint8_t>(p + offset);
+        }
+        if (xsum != nullptr) xsum[m * blocks + b] = s * static_cast<float>(sum);
       }
     }
   });
@@ -135,12 +190,55 @@ torch::Tensor q8_pack(torch::Tensor q, torch::Tensor d) {
   return out;
 }
 
-torch::Tensor q8_gemv(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t N,
-                      bool out_float) {
+// q [N, K] uint8 nibbles in [0, 15], d and m [N, K/32] (w = d * q + m per block; stored as fp16)
+// -> the 4-bit packed stream above ([NS, K/32, 640] u8)
+torch::Tensor q4_pack(torch::Tensor q, torch::Tensor d, torch::Tensor m) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kByte, "q must be [N, K] uint8");
+  const int64_t N = q.size(0), K = q.size(1);
+  TORCH_CHECK(K % kQBlock == 0, "K must be a multiple of 32");
+  const int64_t blocks = K / kQBlock;
+  TORCH_CHECK(d.dim() == 2 && d.size(0) == N && d.size(1) == blocks && m.sizes() == d.sizes(),
+              "d and m must be [N, K/32]");
+  auto qc = q.contiguous();
+  auto dc = d.to(at::kHalf).contiguous();
+  auto mc = m.to(at::kHalf).contiguous();
+  TORCH_CHECK(qc.max().item<int64_t>() <= 15, "q must be 4-bit (0..15)");
+  const int64_t NS = (N + kQStrip - 1) / kQStrip;
+  auto out = torch::zeros({NS, blocks, kQ4BlockBytes}, q.options().dtype(at::kByte));
+  const uint8_t* qp = qc.data_ptr<uint8_t>();
+  const at::Half* dp = dc.data_ptr<at::Half>();
+  const at::Half* mp = mc.data_ptr<at::Half>();
+  uint8_t* op = out.data_ptr<uint8_t>();
+  at::parallel_for(0, NS, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t s = begin; s < end; ++s) {
+      for (int64_t b = 0; b < blocks; ++b) {
+        uint8_t* blk = op + (s * blocks + b) * kQ4BlockBytes;
+        at::Half* dd = reinterpret_cast<at::Half*>(blk + 512);
+        for (int64_t r = 0; r < kQStrip; ++r) {
+          const int64_t n = s * kQStrip + r;
+          if (n >= N) break;  // padding: zero weights, zero scale and offset
+          const uint8_t* src = qp + n * K + b * kQBlock;
+          const int64_t lane = r % 16, shift = r < 16 ? 0 : 4;
+          for (int g = 0; g < 8; ++g)
+            for (int i = 0; i < 4; ++i) blk[g * 64 + lane * 4 + i] |= static_cast<uint8_t>(src[g * 4 + i] << shift);
+          dd[r] = dp[n * blocks + b];
+          dd[kQStrip + r] = mp[n * blocks + b];
+        }
+      }
+    }
+  });
+  return out;
+}
+
+// x [..., K] -> [..., N] through a q8_pack or a q4_pack (the pack's last size says which).
+torch::Tensor qgemv(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t N,
+                    bool out_float) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "x must be bf16 or fp32");
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kQBlockBytes && packed.scalar_type() == at::kByte,
-              "packed must come from q8_pack");
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte &&
+                  (packed.size(2) == kQBlockBytes || packed.size(2) == kQ4BlockBytes),
+              "packed must come from q8_pack or q4_pack");
+  const bool four_bit = packed.size(2) == kQ4BlockBytes;
   const int64_t K = x.size(-1), NS = packed.size(0), blocks = packed.size(1);
   TORCH_CHECK(blocks * kQBlock == K && N <= NS * kQStrip && N > (NS - 1) * kQStrip,
               "x or N does not match the packed weight");
@@ -152,26 +250,34 @@ torch::Tensor q8_gemv(torch::Tensor x, torch::Tensor packed, c10::optional<torch
   auto out = torch::empty({M, N}, x.options().dtype(out_dtype));
   if (M == 0) return out.view(out_shape);
   auto xq = torch::empty({M, K}, x.options().dtype(at::kByte));
-  auto xs = torch::empty({M, blocks}, x.options().dtype(at::kFloat));
+  auto xs = torch::empty({four_bit ? 2 : 1, M, blocks}, x.options().dtype(at::kFloat));
+  float* xsp = xs.data_ptr<float>();
+  float* xsum = four_bit ? xsp + M * blocks : nullptr;
+  const int offset = four_bit ? 0 : 128;
   if (x2.scalar_type() == at::kBFloat16)
-    quantize_rows(x2.data_ptr<c10::BFloat16>(), M, K, xq.data_ptr<uint8_t>(), xs.data_ptr<float>());
+    quantize_rows(x2.data_ptr<c10::BFloat16>(), M, K, offset, xq.data_ptr<uint8_t>(), xsp, xsum);
   else
-    quantize_rows(x2.data_ptr<float>(), M, K, xq.data_ptr<uint8_t>(), xs.data_ptr<float>());
+    quantize_rows(x2.data_ptr<float>(), M, K, offset, xq.data_ptr<uint8_t>(), xsp, xsum);
   const torch::Tensor bias_f = bias_as_float(bias, N);
   const float* b = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   const uint8_t* xqp = xq.data_ptr<uint8_t>();
-  const float* xsp = xs.data_ptr<float>();
   const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const int64_t strip_bytes = blocks * packed.size(2);
   float* out_f = out_float ? out.data_ptr<float>() : nullptr;
   c10::BFloat16* out_b = out_float ? nullptr : out.data_ptr<c10::BFloat16>();
   over_strips_and_row_tiles(NS, M, [&](int64_t s, int64_t m0, auto tile) {
-    q8_strip<decltype(tile)::value>(xqp + m0 * K, xsp + m0 * blocks, K, wp + s * blocks * kQBlockBytes, b,
-                                    s * kQStrip, N, out_f ? out_f + m0 * N : nullptr,
-                                    out_b ? out_b + m0 * N : nullptr);
+    constexpr int MT = decltype(tile)::value;
+    float* of = out_f ? out_f + m0 * N : nullptr;
+    c10::BFloat16* ob = out_b ? out_b + m0 * N : nullptr;
+    if (four_bit)
+      q4_strip<MT>(xqp + m0 * K, xsp + m0 * blocks, xsum + m0 * blocks, K, wp + s * strip_bytes, b, s * kQStrip, N,
+                   of, ob);
+    else
+      q8_strip<MT>(xqp + m0 * K, xsp + m0 * blocks, K, wp + s * strip_bytes, b, s * kQStrip, N, of, ob);
   });
   return out.view(out_shape);
 #else
-  TORCH_CHECK(false, "q8_gemv needs AVX512-VNNI");
+  TORCH_CHECK(false, "qgemv needs AVX512-VNNI");
   return x;
 #endif
 }

@@ -1,0 +1,217 @@
+"""A GGUF's projections served in its own quantization, as llama.cpp serves them.
+
+A `.gguf` model is converted once into a Hugging Face directory (`baton.common.model_files`: the
+config, the tokenizer, and every tensor dequantized by transformers), which the loader reads like
+any other. That directory remembers the GGUF it came from (`GGUF_SOURCE_FILE`); with
+`--quantization auto` (the default) `load_gguf_projections` then replaces each dense projection by
+the GGUF's own blocks, repacked for the native kernels (`kernels/qgemv.cpp`) without requantizing:
+
+- Q8_0: int8 + one fp16 scale per 32 (the int8 kernel's format, scale widened to fp32);
+- Q4_0, Q4_1, Q4_K: 4-bit, each block of 32 as w = d * q + m (Q4_0: m = -8 d; Q4_K's sub-blocks:
+  d = d_super * scale, m = -dmin * min, rounded to fp16 as the 4-bit kernel stores them);
+- any other quantized type (Q5_*, Q6_K, Q2_K, Q3_K, IQ*) and a fused projection whose parts differ
+  in type (Q4_K_M's attn_v and ffn_down are Q6_K): dequantized by `gguf` and requantized to Q8_0
+  (8 bits for a 5-6 bit source: near-lossless), said in the log with the counts;
+- F16, BF16, F32 projections stay dense in the model's dtype.
+
+Rows are mapped and un-permuted as transformers does (its GGUF tensor processors: Llama's q and k
+rows are stored permuted for llama.cpp's RoPE), and every repacked projection is checked against
+the weight the loader read from the converted directory on a sample of rows: a mapping mistake is
+an error at load, never wrong text. MoE experts keep the model's dtype.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from baton.engine.linear import QuantizedLinear
+from baton.engine.model import MLP, set_op
+
+logger = logging.getLogger("baton.engine.gguf_weights")
+
+DENSE_TYPES = ("F32", "F16", "BF16")
+FOUR_BIT_TYPES = ("Q4_0", "Q4_1", "Q4_K")
+
+
+def _fp16(raw: np.ndarray) -> np.ndarray:
+    """[..., 2] uint8 -> [...] float32 (little-endian fp16)."""
+    return np.ascontiguousarray(raw).view(np.float16)[..., 0].astype(np.float32)
+
+
+def unpack_q8_0(raw: np.ndarray, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """GGUF Q8_0 rows [n, k/32 * 34] uint8 -> (q [n, k] int8, d [n, k/32] fp32)."""
+    blocks = raw.reshape(n, k // 32, 34)
+    d = _fp16(blocks[..., 0:2])
+    q = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(n, k)
+    return torch.from_numpy(q.copy()), torch.from_numpy(d)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """[..., 16] bytes -> [..., 32]: elements 0-15 are the low nibbles, 16-31 the high ones."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def unpack_q4(raw: np.ndarray, type_name: str, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GGUF Q4_0 / Q4_1 / Q4_K rows -> (q [n, k] uint8 in 0..15, d, m [n, k/32] fp32), w = d * q + m."""
+    if type_name == "Q4_0":
+        blocks = raw.reshape(n, k // 32, 18)
+        d = _fp16(blocks[..., 0:2])
+        m = -8.0 * d
+        q = _nibbles(blocks[..., 2:])
+    elif type_name == "Q4_1":
+        blocks = raw.reshape(n, k // 32, 20)
+        d, m = _fp16(blocks[..., 0:2]), _fp16(blocks[..., 2:4])
+        q = _nibbles(blocks[..., 4:])
+    elif type_name == "Q4_K":
+        supers = raw.reshape(n, k // 256, 144)
+        d_super, dmin = _fp16(supers[..., 0:2]), _fp16(supers[..., 2:4])
+        sc = supers[..., 4:16].astype(np.uint8)
+        # llama.cpp's get_scale_min_k4: 8 6-bit scales and mins in 12 bytes
+        scales = np.empty(sc.shape[:-1] + (8,), np.float32)
+        mins = np.empty_like(scales)
+        scales[..., :4] = sc[..., 0:4] & 63
+        mins[..., :4] = sc[..., 4:8] & 63
+        scales[..., 4:] = (sc[..., 8:12] & 0x0F) | ((sc[..., 0:4] >> 6) << 4)
+        mins[..., 4:] = (sc[..., 8:12] >> 4) | ((sc[..., 4:8] >> 6) << 4)
+        d = (d_super[..., None] * scales).reshape(n, k // 32)
+        m = (-dmin[..., None] * mins).reshape(n, k // 32)
+        qs = supers[..., 16:].reshape(n, k // 256, 4, 32)  # 4 chunks of 64: low nibbles, then high
+        q = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(n, k // 32, 32)
+    else:
+        raise ValueError(f"{type_name} is not a 4-bit type this kernel takes")
+    return (torch.from_numpy(np.ascontiguousarray(q).reshape(n, k).astype(np.uint8)),
+            torch.from_numpy(np.ascontiguousarray(d, dtype=np.float32)),
+            torch.from_numpy(np.ascontiguousarray(m, dtype=np.float32)))
+
+
+class GGUFTensors:
+    """The GGUF file's tensors by name, with the row order transformers gives them."""
+
+    def __init__(self, path: Path, num_heads: int, num_kv_heads: int) -> None:
+        import gguf
+        from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+
+        self.reader = gguf.GGUFReader(str(path))
+        self.arch = bytes(self.reader.fields["general.architecture"].parts[-1]).decode()
+        self.tensors = {t.name: t for t in self.reader.tensors}
+        processor = TENSOR_PROCESSORS.get(self.arch, TensorProcessor)
+        self._processor = processor(config={"num_attention_heads": num_heads, "num_key_value_heads": num_kv_heads})
+        arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == self.arch)
+        blocks = 1 + max((int(n.split(".")[1]) for n in self.tensors if n.startswith("blk.")), default=0)
+        self.names = gguf.get_tensor_name_map(arch, blocks)
+
+    def find(self, hf_name: str) -> Any | None:
+        """The tensor a Hugging Face module name (`model.layers.0.self_attn.q_proj`) maps to."""
+        name = self.names.get_name(hf_name)
+        return None if name is None else self.tensors.get(name + ".weight")
+
+    def type_name(self, tensor: Any) -> str:
+        return tensor.tensor_type.name
+
+    def shape(self, tensor: Any) -> tuple[int, int]:
+        k, n = (int(x) for x in tensor.shape)  # ggml lists the fastest-varying dimension first
+        return n, k
+
+    def rows(self, tensor: Any) -> np.ndarray:
+        """[n, bytes per row] uint8 (or [n, k] floats for dense types), in transformers' row order."""
+        n, _ = self.shape(tensor)
+        data = np.asarray(tensor.data)
+        data = data.reshape(n, -1)
+        order = self._processor.process(weights=np.arange(n).reshape(n, 1), name=tensor.name).weights
+        order = np.asarray(order).reshape(n)
+        return data if np.array_equal(order, np.arange(n)) else data[order]
+
+    def dequantized(self, tensor: Any) -> torch.Tensor:
+        import gguf
+
+        n, k = self.shape(tensor)
+        rows = self.rows(tensor)
+        if self.type_name(tensor) in DENSE_TYPES:
+            return torch.from_numpy(np.ascontiguousarray(rows).astype(np.float32)).reshape(n, k)
+        return torch.from_numpy(gguf.quants.dequantize(rows, tensor.tensor_type).astype(np.float32)).reshape(n, k)
+
+
+def _slot_sources(model: nn.Module) -> list[list[list[str]]]:
+    """Per projection slot (`model.projection_slots()` order), the alternatives of Hugging Face module
+    names it is made of: separate parts (q, k, v) first, an already fused tensor (Phi-3) second."""
+    out: list[list[list[str]]] = []
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        out += [[[p + f"self_attn.{n}_proj" for n in "qkv"], [p + "self_attn.qkv_proj"]],
+                [[p + "self_attn.o_proj"]]]
+        if isinstance(layer.mlp, MLP):
+            out += [[[p + "mlp.gate_proj", p + "mlp.up_proj"], [p + "mlp.gate_up_proj"]], [[p + "mlp.down_proj"]]]
+    out.append([["lm_head"], ["model.embed_tokens"]])  # a tied head is the embedding's tensor
+    return out
+
+
+def _check(parts: tuple[torch.Tensor, ...], scheme: str, loaded: torch.Tensor,
+           where: str) -> None:
+    """The repacked weight must be the one the loader read (dequantized by transformers from the same
+    blocks, rounded to the model's dtype), on a sample of rows: anything else is a mapping error."""
+    n = loaded.shape[0]
+    rows = torch.unique(torch.linspace(0, n - 1, min(n, 64)).long())
+    sampled = tuple(p[rows] for p in parts)
+    probe = QuantizedLinear(scheme, sampled, None, kernels=None)
+    mine = probe.dequantized(torch.float32)
+    theirs = loaded[rows].float()
+    tolerance = 2.0 ** -7 * theirs.abs().amax().item() + 1e-6  # bf16 rounding, and fp16 for Q4_K scales
+    if not torch.allclose(mine, theirs, rtol=2.0 ** -7, atol=tolerance):
+        worst = (mine - theirs).abs().max().item()
+        raise ValueError(f"the GGUF's {where} does not match the converted weights (max error {worst:.3g}): "
+                         "its tensors were mapped wrongly")
+
+
+def load_gguf_projections(model: nn.Module, gguf_path: Path, kernels: Any) -> dict[str, int]:
+    """Replace `model`'s dense projections by the GGUF's blocks (see the module docstring); the
+    projections' dense weights are freed. Returns how many projections took each form."""
+    config = model.config
+    source = GGUFTensors(gguf_path, config.num_heads, config.num_kv_heads)
+    tied = model.lm_head.weight is model.embed_tokens.weight
+    counts: collections.Counter[str] = collections.Counter()
+    requantized: collections.Counter[str] = collections.Counter()
+    for (owner, name, linear), alternatives in zip(model.projection_slots(), _slot_sources(model), strict=True):
+        found = [[source.find(h) for h in alt] for alt in alternatives]
+        tensors = next((ts for ts in found if all(t is not None for t in ts)), None)
+        if tensors is None:
+            raise ValueError(f"the GGUF has no tensor for {alternatives[0]} (architecture {source.arch})")
+        types = [source.type_name(t) for t in tensors]
+        where = "+".join(t.name for t in tensors)
+        if all(t in DENSE_TYPES for t in types):
+            counts["dense"] += 1
+            continue
+        if all(t == "Q8_0" for t in types):
+            unpacked = [unpack_q8_0(source.rows(t), *source.shape(t)) for t in tensors]
+            scheme, parts = "q8_0", tuple(torch.cat(ps) for ps in zip(*unpacked))
+        elif all(t in FOUR_BIT_TYPES for t in types):
+            unpacked4 = [unpack_q4(source.rows(t), source.type_name(t), *source.shape(t)) for t in tensors]
+            scheme, parts = "q4", tuple(torch.cat(ps) for ps in zip(*unpacked4))
+        else:
+            from baton.engine.quant import quantize_q8_0
+
+            weight = torch.cat([source.dequantized(t) for t in tensors])
+            scheme, parts = "q8_0", quantize_q8_0(weight)
+            requantized["/".join(sorted(set(types)))] += 1
+        if tuple(parts[0].shape) != tuple(linear.weight.shape):
+            raise ValueError(f"the GGUF's {where} is {tuple(parts[0].shape)}, the model's projection "
+                             f"{tuple(linear.weight.shape)}")
+        _check(parts, scheme, linear.weight, where)
+        op = QuantizedLinear(scheme, parts, linear.bias, kernels)
+        set_op(owner, name, op)
+        counts["+".join(sorted(set(types)))] += 1
+        if not (tied and linear is model.lm_head):
+            linear.weight = nn.Parameter(torch.empty(0, dtype=linear.weight.dtype), requires_grad=False)
+    if requantized:
+        logger.info("GGUF %s: %s requantized to Q8_0 (no native kernel for those types yet)", gguf_path.name,
+                    ", ".join(f"{n} {t}" for t, n in sorted(requantized.items())))
+    logger.info("GGUF %s served in its own quantization: %s", gguf_path.name,
+                ", ".join(f"{n} {t}" for t, n in sorted(counts.items())))
+    return dict(counts)
+

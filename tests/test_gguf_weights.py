@@ -1,0 +1,71 @@
+"""A GGUF's blocks served as they are (issue 23): unpacked exactly as the `gguf` package dequantizes
+them, mapped to the model's projections with a check that catches a wrong mapping, and tied to the
+converted directory by a source record."""
+
+from __future__ import annotations
+
+import json
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from baton.common.model_files import GGUF_SOURCE_FILE, gguf_source
+from baton.engine.gguf_weights import _check, unpack_q4, unpack_q8_0
+from baton.engine.linear import dequantize_q4, dequantize_q8_0
+
+
+def random_blocks(type_name: str, n: int, k: int, seed: int) -> np.ndarray:
+    """Random raw rows of a GGUF type whose fp16 scale fields hold sane values (random bytes there
+    would be NaNs and infinities): any bit pattern is a valid block otherwise."""
+    qtype = gguf.GGMLQuantizationType[type_name]
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(n, k // block, size), dtype=np.uint8)
+    scale_fields = {"Q8_0": 1, "Q4_0": 1, "Q4_1": 2, "Q4_K": 2}[type_name]  # leading fp16 fields
+    scales = rng.uniform(-0.05, 0.05, size=(n, k // block, scale_fields)).astype(np.float16)
+    raw[..., : 2 * scale_fields] = scales.view(np.uint8).reshape(n, k // block, 2 * scale_fields)
+    return raw.reshape(n, -1)
+
+
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1", "Q4_K"])
+def test_unpacked_blocks_dequantize_as_the_gguf_package_does(type_name):
+    n, k = 7, 512
+    raw = random_blocks(type_name, n, k, seed=len(type_name))
+    expected = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[type_name]).astype(np.float32))
+    if type_name == "Q8_0":
+        q, d = unpack_q8_0(raw, n, k)
+        mine = dequantize_q8_0(q, d)
+        assert torch.equal(mine, expected.reshape(n, k))  # exact: the same int8 values and fp16 scales
+    else:
+        q, d, m = unpack_q4(raw, type_name, n, k)
+        assert q.dtype == torch.uint8 and int(q.max()) <= 15
+        mine = dequantize_q4(q, d, m)
+        # Q4_0 and Q4_1 exactly; Q4_K's sub-block scale (d * sc) and offset are rounded to fp16
+        atol = 0.0 if type_name != "Q4_K" else 2.0 ** -10 * float(expected.abs().max())
+        assert torch.allclose(mine, expected.reshape(n, k), rtol=0, atol=atol)
+
+
+def test_a_wrongly_mapped_tensor_is_an_error_at_load():
+    raw = random_blocks("Q4_1", 64, 64, seed=3)
+    q, d, m = unpack_q4(raw, "Q4_1", 64, 64)
+    loaded = dequantize_q4(q, d, m).bfloat16()
+    _check((q, d, m), "q4", loaded, "blk.0.attn_q")  # the right rows: no error
+    swapped = torch.cat([loaded[32:], loaded[:32]])  # e.g. q rows left permuted for llama.cpp's RoPE
+    with pytest.raises(ValueError, match="mapped wrongly"):
+        _check((q, d, m), "q4", swapped, "blk.0.attn_q")
+
+
+def test_a_converted_directory_knows_its_gguf_while_the_file_is_unchanged(tmp_path):
+    source = tmp_path / "model.Q4_0.gguf"
+    source.write_bytes(b"GGUF" + bytes(60))
+    converted = tmp_path / "converted"
+    converted.mkdir()
+    assert gguf_source(converted) is None  # not converted from a GGUF
+    (converted / GGUF_SOURCE_FILE).write_text(json.dumps({"path": str(source), "size": 64}))
+    assert gguf_source(converted) == source
+    source.write_bytes(b"GGUF" + bytes(100))  # replaced by another file: its blocks are not these weights
+    assert gguf_source(converted) is None
+    (converted / GGUF_SOURCE_FILE).write_text("{not json")
+    assert gguf_source(converted) is None
