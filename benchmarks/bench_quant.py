@@ -1,12 +1,13 @@
-"""Decode steps with int8 weights (`--quantization int8`) against bf16, on the same model, in one run.
+"""Decode steps with quantized weights against bf16, on the same model, in one run.
 
-For each thread count, load the model twice (bf16, then int8 weights), bring B requests into pure
-decode (context ~256 tokens) and time engine steps at each batch size; print the median step, the
-ratio int8 / bf16, and each one's weight bytes per step against the machine's floor (its measured
-read bandwidth, in the same run: bench_engine's `measure_bandwidth`).
+For each thread count, load the model once per `--quantization` (bf16 = none, int8, int4, auto: a
+GGUF's own blocks), bring B requests into pure decode (context ~256 tokens) and time engine steps at
+each batch size; print the median step, the ratio to bf16, and each one's step against the floor of
+the weight bytes it reads (the machine's read bandwidth, measured in the same run: bench_engine's
+`measure_bandwidth`).
 
-    python benchmarks/bench_quant.py                      # default model, 1 and 2 threads
-    python benchmarks/bench_quant.py --model DIR --threads 2 --batches 1,4,16
+    python benchmarks/bench_quant.py                      # default model (its GGUF: auto = Q4_1), 1 and 2 threads
+    python benchmarks/bench_quant.py --model x.gguf --threads 2 --batches 1,4,16 --schemes none,auto
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batches", default="1,4,16,64", help="decode batch sizes (default 1,4,16,64)")
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--schemes", default="none,int8,int4,auto", help="--quantization values (none first)")
     args = parser.parse_args(argv)
 
     from baton.llm import LLM
@@ -55,22 +57,28 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(threads)
         bandwidth = measure_bandwidth()[0]  # with this many threads (torch.sum uses them)
         rows = {}
-        for quantization in ("none", "int8"):
+        schemes = args.schemes.split(",")
+        for quantization in schemes:
             llm = LLM(model=str(model_dir), dtype="bfloat16", max_num_seqs=max(batches), num_threads=threads,
                       quantization=quantization, enable_prefix_caching=False,
                       num_kv_blocks=max(batches) * (args.context // 16 + args.repeats // 16 + 8) + 8)
+            name = f"{quantization}={llm.engine.quantization}" if quantization == "auto" else quantization
             steps = measure_decode_steps(llm.engine, batches, args.context, args.repeats, seed=0)
-            rows[quantization] = ({b: statistics.median(t) for b, t in steps.items()}, weight_bytes(llm.engine.model))
+            rows[name] = ({b: statistics.median(t) for b, t in steps.items()}, weight_bytes(llm.engine.model))
             del llm
         print(f"\n{threads} thread(s); read bandwidth {bandwidth / 1e9:.1f} GB/s")
-        (bf16, bf16_bytes), (int8, int8_bytes) = rows["none"], rows["int8"]
-        print(f"weights per step: bf16 {bf16_bytes / 1e6:.0f} MB (floor {bf16_bytes / bandwidth * 1e3:.2f} ms), "
-              f"int8 {int8_bytes / 1e6:.0f} MB (floor {int8_bytes / bandwidth * 1e3:.2f} ms)")
-        print("| batch | bf16 step ms | int8 step ms | int8 / bf16 | bf16 / floor | int8 / floor |")
-        print("| --- | --- | --- | --- | --- | --- |")
+        print("weights per step: " + ", ".join(f"{n} {nbytes / 1e6:.0f} MB (floor {nbytes / bandwidth * 1e3:.2f} ms)"
+                                                for n, (_, nbytes) in rows.items()))
+        base = next(iter(rows))
+        print("| batch | " + " | ".join(f"{n} ms" for n in rows) + " | "
+              + " | ".join(f"{n} / {base}" for n in list(rows)[1:]) + " | "
+              + " | ".join(f"{n} / floor" for n in rows) + " |")
+        print("| --- " * (1 + 3 * len(rows) - 1) + "|")
         for b in batches:
-            print(f"| {b} | {bf16[b] * 1e3:.2f} | {int8[b] * 1e3:.2f} | {int8[b] / bf16[b]:.2f} | "
-                  f"{bf16[b] / (bf16_bytes / bandwidth):.2f} | {int8[b] / (int8_bytes / bandwidth):.2f} |")
+            steps_ms = [f"{r[b] * 1e3:.2f}" for r, _ in rows.values()]
+            ratios = [f"{r[b] / rows[base][0][b]:.2f}" for r, _ in list(rows.values())[1:]]
+            floors = [f"{r[b] / (nbytes / bandwidth):.2f}" for r, nbytes in rows.values()]
+            print(f"| {b} | " + " | ".join(steps_ms + ratios + floors) + " |")
     print(f"\nafter: {loadavg()}")
 
 
