@@ -130,8 +130,14 @@ def resolve_model(model: str | os.PathLike | None) -> Path:
     (`owner/name`) is fetched with huggingface_hub (baton.common.hub)."""
     if model is None or str(model) == "":
         path = default_model_dir()
-        if not is_model_dir(path) or gguf_source(path) is None:  # a cache from before the GGUF was kept
-            path = fetch_default_model()
+        if not is_model_dir(path):
+            return fetch_default_model()
+        if gguf_source(path) is None:  # a cache from before the GGUF was kept: fetch it again
+            try:
+                return fetch_default_model()
+            except (OSError, subprocess.CalledProcessError, StopIteration) as exc:  # offline, say
+                logger.warning("could not fetch the default model's GGUF again (%s): serving its dequantized "
+                               "weights from %s", exc, path)
         return path
     path = Path(model).expanduser()
     if path.suffix == ".gguf":
