@@ -103,7 +103,9 @@ class GGUFTensors:
         self.tensors = {t.name: t for t in self.reader.tensors}
         processor = TENSOR_PROCESSORS.get(self.arch, TensorProcessor)
         self._processor = processor(config={"num_attention_heads": num_heads, "num_key_value_heads": num_kv_heads})
-        arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == self.arch)
+        arch = next((a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == self.arch), None)
+        if arch is None:
+            raise ValueError(f"the gguf package knows no architecture {self.arch!r}")
         blocks = 1 + max((int(n.split(".")[1]) for n in self.tensors if n.startswith("blk.")), default=0)
         self.names = gguf.get_tensor_name_map(arch, blocks)
 

@@ -89,7 +89,11 @@ def quantize_model(model: nn.Module, quantization: str, kernels: Any = None,
         assert gguf_source is not None
         from baton.engine.gguf_weights import load_gguf_projections
 
-        load_gguf_projections(model, gguf_source, kernels)
+        try:
+            load_gguf_projections(model, gguf_source, kernels)
+        except ValueError as exc:
+            raise ValueError(f"{gguf_source.name}: its blocks cannot be served as they are ({exc}); "
+                             "--quantization none serves its dequantized weights") from exc
     else:
         _quantize_projections(model, quantization, kernels)
     # the all-layers native decode call, rebuilt over the quantized packs (None where it cannot run them)
