@@ -249,18 +249,22 @@ torch::Tensor qgemv(torch::Tensor x, torch::Tensor packed, c10::optional<torch::
   auto out_dtype = out_float ? at::kFloat : at::kBFloat16;
   auto out = torch::empty({M, N}, x.options().dtype(out_dtype));
   if (M == 0) return out.view(out_shape);
-  auto xq = torch::empty({M, K}, x.options().dtype(at::kByte));
-  auto xs = torch::empty({four_bit ? 2 : 1, M, blocks}, x.options().dtype(at::kFloat));
-  float* xsp = xs.data_ptr<float>();
+  // the quantized activations live in this thread's scratch buffers, grown as needed and reused:
+  // a decode step makes ~4 calls per layer, and two allocations each were measurable at batch 1
+  thread_local std::vector<uint8_t> xq_scratch;
+  thread_local std::vector<float> xs_scratch;
+  if (static_cast<int64_t>(xq_scratch.size()) < M * K) xq_scratch.resize(M * K);
+  if (static_cast<int64_t>(xs_scratch.size()) < 2 * M * blocks) xs_scratch.resize(2 * M * blocks);
+  uint8_t* xqp = xq_scratch.data();
+  float* xsp = xs_scratch.data();
   float* xsum = four_bit ? xsp + M * blocks : nullptr;
   const int offset = four_bit ? 0 : 128;
   if (x2.scalar_type() == at::kBFloat16)
-    quantize_rows(x2.data_ptr<c10::BFloat16>(), M, K, offset, xq.data_ptr<uint8_t>(), xsp, xsum);
+    quantize_rows(x2.data_ptr<c10::BFloat16>(), M, K, offset, xqp, xsp, xsum);
   else
-    quantize_rows(x2.data_ptr<float>(), M, K, offset, xq.data_ptr<uint8_t>(), xsp, xsum);
+    quantize_rows(x2.data_ptr<float>(), M, K, offset, xqp, xsp, xsum);
   const torch::Tensor bias_f = bias_as_float(bias, N);
   const float* b = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
-  const uint8_t* xqp = xq.data_ptr<uint8_t>();
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const int64_t strip_bytes = blocks * packed.size(2);
   float* out_f = out_float ? out.data_ptr<float>() : nullptr;
