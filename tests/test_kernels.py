@@ -245,3 +245,35 @@ def test_all_layers_in_one_native_call_equal_the_python_layer_loop(tiny_model_di
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert a.outputs[0].logprobs == b.outputs[0].logprobs
         assert a.outputs[0].top_logprobs == b.outputs[0].top_logprobs
+
+
+@needs_native
+@pytest.mark.parametrize("invariant", ["full", "off"])
+def test_released_load_copies_leave_one_copy_and_the_same_tokens(tiny_model_dir, monkeypatch, invariant):
+    """The workers free every copy of a weight its op never reads (issue 22: one copy): the
+    nn.Linear weights, and in the batch-invariant mode the oneDNN packs too; the tokens, and the
+    all-layers decode call, stay as they were."""
+    from baton.engine.linear import ALL_ROWS, PackedLinear, RowSplitLinear
+    from baton.llm import LLM
+    from baton.common.sampling_params import SamplingParams
+
+    monkeypatch.setenv("BATON_BATCH_INVARIANT", invariant)
+    # no prefix cache: the second pass must compute what the first did, not reuse its KV
+    llm = LLM(model=str(tiny_model_dir), dtype="bfloat16", num_threads=1, enable_prefix_caching=False)
+    model = llm.engine.model
+    prompts = [[5 + i for i in range(n)] for n in (3, 17, 40)]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=0)
+    before = [o.outputs[0] for o in llm.generate(prompts, params)]
+    assert model.release_load_copies() > 0
+    slots = model.projection_slots()
+    assert all(linear.weight.numel() == 0 for _, _, linear in slots if linear.weight is not model.embed_tokens.weight)
+    for owner, name, _ in slots:
+        op = getattr(owner, name)
+        large = op.large if isinstance(op, RowSplitLinear) else op
+        assert isinstance(large, PackedLinear) and large.weight is None
+        if isinstance(op, RowSplitLinear) and op.max_native_rows == ALL_ROWS:
+            assert large.packed is None  # oneDNN never runs here: its pack is gone
+    assert model.layers_plan is not None
+    after = [o.outputs[0] for o in llm.generate(prompts, params)]
+    assert [o.token_ids for o in after] == [o.token_ids for o in before]
+    assert [o.logprobs for o in after] == [o.logprobs for o in before]

@@ -51,7 +51,7 @@ class LayersPlan:
             return None
         if any(isinstance(op, QuantizedLinear) and not op.native for row in ops for op in row):
             return None
-        dense = [op for row in ops for op in row if not isinstance(op, QuantizedLinear)]
+        dense = [op for row in ops for op in row if _onednn_pack(op) is not None]
         if dense and not LayersPlan._onednn_from_cpp_agrees(_onednn(dense[0]), kernel):
             return None
         empty = torch.empty(0, dtype=torch.bfloat16)  # no native pack: that projection is oneDNN only
@@ -61,7 +61,9 @@ class LayersPlan:
                 if isinstance(op, QuantizedLinear):  # quantized: qgemv for every row count (its uint8 pack says so)
                     weights += [op.packed, empty]
                 else:
-                    weights += [op.packed if isinstance(op, RowSplitLinear) else empty, _onednn(op).packed]
+                    onednn = _onednn_pack(op)
+                    weights += [op.packed if isinstance(op, RowSplitLinear) else empty,
+                                onednn if onednn is not None else empty]
         max_native_rows = [min(_max_native_rows(row[j]) for row in ops) for j in range(4)]
         norms = [model.layers[0].input_layernorm.weight]
         for i, layer in enumerate(model.layers):
@@ -98,6 +100,14 @@ def _max_native_rows(op: Any) -> int:
     if isinstance(op, RowSplitLinear):
         return op.max_native_rows
     return ALL_ROWS if not isinstance(op, PackedLinear) else 0  # int8 runs its kernel for every row count
+
+
+def _onednn_pack(op: Any) -> torch.Tensor | None:
+    """The oneDNN pack the C++ loop may call for this op (None: never, its native kernel takes every
+    row count, and the pack may be released)."""
+    if isinstance(op, QuantizedLinear) or (isinstance(op, RowSplitLinear) and op.max_native_rows >= ALL_ROWS):
+        return None
+    return _onednn(op).packed
 
 
 def _onednn(op: PackedLinear | RowSplitLinear) -> PackedLinear:

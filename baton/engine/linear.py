@@ -95,7 +95,8 @@ class PackedLinear:
         # weight: [out, in] bf16 on the CPU; bias: [out] or None
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH_HINT)
         self.bias = bias.detach() if bias is not None else None
-        self.weight = weight.detach()  # the unpacked original (shared, not copied): for RowSplitLinear
+        # the unpacked original (shared, not copied): for RowSplitLinear's pack; None once released
+        self.weight: torch.Tensor | None = weight.detach()
         self.out_features, self.in_features = weight.shape
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -133,6 +134,7 @@ class RowSplitLinear:
     def __init__(self, large: PackedLinear, kernels: Any) -> None:
         self.large = large
         self.kernels = kernels
+        assert large.weight is not None, "RowSplitLinear needs the unpacked weight (before release_load_copies)"
         self.packed = kernels.gemv_pack(large.weight)  # [ceil(out/64), in/2, 64, 2]
         self.bias = large.bias.float() if large.bias is not None else None
         self.out_features, self.in_features = large.out_features, large.in_features
@@ -147,6 +149,22 @@ class RowSplitLinear:
         if x.numel() <= self.max_native_rows * self.in_features:
             return self.native(x)
         return self.large(x)
+
+
+def drop_load_copies(op: LinearOp) -> int:
+    """Free what `op` will never read again: the unpacked original a PackedLinear keeps for
+    RowSplitLinear's pack, and the oneDNN pack of a RowSplitLinear that runs the native kernel for
+    every row count (batch-invariant mode). Returns the bytes it let go (the nn.Linear's own weight
+    is the caller's: `LlamaModel.release_load_copies`)."""
+    large = op.large if isinstance(op, RowSplitLinear) else op if isinstance(op, PackedLinear) else None
+    if large is None:
+        return 0
+    freed = 0
+    if isinstance(op, RowSplitLinear) and op.max_native_rows >= ALL_ROWS and large.packed is not None:
+        freed += large.packed.numel() * large.packed.element_size()
+        large.packed = None  # never called: every row count takes op.native
+    large.weight = None  # the nn.Linear's tensor: freed with it, or kept by it (a tied embedding)
+    return freed
 
 
 TUNE_ROWS = (1, 2, 4, 8, 16)

@@ -58,6 +58,21 @@ class EngineConfig:
     quantization: str = "auto"  # auto, none, int8, int4: the projections' weights (baton.engine.quant)
 
 
+def return_freed_memory() -> None:
+    """Hand the heap's free pages back to the OS. Loading leaves hundreds of MB of freed transients
+    (the checkpoint's fp32 tensors, the weights that packing or quantization replaced) in glibc's
+    heap, where RSS still counts them: measured on the default model, 705 -> 345 MB RSS with its
+    GGUF's blocks, 978 -> 491 MB in bf16 (with `release_load_copies`)."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to trim this way
+        pass
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         if config.num_threads:
@@ -76,6 +91,7 @@ class LLMEngine:
             self.model_config = dataclasses.replace(
                 self.model_config, model_id=f"{self.model_config.model_id}+{self.quantization}")
         self.dtype = next(self.model.parameters()).dtype
+        return_freed_memory()
         block_bytes = kv_bytes_per_block(self.model_config, config.block_size, self.dtype)
         num_blocks = config.num_kv_blocks or max(2, config.kv_cache_memory // block_bytes)
         max_model_len = config.max_model_len or self.model_config.max_position_embeddings

@@ -39,8 +39,8 @@ from baton.engine.rope import apply_rope, rope_inv_freq, rope_table
 
 __all__ = ["LlamaModel", "DecoderLayer", "Attention", "MLP", "RMSNorm", "set_op", "apply_rope", "rope_inv_freq",
            "rope_table"]  # the rope functions are re-exported (their home is baton.engine.rope)
-from baton.engine.linear import (BATCH_INVARIANT_MODES, LinearOp, batch_invariant_mode, make_linear_op, tune_row_split,
-                                 use_native_for_all_rows)
+from baton.engine.linear import (BATCH_INVARIANT_MODES, LinearOp, batch_invariant_mode, drop_load_copies,
+                                 make_linear_op, tune_row_split, use_native_for_all_rows)
 
 
 def set_op(module: nn.Module, name: str, op: LinearOp) -> None:
@@ -284,6 +284,25 @@ class LlamaModel(nn.Module):
         self.fused_norm = layer_kernel.add_rms_norm if layer_kernel is not None else None
         self.layers_plan = LayersPlan.build(self, layer_kernel)
         self.path = "native" if layer_kernel is not None else "torch"
+
+    def release_load_copies(self) -> int:
+        """After `prepare()` (and any quantization): free every copy of a projection's weight that
+        its op never reads, so that each weight lives once (bf16 on AMX: the native pack only; with
+        the tuned split: the native and oneDNN packs; a prepacked op alone: its pack). The nn.Linear
+        weights are gone afterwards, so `prepare()` cannot run again (the workers call this; `LLM`
+        does not). Returns the bytes freed."""
+        freed = 0
+        for owner, name, linear in self.projection_slots():
+            op = getattr(owner, name)
+            if op is linear or linear.weight.numel() == 0:
+                continue  # a plain nn.Linear (its weight is the op), or already released (quantized)
+            freed += drop_load_copies(op)
+            if linear.weight is not self.embed_tokens.weight:  # a tied head's weight is the embedding
+                freed += linear.weight.numel() * linear.weight.element_size()
+                linear.weight = nn.Parameter(torch.empty(0, dtype=linear.weight.dtype), requires_grad=False)
+        if self.layers_plan is not None:  # it held the oneDNN packs just dropped
+            self.layers_plan = LayersPlan.build(self, self.layers_plan.kernel)
+        return freed
 
     def rope(self, positions: torch.Tensor, max_position: int,
              local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
