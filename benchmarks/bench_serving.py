@@ -12,6 +12,13 @@ in the run; the machine's load average is printed before and after.
 
 Both trees run with this checkout's virtualenv (the baseline's own packages are put first on
 PYTHONPATH, so its code is what runs).
+
+With --llama-server BIN the baseline is llama.cpp's server on a GGUF (--gguf, default: the default
+model's own file, the one `baton serve` serves by default), started anew for each level with one
+slot per client (`-np C`, 512 tokens of context each) and `-t` the machine's cores, as llama-server
+users run it; `baton serve` keeps its defaults (add `--serve-args "--model FILE"` for another GGUF):
+
+    python benchmarks/bench_serving.py --llama-server /tmp/llamabuild/bin/llama-server
 """
 
 from __future__ import annotations
@@ -59,6 +66,38 @@ def start_server(tree: Path, port: int, extra: list[str]) -> subprocess.Popen:
     raise TimeoutError(f"baton serve in {tree} did not become ready; see {log.name}")
 
 
+def start_llama_server(binary: Path, gguf: Path, port: int, slots: int) -> subprocess.Popen:
+    log = open(tempfile.mktemp(prefix="llama-server-", suffix=".log"), "w")
+    proc = subprocess.Popen([str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+                             "-t", str(os.cpu_count() or 1), "-np", str(slots), "-c", str(512 * slots)],
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"llama-server exited with {proc.returncode}; see {log.name}")
+        try:
+            if urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).status == 200:
+                return proc
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"llama-server did not become ready; see {log.name}")
+
+
+def warm_up(port: int) -> None:
+    """One short request: first-call costs are not a server's steady state."""
+    urllib.request.urlopen(urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions", method="POST",
+        data=json.dumps({"prompt": "Hello", "max_tokens": 4}).encode(),
+        headers={"content-type": "application/json"}), timeout=300).read()
+
+
+def report(tag: str, c: int, r: dict) -> None:
+    print(f"{tag:>8} c={c:<3} {r['output_throughput']:7.1f} out tok/s  TTFT p50 {r['median_ttft_ms']:7.0f} ms  "
+          f"ITL p50 {r['median_itl_ms']:6.1f} ms  TPOT p50 {r['median_tpot_ms']:6.1f} ms  "
+          f"({r['completed']} requests)", flush=True)
+
+
 def stop_server(proc: subprocess.Popen) -> None:
     proc.terminate()
     try:
@@ -80,6 +119,15 @@ def bench(port: int, concurrency: int, num_prompts: int, out_dir: Path, tag: str
     return json.loads((out_dir / name).read_text())
 
 
+def default_gguf() -> Path:
+    from baton.common.model_files import gguf_source, resolve_model
+
+    source = gguf_source(resolve_model(None))
+    if source is None:
+        raise SystemExit("the default model's GGUF is not in the cache: pass --gguf")
+    return source
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--baseline", type=Path, default=None, help="a checkout of the baseline commit")
@@ -88,29 +136,41 @@ def main() -> int:
                         help="requests per level = max(6, this x concurrency)")
     parser.add_argument("--serve-args", default="", help="extra flags for baton serve (both trees)")
     parser.add_argument("--result-dir", type=Path, default=Path(tempfile.mkdtemp(prefix="bench-serving-")))
+    parser.add_argument("--llama-server", type=Path, default=None, help="llama.cpp's llama-server binary: the baseline")
+    parser.add_argument("--gguf", type=Path, default=None, help="the GGUF llama-server serves (default: the default model's)")
     args = parser.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
     trees = [("baton", ROOT)] + ([("baseline", args.baseline.resolve())] if args.baseline else [])
+    if args.llama_server is not None:
+        trees.append(("baseline", args.llama_server))  # measured after baton, a fresh server per level
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from bench_engine import cpu_model, loadavg
 
     print(f"CPU: {cpu_model()}; {loadavg()}", flush=True)
     results: dict[str, dict[int, dict]] = {}
     for tag, tree in trees:
+        if args.llama_server is not None and tree == args.llama_server:
+            gguf = args.gguf or default_gguf()
+            print(f"llama-server on {gguf.name}", flush=True)
+            for c in levels:
+                port = free_port()
+                proc = start_llama_server(tree, gguf, port, c)
+                try:
+                    warm_up(port)
+                    results.setdefault(tag, {})[c] = r = bench(port, c, max(6, int(args.prompts_per_level * c)),
+                                                               args.result_dir, f"llama-c{c}")
+                    report("llama", c, r)
+                finally:
+                    stop_server(proc)
+            continue
         port = free_port()
         proc = start_server(tree, port, args.serve_args.split())
         try:
-            # one short warm-up request (first-call costs are not the server's steady state)
-            urllib.request.urlopen(urllib.request.Request(
-                f"http://127.0.0.1:{port}/v1/completions", method="POST",
-                data=json.dumps({"prompt": "Hello", "max_tokens": 4}).encode(),
-                headers={"content-type": "application/json"}), timeout=300).read()
+            warm_up(port)
             for c in levels:
                 n = max(6, int(args.prompts_per_level * c))
                 results.setdefault(tag, {})[c] = r = bench(port, c, n, args.result_dir, tag)
-                print(f"{tag:>8} c={c:<3} {r['output_throughput']:7.1f} out tok/s  TTFT p50 {r['median_ttft_ms']:7.0f} ms  "
-                      f"ITL p50 {r['median_itl_ms']:6.1f} ms  TPOT p50 {r['median_tpot_ms']:6.1f} ms  "
-                      f"({r['completed']} requests)", flush=True)
+                report(tag, c, r)
         finally:
             stop_server(proc)
     print(f"\nafter: {loadavg()}\n")
