@@ -116,8 +116,3 @@ def _quantize_projections(model: nn.Module, quantization: str, kernels: Any) -> 
             # the only copy now is the quantized one (the tied embedding keeps its weight: lookups)
             linear.weight = nn.Parameter(torch.empty(0, dtype=linear.weight.dtype), requires_grad=False)
 
-
-def quantized_bytes(model: nn.Module) -> int:
-    """Bytes of the quantized projections' packs (0 when none is quantized)."""
-    return sum(op.nbytes for owner, name, _ in model.projection_slots()
-               if isinstance(op := getattr(owner, name), QuantizedLinear))
