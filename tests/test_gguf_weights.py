@@ -69,3 +69,21 @@ def test_a_converted_directory_knows_its_gguf_while_the_file_is_unchanged(tmp_pa
     assert gguf_source(converted) is None
     (converted / GGUF_SOURCE_FILE).write_text("{not json")
     assert gguf_source(converted) is None
+
+
+def test_auto_serves_a_gguf_dequantized_where_no_native_kernel_multiplies_its_blocks(tmp_path):
+    """Without AVX512-VNNI the blocks would be dequantized per call: auto keeps the loaded weights."""
+    from types import SimpleNamespace
+
+    from baton.engine.quant import quantize_model
+
+    class NoVNNI:
+        @staticmethod
+        def q8_available() -> bool:
+            return False
+
+    model = SimpleNamespace(embed_tokens=SimpleNamespace(weight=torch.empty(1)))
+    source = tmp_path / "m.gguf"
+    assert quantize_model(model, "auto", kernels=NoVNNI(), gguf_source=source) == "none"
+    assert quantize_model(model, "auto", kernels=NoVNNI(), gguf_source=None) == "none"
+    assert quantize_model(model, "none", kernels=NoVNNI(), gguf_source=source) == "none"

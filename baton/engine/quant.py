@@ -71,17 +71,24 @@ def quantize_model(model: nn.Module, quantization: str, kernels: Any = None,
     directory was converted from). `kernels`: the native module (None: `baton.engine.kernels.load()`)."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, not {quantization!r}")
-    if quantization == "auto":  # the GGUF's own blocks on the CPU (the kernels are CPU ones), else as loaded
-        on_cpu = model.embed_tokens.weight.device.type == "cpu"
-        quantization = "gguf" if gguf_source is not None and on_cpu else "none"
-    if quantization == "none":
-        return quantization
+    if quantization == "none" or (quantization == "auto" and gguf_source is None):
+        return "none"
     if model.embed_tokens.weight.device.type != "cpu":
+        if quantization == "auto":
+            return "none"  # the kernels are CPU ones: a GGUF on another device runs dequantized
         raise ValueError(f"--quantization {quantization} runs on the CPU only")
     if kernels is None:
         from baton.engine import kernels as native
 
         kernels = native.load()
+    if quantization == "auto":
+        # the GGUF's own blocks where the native kernel multiplies them; without it (no AVX512-VNNI)
+        # they would be dequantized per call, slower than the dequantized weights served as they are
+        if kernels is None or not kernels.q8_available():
+            logger.warning("%s: no native int8/4-bit kernel on this machine (AVX512-VNNI): serving its "
+                           "dequantized weights in the model's dtype", gguf_source.name if gguf_source else "")
+            return "none"
+        quantization = "gguf"
     if kernels is None or not kernels.q8_available():
         logger.warning("quantized weights without the native kernel (it needs AVX512-VNNI and a compiler): "
                        "each projection dequantizes its weight per call, which is slow")
