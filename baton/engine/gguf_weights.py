@@ -176,7 +176,6 @@ def load_gguf_projections(model: nn.Module, gguf_path: Path, kernels: Any) -> di
     projections' dense weights are freed. Returns how many projections took each form."""
     config = model.config
     source = GGUFTensors(gguf_path, config.num_heads, config.num_kv_heads)
-    tied = model.lm_head.weight is model.embed_tokens.weight
     counts: collections.Counter[str] = collections.Counter()
     requantized: collections.Counter[str] = collections.Counter()
     for (owner, name, linear), alternatives in zip(model.projection_slots(), _slot_sources(model), strict=True):
@@ -208,8 +207,7 @@ def load_gguf_projections(model: nn.Module, gguf_path: Path, kernels: Any) -> di
         op = QuantizedLinear(scheme, parts, linear.bias, kernels)
         set_op(owner, name, op)
         counts["+".join(sorted(set(types)))] += 1
-        if not (tied and linear is model.lm_head):
-            linear.weight = nn.Parameter(torch.empty(0, dtype=linear.weight.dtype), requires_grad=False)
+        model.drop_projection_weight(linear)
     if requantized:
         logger.info("GGUF %s: %s requantized to Q8_0 (no native kernel for those types yet)", gguf_path.name,
                     ", ".join(f"{n} {t}" for t, n in sorted(requantized.items())))

@@ -285,6 +285,16 @@ class LlamaModel(nn.Module):
         self.layers_plan = LayersPlan.build(self, layer_kernel)
         self.path = "native" if layer_kernel is not None else "torch"
 
+    def drop_projection_weight(self, linear: nn.Linear) -> int:
+        """Free a projection's own weight once its op holds the copy it reads (a pack, quantized
+        blocks); a tied head's weight is the embedding, which lookups still read, and stays.
+        Returns the bytes freed."""
+        if linear.weight is self.embed_tokens.weight:
+            return 0
+        freed = linear.weight.numel() * linear.weight.element_size()
+        linear.weight = nn.Parameter(torch.empty(0, dtype=linear.weight.dtype), requires_grad=False)
+        return freed
+
     def release_load_copies(self) -> int:
         """After `prepare()` (and any quantization): free every copy of a projection's weight that
         its op never reads, so that each weight lives once (bf16 on AMX: the native pack only; with
@@ -296,10 +306,7 @@ class LlamaModel(nn.Module):
             op = getattr(owner, name)
             if op is linear or linear.weight.numel() == 0:
                 continue  # a plain nn.Linear (its weight is the op), or already released (quantized)
-            freed += drop_load_copies(op)
-            if linear.weight is not self.embed_tokens.weight:  # a tied head's weight is the embedding
-                freed += linear.weight.numel() * linear.weight.element_size()
-                linear.weight = nn.Parameter(torch.empty(0, dtype=linear.weight.dtype), requires_grad=False)
+            freed += drop_load_copies(op) + self.drop_projection_weight(linear)
         if self.layers_plan is not None:  # it held the oneDNN packs just dropped
             self.layers_plan = LayersPlan.build(self, self.layers_plan.kernel)
         return freed

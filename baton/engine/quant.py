@@ -86,7 +86,7 @@ def quantize_model(model: nn.Module, quantization: str, kernels: Any = None,
         # they would be dequantized per call, slower than the dequantized weights served as they are
         if kernels is None or not kernels.q8_available():
             logger.warning("%s: no native int8/4-bit kernel on this machine (AVX512-VNNI): serving its "
-                           "dequantized weights in the model's dtype", gguf_source.name if gguf_source else "")
+                           "dequantized weights in the model's dtype", gguf_source.name)
             return "none"
         quantization = "gguf"
     if kernels is None or not kernels.q8_available():
@@ -109,7 +109,6 @@ def quantize_model(model: nn.Module, quantization: str, kernels: Any = None,
 
 
 def _quantize_projections(model: nn.Module, quantization: str, kernels: Any) -> None:
-    tied = model.lm_head.weight is model.embed_tokens.weight
     # dense projections only: MoE experts keep the model's dtype (no batched-by-expert int8 yet)
     for owner, name, linear in model.projection_slots():
         # int4 keeps the LM head in int8, as llama.cpp's 4-bit files keep `output` in 6-8 bits: the
@@ -119,7 +118,5 @@ def _quantize_projections(model: nn.Module, quantization: str, kernels: Any) -> 
         else:
             op = QuantizedLinear.q4(*quantize_q4(linear.weight), linear.bias, kernels)
         set_op(owner, name, op)
-        if not (tied and linear is model.lm_head):
-            # the only copy now is the quantized one (the tied embedding keeps its weight: lookups)
-            linear.weight = nn.Parameter(torch.empty(0, dtype=linear.weight.dtype), requires_grad=False)
+        model.drop_projection_weight(linear)  # the only copy now is the quantized one
 
