@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -24,129 +22,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from baton.common.finish_reason import FinishReason
-from gateway import siblings
 from gateway.choices import close_all, merged_steps, run_all_to_end, start_choices
 from gateway.errors import error_body, error_response
-from gateway.finish import spelled
-from gateway.generation import ClientGone, Generation, GenerationFailed, Step
-from gateway.logprobs_format import CompletionLogprobs, chat_logprobs, merge, vllm_prompt_logprobs
+from gateway.generation import ClientGone, GenerationFailed
+from gateway.openai_reply import OpenAIReply, sse
 from gateway.respond import SSEResponse, client_gone_response, services
-from gateway.tools import ToolStream, assistant_message
 from gateway.spec import GenerationSpec
 from gateway.validation import ignored_fields_header
 from gateway.validation_openai import STATUS, parse_chat, parse_completion
-
-
-
-class _Reply:
-    """Identity and shape of one OpenAI response (completion or chat) over its choices."""
-
-    def __init__(self, gens: list[Generation], chat: bool) -> None:
-        self.gens = gens
-        self.all_gens = gens  # every candidate, also those best_of drops: the usage counts them
-        self.spec = gens[0].spec
-        self.api = self.spec.api  # what the response looks like
-        self.sampling = self.spec.sampling  # what was asked for (logprobs, prompt_logprobs)
-        self.chat = chat
-        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        self.created = int(time.time())
-        self.model = self.api.model or gens[0].svc.settings.model_name
-        self.object = ("chat.completion" if chat else "text_completion")
-        self.tokenizer = gens[0].svc.tokenizer
-        self._logprobs = {id(g): CompletionLogprobs(self.tokenizer) for g in gens}
-        self.generated: int | None = None  # tokens of every choice, when best_of dropped some
-        calling = self.api.tool_calling  # streamed tool calls: each choice's deltas rewritten
-        self._tool_streams = {id(g): ToolStream(calling) for g in gens} if chat and calling is not None else {}
-
-    def keep_best(self) -> None:
-        """best_of: answer with the `keep` best choices of each prompt (gateway.siblings); all
-        generated tokens still count in the usage, as OpenAI bills them."""
-        keep = self.spec.choices.keep
-        if keep is None:
-            return
-        self.generated = sum(len(g.tokens) for g in self.gens)
-        self.gens = siblings.keep_best(self.gens, self.spec.choices.n, keep)
-
-    def usage(self) -> dict[str, Any]:
-        # A prompt counts once however many choices it has (OpenAI's rule for n), and whichever
-        # of them best_of keeps.
-        prompts = [g for g in self.all_gens if g.sibling == 0]
-        prompt = sum(len(g.prompt_ids) for g in prompts)
-        completion = self.generated if self.generated is not None else sum(len(g.tokens) for g in self.gens)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": sum(g.num_cached_tokens for g in prompts)}}
-
-    def formatting_cost(self) -> int:
-        """About how many token entries the full answer formats (each token once, plus its top
-        logprobs; with echo the prompt's too)."""
-        per_token = 1 + (self.sampling.logprobs or 0)
-        tokens = sum(len(g.tokens) + (len(g.prompt_ids) if self.api.echo else 0) for g in self.gens)
-        return tokens * per_token
-
-    def head(self, obj: str) -> dict[str, Any]:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
-
-    def full(self) -> dict[str, Any]:
-        choices = []
-        for gen in self.gens:
-            finish = spelled(gen.finish_reason or FinishReason.LENGTH, "openai")
-            if self.chat:
-                logprobs = chat_logprobs(self.tokenizer, gen.tokens) if self.sampling.logprobs is not None else None
-                message, finish = assistant_message(self.api.tool_calling, gen.text, finish)  # tool_calls
-                choices.append({"index": gen.choice, "message": message, "logprobs": logprobs, "finish_reason": finish})
-            else:
-                parts = [self._echo_logprobs(gen)] if self.api.echo else []
-                parts.append(self._logprobs[id(gen)].tokens(gen.tokens))
-                logprobs = merge(parts) if self.sampling.logprobs is not None else None
-                choices.append({"index": gen.choice, "text": self._echo_text(gen) + gen.text,
-                                "logprobs": logprobs, "finish_reason": finish})
-            if self.sampling.prompt_logprobs is not None:
-                choices[-1]["prompt_logprobs"] = vllm_prompt_logprobs(self.tokenizer, gen.prompt_ids,
-                                                                      gen.prompt_logprobs)
-        return {**self.head(self.object), "choices": choices, "usage": self.usage()}
-
-    def _echo_text(self, gen: Generation) -> str:
-        if not self.api.echo:
-            return ""
-        prompt = gen.spec.prompt.input
-        return prompt if isinstance(prompt, str) else self.tokenizer.decode(gen.prompt_ids, skip_special_tokens=False)
-
-    def _echo_logprobs(self, gen: Generation) -> dict[str, Any]:
-        return self._logprobs[id(gen)].prompt(gen.prompt_ids, gen.prompt_logprobs)
-
-    def chunk(self, gen: Generation, step: Step | None, role: bool = False, echo: bool = False) -> dict[str, Any]:
-        """The chunk for one choice: its role (chat's first), its echoed prompt (completions'
-        first, with echo), or a step's text, logprobs and finish."""
-        tokens = step.tokens if step is not None else []
-        text = step.text if step is not None else ""
-        finish = spelled(step.finish, "openai") if step is not None else None
-        wants_logprobs = self.sampling.logprobs is not None
-        if self.chat:
-            delta: dict[str, Any] = {}
-            if role:
-                delta["role"] = "assistant"
-                delta["content"] = ""
-            elif text:
-                delta["content"] = text
-            if self._tool_streams:
-                delta, finish = self._tool_streams[id(gen)].rewrite(delta, finish)
-            logprobs = chat_logprobs(self.tokenizer, tokens) if wants_logprobs and tokens else None
-            choice = {"index": gen.choice, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-            body = {**self.head("chat.completion.chunk"), "choices": [choice]}
-        else:
-            if echo:
-                text = self._echo_text(gen)
-                logprobs = self._echo_logprobs(gen) if wants_logprobs else None
-            else:
-                logprobs = self._logprobs[id(gen)].tokens(tokens) if wants_logprobs and tokens else None
-            choice = {"index": gen.choice, "text": text, "logprobs": logprobs, "finish_reason": finish}
-            body = {**self.head("text_completion"), "choices": [choice]}
-        if self.api.continuous_usage:
-            body["usage"] = self.usage()
-        elif self.api.include_usage:
-            body["usage"] = None  # OpenAI: null on every chunk but the last
-        return body
 
 
 def _parser(request: Request, chat: bool) -> Callable[[dict[str, Any]], GenerationSpec]:
@@ -160,7 +43,7 @@ async def _handle(request: Request, chat: bool) -> Response:
         gens = await start_choices(request, STATUS, _parser(request, chat))
     except ClientGone:
         return client_gone_response()
-    reply = _Reply(gens, chat)
+    reply = OpenAIReply(gens, chat)
     # x-request-id (the client's id) is added by RequestIdMiddleware on every response.
     headers = ignored_fields_header(reply.api.ignored_fields)
     if reply.api.stream:
@@ -192,23 +75,23 @@ async def chat_completions(request: Request) -> Response:
     return await _handle(request, chat=True)
 
 
-async def _stream(reply: _Reply) -> AsyncIterator[bytes]:
+async def _stream(reply: OpenAIReply) -> AsyncIterator[bytes]:
     gens = reply.gens
     try:
         for gen in gens:
             if reply.chat:
-                yield _sse(reply.chunk(gen, None, role=True))
+                yield sse(reply.chunk(gen, None, role=True))
             elif reply.api.echo:
-                yield _sse(reply.chunk(gen, None, echo=True))
+                yield sse(reply.chunk(gen, None, echo=True))
         async for gen, step in merged_steps(gens):
             # (a token whose text is still held back, e.g. half a character, shows only in logprobs)
             if step.text or step.finish or (step.tokens and reply.sampling.logprobs is not None):
-                yield _sse(reply.chunk(gen, step))
+                yield sse(reply.chunk(gen, step))
         if reply.api.include_usage:
-            yield _sse({**reply.head(reply.object + (".chunk" if reply.chat else "")),
+            yield sse({**reply.head(reply.object + (".chunk" if reply.chat else "")),
                         "choices": [], "usage": reply.usage()})
     except GenerationFailed as exc:
-        yield _sse(error_body(exc.error, "openai"))
+        yield sse(error_body(exc.error, "openai"))
     finally:
         close_all(gens)
     yield b"data: [DONE]\n\n"
@@ -226,10 +109,6 @@ def _encode_in_pieces(build: Callable[[], dict[str, Any]]) -> bytes:
     marker = b'"choices": []'
     at = head.index(marker)
     return head[:at] + b'"choices": [' + parts + b"]" + head[at + len(marker):]
-
-
-def _sse(payload: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(payload, ensure_ascii=False).encode("utf-8") + b"\n\n"
 
 
 routes = [

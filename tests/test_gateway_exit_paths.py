@@ -23,7 +23,7 @@ import pytest
 from tests.test_gateway_support import free_port, wait_until
 
 from baton.common.structured import InvalidStructure, compiled_grammar
-from gateway import routes_openai
+from gateway import openai_reply
 from gateway.siblings import sibling_seed
 from gateway.tools import ToolCalling, ToolStream
 
@@ -72,7 +72,7 @@ def test_a_route_failing_after_admission_releases_its_budget_and_cancels_its_wor
     def broken(self, gens, chat):  # a bug between admission and the route's own cleanup
         raise RuntimeError("a bug in a route")
 
-    monkeypatch.setattr(routes_openai._Reply, "__init__", broken)
+    monkeypatch.setattr(openai_reply.OpenAIReply, "__init__", broken)
     gw_worker.hold = True  # the workers are still generating when the route fails
     before = len(gw_worker.requests)
     for stream in (False, True):
