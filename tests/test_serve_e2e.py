@@ -13,7 +13,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -21,6 +20,8 @@ from urllib.parse import urlsplit
 
 import httpx
 import pytest
+
+from tests.serve_process import baton_command, free_port
 
 REPO = Path(__file__).resolve().parent.parent
 SERVICES = ("gateway", "prefill_worker", "decode_worker")
@@ -34,17 +35,6 @@ STARTUP_TIMEOUT = 180
 STOP_TIMEOUT = 30
 API_KEY = "e2e-api-key-7f3a9c"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
-
-
-def _free_port() -> int:
-    from baton.cli.redis_server import free_port
-
-    return free_port()
-
-
-def _baton() -> list[str]:
-    exe = Path(sys.executable).parent / "baton"
-    return [str(exe)] if exe.exists() else [sys.executable, "-m", "baton.cli.cli"]
 
 
 def _processes() -> dict[int, tuple[int, str]]:
@@ -137,13 +127,13 @@ def _check_no_secret_on_argv(pids: set[int], secrets_: list[str]) -> None:
 def test_baton_serve_end_to_end(tiny_model_dir):
     import httpx
 
-    port = _free_port()
+    port = free_port()
     import redis
 
     env = dict(os.environ, BATON_API_KEY=API_KEY)
     env.pop("REDIS_URL", None)  # let serve start (and stop) its own private Redis
     proc = subprocess.Popen(
-        [*_baton(), "serve", "--model", str(tiny_model_dir), "--port", str(port),
+        [*baton_command(), "serve", "--model", str(tiny_model_dir), "--port", str(port),
          "--startup-timeout", str(STARTUP_TIMEOUT)],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
