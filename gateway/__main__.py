@@ -65,6 +65,9 @@ def parse_args(argv: list[str] | None = None) -> Settings:
     p.add_argument("--strict-api", action="store_true", default=_env_flag("BATON_STRICT_API"),
                    help="answer unknown request fields with a 4xx naming them (default: $BATON_STRICT_API; "
                         "else they are ignored, logged once, and listed in the x-baton-ignored-fields header)")
+    p.add_argument("--responses-ttl", type=int, default=3600,
+                   help="seconds a stored /v1/responses answer (store: true) is kept in Redis for "
+                        "previous_response_id and GET /v1/responses/{id}; 0 stores none (default 3600)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--log-format", default=os.environ.get("BATON_LOG_FORMAT", "text"), choices=list(FORMATS),
                    help="text lines or one JSON object per line (default: $BATON_LOG_FORMAT, else text)")
@@ -94,6 +97,7 @@ def parse_args(argv: list[str] | None = None) -> Settings:
         max_stop_token_ids=args.max_stop_token_ids, header_read_timeout=args.header_read_timeout,
         body_read_timeout=args.body_read_timeout, stream_write_timeout=args.stream_write_timeout,
         strict_api=args.strict_api, log_format=args.log_format, shutdown_grace=args.shutdown_grace,
+        responses_ttl=args.responses_ttl,
     )
     if args.gateway_id:
         settings.gateway_id = args.gateway_id

@@ -67,6 +67,9 @@ class Settings:
     # SIGTERM: seconds requests in flight get to finish (uvicorn's graceful shutdown) before they are
     # cut. Longer than the workers' drain (30 s), so what a draining worker finishes is delivered.
     shutdown_grace: float = 40.0
+    # Seconds a stored Responses answer (`store: true`) is kept in Redis for `previous_response_id`
+    # and GET /v1/responses/{id}; 0 stores nothing (then previous_response_id is refused by name).
+    responses_ttl: int = 3600
 
     def __post_init__(self) -> None:
         self.model_dir = Path(self.model_dir)
@@ -93,6 +96,8 @@ class Settings:
             raise ValueError("--max-body-bytes must be >= 1024")
         if self.shutdown_grace < 0:
             raise ValueError("--shutdown-grace must be >= 0")
+        if self.responses_ttl < 0:
+            raise ValueError("--responses-ttl must be >= 0")
         if self.event_timeout <= 0:
             raise ValueError("--event-timeout must be > 0")
         if self.max_stop_token_ids < 0 or self.max_chat_messages < 1:

@@ -50,6 +50,7 @@ GATEWAY_FLAGS: list[tuple[str, type, str]] = [
     ("--max-queue-size", int, "requests waiting for budget before 429"),
     ("--max-queue-wait", float, "seconds a request may wait for budget before a 503"),
     ("--shutdown-grace", float, "seconds requests in flight get to finish when the gateway stops (default 40)"),
+    ("--responses-ttl", int, "seconds stored /v1/responses answers are kept (0: none; default 3600)"),
 ]
 # Environment variables that carry secrets to the children (never argv: `ps` shows argv to all).
 REDIS_URL_ENV = "REDIS_URL"
