@@ -308,3 +308,23 @@ def test_reasoning_content_becomes_a_reasoning_item():
     types = [e["type"] for e in events]
     assert types.count("response.reasoning_text.delta") == 2 and "response.reasoning_text.done" in types
     assert types.index("response.reasoning_text.done") < types.index("response.output_text.delta")
+
+
+SAMPLES = {"model": MODEL, "input": "x", "instructions": "Be brief.", "tools": [WEATHER], "tool_choice": "auto",
+           "parallel_tool_calls": False, "text": {"format": {"type": "json_object"}, "verbosity": "low"},
+           "max_output_tokens": 8, "temperature": 0.5, "top_p": 0.9, "stream": False, "store": False,
+           "previous_response_id": None, "metadata": {"k": "v"}, "user": "u", "truncation": "disabled",
+           "reasoning": {"effort": "low", "summary": None}}
+
+
+def test_openapi_documents_the_routes_and_every_field_is_accepted(gw_server, gw_worker):
+    spec = httpx.get(gw_server.url + "/openapi.json").json()
+    assert "post" in spec["paths"]["/v1/responses"]
+    assert {"get", "delete"} <= set(spec["paths"]["/v1/responses/{response_id}"])
+    fields = set(spec["components"]["schemas"]["ResponsesRequest"]["properties"])
+    assert fields == set(SAMPLES), fields ^ set(SAMPLES)
+    for name in sorted(fields):
+        r = httpx.post(gw_server.url + "/v1/responses", json={"input": "x", "max_output_tokens": 4, name: SAMPLES[name]})
+        assert r.status_code == 200 and "x-baton-ignored-fields" not in r.headers, (name, r.text)
+    r = httpx.post(gw_server.url + "/v1/responses", json=SAMPLES)
+    assert r.status_code == 200 and "x-baton-ignored-fields" not in r.headers, r.text
