@@ -24,11 +24,12 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "the weathe
 @pytest.fixture(scope="module")
 def hermes_server(default_model_dir, gw_redis_url, gw_echo_worker):
     """A gateway whose chat template renders tools (so "auto" parses <tool_call> blocks), with
-    storing disabled (--responses-ttl 0)."""
+    storing disabled (--responses-ttl 0) and --strict-api."""
     from gateway.tokenizer import PromptTokenizer
 
     tokenizer = PromptTokenizer(default_model_dir, chat_template=HERMES_TEMPLATE)
-    server = start_gateway(default_model_dir, gw_redis_url, tokenizer, max_queue_wait=5.0, responses_ttl=0)
+    server = start_gateway(default_model_dir, gw_redis_url, tokenizer, max_queue_wait=5.0, responses_ttl=0,
+                           strict_api=True)
     yield server
     server.stop()
 
@@ -161,6 +162,14 @@ def test_text_format_json_schema_is_a_structured_constraint(gw_server, gw_worker
     structured = gw_worker.requests[-1].sampling.structured
     assert structured["kind"] == "json_schema" and json.loads(structured["spec"])["required"] == ["city"]
     assert resp.text.format.type == "json_schema" and resp.text.format.name == "place"
+    from pydantic import BaseModel
+
+    class City(BaseModel):
+        city: str
+
+    parsed = client(gw_server).responses.parse(model=MODEL, input="Where?", text_format=City)
+    assert parsed.output_parsed == City(city="Paris")  # the SDK's own schema reached the engine
+    assert "city" in json.loads(gw_worker.requests[-1].sampling.structured["spec"])["properties"]
     client(gw_server).responses.create(model=MODEL, input="Any JSON", text={"format": {"type": "json_object"}})
     assert gw_worker.requests[-1].sampling.structured["kind"] == "json_object"
 
@@ -220,6 +229,27 @@ def test_storing_disabled(hermes_server, gw_worker):
     assert err.value.body["param"] == "previous_response_id" and "--responses-ttl" in err.value.message
     with pytest.raises(openai.NotFoundError):
         c.responses.retrieve(resp.id)
+
+
+def test_strict_api_refuses_unknown_fields_by_name(hermes_server, gw_worker):
+    r = httpx.post(hermes_server.url + "/v1/responses", json={"input": "x", "text": {"odd": 1}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "text.odd", r.text
+    r = httpx.post(hermes_server.url + "/v1/responses", json={"input": "x", "bogus": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "bogus", r.text
+
+
+def test_client_leaving_a_stream_cancels_it(gw_server, gw_worker):
+    gw_worker.set_reply("word " * 200)
+    gw_worker.delay = 0.05
+    with httpx.Client(timeout=10) as http:
+        with http.stream("POST", gw_server.url + "/v1/responses", json={"input": "x", "stream": True}) as r:
+            lines = r.iter_lines()  # (kept: dropping the iterator closes the connection at once)
+            while "response.output_text.delta" not in next(lines):
+                pass
+            assert budget_in_use(gw_server.url) > 0
+            rid = gw_worker.requests[-1].request_id
+    assert wait_until(lambda: rid in gw_worker.cancelled_ids())
+    assert wait_until(lambda: budget_in_use(gw_server.url) == 0)
 
 
 def test_max_output_tokens_makes_it_incomplete(gw_server, gw_worker):
