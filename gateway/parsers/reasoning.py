@@ -1,0 +1,118 @@
+"""Reasoning parsers (`--reasoning-parser`, vLLM's names): split a thinking model's output into its
+reasoning and its answer.
+
+Rules:
+- `deepseek_r1`: the chat template may already have opened `<think>` in the prompt (DeepSeek-R1's
+  does), so everything before `</think>` is reasoning, with or without an opening `<think>` in the
+  output; an output that never closes its thought is all reasoning (cut short while thinking: vLLM's
+  rule).
+- `qwen3`: reasoning only when the output opens with `<think>` (after blanks); otherwise all of it is
+  the answer (Qwen3 with `enable_thinking: false`: the template wrote an empty think block itself).
+- The reasoning and the answer are stripped of the blanks around the think block (the model writes
+  `</think>\\n\\n` before its answer): streamed, those blanks are held until something follows them.
+- Streaming: `feed(text)` returns the (reasoning, content) that can be told apart so far; a tag cut
+  across chunks (`<thi` at a chunk's end) is held back until the next chunk decides it; `finish()`
+  returns what was held. Feeding the whole output at once gives exactly what feeding it in pieces
+  gives (`split` does that).
+"""
+
+from __future__ import annotations
+
+OPEN, CLOSE = "<think>", "</think>"
+NAMES = ("deepseek_r1", "qwen3")
+
+
+def partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `tag` (may be the tag's start)."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0
+
+
+class ThinkParser:
+    """One output's reasoning/answer split, fed as it streams (see the module's rules)."""
+
+    def __init__(self, open_required: bool) -> None:
+        self.open_required = open_required  # qwen3: no opening tag, no reasoning
+        self.state = "start"  # start -> reasoning -> answer_start -> answer
+        self.held = ""
+        self.found = False  # a think block was seen (even an empty one)
+        self._said_reasoning = False  # some reasoning was returned: its later blanks are its own
+
+    def feed(self, text: str) -> tuple[str, str]:
+        reasoning: list[str] = []
+        content: list[str] = []
+        self.held += text
+        while self.held:
+            before = (self.state, len(self.held))
+            if self.state == "start":
+                stripped = self.held.lstrip()
+                if stripped.startswith(OPEN):
+                    self.held, self.state, self.found = stripped[len(OPEN):], "reasoning", True
+                elif OPEN.startswith(stripped):  # blanks, or `<thi`: not decided yet
+                    break
+                else:
+                    self.state = "answer" if self.open_required else "reasoning"
+                    self.found = not self.open_required
+                    if self.state == "reasoning":
+                        self.held = stripped
+            elif self.state == "reasoning":
+                if not reasoning and not self._said_reasoning:
+                    self.held = self.held.lstrip()  # the blanks after <think>
+                    if not self.held:
+                        break
+                at = self.held.find(CLOSE)
+                if at >= 0:
+                    reasoning.append(self.held[:at].rstrip())
+                    self.held, self.state = self.held[at + len(CLOSE):], "answer_start"
+                    continue
+                keep = partial_suffix(self.held, CLOSE)
+                body = self.held[:len(self.held) - keep]
+                sure = body.rstrip()  # trailing blanks wait: they may come right before </think>
+                reasoning.append(sure)
+                self.held = self.held[len(sure):]
+                break
+            elif self.state == "answer_start":
+                self.held = self.held.lstrip()
+                if self.held:
+                    self.state = "answer"
+            else:
+                content.append(self.held)
+                self.held = ""
+            if (self.state, len(self.held)) == before:
+                break
+        said = "".join(reasoning)
+        if said:
+            self._said_reasoning = True
+        return said, "".join(content)
+
+    def finish(self) -> tuple[str, str]:
+        held, self.held = self.held, ""
+        if self.state == "start":
+            if self.open_required:
+                return "", held
+            self.found = True
+            return held.strip(), ""
+        if self.state == "reasoning":
+            return (held.rstrip() if self._said_reasoning else held.strip()), ""
+        if self.state == "answer_start":
+            return "", ""
+        return "", held
+
+
+def make(name: str) -> ThinkParser:
+    """The parser of a `--reasoning-parser` name (one per output: it holds that output's state)."""
+    if name not in NAMES:
+        raise ValueError(f"unknown reasoning parser {name!r}; known: {', '.join(NAMES)}")
+    return ThinkParser(open_required=(name == "qwen3"))
+
+
+def split(name: str, text: str) -> tuple[str | None, str]:
+    """(reasoning, answer) of a whole output; reasoning None when there is none (an empty thought
+    counts as none: nothing to show)."""
+    parser = make(name)
+    r1, c1 = parser.feed(text)
+    r2, c2 = parser.finish()
+    reasoning = r1 + r2
+    return (reasoning or None), c1 + c2

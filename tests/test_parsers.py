@@ -1,0 +1,158 @@
+"""The reasoning and tool-call parsers (gateway.parsers) on outputs in each model family's format:
+the whole parse, the same parse when the output streams in 1 to 3 character pieces (tags cut
+anywhere), and malformed calls coming back as text."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from gateway.parsers import reasoning, tool_calls
+from gateway.parsers.tool_calls import Call, Parsed
+
+
+def pieces(text: str, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    out, i = [], 0
+    while i < len(text):
+        n = rng.randint(1, 3)
+        out.append(text[i:i + n])
+        i += n
+    return out
+
+
+def streamed_reasoning(name: str, text: str, seed: int) -> tuple[str | None, str]:
+    parser = reasoning.make(name)
+    r, c = "", ""
+    for piece in pieces(text, seed):
+        dr, dc = parser.feed(piece)
+        r, c = r + dr, c + dc
+    dr, dc = parser.finish()
+    return (r + dr) or None, c + dc
+
+
+def streamed_calls(name: str, text: str, seed: int, tools: frozenset[str] = frozenset()) -> Parsed:
+    parser = tool_calls.make(name, tools)
+    out = Parsed()
+    for piece in pieces(text, seed):
+        out.add(parser.feed(piece))
+    return out.add(parser.finish())
+
+
+# Recorded outputs (DeepSeek-R1-Distill-Qwen: the template opened <think>; Qwen3: it writes it).
+R1_OUTPUT = "Okay, the user wants 2+2. That is 4.\n</think>\n\nThe answer is **4**."
+QWEN3_OUTPUT = "<think>\nThe user greets me. I should greet back.\n</think>\n\nHello! How can I help?"
+REASONING_CASES = [
+    ("deepseek_r1", R1_OUTPUT, "Okay, the user wants 2+2. That is 4.", "The answer is **4**."),
+    ("deepseek_r1", "<think>a < b </thinking> c</think>ok", "a < b </thinking> c", "ok"),
+    ("deepseek_r1", "still thinking when cut", "still thinking when cut", ""),
+    ("qwen3", QWEN3_OUTPUT, "The user greets me. I should greet back.", "Hello! How can I help?"),
+    ("qwen3", "Hello there, <think> is just text here", None, "Hello there, <think> is just text here"),
+    ("qwen3", "<think>\n\n</think>\n\nNo thinking.", None, "No thinking."),  # enable_thinking: false
+    ("qwen3", "  <thin", None, "  <thin"),  # no think block: the answer untouched
+    ("qwen3", "<think>cut short", "cut short", ""),
+]
+
+
+@pytest.mark.parametrize("name,text,expected_reasoning,expected_content", REASONING_CASES)
+def test_reasoning_split_whole_and_streamed(name, text, expected_reasoning, expected_content):
+    assert reasoning.split(name, text) == (expected_reasoning, expected_content)
+    for seed in range(20):
+        assert streamed_reasoning(name, text, seed) == (expected_reasoning, expected_content), seed
+
+
+def test_reasoning_streams_before_the_end():
+    """Reasoning is given out as it comes, not at the end; a tag cut in two is held until decided."""
+    parser = reasoning.make("qwen3")
+    assert parser.feed("<thi") == ("", "")
+    assert parser.feed("nk>Let me ") == ("Let me", "")
+    assert parser.feed("see.</th") == (" see.", "")
+    assert parser.feed("ink>\n\nHi") == ("", "Hi")
+    assert parser.finish() == ("", "")
+    with pytest.raises(ValueError, match="deepseek_r1"):
+        reasoning.make("gpt-oss")
+
+
+HERMES = ('I will check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n'
+          '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"tz": "Europe/Paris"}}\n</tool_call>')
+LLAMA3 = '{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "get_time", "parameters": {}}'
+MISTRAL = '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_time", "arguments": {}}]'
+MISTRAL_V11 = '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{}'
+PYTHONIC = '[get_weather(city="Paris", days=[1, 2]), get_time()]'
+TOOLS = frozenset({"get_weather", "get_time"})
+WEATHER = Call("get_weather", '{"city": "Paris"}')
+TIME = Call("get_time", "{}")
+CALL_CASES = [
+    ("hermes", HERMES, "I will check.", [Call("get_weather", '{"city": "Paris", "unit": "c"}'),
+                                         Call("get_time", '{"tz": "Europe/Paris"}')]),
+    ("hermes", 'No tools needed: 2 < 3 and <b>bold</b>.', "No tools needed: 2 < 3 and <b>bold</b>.", []),
+    ("hermes", '<tool_call>{"name": "get_time", "arguments": {}}', "", [TIME]),  # not closed: still read
+    ("llama3_json", LLAMA3, "", [WEATHER, TIME]),
+    ("llama3_json", '<|python_tag|>{"name": "get_time", "arguments": {}}', "", [TIME]),
+    ("llama3_json", "The weather in {city} is nice.", "The weather in {city} is nice.", []),
+    ("mistral", MISTRAL, "", [WEATHER, TIME]),
+    ("mistral", MISTRAL_V11, "", [WEATHER, TIME]),
+    # decoded without special tokens, the markers are gone: the same calls
+    ("mistral", MISTRAL.removeprefix("[TOOL_CALLS]"), "", [WEATHER, TIME]),
+    ("mistral", MISTRAL_V11.replace("[TOOL_CALLS]", "").replace("[ARGS]", ""), "", [WEATHER, TIME]),
+    ("mistral", "Sure. [TOOL_CALLS]get_time[ARGS]{}", "Sure.", [TIME]),
+    ("mistral", "get the weather yourself", "get the weather yourself", []),
+    ("pythonic", PYTHONIC, "", [Call("get_weather", '{"city": "Paris", "days": [1, 2]}'), TIME]),
+    ("pythonic", "<|python_start|>[get_time()]<|python_end|>", "", [TIME]),
+    ("pythonic", "It is sunny.", "It is sunny.", []),
+]
+
+
+@pytest.mark.parametrize("name,text,content,calls", CALL_CASES)
+def test_tool_calls_whole_and_streamed(name, text, content, calls):
+    assert tool_calls.parse(name, text, TOOLS) == Parsed(content, calls)
+    for seed in range(20):
+        assert streamed_calls(name, text, seed, TOOLS) == Parsed(content, calls), seed
+
+
+MALFORMED = [
+    ("hermes", '<tool_call>{"name": "get_weather", "arguments": {"city": </tool_call>'),
+    ("hermes", '<tool_call>{"arguments": {}}</tool_call>'),  # no name
+    ("hermes", '<tool_call>{"name": "f", "arguments": [1]}</tool_call>'),  # arguments not an object
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Par'),  # cut short
+    ("llama3_json", '{"answer": 42}'),
+    ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}'),
+    ("mistral", '[TOOL_CALLS]get_weather[ARGS]not json'),
+    ("pythonic", '[get_weather(city=open("/etc/passwd").read())]'),  # not a literal: never evaluated
+    ("pythonic", '[get_weather("Paris")]'),  # positional
+    ("pythonic", '[get_weather(city="Par'),
+]
+
+
+@pytest.mark.parametrize("name,text", MALFORMED)
+def test_a_malformed_call_is_text(name, text):
+    expected = Parsed(text.strip(), [])
+    assert tool_calls.parse(name, text, TOOLS) == expected
+    for seed in range(10):
+        assert streamed_calls(name, text, seed, TOOLS) == expected
+
+
+def test_content_streams_before_a_call_and_each_call_when_complete():
+    parser = tool_calls.make("hermes")
+    assert parser.feed("Let me look") == Parsed("Let me look")
+    assert parser.feed(" that up. <tool_") == Parsed(" that up.")  # the blank and the tag's start wait
+    assert parser.feed('call>{"name": "get_time", "arguments": {}}') == Parsed()
+    assert parser.feed("</tool_call>") == Parsed("", [TIME])
+    assert parser.finish() == Parsed()
+    # llama3_json: text that cannot be a call streams at once
+    parser = tool_calls.make("llama3_json")
+    assert parser.feed("Paris is") == Parsed("Paris is")
+    assert json.loads(tool_calls.parse("llama3_json", LLAMA3).calls[0].arguments) == {"city": "Paris"}
+    with pytest.raises(ValueError, match="pythonic"):
+        tool_calls.make("xlam")
+
+
+def test_parser_detected_from_the_template():
+    assert tool_calls.detect("{% if tools %}<tools>...</tools> <tool_call>{...}</tool_call>{% endif %}") == "hermes"
+    assert tool_calls.detect("{{- '<|python_tag|>' + tool_call.name }}") == "llama3_json"
+    assert tool_calls.detect("{{ '[TOOL_CALLS]' + tool_calls | tojson }}") == "mistral"
+    assert tool_calls.detect("<tool_call> and [TOOL_CALLS]") is None  # ambiguous: the flag decides
+    assert tool_calls.detect("{{ messages }}") is None
+    assert tool_calls.detect(None) is None
