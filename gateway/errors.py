@@ -15,7 +15,7 @@ from starlette.responses import JSONResponse
 
 from gateway.request_ids import HEADER, client_request_id
 
-ApiStyle = Literal["tgi", "openai"]
+ApiStyle = Literal["tgi", "openai", "anthropic"]
 
 # Our error kinds -> OpenAI's error `type` strings.
 _OPENAI_TYPES = {
@@ -69,14 +69,31 @@ def unavailable(message: str, retry_after_s: int) -> ApiError:
 OPENAI_PATHS = frozenset({"/tokenize", "/detokenize"})
 
 
+# Anthropic's Messages API (its clients parse `{"type": "error", "error": {"type", "message"}}`).
+ANTHROPIC_PATHS = frozenset({"/v1/messages", "/v1/messages/count_tokens"})
+# Anthropic's error `type` by status (its SDK picks the exception class by status). Overloaded
+# stays our 503 (Anthropic's own is 529) with its Retry-After: what every client here retries on.
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                    503: "overloaded_error", 529: "overloaded_error"}
+
+
 def api_style(path: str) -> ApiStyle:
-    """Which error shape a path's clients expect: the OpenAI API lives under /v1."""
+    """Which error shape a path's clients expect: the OpenAI API lives under /v1, but for Anthropic's."""
+    if path in ANTHROPIC_PATHS:
+        return "anthropic"
     return "openai" if path.startswith("/v1/") or path == "/v1" or path in OPENAI_PATHS else "tgi"
 
 
 def error_body(err: ApiError, style: ApiStyle) -> dict[str, Any]:
     if style == "tgi":
         return {"error": err.message, "error_type": err.kind}
+    if style == "anthropic":
+        kind = _ANTHROPIC_TYPES.get(err.status, "invalid_request_error" if err.status < 500 else "api_error")
+        # No `param` in Anthropic's body: its messages lead with the field ("max_tokens: ...").
+        named = not err.param or f"`{err.param}`" in err.message
+        return {"type": "error", "error": {"type": kind, "message": err.message if named
+                                           else f"{err.param}: {err.message}"}}
     code: int | str | None = err.status
     if err.kind == "authentication":
         code = "invalid_api_key"

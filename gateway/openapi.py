@@ -66,6 +66,20 @@ def _openai_errors() -> dict[str, Any]:
 
 
 
+def _anthropic_errors() -> dict[str, Any]:
+    e = _ref("AnthropicError")
+    return {
+        "400": _json(e, "Invalid request (type `invalid_request_error`; the message names the field)."),
+        "401": _json(e, "Missing or wrong API key (`x-api-key` or Bearer; type `authentication_error`)."),
+        "404": _json(e, "`model` names no served model (type `not_found_error`)."),
+        "413": _json(e, "Request body larger than --max-body-bytes (type `request_too_large`)."),
+        "429": _json(e, "Overloaded (type `rate_limit_error`); see Retry-After."),
+        "500": _json(e, "Generation failed after admission (type `api_error`)."),
+        "503": _json(e, "Redis unreachable, or waited longer than --max-queue-wait (type `overloaded_error`; "
+                      "Anthropic's own status for it is 529); see Retry-After."),
+    }
+
+
 def openapi_spec(settings: Settings) -> dict[str, Any]:
     tgi_body = {"required": True, "content": {"application/json": {"schema": _ref("TgiRequest")}}}
     generation_security: list[dict[str, list[str]]] = [{"bearer": []}] if settings.api_key else []
@@ -121,6 +135,18 @@ def openapi_spec(settings: Settings) -> dict[str, Any]:
         "/detokenize": {"post": op("vLLM: token ids back to text (special tokens kept)", {
             "200": _with_header(_json(_ref("DetokenizeResponse"), "The text.")),
             **_openai_errors()}, openai_body("DetokenizeRequest"), True)},
+        "/v1/messages": {"post": op("Anthropic Messages (what Claude Code and the anthropic SDK speak)", {
+            "200": {"description": "A message, or with stream=true SSE `event: <type>` + `data: {...}`: message_start, "
+                    "ping, content_block_start / content_block_delta (text_delta, thinking_delta, input_json_delta) "
+                    "/ content_block_stop per block, message_delta (stop_reason, usage), message_stop; an error "
+                    "after the stream started is `event: error`.", "headers": _IGNORED_HEADER, "content": {
+                "application/json": {"schema": _ref("MessagesResponse")},
+                "text/event-stream": {"schema": {"type": "string"}}}}, **_anthropic_errors()},
+            openai_body("MessagesRequest"), True)},
+        "/v1/messages/count_tokens": {"post": op("Anthropic: the prompt's token count, as generation templates it", {
+            "200": _with_header(_json({"type": "object", "required": ["input_tokens"],
+                                       "properties": {"input_tokens": _INT}}, "The count.")),
+            **_anthropic_errors()}, openai_body("MessagesCountTokensRequest"), True)},
         "/version": {"get": op("The baton package version", {"200": _json(
             {"type": "object", "required": ["version"], "properties": {"version": {"type": "string"}}},
             "vLLM's shape.")})},
