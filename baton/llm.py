@@ -1,4 +1,5 @@
-"""The offline API, in vLLM's shape: `LLM(...).generate(prompts, sampling_params)` and `.chat()`."""
+"""The offline API, in vLLM's shape: `LLM(...).generate(prompts, sampling_params)`, `.chat()` and
+`.embed(prompts)`."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from baton.engine.llm_engine import EngineConfig, LLMEngine
+from baton.common.finish_reason import FinishReason
 from baton.engine.outputs import EngineOutput
+from baton.engine.pooling import Pooling, normalize as normalize_vector
 from baton.common.model_files import resolve_model
 from baton.common.sampling_params import SamplingParams
 
@@ -60,9 +63,7 @@ class LLM:
     def generate(self, prompts: str | list[int] | Seq[str | list[int]],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)  # type: ignore[arg-type]
+        prompts = self._prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         params_list = list(sampling_params) if isinstance(sampling_params, Seq) else [sampling_params] * len(prompts)
@@ -93,6 +94,38 @@ class LLM:
             progress.close()
         return [self._output(r) for r in requests]
 
+    def embed(self, prompts: str | list[int] | Seq[str | list[int]], pooling: Pooling | str = Pooling.LAST,
+              normalize: bool = True) -> list[EmbeddingRequestOutput]:
+        """One vector per prompt (as vLLM's `LLM.embed`): the final-norm hidden states pooled
+        (`last`, `mean` or `cls`), L2-normalized unless `normalize=False`. Text is tokenized with
+        the tokenizer's special tokens, as sentence-transformers and TEI do."""
+        pooling = Pooling(pooling)
+        items = self._prompt_list(prompts)
+        requests: list[EmbeddingRequestOutput] = []
+        for prompt in items:
+            if isinstance(prompt, str):
+                token_ids, text = self.tokenizer.encode(prompt), prompt
+            else:
+                token_ids, text = list(prompt), None
+            request = EmbeddingRequestOutput(str(next(self._ids)), text, token_ids, EmbeddingOutput([]))
+            self.engine.add_request(request.request_id, token_ids, SamplingParams(max_tokens=1), pooling=pooling)
+            requests.append(request)
+        by_id = {r.request_id: r for r in requests}
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                if out.finish_reason is FinishReason.ERROR:
+                    raise RuntimeError(f"embedding request {out.request_id} failed: {out.error}")
+                if out.embedding is not None:
+                    vector = list(out.embedding)
+                    by_id[out.request_id].outputs.embedding = normalize_vector(vector) if normalize else vector
+        return requests
+
+    @staticmethod
+    def _prompt_list(prompts: str | list[int] | Seq[str | list[int]]) -> list[str | list[int]]:
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            return [prompts]  # type: ignore[list-item]
+        return list(prompts)  # type: ignore[arg-type]
+
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
@@ -107,6 +140,22 @@ class LLM:
                              [CompletionOutput(0, text, request.token_ids, finish, request.logprobs,
                                                request.top_logprobs)],
                              num_cached_tokens=request.num_cached_tokens, prompt_logprobs=request.prompt_logprobs)
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """vLLM's shape: `output.outputs.embedding`."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
 
 
 @dataclass

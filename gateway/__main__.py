@@ -68,6 +68,12 @@ def parse_args(argv: list[str] | None = None) -> Settings:
     p.add_argument("--responses-ttl", type=int, default=3600,
                    help="seconds a stored /v1/responses answer (store: true) is kept in Redis for "
                         "previous_response_id and GET /v1/responses/{id}; 0 stores none (default 3600)")
+    p.add_argument("--pooling", default=None, choices=["last", "mean", "cls"],
+                   help="how /v1/embeddings and /embed pool the prompt's hidden states (default: the "
+                        "checkpoint's sentence-transformers config, else last)")
+    p.add_argument("--normalize", action="store_true", help="L2-normalize embeddings (default: as the "
+                   "checkpoint's sentence-transformers modules say, else normalized)")
+    p.add_argument("--no-normalize", action="store_true", help="return embeddings unnormalized")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--log-format", default=os.environ.get("BATON_LOG_FORMAT", "text"), choices=list(FORMATS),
                    help="text lines or one JSON object per line (default: $BATON_LOG_FORMAT, else text)")
@@ -98,10 +104,18 @@ def parse_args(argv: list[str] | None = None) -> Settings:
         body_read_timeout=args.body_read_timeout, stream_write_timeout=args.stream_write_timeout,
         strict_api=args.strict_api, log_format=args.log_format, shutdown_grace=args.shutdown_grace,
         responses_ttl=args.responses_ttl,
+        pooling=args.pooling, normalize=_normalize_flag(args.normalize, args.no_normalize),
     )
     if args.gateway_id:
         settings.gateway_id = args.gateway_id
     return settings
+
+
+def _normalize_flag(normalize: bool, no_normalize: bool) -> bool | None:
+    # two store_true flags, not BooleanOptionalAction: BATON_NORMALIZE / BATON_NO_NORMALIZE work too
+    if normalize and no_normalize:
+        raise ValueError("--normalize and --no-normalize contradict each other")
+    return True if normalize else False if no_normalize else None
 
 
 def _env_flag(name: str) -> bool:

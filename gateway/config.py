@@ -62,6 +62,10 @@ class Settings:
     # False (vLLM's behaviour): an unknown request field is ignored, logged once per name and listed
     # in the x-baton-ignored-fields header; True: it is a 4xx naming it (a typo never goes unseen).
     strict_api: bool = False
+    # Embeddings (gateway.pooling_config): --pooling last|mean|cls and --normalize/--no-normalize;
+    # None: what the checkpoint's sentence-transformers files say, else last + normalized.
+    pooling: str | None = None
+    normalize: bool | None = None
     log_level: str = "info"
     log_format: str = "text"  # or "json" (baton.common.logs)
     # SIGTERM: seconds requests in flight get to finish (uvicorn's graceful shutdown) before they are

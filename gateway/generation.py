@@ -27,7 +27,7 @@ from starlette.requests import Request
 
 from baton.common import tracing
 from baton.common.finish_reason import FinishReason
-from baton.common.protocol import Cancel, PrefillRequest, TokenEvent
+from baton.common.protocol import Cancel, PrefillRequest, TokenEvent, unpack_embedding
 from baton.common.sampling_params import SamplingParams
 from gateway.admission import Ticket
 from gateway.backend import BackendUnavailable
@@ -119,12 +119,16 @@ async def send_all(gens: list[Generation], request: Request) -> None:
 
 class Generation:
     def __init__(self, svc: Services, spec: GenerationSpec, prompt_ids: list[int], sampling: SamplingParams,
-                 arrival: float, api_status: int, choice: int = 0, sibling: int = 0) -> None:
+                 arrival: float, api_status: int, choice: int = 0, sibling: int = 0, pooling: str = "") -> None:
         self.svc = svc
         self.spec = spec
         self.prompt_ids = prompt_ids
         self.sampling = sampling  # what goes on the wire: the request's, with this one's length and seed
-        self.max_new_tokens = sampling.max_tokens
+        # An embedding job (gateway.routes_embeddings): a prefill alone, costing its prompt tokens;
+        # its one event brings the pooled vector (raw, not normalized) instead of tokens.
+        self.pooling = pooling
+        self.embedding: list[float] | None = None
+        self.max_new_tokens = 0 if pooling else sampling.max_tokens
         self.request_id = uuid.uuid4().hex
         self.choice = choice  # which of the request's generations this is (OpenAI's choice index)
         self.sibling = sibling  # its place among the generations of the same prompt
@@ -206,7 +210,8 @@ class Generation:
         return PrefillRequest(
             request_id=self.request_id, gateway_id=self.svc.settings.gateway_id,
             prompt_token_ids=self.prompt_ids, sampling=self.sampling, arrival_time=time.time(),
-            client_request_id=client_request_id(request.scope), trace_context=tracing.request_parent())
+            client_request_id=client_request_id(request.scope), trace_context=tracing.request_parent(),
+            pooling=self.pooling)
 
     def _send_failed(self) -> None:
         if self.state is State.SENDING:  # nothing reached the workers: admitted, unsent
@@ -278,6 +283,8 @@ class Generation:
         tops = event.top_logprobs[skip:]
         if event.index == 0:
             self.num_cached_tokens = event.num_cached_tokens
+            if event.embedding:
+                self.embedding = unpack_embedding(event.embedding)
             if event.prompt_logprobs and self.prompt_logprobs is None:
                 self.prompt_logprobs = event.prompt_logprobs
         if not ids and event.finish_reason is None:

@@ -118,6 +118,10 @@ class GatewayMetrics:
             "baton:prompt_tokens", "Prompt tokens of admitted requests.", m, registry=r).labels(model_name))
         self.generation_tokens = CountedCounter(Counter(
             "baton:generation_tokens", "Generated tokens delivered.", m, registry=r).labels(model_name))
+        # (their prompt tokens count in baton:prompt_tokens, their ends in baton:request_success)
+        self.embedding_inputs = CountedCounter(Counter(
+            "baton:embedding_inputs", "Embedding inputs answered (/v1/embeddings, /embed).", m,
+            registry=r).labels(model_name))
         self._success = Counter(
             "baton:request_success", "Requests that finished, by finish reason.",
             m + ["finished_reason"], registry=r)

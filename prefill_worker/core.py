@@ -1,7 +1,7 @@
 """The prefill worker's core: prompts in; first tokens, blocks, handoffs and acks out (no I/O; see
 `worker.py`).
 
-A request finishes here by handoff: it is added to the engine with `remote_decode`, so the engine
+A request finishes here by handoff (an embedding request, `pooling`, here, with its vector): it is added to the engine with `remote_decode`, so the engine
 ends it after the first token and encodes its prompt's blocks (those the store may not hold yet,
 and the partial last block) into the output's `handoff.save` before freeing them. `on_step` turns that into one set of effects
 that the shell writes in one MULTI/EXEC, in this order: first token, blocks, handoff, ack. A worker
@@ -21,6 +21,7 @@ from baton.common.logs import request_extra
 from baton.common.tracing import RequestSpans
 from baton.engine.kv_types import RemoteKV
 from baton.engine.outputs import EngineOutput
+from baton.engine.pooling import Pooling
 from baton.worker.core import Effects, WorkerCore
 
 logger = logging.getLogger("baton.prefill")
@@ -47,10 +48,13 @@ class PrefillCore(WorkerCore[protocol.PrefillRequest]):
         found in the store (the scheduler loads those beyond the local prefix cache), and
         `block_hashes` all its full blocks' ids if the caller computed them already."""
         try:
+            # An embedding request (pooling) is run and pooled here: no handoff, no stored KV loads
+            # (the shell probes none for it), its blocks freed as soon as its prompt is computed.
+            pooling = Pooling(request.pooling) if request.pooling else None
             self.engine.add_request(
                 request.request_id, request.prompt_token_ids, request.sampling, arrival_time=request.arrival_time,
-                remote_kv=RemoteKV(tuple(stored_hashes)) if stored_hashes else None, remote_decode=True,
-                block_hashes=block_hashes)
+                remote_kv=RemoteKV(tuple(stored_hashes)) if stored_hashes else None, remote_decode=pooling is None,
+                block_hashes=block_hashes, pooling=pooling)
         except (ValueError, TypeError) as exc:
             return self.fail(message_id, request, str(exc))
         self.in_flight[request.request_id] = (message_id, request, time.time())
@@ -98,8 +102,9 @@ class PrefillCore(WorkerCore[protocol.PrefillRequest]):
                 finish_reason=None if handoff else out.finish_reason,
                 error=(out.error or "the request failed") if failed else None,
                 num_prompt_tokens=num_prompt, num_cached_tokens=out.num_cached_tokens, worker_id=self.worker_id,
-                top_logprobs=list(out.new_top_logprobs), prompt_logprobs=list(out.prompt_logprobs or [])))
-            if handoff is None:  # EOS as the first token, max_tokens=1, or an error: no handoff
+                top_logprobs=list(out.new_top_logprobs), prompt_logprobs=list(out.prompt_logprobs or []),
+                embedding=protocol.pack_embedding(out.embedding) if out.embedding is not None else b""))
+            if handoff is None:  # EOS as the first token, max_tokens=1, an embedding, an error: no handoff
                 self.metrics.finished(out.finish_reason or FinishReason.STOP)
             else:
                 save = handoff.save

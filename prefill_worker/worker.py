@@ -88,6 +88,7 @@ class PrefillWorker(WorkerShell):
                 # Which of the prompt's blocks the store holds (computed by any prefill worker):
                 # the scheduler loads those its local prefix cache lacks instead of computing them.
                 hashes = hash_blocks(request.prompt_token_ids, self.engine.block_size, self.engine.model_id)
-                stored = await self.kv.probe(hashes)
+                # (an embedding request loads nothing from the store: mean and cls pool every row)
+                stored = await self.kv.probe(hashes) if not request.pooling else []
                 await self.write(self.core.admit(message_id, request, stored, hashes))
             self.pending.popleft()

@@ -51,6 +51,7 @@ GATEWAY_FLAGS: list[tuple[str, type, str]] = [
     ("--max-queue-wait", float, "seconds a request may wait for budget before a 503"),
     ("--shutdown-grace", float, "seconds requests in flight get to finish when the gateway stops (default 40)"),
     ("--responses-ttl", int, "seconds stored /v1/responses answers are kept (0: none; default 3600)"),
+    ("--pooling", str, "embeddings: last, mean or cls (default: the checkpoint's sentence-transformers config, else last)"),
 ]
 # Environment variables that carry secrets to the children (never argv: `ps` shows argv to all).
 REDIS_URL_ENV = "REDIS_URL"
@@ -181,6 +182,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--strict-api", action="store_true",
                        help="answer unknown request fields with a 4xx (default: ignore them, log them once "
                             "and list them in the x-baton-ignored-fields header)")
+    group.add_argument("--normalize", action="store_true", help="L2-normalize embeddings (default: as the checkpoint says, else yes)")
+    group.add_argument("--no-normalize", action="store_true", help="return embeddings unnormalized")
     group.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
                        help="require 'Authorization: Bearer KEY' on the API (default: $BATON_API_KEY; "
                             "prefer the variable: a flag is visible to every local user in `ps`)")
@@ -231,6 +234,7 @@ def build_child_specs(args: argparse.Namespace, model_dir: Path, redis_url: str,
         argv += ["--served-model-name", *args.served_model_name]
     if getattr(args, "strict_api", False):
         argv.append("--strict-api")
+    argv += [flag for flag in ("--normalize", "--no-normalize") if getattr(args, _dest(flag), False)]
     if getattr(args, "chat_template", None) is not None:
         argv += ["--chat-template", _absolute_if_file(args.chat_template)]
     gateway_env = {**_thread_env(1), **secret_env}

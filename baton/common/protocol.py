@@ -21,7 +21,11 @@ from baton.common.sampling_params import SamplingParams
 
 # 2: one SamplingParams type; a handoff's partial_block_key is the store key
 # 3: token events carry top/prompt logprobs, requests the client's request id
-SCHEMA_VERSION = 3
+# 4: embeddings: a prefill request may ask for pooling, its one token event carries the vector
+SCHEMA_VERSION = 4
+
+# How an embedding request pools its prompt's hidden states (baton.engine.pooling.Pooling's values)
+POOLING_NAMES = ("last", "mean", "cls")
 
 # Streams and groups. Prefill and decode use consumer groups (one message, one worker);
 # cancels are read by every worker without a group (a broadcast).
@@ -87,6 +91,22 @@ class PrefillRequest:
     # The client's x-request-id (or the one the gateway made up): for log lines, never for routing.
     client_request_id: str = ""
     trace_context: str = ""  # W3C traceparent of the gateway's request span (baton/common/tracing.py), or ""
+    # An embedding request: "" (generation) or one of POOLING_NAMES. The prefill worker runs the
+    # prompt, publishes one token event with the pooled vector (no token, no handoff) and frees its KV.
+    pooling: str = ""
+
+
+def pack_embedding(vector: Any) -> bytes:
+    """A vector on the wire: little-endian float32 bytes (what OpenAI's base64 encoding holds)."""
+    import numpy as np
+
+    return np.asarray(vector, dtype="<f4").tobytes()
+
+
+def unpack_embedding(data: bytes) -> list[float]:
+    import numpy as np
+
+    return np.frombuffer(data, dtype="<f4").tolist()
 
 
 @dataclass
@@ -138,6 +158,8 @@ class TokenEvent:
     top_logprobs: list[list[list[float]]] = field(default_factory=list)
     # on the first event, per prompt token: None (the first) or [logprob, [[id, logprob], ...]].
     prompt_logprobs: list[Any] = field(default_factory=list)
+    # An embedding request's last (only) event: the pooled vector, not normalized (pack_embedding)
+    embedding: bytes = b""
 
 
 @dataclass
@@ -258,6 +280,10 @@ def _check_types(message: Any) -> None:
             raise MalformedMessage(f"{name} must be a list")
         elif name == "block_hashes" and (not isinstance(value, list) or not all(isinstance(h, str) for h in value)):
             raise MalformedMessage("block_hashes must be a list of strings")
+        elif name == "pooling" and value not in ("", *POOLING_NAMES):
+            raise MalformedMessage(f"pooling must be one of {POOLING_NAMES} or empty")
+        elif name == "embedding" and (not isinstance(value, bytes) or len(value) % 4):
+            raise MalformedMessage("embedding must be float32 bytes")
         elif name == "partial_block_key" and value is not None and not isinstance(value, str):
             raise MalformedMessage("partial_block_key must be a string or nil")
         elif name == "finish_reason" and value is not None:

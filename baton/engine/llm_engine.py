@@ -31,6 +31,7 @@ from baton.engine.sampling import sample, suppress_early_stops
 from baton.engine.kv_connector import KVConnectorScheduler
 from baton.engine.kv_types import KVLoad, LoadedKV, RemoteKV
 from baton.engine.outputs import EngineOutput, EngineStats, KVHandoff
+from baton.engine.pooling import Pooling
 from baton.engine.quant import quantize_model
 from baton.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, StepOutput
 from baton.engine.structured import StructuredOutput
@@ -136,15 +137,23 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams, *,
                     output_token_ids: Seq[int] = (), arrival_time: float | None = None,
                     first_token_time: float | None = None, remote_kv: RemoteKV | None = None,
-                    remote_decode: bool = False, block_hashes: Seq[str] | None = None) -> None:
+                    remote_decode: bool = False, block_hashes: Seq[str] | None = None,
+                    pooling: Pooling | None = None) -> None:
         """Queue a request. `output_token_ids`: tokens already generated (a handoff, a resume);
         `remote_kv`: what the block store holds of its leading tokens (the connector loads it);
         `remote_decode`: finish after the first token by handoff, leaving its prompt's blocks in the
-        output to save; `block_hashes`: its full blocks' ids if the caller computed them already.
+        output to save; `block_hashes`: its full blocks' ids if the caller computed them already;
+        `pooling`: an embedding request (baton.engine.pooling): its prompt is run and pooled, nothing
+        sampled, and it finishes with STOP and the vector in its output's `embedding`.
         Raises ValueError for a request it cannot take (nothing is queued then)."""
+        if pooling is not None and (remote_decode or output_token_ids or
+                                    (remote_kv is not None and pooling.needs_every_token)):
+            raise ValueError(f"request {request_id}: a pooling request is a prompt alone, computed here "
+                             "(no handoff, no output tokens, no stored KV for mean or cls)")
         seq = Sequence(request_id, list(prompt_token_ids), params, arrival_time=arrival_time,
                        output_token_ids=list(output_token_ids), remote_kv=remote_kv,
-                       remote_decode=remote_decode, block_hashes=None if block_hashes is None else list(block_hashes))
+                       remote_decode=remote_decode, block_hashes=None if block_hashes is None else list(block_hashes),
+                       pooling=pooling)
         seq.first_token_time = first_token_time
         self._add(seq)
 
@@ -188,7 +197,14 @@ class LLMEngine:
         return [self._output(out) for out in outputs]
 
     def _run(self, plan: SchedulerOutput) -> list[StepOutput]:
-        sample_seqs, all_logits, prompt_rows = self.runner.execute(plan.scheduled)
+        result = self.runner.execute(plan.scheduled)
+        sample_seqs, all_logits, prompt_rows = result.sample_seqs, result.logits, result.prompt_rows
+        if result.hidden is not None:
+            offset = 0
+            for rows in result.pool_rows:  # each pooling request folds in its chunk's rows
+                assert rows.seq.pool is not None
+                rows.seq.pool.add(result.hidden[offset:offset + rows.count])
+                offset += rows.count
         logits = all_logits[:len(sample_seqs)]
         self.num_steps += 1
         tokens: list[int] = []
@@ -227,11 +243,12 @@ class LLMEngine:
         if reason is not None:
             self._requests.pop(seq.seq_id, None)
         first = seq.num_output_tokens == len(out.new_token_ids) and bool(out.new_token_ids)
+        embedding = tuple(seq.pool.result()) if seq.pool is not None and reason is FinishReason.STOP else None
         return EngineOutput(
             seq.seq_id, tuple(out.new_token_ids), tuple(out.new_logprobs), tuple(out.new_top_logprobs),
             reason, seq.error if reason is FinishReason.ERROR else None, seq.num_prompt_tokens,
             seq.num_output_tokens, seq.num_cached_tokens,
-            tuple(seq.prompt_logprobs) if first and seq.prompt_logprobs is not None else None, handoff)
+            tuple(seq.prompt_logprobs) if first and seq.prompt_logprobs is not None else None, handoff, embedding)
 
     @staticmethod
     def _requested_logprobs(seqs: list[Sequence], logits: torch.Tensor, tokens: list[int],

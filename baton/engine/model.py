@@ -330,14 +330,18 @@ class LlamaModel(nn.Module):
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,  # [S] tokens whose next-token logits are needed
         max_position: int,  # the largest value in positions (known to the caller without a sync)
-    ) -> torch.Tensor:  # [S, vocab] fp32
+        hidden_indices: torch.Tensor | None = None,  # [P] tokens whose final-norm hidden states are needed
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # [S, vocab] fp32 (and [P, hidden] fp32)
+        # hidden_indices (embeddings, baton.engine.pooling): the final norm's output of those rows
+        # is returned too, as transformers' AutoModel's last_hidden_state; the LM head runs only
+        # over logits_indices, so a step of pooling requests alone computes no logits at all.
         x = self.embed_tokens(input_ids)
         cos, sin = self.rope(positions, max_position)
         plan = self.layers_plan
         if plan is not None and not meta.prefills and len(meta.decode_groups) == 1:
-            return self.head(plan.run(x, cos, sin, kv_cache, meta)[logits_indices]).float()
+            return self._with_hidden(plan.run(x, cos, sin, kv_cache, meta), logits_indices, hidden_indices)
         if self.fused_norm is not None:
-            return self._forward_fused(x, cos, sin, kv_cache, meta, logits_indices)
+            return self._forward_fused(x, cos, sin, kv_cache, meta, logits_indices, hidden_indices)
         config = self.config
         if config.embedding_multiplier != 1.0:
             # Gemma multiplies by sqrt(hidden) rounded to the model's dtype; Granite by the float
@@ -350,15 +354,30 @@ class LlamaModel(nn.Module):
             attn = layer.self_attn
             c, s = local if attn.local_rope else (cos, sin)
             x = layer(x, c, s, layer_cache, window_meta if attn.sliding else meta)
-        logits = self.head(self.norm(x[logits_indices]))
+        logits = self._head_rows(self.norm(x[logits_indices]))
         if config.logits_scaling != 1.0:
             logits = logits / config.logits_scaling
         if config.final_logit_softcap is not None:
             logits = torch.tanh(logits / config.final_logit_softcap) * config.final_logit_softcap
-        return logits.float()
+        if hidden_indices is None:
+            return logits.float()
+        return logits.float(), self.norm(x[hidden_indices]).float()
+
+    def _head_rows(self, normed: torch.Tensor) -> torch.Tensor:
+        # no rows (a step of pooling requests only): the native head kernels are not asked for 0 rows
+        if normed.shape[0] == 0:
+            return normed.new_zeros(0, self.config.vocab_size)
+        return self.head(normed)
+
+    def _with_hidden(self, normed: torch.Tensor, logits_indices: torch.Tensor,
+                     hidden_indices: torch.Tensor | None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        # normed: [T, H], the final norm's output of every row
+        logits = self._head_rows(normed[logits_indices]).float()
+        return logits if hidden_indices is None else (logits, normed[hidden_indices].float())
 
     def _forward_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
-                       meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
+                       meta: AttentionMetadata, logits_indices: torch.Tensor,
+                       hidden_indices: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         # x: [T, H] bf16 -> [S, vocab] fp32. Each residual add is fused with the norm that follows
         # it (the next layer's input norm, or the final norm): one native call instead of ~10 ops.
         add_rms_norm = self.fused_norm
@@ -370,4 +389,4 @@ class LlamaModel(nn.Module):
             h = add_rms_norm(x, layer.self_attn(h, cos, sin, layer_cache, meta), post.weight, post.eps)
             following = norms[i + 1][0] if i + 1 < len(norms) else self.norm
             h = add_rms_norm(x, layer.mlp(h), following.weight, following.eps)
-        return self.head(h[logits_indices]).float()
+        return self._with_hidden(h, logits_indices, hidden_indices)

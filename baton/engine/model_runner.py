@@ -21,6 +21,25 @@ class PromptRows:
     count: int
 
 
+@dataclass
+class PoolRows:
+    """How many hidden-state rows of a pooling request this step returns (its chunk's pooled ones)."""
+
+    seq: Sequence
+    count: int
+
+
+@dataclass
+class StepResult:
+    """What one step of the model gave: see `ModelRunner.execute`."""
+
+    sample_seqs: list[Sequence]
+    logits: torch.Tensor  # [S + P, vocab]
+    prompt_rows: list[PromptRows]
+    pool_rows: list[PoolRows]
+    hidden: torch.Tensor | None  # [sum of pool_rows counts, hidden] fp32, None without pooling rows
+
+
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     return config.num_layers * 2 * block_size * config.num_kv_heads * config.head_dim * dtype.itemsize
 
@@ -57,16 +76,19 @@ class ModelRunner:
         # the native kernel reads only each request's own blocks: one group, no padding cost
         return [(0, len(context_lens))] if context_lens else []
 
-    def execute(self, scheduled: list[tuple[Sequence, int]]) -> tuple[list[Sequence], torch.Tensor, list[PromptRows]]:
+    def execute(self, scheduled: list[tuple[Sequence, int]]) -> StepResult:
         """Run one step. Returns the requests that get a new token, the logits [S + P, vocab] (S rows
-        for them, then P rows of prompt positions whose logprobs were asked for) and which request
-        and positions those P rows are (in order).
+        for them, then P rows of prompt positions whose logprobs were asked for), which request
+        and positions those P rows are (in order), and for pooling requests the final-norm hidden
+        states of their chunks' pooled rows (they are never sampled).
 
         Decode requests (one new token each) come first, reordered by context length so that
-        requests of similar length form one padded attention group; prefill chunks follow.
+        requests of similar length form one padded attention group; prefill chunks follow (a
+        pooling request's last chunk of one token too: it is no decode step).
         """
         bs, device = self.block_size, self.device
-        decode = sorted((seq for seq, n in scheduled if n == 1 and seq.num_computed_tokens + 1 == seq.num_tokens),
+        decode = sorted((seq for seq, n in scheduled
+                         if n == 1 and seq.num_computed_tokens + 1 == seq.num_tokens and seq.pool is None),
                         key=lambda s: s.num_computed_tokens)
         decode_ids = {id(s) for s in decode}
         chunks = [(seq, n) for seq, n in scheduled if id(seq) not in decode_ids]
@@ -77,6 +99,8 @@ class ModelRunner:
         sample_seqs: list[Sequence] = []
         prompt_rows: list[PromptRows] = []
         prompt_indices: list[int] = []
+        pool_rows: list[PoolRows] = []
+        hidden_indices: list[int] = []
         for seq in decode:
             pos = seq.num_computed_tokens
             input_ids.append(seq.token_ids[pos])
@@ -125,7 +149,11 @@ class ModelRunner:
                 if count > 0:
                     prompt_rows.append(PromptRows(seq, start, count))
                     prompt_indices.extend(range(offset, offset + count))
-            if end == seq.num_tokens:  # the whole sequence is computed: its next token is due
+            if seq.pool is not None:
+                pooled = seq.pool.positions(start, end)
+                pool_rows.append(PoolRows(seq, len(pooled)))
+                hidden_indices.extend(offset + p - start for p in pooled)
+            elif end == seq.num_tokens:  # the whole sequence is computed: its next token is due
                 logits_indices.append(offset + num_new - 1)
                 sample_seqs.append(seq)
         meta = AttentionMetadata(
@@ -134,15 +162,17 @@ class ModelRunner:
             prefills=prefills,
             block_size=bs,
         )
-        logits = self.model(
+        out = self.model(
             torch.tensor(input_ids, dtype=torch.long, device=device),
             torch.tensor(positions, dtype=torch.long, device=device),
             self.kv_cache,
             meta,
             torch.tensor(logits_indices + prompt_indices, dtype=torch.long, device=device),
             max(positions),
+            torch.tensor(hidden_indices, dtype=torch.long, device=device) if pool_rows else None,
         )
-        return sample_seqs, logits, prompt_rows
+        logits, hidden = out if pool_rows else (out, None)
+        return StepResult(sample_seqs, logits, prompt_rows, pool_rows, hidden)
 
     # --- moving blocks in and out (the disaggregated workers hand KV through the store) ---
 

@@ -37,6 +37,8 @@ class EngineOutput:
     # that brings the first token, and only for requests that asked for prompt_logprobs.
     prompt_logprobs: tuple[Any, ...] | None = None
     handoff: KVHandoff | None = None  # set when finish_reason is HANDOFF
+    # A pooling request's vector (raw: not normalized), once it finished with STOP
+    embedding: tuple[float, ...] | None = None
 
     @property
     def finished(self) -> bool:

@@ -163,7 +163,9 @@ class Scheduler:
         while self.waiting and budget > 0 and self.num_admitted < self.config.max_num_seqs:
             seq = self.waiting[0]
             assert not seq.block_table and seq.num_computed_tokens == 0, "waiting requests hold no blocks"
-            computed = bm.get_computed_blocks(seq)
+            # (pooling over every token needs the rows a cache hit would skip: computed anew)
+            every_row = seq.pool is not None and seq.pool.pooling.needs_every_token
+            computed = [] if every_row else bm.get_computed_blocks(seq)
             num_local = len(computed) * bm.block_size
             num_external = self.connector.get_num_new_matched_tokens(seq, num_local) if self.connector else 0
             remaining = seq.num_tokens - num_local
@@ -241,6 +243,8 @@ class Scheduler:
         self.running.remove(seq)
         out.scheduled = [(s, n) for s, n in out.scheduled if s is not seq]
         self.block_manager.free(seq)
+        if seq.pool is not None:  # its chunks are computed again from the start
+            seq.pool.reset()
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -256,11 +260,15 @@ class Scheduler:
         request that does not stop finishes with "handoff", keeping its blocks until the engine has
         saved them (`free_finished`)."""
         bm = self.block_manager
+        outputs = []
         for seq, num_new in plan.scheduled:
             seq.num_computed_tokens += num_new
             bm.cache_full_blocks(seq)
+            if seq.pool is not None and seq.num_computed_tokens == seq.num_tokens:
+                # a pooling request is done once its prompt is: its blocks are freed at once
+                self.finish(seq, FinishReason.STOP)
+                outputs.append(StepOutput(seq, finished=True))
         now = time.time()
-        outputs = []
         tops = top_logprobs if top_logprobs is not None else [[] for _ in sampled]
         for seq, token, logprob, top in zip(sampled, token_ids, logprobs, tops):
             seq.append_token(token, logprob)

@@ -9,6 +9,7 @@ from typing import Any
 from baton.common.finish_reason import FinishReason
 from baton.common.sampling_params import SamplingParams
 from baton.engine.kv_types import RemoteKV
+from baton.engine.pooling import Pooling, PoolState
 from kvstore.hashing import hash_block
 
 
@@ -23,7 +24,7 @@ class Sequence:
     def __init__(self, seq_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  arrival_time: float | None = None, output_token_ids: list[int] | None = None,
                  remote_kv: RemoteKV | None = None, remote_decode: bool = False,
-                 block_hashes: list[str] | None = None) -> None:
+                 block_hashes: list[str] | None = None, pooling: Pooling | None = None) -> None:
         if not prompt_token_ids:
             raise ValueError("a prompt needs at least one token")
         self.seq_id = seq_id
@@ -56,6 +57,8 @@ class Sequence:
         # Finish after the first token with reason "handoff", saving the prompt's blocks: a prefill
         # worker's request, which a decode worker continues.
         self.remote_decode = remote_decode
+        # An embedding request (baton.engine.pooling): its prompt is pooled, nothing is sampled.
+        self.pool = PoolState(pooling, len(prompt_token_ids)) if pooling is not None else None
         if block_hashes is not None or remote_kv is not None:
             # Ids already chained over these tokens by the same model and block size (a prefill
             # worker's probe, a handoff's stored blocks) are not hashed again.

@@ -1,0 +1,338 @@
+"""Embeddings (POST /v1/embeddings, TEI's POST /embed): the engine's pooling against transformers'
+hidden states, the checkpoint's pooling config, and the real cluster through the openai SDK."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from baton.common.sampling_params import SamplingParams
+from baton.engine.pooling import Pooling
+
+TEXTS = ["The quick brown fox jumps over the lazy dog.", "Embeddings", "a b c d e f g h i j k l m n o p q r s t u v w"]
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_model_dir):
+    from transformers import AutoModel, AutoTokenizer
+
+    model = AutoModel.from_pretrained(str(tiny_model_dir), torch_dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(str(tiny_model_dir))
+
+
+def reference(hf_model, text: str, pooling: str) -> torch.Tensor:
+    """transformers' last_hidden_state pooled and L2-normalized (sentence-transformers' way)."""
+    model, tokenizer = hf_model
+    ids = torch.tensor([tokenizer.encode(text)])
+    with torch.no_grad():
+        states = model(ids).last_hidden_state[0]
+    pooled = {"last": states[-1], "mean": states.mean(dim=0), "cls": states[0]}[pooling]
+    return torch.nn.functional.normalize(pooled, dim=0)
+
+
+def make_llm(tiny_model_dir, **kwargs):
+    from baton.llm import LLM
+
+    return LLM(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=256, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir, one_torch_thread):
+    return make_llm(tiny_model_dir)
+
+
+@pytest.mark.parametrize("pooling", ["last", "mean", "cls"])
+def test_embed_matches_transformers(llm, hf_model, pooling):
+    outputs = llm.embed(TEXTS, pooling=pooling)
+    assert len(outputs) == len(TEXTS)
+    for text, out in zip(TEXTS, outputs):
+        got = torch.tensor(out.outputs.embedding)
+        assert got.shape == (64,)
+        assert torch.allclose(got, reference(hf_model, text, pooling), atol=1e-4), (pooling, text)
+        assert abs(float(got.norm()) - 1.0) < 1e-5
+
+
+def test_embed_unnormalized_is_the_raw_pooled_state(llm, hf_model):
+    model, tokenizer = hf_model
+    raw = llm.embed(TEXTS[0], pooling="mean", normalize=False)[0].outputs.embedding
+    with torch.no_grad():
+        states = model(torch.tensor([tokenizer.encode(TEXTS[0])])).last_hidden_state[0]
+    assert torch.allclose(torch.tensor(raw), states.mean(dim=0), atol=1e-4)
+
+
+@pytest.mark.parametrize("pooling", ["last", "mean", "cls"])
+def test_embed_chunked_and_batched_with_generation(tiny_model_dir, hf_model, one_torch_thread, pooling):
+    """Small step budget: every prompt is split over several steps, in the same steps as two
+    generations, whose output must be the same as when they run alone."""
+    llm = make_llm(tiny_model_dir, max_num_batched_tokens=5)
+    engine = llm.engine
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    alone = [o.outputs[0].token_ids for o in llm.generate([TEXTS[0], TEXTS[2]], greedy)]
+    gen_prompts = [llm.tokenizer.encode(t, add_special_tokens=False) for t in (TEXTS[0], TEXTS[2])]
+    for i, ids in enumerate(gen_prompts):
+        engine.add_request(f"g{i}", ids, greedy)
+    for i, text in enumerate(TEXTS):
+        engine.add_request(f"e{i}", llm.tokenizer.encode(text), SamplingParams(max_tokens=1), pooling=Pooling(pooling))
+    tokens: dict[str, list[int]] = {"g0": [], "g1": []}
+    vectors: dict[str, list[float]] = {}
+    mixed_steps = 0
+    while engine.has_unfinished():
+        outs = engine.step()
+        kinds = {o.request_id[0] for o in outs}
+        mixed_steps += kinds == {"g", "e"}
+        for out in outs:
+            assert out.finish_reason is None or out.finish_reason.ended_normally, out.error
+            if out.request_id.startswith("g"):
+                tokens[out.request_id] += out.new_token_ids
+            elif out.finished:
+                assert out.embedding is not None and out.new_token_ids == ()
+                vectors[out.request_id] = list(out.embedding)
+    assert mixed_steps >= 1
+    assert [tokens["g0"], tokens["g1"]] == alone
+    for i, text in enumerate(TEXTS):
+        got = torch.nn.functional.normalize(torch.tensor(vectors[f"e{i}"]), dim=0)
+        assert torch.allclose(got, reference(hf_model, text, pooling), atol=1e-4), (pooling, text)
+    assert engine.stats().num_kv_blocks_used == 0  # the pooling requests' blocks went back at once
+
+
+def test_embed_twice_with_prefix_cache(llm, hf_model):
+    """The second time a prompt comes, its blocks are in the prefix cache: mean still pools every
+    token (it reads no cache), last may skip them."""
+    text = TEXTS[2] * 3
+    for pooling in ("mean", "last", "mean", "last"):
+        got = torch.tensor(llm.embed(text, pooling=pooling)[0].outputs.embedding)
+        assert torch.allclose(got, reference(hf_model, text, pooling), atol=1e-4), pooling
+
+
+def test_embed_abort_frees_blocks(llm):
+    engine = llm.engine
+    used = engine.stats().num_kv_blocks_used
+    engine.add_request("gone", list(range(10, 60)), SamplingParams(max_tokens=1), pooling=Pooling.MEAN)
+    engine.abort(["gone"])
+    assert not engine.has_unfinished()
+    assert engine.stats().num_kv_blocks_used == used
+
+
+def test_pooling_request_refuses_handoff(llm):
+    with pytest.raises(ValueError, match="pooling"):
+        llm.engine.add_request("x", [1, 2, 3], SamplingParams(max_tokens=1), pooling=Pooling.LAST,
+                               remote_decode=True)
+
+
+# ---- the checkpoint's pooling config (sentence-transformers' files) ----
+
+def write_st_checkpoint(path, modes: dict, normalize: bool) -> None:
+    import json
+
+    (path / "config.json").write_text(json.dumps({"hidden_size": 32}))
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+    (path / "modules.json").write_text(json.dumps(modules))
+    (path / "1_Pooling").mkdir()
+    (path / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 32, **modes}))
+
+
+@pytest.mark.parametrize("mode, pooling", [("pooling_mode_lasttoken", "last"), ("pooling_mode_mean_tokens", "mean"),
+                                           ("pooling_mode_cls_token", "cls")])
+def test_checkpoint_pooling_config_is_read(tmp_path, mode, pooling):
+    from gateway.pooling_config import resolve
+
+    write_st_checkpoint(tmp_path, {"pooling_mode_mean_tokens": False, mode: True}, normalize=pooling != "cls")
+    config = resolve(tmp_path)
+    assert (config.pooling, config.normalize, config.hidden_size, config.source) == (
+        pooling, pooling != "cls", 32, "checkpoint")
+    # a flag wins over the checkpoint
+    flagged = resolve(tmp_path, "cls" if pooling != "cls" else "mean", True)
+    assert flagged.source == "flag" and flagged.normalize and flagged.pooling != pooling
+
+
+def test_pooling_defaults_and_refusals(tmp_path):
+    import json
+
+    from gateway.pooling_config import resolve
+
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 48}))
+    assert resolve(tmp_path) == resolve(tmp_path, None, None)
+    assert (resolve(tmp_path).pooling, resolve(tmp_path).normalize, resolve(tmp_path).source) == ("last", True, "default")
+    odd = tmp_path / "odd"
+    odd.mkdir()
+    write_st_checkpoint(odd, {"pooling_mode_max_tokens": True}, normalize=True)
+    with pytest.raises(ValueError, match="pooling_mode_max_tokens.*--pooling"):
+        resolve(odd)
+    assert resolve(odd, "mean").pooling == "mean"  # a flag lets it serve anyway
+
+
+def test_gateway_flags(tiny_model_dir, monkeypatch):
+    from gateway.__main__ import parse_args
+
+    model = tiny_model_dir
+    settings = parse_args(["--model", str(model), "--pooling", "mean", "--no-normalize"])
+    assert (settings.pooling, settings.normalize) == ("mean", False)
+    monkeypatch.setenv("BATON_NORMALIZE", "1")
+    assert parse_args(["--model", str(model)]).normalize is True
+    monkeypatch.delenv("BATON_NORMALIZE")
+    assert parse_args(["--model", str(model)]).normalize is None
+
+
+# ---- through the real system: the openai SDK and TEI's /embed over HTTP ----
+
+@pytest.fixture(scope="module")
+def cluster(default_model_dir):
+    from tests.cluster import Cluster
+
+    with Cluster(default_model_dir, prefill=1, decode=1) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    from openai import OpenAI
+
+    return OpenAI(base_url=cluster.base_url + "/v1", api_key="x", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def default_reference(default_model_dir):
+    """transformers' last token state of the default model, normalized (what the gateway serves:
+    no sentence-transformers files, so last + normalize)."""
+    from transformers import AutoModel, AutoTokenizer
+
+    model = AutoModel.from_pretrained(str(default_model_dir), torch_dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(default_model_dir))
+
+    def embed(text: str) -> torch.Tensor:
+        with torch.no_grad():
+            states = model(torch.tensor([tokenizer.encode(text)])).last_hidden_state[0]
+        return torch.nn.functional.normalize(states[-1], dim=0)
+
+    return embed, tokenizer
+
+
+def budget_in_use(cluster) -> int:
+    import httpx
+
+    return httpx.get(cluster.base_url + "/stats", timeout=5).json()["token_budget"]["in_use"]
+
+
+def wait_budget_free(cluster, timeout: float = 20.0) -> bool:
+    import time
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if budget_in_use(cluster) == 0:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_openai_embeddings_string_list_and_token_ids(cluster, client, default_reference):
+    embed, tokenizer = default_reference
+    one = client.embeddings.create(model=cluster.model_dir.name, input=TEXTS[0],
+                                   encoding_format="float")
+    assert one.object == "list" and len(one.data) == 1 and one.data[0].index == 0
+    vector = torch.tensor(one.data[0].embedding)
+    assert vector.shape == (576,)
+    assert torch.allclose(vector, embed(TEXTS[0]), atol=1e-3)
+    ids = tokenizer.encode(TEXTS[0])
+    assert one.usage.prompt_tokens == one.usage.total_tokens == len(ids)
+    batch = client.embeddings.create(model=cluster.model_dir.name, input=TEXTS, encoding_format="float")
+    assert [d.index for d in batch.data] == [0, 1, 2]
+    for text, item in zip(TEXTS, batch.data):
+        assert torch.allclose(torch.tensor(item.embedding), embed(text), atol=1e-3)
+    assert batch.usage.prompt_tokens == sum(len(tokenizer.encode(t)) for t in TEXTS)
+    by_ids = client.embeddings.create(model=cluster.model_dir.name, input=ids, encoding_format="float")
+    assert torch.allclose(torch.tensor(by_ids.data[0].embedding), vector, atol=1e-5)
+    lists = client.embeddings.create(model=cluster.model_dir.name, input=[ids, ids[:3]], encoding_format="float")
+    assert len(lists.data) == 2 and lists.usage.prompt_tokens == len(ids) + 3
+    assert wait_budget_free(cluster)
+
+
+def test_openai_embeddings_base64_and_dimensions(cluster, client):
+    name = cluster.model_dir.name
+    floats = client.embeddings.create(model=name, input=TEXTS[1], encoding_format="float").data[0].embedding
+    # the SDK asks for base64 when no encoding_format is given, and decodes it (little-endian float32)
+    decoded = client.embeddings.create(model=name, input=TEXTS[1]).data[0].embedding
+    assert len(decoded) == 576 and torch.allclose(torch.tensor(decoded), torch.tensor(floats), atol=1e-6)
+    # asked for explicitly, the SDK hands the string over: little-endian float32 bytes
+    import base64
+
+    import numpy as np
+
+    explicit = client.embeddings.create(model=name, input=TEXTS[1], encoding_format="base64").data[0].embedding
+    assert isinstance(explicit, str)
+    raw = np.frombuffer(base64.b64decode(explicit), dtype="<f4")
+    assert torch.allclose(torch.from_numpy(raw.copy()), torch.tensor(floats), atol=1e-6)
+    short = client.embeddings.create(model=name, input=TEXTS[1], dimensions=64, encoding_format="float")
+    cut = torch.nn.functional.normalize(torch.tensor(floats[:64]), dim=0)
+    assert len(short.data[0].embedding) == 64
+    assert torch.allclose(torch.tensor(short.data[0].embedding), cut, atol=1e-5)
+
+
+def test_openai_embeddings_validation_names_the_field(cluster, client):
+    import openai
+
+    name = cluster.model_dir.name
+    cases = [({"input": ""}, "input"), ({"input": []}, "input"), ({"input": ["a", ""]}, "input[1]"),
+             ({"input": ["a"] * 2049}, "input"), ({"input": "a", "dimensions": 577}, "dimensions"),
+             ({"input": [[1, 2], []]}, "input[1]"), ({"input": "a", "encoding_format": "int8"}, "encoding_format"),
+             ({"input": list(range(1025))}, "input")]
+    for body, param in cases:
+        with pytest.raises(openai.BadRequestError) as info:
+            client.embeddings.create(model=name, **body)
+        assert info.value.body["param"] == param, body  # type: ignore[index]
+        assert f"`{param}`" in info.value.message
+    with pytest.raises(openai.NotFoundError):
+        client.embeddings.create(model="no-such-model", input="a")
+    # too long, but truncate_prompt_tokens keeps the last tokens instead
+    cut = client.embeddings.create(model=name, input=list(range(5, 1105)), encoding_format="float",
+                                   extra_body={"truncate_prompt_tokens": 100})
+    assert cut.usage.prompt_tokens == 100
+    tail = client.embeddings.create(model=name, input=list(range(1005, 1105)), encoding_format="float")
+    assert torch.allclose(torch.tensor(cut.data[0].embedding), torch.tensor(tail.data[0].embedding), atol=1e-5)
+    assert wait_budget_free(cluster)
+
+
+def test_tei_embed(cluster):
+    import httpx
+
+    url = cluster.base_url + "/embed"
+    reply = httpx.post(url, json={"inputs": TEXTS[:2]}, timeout=60)
+    assert reply.status_code == 200, reply.text
+    vectors = torch.tensor(reply.json())
+    assert vectors.shape == (2, 576)
+    assert torch.allclose(vectors.norm(dim=1), torch.ones(2), atol=1e-5)
+    single = httpx.post(url, json={"inputs": TEXTS[0], "normalize": False}, timeout=60).json()
+    raw = torch.tensor(single[0])
+    assert abs(float(raw.norm()) - 1.0) > 1e-2
+    assert torch.allclose(torch.nn.functional.normalize(raw, dim=0), vectors[0], atol=1e-5)
+    long_text = "word " * 1500
+    refused = httpx.post(url, json={"inputs": long_text}, timeout=60)
+    assert refused.status_code == 422 and refused.json()["error_type"] == "validation"
+    assert "`inputs`" in refused.json()["error"]
+    kept = httpx.post(url, json={"inputs": long_text, "truncate": True, "truncation_direction": "Left"}, timeout=60)
+    assert kept.status_code == 200 and len(kept.json()[0]) == 576
+    for body, field in [({"inputs": []}, "inputs"), ({"inputs": "a", "prompt_name": "query"}, "prompt_name"),
+                        ({"inputs": "a", "normalize": "yes"}, "normalize")]:
+        bad = httpx.post(url, json=body, timeout=60)
+        assert bad.status_code == 422 and f"`{field}`" in bad.json()["error"], bad.text
+    ignored = httpx.post(url, json={"inputs": "a", "colour": 1}, timeout=60)
+    assert ignored.status_code == 200 and ignored.headers["x-baton-ignored-fields"] == "colour"
+    assert wait_budget_free(cluster)
+
+
+def test_client_leaving_releases_the_budget_and_generation_still_works(cluster, client):
+    import httpx
+
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(cluster.base_url + "/v1/embeddings", json={"input": ["many words " * 300] * 32},
+                   timeout=httpx.Timeout(0.3))
+    assert wait_budget_free(cluster)
+    chat = client.chat.completions.create(model=cluster.model_dir.name, max_tokens=4,
+                                          messages=[{"role": "user", "content": "Hi"}])
+    assert chat.choices[0].message.content
+    metrics = httpx.get(cluster.base_url + "/metrics", timeout=5).text
+    count = [line for line in metrics.splitlines() if line.startswith("baton:embedding_inputs_total")]
+    assert count and float(count[0].split()[-1]) >= 10
+    assert wait_budget_free(cluster)
