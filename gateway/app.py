@@ -27,6 +27,7 @@ from baton.common import heartbeats
 from baton.common.redis_client import REDIS_FAILURES, connect as connect_redis
 from baton.common.urls import redact_url
 from gateway import dashboard, routes_misc, routes_openai, routes_tgi, routes_tokenize
+from gateway import routes_anthropic
 from gateway import routes_responses
 from gateway import routes_embeddings
 from gateway.admission import Admission
@@ -77,7 +78,7 @@ def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None,
 
     app = Starlette(
         routes=[*routes_tgi.routes, *routes_openai.routes, *routes_tokenize.routes, *routes_misc.routes,
-                *routes_responses.routes, *routes_embeddings.routes, *dashboard.routes],
+                *routes_anthropic.routes, *routes_responses.routes, *routes_embeddings.routes, *dashboard.routes],
         middleware=[Middleware(RequestIdMiddleware),  # first: even a refused Host gets its id back
                     Middleware(HostCheckMiddleware, allowed=allowed_names(settings)),
                     Middleware(ApiKeyMiddleware, api_key=settings.api_key),
