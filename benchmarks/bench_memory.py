@@ -30,14 +30,8 @@ args = argparse.Namespace(model=resolve_model(sys.argv[1] or None), dtype="bfloa
                           num_kv_blocks=16, kv_cache_memory=0, max_num_seqs=16, max_num_batched_tokens=512,
                           threads=1, quantization=sys.argv[2])
 engine = build_engine(args)
-model = engine.model
-def nbytes(t):
-    return 0 if t is None else t.numel() * t.element_size()
-held = sum(nbytes(t) for t in model.parameters())  # what is left of the checkpoint's tensors
-for owner, name, _ in model.projection_slots():  # and every pack the ops hold
-    op = getattr(owner, name)
-    large = getattr(op, "large", op)
-    held += nbytes(getattr(op, "packed", None)) + (nbytes(getattr(large, "packed", None)) if large is not op else 0)
+from baton.engine.plan_report import held_bytes
+held = held_bytes(engine.model)  # every weight in whatever forms it is held, each storage once
 print(json.dumps({"rss_mb": rss_mb() - base, "scheme": engine.quantization, "weights_mb": held / 1e6}))
 """
 

@@ -183,6 +183,21 @@ def test_serve_takes_the_api_key_from_the_environment(monkeypatch):
     assert _serve_args("--api-key", "flag").api_key == "flag"
 
 
+def test_baton_plan_prints_each_step_kinds_path_and_one_copy_of_the_weights(tiny_model_dir, capsys):
+    """`baton plan`: what prepare() chose on this machine, the bytes held once a worker freed the
+    load-time copies (the tied embedding is read from the head's pack: no table beside it)."""
+    from baton.cli.cli import main
+
+    assert main(["plan", "--model", str(tiny_model_dir), "--dtype", "float32"]) == 0
+    out = capsys.readouterr().out
+    assert "decode-only step:" in out and "prefill step:" in out
+    assert "head     x1   torch F.linear (torch.float32)" in out
+    held = float(out.split("weights held in all: ")[1].split(" MiB")[0])
+    params = json.loads((tiny_model_dir / "config.json").read_text())
+    embedding_mib = params["vocab_size"] * params["hidden_size"] * 4 / (1 << 20)
+    assert embedding_mib < held < 2 * embedding_mib  # fp32 and tied: the table once, not twice
+
+
 def test_probe_host():
     assert probe_host("0.0.0.0") == "127.0.0.1"
     assert probe_host("::") == "[::1]"

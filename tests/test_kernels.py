@@ -254,6 +254,7 @@ def test_released_load_copies_leave_one_copy_and_the_same_tokens(tiny_model_dir,
     nn.Linear weights, and in the batch-invariant mode the oneDNN packs too; the tokens, and the
     all-layers decode call, stay as they were."""
     from baton.engine.linear import ALL_ROWS, PackedLinear, RowSplitLinear
+    from baton.engine.plan_report import held_bytes, report
     from baton.llm import LLM
     from baton.common.sampling_params import SamplingParams
 
@@ -264,7 +265,14 @@ def test_released_load_copies_leave_one_copy_and_the_same_tokens(tiny_model_dir,
     prompts = [[5 + i for i in range(n)] for n in (3, 17, 40)]
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=0)
     before = [o.outputs[0] for o in llm.generate(prompts, params)]
+    one_copy = sum(t.numel() * t.element_size() for t in model.parameters())  # a tied head counted once
+    held = held_bytes(model)
+    assert held > 1.5 * one_copy  # the nn.Linear weights and their packs, before
     assert model.release_load_copies() > 0
+    # after: one copy of each weight (the native pack pads the rows to 64), and with the tuned row
+    # split (invariant "off") both packs, as that mode trades memory for the fastest kernel per row count
+    assert held_bytes(model) <= (1.1 if invariant == "full" else 2.1) * one_copy
+    assert "weights held in all" in report(model)
     slots = model.projection_slots()
     assert all(linear.weight.numel() == 0 for _, _, linear in slots if linear.weight is not model.embed_tokens.weight)
     for owner, name, _ in slots:

@@ -124,6 +124,20 @@ def test_a_rows_result_does_not_depend_on_the_batch(native, scheme):
     assert torch.equal(op(x[3:9]), together[3:9])
 
 
+@pytest.mark.parametrize("scheme", ["q8_0", "q4"])
+@pytest.mark.parametrize("with_kernel", [True, False])
+def test_rows_read_from_the_blocks_are_the_dequantized_weights_rows(native, scheme, with_kernel):
+    """A tied head's blocks serve the embedding lookups (one copy): the rows read back from the
+    native pack, or from the parts without it, are the dequantized weight's, exactly."""
+    torch.manual_seed(3)
+    weight = torch.randn(77, 96)  # rows not a multiple of the 32-row strip
+    op, parts = quantized(scheme, weight, None, native if with_kernel else None)
+    assert op.native is with_kernel
+    ids = torch.tensor([0, 76, 31, 32, 5, 5, 64, 15, 16, 47])  # strip edges, both nibble halves, repeats
+    assert torch.equal(op.rows(ids, torch.float32), dequantized(parts)[ids])
+    assert op.rows(ids, torch.bfloat16).dtype == torch.bfloat16
+
+
 def test_a_4_bit_pack_is_the_gguf_q4_1_size(native):
     op, _ = quantized("q4", torch.randn(64, 256), None, native)
     assert op.native and op.nbytes == 64 * 256 * 5 // 8  # 4 bits + fp16 d and m per 32: 5 bits a weight, as Q4_1
@@ -178,6 +192,12 @@ def test_quantized_weights_keep_perplexity_close_and_live_once(native, bf16_refe
     # one copy: every projection's own weight is gone (the tied embedding keeps its rows for lookups)
     tied = model.lm_head.weight is model.embed_tokens.weight
     assert all(linear.weight.numel() == 0 for _, _, linear in model.projection_slots() if not (tied and linear is model.lm_head))
+    if tied:  # as a worker holds it: the lookups read the head's Q8_0 blocks, the table is freed
+        table = model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
+        assert model.release_load_copies() >= table
+        assert model.embed_tokens.weight.numel() == 0 and model.embed_rows is not None
+        value = _perplexity(llm, ids)
+        assert abs(value / reference - 1) < bound, (reference, value)
     # and greedy text starts the same on a plain prompt
     params = SamplingParams(max_tokens=8, temperature=0)
     prompt = "The capital of France is"

@@ -1,4 +1,4 @@
-"""The `baton` command: `baton model fetch`, `baton serve`, `baton bench`.
+"""The `baton` command: `baton model fetch`, `baton serve`, `baton plan`, `baton bench`.
 
 Process supervision lives in baton/cli/serve.py; this module only parses arguments and dispatches.
 """
@@ -13,6 +13,7 @@ import sys
 def build_parser() -> argparse.ArgumentParser:
     from baton.common.env_flags import apply_env
     from baton.cli.serve import add_serve_arguments
+    from baton.worker.args import DTYPE_CHOICES, QUANTIZATION_CHOICES, QUANTIZATION_HELP
 
     parser = argparse.ArgumentParser(
         prog="baton",
@@ -35,6 +36,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_arguments(serve)
     apply_env(serve)  # every flag as BATON_<FLAG> too
 
+    plan = sub.add_parser(
+        "plan", help="load a model as a worker does and print what runs each step kind and projection, "
+                     "and the bytes each weight holds")
+    plan.add_argument("--model", default=None, help="as `baton serve --model` (default: the default model)")
+    plan.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help="as `baton serve --dtype`")
+    plan.add_argument("--quantization", default="auto", choices=QUANTIZATION_CHOICES, help=QUANTIZATION_HELP)
+    apply_env(plan)
+
     sub.add_parser("bench", help="benchmark a running Baton (arguments go to baton.cli.bench.cli)",
                    add_help=False)
     return parser
@@ -45,6 +54,25 @@ def cmd_model_fetch(args: argparse.Namespace) -> int:
 
     path = fetch_default_model(force=args.force)
     print(path, flush=True)
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """The plan `prepare()` chose for this machine, after the load-time copies are freed (as in a
+    worker: `baton.worker.shell.build_engine`), so the bytes are what a worker holds."""
+    import logging
+    from types import SimpleNamespace
+
+    from baton.common.model_files import resolve_model
+    from baton.engine.plan_report import report
+    from baton.worker.shell import build_engine
+
+    logging.basicConfig(level="WARNING", format="%(message)s")
+    worker_args = SimpleNamespace(model=str(resolve_model(args.model)), dtype=args.dtype, device=None, block_size=16,
+                                  num_kv_blocks=16, kv_cache_memory=None, max_num_seqs=1, max_num_batched_tokens=512,
+                                  threads=None, quantization=args.quantization)
+    engine = build_engine(worker_args)
+    print(report(engine.model, engine.quantization), flush=True)
     return 0
 
 
@@ -70,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         if args.command == "model" and args.model_command == "fetch":
             return cmd_model_fetch(args)
+        if args.command == "plan":
+            return cmd_plan(args)
         if args.command == "serve":
             from baton.cli.serve import run
 

@@ -144,6 +144,12 @@ class RowSplitLinear:
         # x: [..., in] bf16 -> [..., out] bf16
         return self.kernels.gemv(x, self.packed, self.bias, self.out_features, False)
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The weight's rows `ids` [T] -> [T, in] bf16, read from the native pack (a tied head's
+        pack serves the embedding lookups, so the embedding need not be kept beside it)."""
+        # pack [S, in/2, 64, 2]: row n is strip n // 64, lane n % 64, its elements in pairs
+        return self.packed[ids // 64, :, ids % 64, :].reshape(ids.shape[0], self.in_features)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in] -> [..., out]
         if x.numel() <= self.max_native_rows * self.in_features:
@@ -256,6 +262,7 @@ def _agrees(op: LinearOp, reference: LinearOp, in_features: int, dtype: torch.dt
 # baton.engine.gguf_weights, multiplied by kernels/qgemv.cpp
 
 Q8_BLOCK = 32  # weights per scale (GGUF's QK8_0, and the 4-bit formats' block)
+_STRIP = 32  # outputs per strip of a native quantized pack (kernels/qgemv.cpp kQStrip)
 
 
 def dequantize_q8_0(q: torch.Tensor, d: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -312,6 +319,27 @@ class QuantizedLinear:
         if self.packed is not None:
             return self.packed.numel()
         return sum(p.numel() * p.element_size() for p in self.parts)
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The weight's rows `ids` [T] -> [T, K] dequantized in `dtype`, as llama.cpp's get_rows
+        reads a quantized token_embd: a tied head's blocks serve the embedding lookups too."""
+        if self.packed is None:
+            parts = [p[ids] for p in self.parts]
+            return (dequantize_q8_0 if self.scheme == "q8_0" else dequantize_q4)(*parts, dtype=dtype)
+        t, blocks = ids.shape[0], self.packed.shape[1]
+        strips, lane = self.packed[ids // _STRIP], ids % _STRIP  # [T, blocks, bytes]
+        at = torch.arange(t)
+        if self.scheme == "q8_0":  # per block: q [8 groups][32 rows][4], then fp32 d [32], fp32 sums [32]
+            q = strips[..., :1024].reshape(t, blocks, 8, _STRIP, 4).permute(0, 3, 1, 2, 4)[at, lane]
+            d = strips[..., 1024:1152].contiguous().view(torch.float32).reshape(t, blocks, _STRIP)[at, :, lane]
+            w = q.contiguous().view(torch.int8).float().reshape(t, blocks, Q8_BLOCK) * d.unsqueeze(-1)
+        else:  # per block: nibbles [8 groups][16 lanes][4] (rows 0-15 low, 16-31 high), fp16 d [32], m [32]
+            nibbles = strips[..., :512].reshape(t, blocks, 8, 16, 4).permute(0, 3, 1, 2, 4)[at, lane % 16]
+            q = (nibbles >> (4 * (lane >= 16).to(torch.uint8)).view(t, 1, 1, 1)) & 15
+            scales = strips[..., 512:640].contiguous().view(torch.float16).reshape(t, blocks, 2, _STRIP)
+            d, m = scales[at, :, 0, lane].float(), scales[at, :, 1, lane].float()
+            w = q.float().reshape(t, blocks, Q8_BLOCK) * d.unsqueeze(-1) + m.unsqueeze(-1)
+        return w.reshape(t, self.in_features).to(dtype)
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight [N, K] these bytes stand for (from the parts: only without the native pack)."""

@@ -39,8 +39,9 @@ from baton.engine.rope import apply_rope, rope_inv_freq, rope_table
 
 __all__ = ["LlamaModel", "DecoderLayer", "Attention", "MLP", "RMSNorm", "set_op", "apply_rope", "rope_inv_freq",
            "rope_table"]  # the rope functions are re-exported (their home is baton.engine.rope)
-from baton.engine.linear import (BATCH_INVARIANT_MODES, LinearOp, batch_invariant_mode, drop_load_copies,
-                                 make_linear_op, tune_row_split, use_native_for_all_rows)
+from baton.engine.linear import (BATCH_INVARIANT_MODES, LinearOp, QuantizedLinear, RowSplitLinear,
+                                 batch_invariant_mode, drop_load_copies, make_linear_op, tune_row_split,
+                                 use_native_for_all_rows)
 
 
 def set_op(module: nn.Module, name: str, op: LinearOp) -> None:
@@ -226,6 +227,7 @@ class LlamaModel(nn.Module):
         self.has_window = any(layer.self_attn.sliding for layer in self.layers)
         self.has_local_rope = any(layer.self_attn.local_rope for layer in self.layers)
         self.path = "torch"  # set by prepare: "native" where the native kernels run the layers
+        self.embed_rows: Any = None  # ids [T] -> [T, hidden]: lookups read a tied head's op (release_load_copies)
         self.native_unsupported = config.native_unsupported()
 
     def describe(self) -> str:
@@ -307,9 +309,31 @@ class LlamaModel(nn.Module):
             if op is linear or linear.weight.numel() == 0:
                 continue  # a plain nn.Linear (its weight is the op), or already released (quantized)
             freed += drop_load_copies(op) + self.drop_projection_weight(linear)
+        freed += self._embed_from_head()
         if self.layers_plan is not None:  # it held the oneDNN packs just dropped
             self.layers_plan = LayersPlan.build(self, self.layers_plan.kernel)
         return freed
+
+    def _embed_from_head(self) -> int:
+        """A tied head whose op reads rows (the native bf16 pack, quantized blocks) serves the
+        embedding lookups too, and the embedding table is freed: the tied weight lives once. With a
+        GGUF the head's blocks are the file's token_embd, so lookups read what llama.cpp's do."""
+        op, weight = self.head, self.embed_tokens.weight
+        if self.lm_head.weight is not weight or not isinstance(op, (RowSplitLinear, QuantizedLinear)):
+            return 0
+        if isinstance(op, RowSplitLinear):
+            if weight.dtype != torch.bfloat16:
+                return 0
+            self.embed_rows = op.rows
+        else:
+            self.embed_rows = lambda ids, dtype=weight.dtype: op.rows(ids, dtype)
+        empty = nn.Parameter(torch.empty(0, dtype=weight.dtype, device=weight.device), requires_grad=False)
+        self.embed_tokens.weight = self.lm_head.weight = empty  # dtype and device still read from it
+        return weight.numel() * weight.element_size()
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        # input_ids: [T] -> [T, hidden]
+        return self.embed_rows(input_ids) if self.embed_rows is not None else self.embed_tokens(input_ids)
 
     def rope(self, positions: torch.Tensor, max_position: int,
              local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -335,7 +359,7 @@ class LlamaModel(nn.Module):
         # hidden_indices (embeddings, baton.engine.pooling): the final norm's output of those rows
         # is returned too, as transformers' AutoModel's last_hidden_state; the LM head runs only
         # over logits_indices, so a step of pooling requests alone computes no logits at all.
-        x = self.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         cos, sin = self.rope(positions, max_position)
         plan = self.layers_plan
         if plan is not None and not meta.prefills and len(meta.decode_groups) == 1:
