@@ -10,6 +10,7 @@ import copy
 from typing import Any
 
 from gateway.config import Settings
+from gateway.openapi_embeddings import EMBEDDINGS_SCHEMAS, embeddings_paths
 from gateway.openapi_responses import RESPONSES_SCHEMAS, responses_paths
 from gateway.openapi_schemas import _INT, SCHEMAS, _ref
 
@@ -176,6 +177,7 @@ def openapi_spec(settings: Settings) -> dict[str, Any]:
         "/openapi.json": {"get": op("This document", {"200": _json({"type": "object"}, "OpenAPI 3 document.")})},
     }
     paths.update(responses_paths(op, _json, _openai_errors(), _IGNORED_HEADER))
+    paths.update(embeddings_paths(op, _json, _openai_errors(), _tgi_errors(), _IGNORED_HEADER))
     return {
         "openapi": "3.1.0",
         "info": {"title": "Baton gateway", "version": "0.1.0",
@@ -190,6 +192,6 @@ def openapi_spec(settings: Settings) -> dict[str, Any]:
 
 def _schemas(settings: Settings) -> dict[str, Any]:
     """SCHEMAS with this gateway's served names as the values `model` may take."""
-    schemas = copy.deepcopy({**SCHEMAS, **RESPONSES_SCHEMAS})
+    schemas = copy.deepcopy({**SCHEMAS, **RESPONSES_SCHEMAS, **EMBEDDINGS_SCHEMAS})
     schemas["OpenAICommon"]["properties"]["model"]["enum"] = list(settings.served_model_names)
     return schemas

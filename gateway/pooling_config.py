@@ -5,8 +5,9 @@ sentence-transformers files say it (`modules.json` lists a `sentence_transformer
 module whose `config.json` (usually `1_Pooling/config.json`) sets one of `pooling_mode_lasttoken`,
 `pooling_mode_mean_tokens`, `pooling_mode_cls_token`, and a `...models.Normalize` module means
 normalized); else `last` + normalized, what decoder embedding models (Qwen3-Embedding, e5-mistral)
-use. A pooling mode Baton does not run (max, weighted mean...) is an error at startup naming it, not
-silently another pooling. Read once per model directory.
+use. A pooling mode Baton does not run (max, weighted mean...) is an error naming it and saying to
+pass --pooling (every embedding request answers it, generation is unaffected), never silently
+another pooling. Read once per model directory.
 """
 
 from __future__ import annotations

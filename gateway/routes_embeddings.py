@@ -41,7 +41,10 @@ from gateway.validation_embeddings import (OPENAI_STATUS, TEI_STATUS, EmbeddingS
 
 def pooling_config(request: Request) -> PoolingConfig:
     settings = services(request).settings
-    return resolve(settings.model_dir, settings.pooling, settings.normalize)
+    try:
+        return resolve(settings.model_dir, settings.pooling, settings.normalize)
+    except ValueError as exc:  # the checkpoint pools in a way Baton does not (it says how to choose)
+        raise ApiError(500, str(exc), kind="generation") from None
 
 
 async def _start(request: Request, spec: EmbeddingSpec, config: PoolingConfig, status: int) -> list[Generation]:

@@ -336,3 +336,37 @@ def test_client_leaving_releases_the_budget_and_generation_still_works(cluster, 
     count = [line for line in metrics.splitlines() if line.startswith("baton:embedding_inputs_total")]
     assert count and float(count[0].split()[-1]) >= 10
     assert wait_budget_free(cluster)
+
+
+def test_openapi_documents_embeddings_and_every_field_is_accepted(cluster):
+    import httpx
+
+    spec = httpx.get(cluster.base_url + "/openapi.json", timeout=5).json()
+    assert "post" in spec["paths"]["/v1/embeddings"] and "post" in spec["paths"]["/embed"]
+    samples = {"openai": ("/v1/embeddings", "EmbeddingsRequest", {
+        "input": "x", "model": cluster.model_dir.name, "encoding_format": "float", "dimensions": 8, "user": "u",
+        "truncate_prompt_tokens": 4}),
+        "tei": ("/embed", "EmbedRequest", {"inputs": "x", "normalize": True, "truncate": True,
+                                           "truncation_direction": "right", "prompt_name": None})}
+    for path, schema, body in samples.values():
+        assert set(spec["components"]["schemas"][schema]["properties"]) == set(body), schema
+        reply = httpx.post(cluster.base_url + path, json=body, timeout=60)
+        assert reply.status_code == 200 and "x-baton-ignored-fields" not in reply.headers, reply.text
+
+
+def test_baton_serve_passes_the_embedding_flags_to_the_gateway():
+    import argparse
+    from pathlib import Path
+
+    from baton.cli.serve import ThreadPlan, add_serve_arguments, build_child_specs
+    from gateway.__main__ import parse_args
+
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    args = parser.parse_args(["--pooling", "cls", "--no-normalize"])
+    gateway = build_child_specs(args, Path("/m"), "redis://127.0.0.1:1/0", ThreadPlan([1], [1], cpus=2),
+                                python="py")[-1].argv
+    assert gateway[gateway.index("--pooling") + 1] == "cls" and "--no-normalize" in gateway
+    assert "--normalize" not in gateway
+    with pytest.raises(SystemExit):  # the gateway refuses a pooling it does not run, at startup
+        parse_args(["--model", "/m", "--pooling", "max"])
