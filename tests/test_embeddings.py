@@ -370,3 +370,46 @@ def test_baton_serve_passes_the_embedding_flags_to_the_gateway():
     assert "--normalize" not in gateway
     with pytest.raises(SystemExit):  # the gateway refuses a pooling it does not run, at startup
         parse_args(["--model", "/m", "--pooling", "max"])
+
+
+# ---- the prefill worker's core: one event with the vector, no handoff, acked; redelivery; cancel ----
+
+def test_prefill_core_publishes_the_vector_and_hands_nothing_off(tiny_model_dir, hf_model, one_torch_thread):
+    from baton.common import protocol
+    from baton.worker.core import Opening
+    from tests.test_worker_core import assert_pool_free, drive, events_of, fields_of, new_store, prefill_core
+
+    model, tokenizer = hf_model
+    ids = tokenizer.encode(TEXTS[2])
+    with torch.no_grad():
+        expected = model(torch.tensor([ids])).last_hidden_state[0].mean(dim=0)
+    message = protocol.PrefillRequest("e1", "gw", ids, SamplingParams(max_tokens=1), 0.0, pooling="mean")
+    for deliveries in (1, 2):  # 2: a dead worker's message, claimed by another worker, runs again
+        core, store = prefill_core(tiny_model_dir), new_store()
+        opened = core.open(fields_of(message), deliveries, set())
+        assert opened.outcome is Opening.ADMIT and opened.message.pooling == "mean"
+        assert not core.admit(b"1-0", opened.message, [])
+        effects, _ = drive(core, store)
+        [event] = events_of(effects)
+        assert event.finish_reason == "stop" and event.token_ids == [] and event.num_prompt_tokens == len(ids)
+        assert torch.allclose(torch.tensor(protocol.unpack_embedding(event.embedding)), expected, atol=1e-4)
+        assert not effects.handoffs and not effects.block_puts and effects.acks == [b"1-0"]
+        assert_pool_free(core)
+    cancelled = core.admit(b"2-0", protocol.PrefillRequest("e2", "gw", ids, SamplingParams(max_tokens=1), 0.0,
+                                                           pooling="cls"), [])
+    assert not cancelled and core.cancel("e2").acks == [b"2-0"]
+    assert_pool_free(core)
+
+
+def test_the_wire_refuses_an_unknown_pooling_and_a_bad_vector():
+    from baton.common import protocol
+
+    good = protocol.PrefillRequest("r", "gw", [1, 2], SamplingParams(max_tokens=1), 0.0, pooling="last")
+    assert protocol.decode(protocol.encode(good)).pooling == "last"
+    with pytest.raises(protocol.MalformedMessage, match="pooling"):
+        protocol.decode(protocol.encode(protocol.PrefillRequest("r", "gw", [1], SamplingParams(max_tokens=1), 0.0,
+                                                                pooling="max")))
+    event = protocol.TokenEvent("r", 0, [], [], embedding=protocol.pack_embedding([1.0, -2.5]))
+    assert protocol.unpack_embedding(protocol.decode(protocol.encode(event)).embedding) == [1.0, -2.5]
+    with pytest.raises(protocol.MalformedMessage, match="embedding"):
+        protocol.decode(protocol.encode(protocol.TokenEvent("r", 0, [], [], embedding=b"abc")))
