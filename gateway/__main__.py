@@ -13,6 +13,8 @@ from baton.common.env_flags import apply_env
 from baton.common.logs import FORMATS, setup_logging, uvicorn_log_config
 from baton.common.tracing import setup_tracing
 from gateway.config import Settings
+from gateway.parsers.reasoning import NAMES as REASONING_PARSERS
+from gateway.parsers.tool_calls import NAMES as TOOL_CALL_PARSERS
 
 
 def parse_args(argv: list[str] | None = None) -> Settings:
@@ -25,6 +27,11 @@ def parse_args(argv: list[str] | None = None) -> Settings:
                         "default: the model dir's basename); any other name gets 404")
     p.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
                    help="a Jinja chat template (a file, or the template itself) used instead of the model's")
+    p.add_argument("--reasoning-parser", default=None, choices=list(REASONING_PARSERS),
+                   help="split a thinking model's <think> block into chat's reasoning_content (default: none)")
+    p.add_argument("--tool-call-parser", default=None, choices=list(TOOL_CALL_PARSERS),
+                   help="the format tool_choice auto reads calls in (default: the one the chat template "
+                        "calls for, else hermes when it renders tools)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
     p.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"),
@@ -91,6 +98,7 @@ def parse_args(argv: list[str] | None = None) -> Settings:
     chat_template = load_chat_template(args.chat_template) if args.chat_template is not None else None
     settings = Settings(
         model_dir=model_dir, chat_template=chat_template,
+        reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
         # A Hub model is served as its repo id by default (its directory is a commit hash).
         served_model_names=tuple(args.served_model_name or [model_display_name(args.model, model_dir)]),
         host=args.host, port=args.port,

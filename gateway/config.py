@@ -22,6 +22,10 @@ class Settings:
     served_model_names: tuple[str, ...] = ()
     # --chat-template's text (gateway.chat_template); None: the model's own template.
     chat_template: str | None = None
+    # --reasoning-parser / --tool-call-parser (gateway.parsers; vLLM's names). None: no reasoning
+    # split; the tool-call parser the chat template calls for (gateway.tools.choose_parser).
+    reasoning_parser: str | None = None
+    tool_call_parser: str | None = None
     host: str = "127.0.0.1"
     port: int = 8000
     redis_url: str = "redis://127.0.0.1:6379/0"

@@ -4,6 +4,10 @@
 Chat's answer is also what the other chat-shaped APIs translate from (the Responses and Messages
 routes): an assistant message `{"content", "tool_calls", ...}` with an OpenAI finish reason, or
 streamed deltas of it, so every parser (tool calls, reasoning) is applied in one place.
+
+With a reasoning parser (`--reasoning-parser`, gateway.parsers.reasoning) the output is split first:
+`message.reasoning_content` (only when there was reasoning) and streamed `delta.reasoning_content`
+pieces, then the tool-call parsing (gateway.tools) reads the answer after the think block only.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from gateway import siblings
 from gateway.finish import spelled
 from gateway.generation import Generation, Step
 from gateway.logprobs_format import CompletionLogprobs, chat_logprobs, merge, vllm_prompt_logprobs
+from gateway.parsers import reasoning
 from gateway.tools import ToolStream, assistant_message
 
 
@@ -40,6 +45,9 @@ class OpenAIReply:
         self.generated: int | None = None  # tokens of every choice, when best_of dropped some
         calling = self.api.tool_calling  # streamed tool calls: each choice's deltas rewritten
         self._tool_streams = {id(g): ToolStream(calling) for g in gens} if chat and calling is not None else {}
+        self.reasoning_parser = self.api.reasoning_parser if chat else None
+        # streamed: each choice's think-block split, fed as its text comes
+        self._thinking = {id(g): reasoning.make(self.reasoning_parser) for g in gens} if self.reasoning_parser else {}
 
     def keep_best(self) -> None:
         """best_of: answer with the `keep` best choices of each prompt (gateway.siblings); all
@@ -75,7 +83,11 @@ class OpenAIReply:
             finish = spelled(gen.finish_reason or FinishReason.LENGTH, "openai")
             if self.chat:
                 logprobs = chat_logprobs(self.tokenizer, gen.tokens) if self.sampling.logprobs is not None else None
-                message, finish = assistant_message(self.api.tool_calling, gen.text, finish)  # tool_calls
+                thought, answer = (reasoning.split(self.reasoning_parser, gen.text) if self.reasoning_parser
+                                   else (None, gen.text))
+                message, finish = assistant_message(self.api.tool_calling, answer, finish)  # tool_calls
+                if thought is not None:
+                    message["reasoning_content"] = thought
                 choices.append({"index": gen.choice, "message": message, "logprobs": logprobs, "finish_reason": finish})
             else:
                 parts = [self._echo_logprobs(gen)] if self.api.echo else []
@@ -87,6 +99,15 @@ class OpenAIReply:
                 choices[-1]["prompt_logprobs"] = vllm_prompt_logprobs(self.tokenizer, gen.prompt_ids,
                                                                       gen.prompt_logprobs)
         return {**self.head(self.object), "choices": choices, "usage": self.usage()}
+
+    def _split(self, gen: Generation, text: str, last: bool) -> tuple[str, str]:
+        """A step's (reasoning, content) pieces; the last step flushes what the split held."""
+        thinking = self._thinking[id(gen)]
+        thought, answer = thinking.feed(text) if text else ("", "")
+        if last:
+            more_thought, more_answer = thinking.finish()
+            thought, answer = thought + more_thought, answer + more_answer
+        return thought, answer
 
     def _echo_text(self, gen: Generation) -> str:
         if not self.api.echo:
@@ -106,6 +127,9 @@ class OpenAIReply:
         wants_logprobs = self.sampling.logprobs is not None
         if self.chat:
             delta: dict[str, Any] = {}
+            thought = ""
+            if not role and self._thinking:
+                thought, text = self._split(gen, text, finish is not None)
             if role:
                 delta["role"] = "assistant"
                 delta["content"] = ""
@@ -113,6 +137,8 @@ class OpenAIReply:
                 delta["content"] = text
             if self._tool_streams:
                 delta, finish = self._tool_streams[id(gen)].rewrite(delta, finish)
+            if thought:
+                delta["reasoning_content"] = thought
             logprobs = chat_logprobs(self.tokenizer, tokens) if wants_logprobs and tokens else None
             choice = {"index": gen.choice, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             body = {**self.head("chat.completion.chunk"), "choices": [choice]}

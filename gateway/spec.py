@@ -33,6 +33,8 @@ class Prompt:
     messages: list[dict[str, Any]] | None = None  # normalized to {role, content, ...tool fields}
     add_special_tokens: bool = True  # for text inputs (TGI's and vLLM's `add_special_tokens`)
     truncate: int | None = None  # TGI: keep only the last `truncate` prompt tokens
+    # chat: vLLM's `chat_template_kwargs`, extra variables for the chat template (e.g. enable_thinking)
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 @dataclass
@@ -50,6 +52,8 @@ class ApiView:
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every chunk
     model: str | None = None  # the served name the request asked for (None: the first one)
     tool_calling: Any = None  # chat's tools (gateway.tools.ToolCalling), or None
+    # chat: the --reasoning-parser that splits reasoning_content from content (gateway.parsers.reasoning)
+    reasoning_parser: str | None = None
     # Unknown fields that were ignored (never with strict_api), named with their prefix.
     ignored_fields: list[str] = field(default_factory=list)
 

@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 
 from gateway.config import Settings
 from gateway.errors import validation_error
-from gateway.tools import for_template, template_renders_tools
+from gateway.tools import choose_parser, for_template
 from gateway.spec import GenerationSpec
 
 T = TypeVar("T")
@@ -44,10 +44,13 @@ class PromptTokenizer:
         return list(self.hf(text, add_special_tokens=add_special_tokens)["input_ids"])
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    add_special_tokens: bool = False, tools: list[dict[str, Any]] | None = None) -> list[int]:
-        # tools and tool calls go to the template (see gateway.tools.for_template)
+                    add_special_tokens: bool = False, tools: list[dict[str, Any]] | None = None,
+                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        # tools and tool calls go to the template (see gateway.tools.for_template); template_kwargs
+        # are the request's chat_template_kwargs (checked: none clashes with these parameters)
         text = self.hf.apply_chat_template(for_template(messages, self.hf.chat_template), tools=tools or None,
-                                           add_generation_prompt=add_generation_prompt, tokenize=False)
+                                           add_generation_prompt=add_generation_prompt, tokenize=False,
+                                           **(template_kwargs or {}))
         # The template already wrote the special tokens; by default do not add a BOS again.
         return list(self.hf(text, add_special_tokens=add_special_tokens)["input_ids"])
 
@@ -73,21 +76,22 @@ class PromptTokenizer:
             if not self.has_chat_template:
                 raise validation_error("this model has no chat template; use /v1/completions", status=status)
             calling = spec.api.tool_calling
-            if calling is not None:  # "auto" parses tool calls when the template asks for them
-                calling.parse_tags = template_renders_tools(self.hf.chat_template)
+            if calling is not None:  # "auto": the flag's tool-call parser, else the template's
+                choose_parser(calling, self.hf.chat_template)
             return await self.chat_ids(prompt.messages, status, True, False,
-                                       calling.tools if calling is not None else None)
+                                       calling.tools if calling is not None else None, prompt.chat_template_kwargs)
         assert isinstance(prompt.input, str)
         return await maybe_in_thread(len(prompt.input), self.encode_text, prompt.input, prompt.add_special_tokens)
 
     async def chat_ids(self, messages: list[dict[str, Any]], status: int, add_generation_prompt: bool = True,
-                       add_special_tokens: bool = False, tools: list[dict[str, Any]] | None = None) -> list[int]:
+                       add_special_tokens: bool = False, tools: list[dict[str, Any]] | None = None,
+                       template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """`encode_chat` off the event loop, a template's refusal as a 4xx naming `messages`."""
         try:
             # Always off the loop: the template's cost grows with the number of messages, so even a
             # body of empty messages is not cheap (the count is capped in validation).
             return await asyncio.to_thread(self.encode_chat, messages, add_generation_prompt, add_special_tokens,
-                                           tools)
+                                           tools, template_kwargs)
         except Exception as exc:  # jinja raises for messages the template refuses
             raise validation_error(f"the chat template rejected the messages: {exc}",
                                    param="messages", status=status) from None

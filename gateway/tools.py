@@ -7,11 +7,13 @@
   answer is `message.tool_calls` (content null, finish_reason "tool_calls"); streamed as OpenAI
   streams them: each call first (index, id, type, function name), then its arguments as they are
   generated (for "required", `scan_calls` follows the array as it grows).
-- `tool_choice` "auto" (the default with tools): the tools are given to the chat template. If the
-  template renders them (it mentions `tools`), the output is searched for the `<tool_call>{"name":
-  ..., "arguments": ...}</tool_call>` blocks that Hermes-style templates (Qwen2.5, SmolLM3, Hermes)
-  ask for and those become `tool_calls` (streamed: the answer is held until the end); otherwise (a
-  template without tools, as SmolLM2's) the answer is plain text.
+- `tool_choice` "auto" (the default with tools): the tools are given to the chat template, and the
+  answer is read by a tool-call parser (gateway.parsers.tool_calls): `--tool-call-parser` when given,
+  else the one the template's text calls for (`<tool_call>` -> hermes, `<|python_tag|>` or Llama
+  3's "parameters" instruction -> llama3_json, `[TOOL_CALLS]` -> mistral), else hermes when the
+  template renders tools at all, else none (a template without tools, as SmolLM2's: plain text).
+  Streamed, content that cannot be a call streams as it comes and each call is sent, named with its
+  arguments, once it is complete; a call that does not parse is content.
 - "none": the template gets the tools all the same (OpenAI's models see them too), the answer is text.
 
 Messages' `tool_calls`, `tool_call_id` and `name` are passed to the template (arguments as an
@@ -28,11 +30,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from baton.common.structured import InvalidStructure, compiled_grammar, json_schema
+from gateway.parsers import tool_calls
 from gateway.validation import Fields
 
 MAX_TOOLS = 128
 NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
-TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 
 
@@ -44,12 +46,25 @@ class ToolCalling:
     mode: str  # "none", "auto", "required" or "named"
     name: str | None = None  # the named function
     parallel: bool = True
-    parse_tags: bool = False  # auto: the template renders tools; parse its <tool_call> blocks
+    parse_tags: bool = False  # auto without a parser named: the hermes <tool_call> blocks
+    parser: str | None = None  # auto: the tool-call parser (the flag's, or chosen by choose_parser)
     parameters: dict[str, Any] = field(default_factory=dict)  # function name -> its schema
 
     @property
     def constrained(self) -> bool:
         return self.mode in ("required", "named")
+
+    def auto_parser(self) -> str | None:
+        """The parser that reads an "auto" answer, if any."""
+        if self.mode != "auto":
+            return None
+        return self.parser or ("hermes" if self.parse_tags else None)
+
+
+def choose_parser(calling: ToolCalling, template: Any) -> None:
+    """Once the chat template is known: the flag's parser, else the template's (see the module doc)."""
+    if calling.parser is None:
+        calling.parser = tool_calls.detect(template) or ("hermes" if template_renders_tools(template) else None)
 
 
 def parse_tools(f: Fields, has_constraint: bool) -> tuple[ToolCalling | None, dict[str, str] | None]:
@@ -186,18 +201,12 @@ def parse_calls(calling: ToolCalling, text: str) -> tuple[list[dict[str, Any]] |
             return [_call(item["name"], json.dumps(item["arguments"])) for item in items], None
         except (ValueError, TypeError, KeyError):  # cut short by max_tokens
             return None, text
-    if calling.mode == "auto" and calling.parse_tags:
-        calls = []
-        for block in TOOL_CALL.findall(text):
-            try:
-                item = json.loads(block)
-                arguments = item.get("arguments", item.get("parameters", {}))
-                calls.append(_call(item["name"], arguments if isinstance(arguments, str) else json.dumps(arguments)))
-            except (ValueError, TypeError, KeyError, AttributeError):
-                return None, text  # not a call we can read: the text as it is
-        if calls:
-            rest = TOOL_CALL.sub("", text).strip()
-            return calls, rest or None
+    parser = calling.auto_parser()
+    if parser is not None:
+        parsed = tool_calls.parse(parser, text, frozenset(calling.parameters))
+        if parsed.calls:
+            return [_call(c.name, c.arguments) for c in parsed.calls], parsed.content or None
+        return None, parsed.content  # as streamed: trimmed, a call that did not parse as its text
     return None, text
 
 
@@ -207,7 +216,7 @@ def assistant_message(calling: ToolCalling | None, text: str, finish: str) -> tu
         return {"role": "assistant", "content": text}, finish
     calls, content = parse_calls(calling, text)
     if calls is None:
-        return {"role": "assistant", "content": text}, finish
+        return {"role": "assistant", "content": content}, finish
     return {"role": "assistant", "content": content, "tool_calls": calls}, _finish(finish)
 
 
@@ -289,7 +298,8 @@ def scan_calls(text: str) -> list[tuple[str, str]]:
 class ToolStream:
     """One streamed choice's deltas, rewritten for its tools: a named function's call is named
     first and its arguments stream as they come; so do "required"'s calls (each named as soon as
-    its name is complete); a parsed "auto" answer is held to the end."""
+    its name is complete); an "auto" answer goes through its tool-call parser (content as it
+    comes, each call once complete)."""
 
     def __init__(self, calling: ToolCalling) -> None:
         self.calling = calling
@@ -297,6 +307,8 @@ class ToolStream:
         self.call_id = "call_" + uuid.uuid4().hex[:24]
         self.sent: list[int] = []  # "required": per call, the length of the arguments sent
         self.scanner = CallScanner()  # "required": the calls so far, read incrementally
+        self.parser: tool_calls.ToolParser | None = None  # "auto": made once the template chose it
+        self.calls = 0  # "auto": calls sent
 
     def rewrite(self, delta: dict[str, Any], finish: str | None) -> tuple[dict[str, Any], str | None]:
         calling = self.calling
@@ -310,20 +322,27 @@ class ToolStream:
             return delta, _finish(finish)
         if calling.mode == "required":
             return self._required(delta, finish)
-        if not (calling.mode == "auto" and calling.parse_tags) or "role" in delta:
+        name = calling.auto_parser()
+        if name is None or "role" in delta:
             return delta, finish
-        if delta.get("content"):
-            self.held.append(delta.pop("content"))
-        if finish is None:
-            return delta, None
-        text = "".join(self.held)
-        calls, content = parse_calls(calling, text)
-        if calls is None:
-            return ({"content": text} if text else {}), finish
-        out: dict[str, Any] = {"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}
-        if content:
-            out["content"] = content
-        return out, _finish(finish)
+        return self._auto(name, delta, finish)
+
+    def _auto(self, name: str, delta: dict[str, Any], finish: str | None) -> tuple[dict[str, Any], str | None]:
+        if self.parser is None:
+            self.parser = tool_calls.make(name, frozenset(self.calling.parameters))
+        text = delta.pop("content", "")
+        parsed = self.parser.feed(text) if text else tool_calls.Parsed()
+        if finish is not None:
+            parsed.add(self.parser.finish())
+        if parsed.content:
+            delta["content"] = parsed.content
+        entries = []
+        for call in parsed.calls:
+            entries.append({"index": self.calls, **_call(call.name, call.arguments)})
+            self.calls += 1
+        if entries:
+            delta["tool_calls"] = entries
+        return delta, (_finish(finish) if self.calls else finish)
 
     def _required(self, delta: dict[str, Any], finish: str | None) -> tuple[dict[str, Any], str | None]:
         if "role" in delta:

@@ -9,6 +9,9 @@ top-k count; chat: a flag with `top_logprobs`), completions' `echo` and vLLM's `
 options are accepted (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `stop_token_ids`).
 `model` must be one of the served names (else 404, as vLLM answers). Known fields we cannot honour
 are accepted only at their neutral value; unknown fields are ignored (see gateway.validation).
+Chat's `chat_template_kwargs` (vLLM's) are extra template variables: an object of at most
+MAX_TEMPLATE_KWARGS names (identifiers, none of apply_chat_template's own parameters), small
+once encoded; `enable_thinking: false` (or `thinking: false`) turns the reasoning parser off.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from typing import Any
 from gateway.config import Settings
 from gateway.errors import ApiError, validation_error
 from baton.common.sampling_params import MAX_LOGPROBS
+from baton.common.structured import InvalidStructure, compiled_grammar
+from gateway.parsers.reasoning import think_first
 from gateway.structured import openai_structured
 from gateway.tools import message_extras, parse_tools
 from gateway.spec import ApiView, Choices, GenerationSpec, Prompt, provisional_sampling
@@ -51,8 +56,16 @@ COMMON_FIELDS = {
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of", "add_special_tokens"}
 CHAT_FIELDS = COMMON_FIELDS | {
     "messages", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls", "functions",
-    "function_call", "store", "metadata", "service_tier", "echo",
+    "function_call", "store", "metadata", "service_tier", "echo", "chat_template_kwargs",
 }
+MAX_TEMPLATE_KWARGS = 32
+MAX_TEMPLATE_KWARGS_BYTES = 8192
+# apply_chat_template's own parameters: a template variable of that name would clash with them.
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+})
 # Known fields we cannot honour, with the values that mean "off" (null always does). Each other
 # value is a 400 naming the field: ignoring it would answer something the client did not ask for.
 COMMON_NEUTRAL: dict[str, tuple[Any, ...]] = {
@@ -118,16 +131,57 @@ def parse_chat(body: dict[str, Any], settings: Settings, vocab_size: int) -> Gen
     for key, neutral in CHAT_NEUTRAL.items():
         f.unsupported_unless(key, neutral)
     common = _common(f, settings, vocab_size, CHAT_DEFAULT_MAX_TOKENS, ignored)
-    prompt = Prompt(messages=parse_messages(body.get("messages"), settings.max_chat_messages))
+    prompt = Prompt(messages=parse_messages(body.get("messages"), settings.max_chat_messages),
+                    chat_template_kwargs=template_kwargs(f))
     sampling = common.sampling
     common.api.tool_calling, tool_constraint = parse_tools(f, sampling["structured"] is not None)
+    if common.api.tool_calling is not None:
+        common.api.tool_calling.parser = settings.tool_call_parser  # None: the template's (gateway.tools)
     sampling["structured"] = tool_constraint or sampling["structured"]
+    common.api.reasoning_parser = _reasoning_parser(settings, prompt.chat_template_kwargs, sampling)
     top_logprobs = f.integer("top_logprobs", lo=0, hi=MAX_LOGPROBS)
     if f.boolean("logprobs", False):
         sampling["logprobs"] = top_logprobs or 0
     elif top_logprobs:
         raise f.fail("top_logprobs", "needs `logprobs` to be true")
     return common.spec(prompt, Choices(n=common.n))
+
+
+def template_kwargs(f: Fields) -> dict[str, Any] | None:
+    """`chat_template_kwargs`, checked (see the module doc)."""
+    value = f.get("chat_template_kwargs")
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise f.fail("chat_template_kwargs", "must be an object of template variables")
+    if len(value) > MAX_TEMPLATE_KWARGS:
+        raise f.fail("chat_template_kwargs", f"has {len(value)} names; at most {MAX_TEMPLATE_KWARGS} are allowed")
+    for key in value:
+        if not key.isidentifier():
+            raise f.fail("chat_template_kwargs", f"names must be identifiers, got {json.dumps(key)[:80]}")
+        if key in RESERVED_TEMPLATE_KWARGS:
+            raise f.fail("chat_template_kwargs", f"cannot set {key!r}: the request's own fields do")
+    if len(json.dumps(value)) > MAX_TEMPLATE_KWARGS_BYTES:
+        raise f.fail("chat_template_kwargs", f"is larger than {MAX_TEMPLATE_KWARGS_BYTES} bytes as JSON")
+    return value
+
+
+def _reasoning_parser(settings: Settings, kwargs: dict[str, Any] | None, sampling: dict[str, Any]) -> str | None:
+    """The request's reasoning parser: the flag's, unless thinking is off; a JSON constraint then
+    allows a think block before the JSON (a regex, choice or grammar one leaves no room for it)."""
+    name = settings.reasoning_parser
+    if name is None or (kwargs and (kwargs.get("enable_thinking") is False or kwargs.get("thinking") is False)):
+        return None
+    if sampling["structured"] is not None:
+        wrapped = think_first(sampling["structured"], name)
+        if wrapped is None:
+            return None
+        try:  # the JSON compiled on its own; its grammar should too (checked, as every constraint is)
+            compiled_grammar(wrapped["kind"], wrapped["spec"])
+        except InvalidStructure:
+            return None  # the constraint as asked, on the whole output: no room for a thought
+        sampling["structured"] = wrapped
+    return name
 
 
 def _common(f: Fields, settings: Settings, vocab_size: int, default_max: int, ignored: list[str]) -> _Common:

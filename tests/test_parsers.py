@@ -156,3 +156,31 @@ def test_parser_detected_from_the_template():
     assert tool_calls.detect("<tool_call> and [TOOL_CALLS]") is None  # ambiguous: the flag decides
     assert tool_calls.detect("{{ messages }}") is None
     assert tool_calls.detect(None) is None
+
+
+@pytest.mark.parametrize("name", reasoning.NAMES)
+def test_structured_output_allows_a_thought_before_the_json(name, default_model_dir):
+    """think_first's grammar, run by llguidance on the model's tokens as a worker runs it: a think
+    block, then JSON of the schema (qwen3: the block is optional; deepseek_r1: it must close)."""
+    import llguidance
+    from transformers import AutoTokenizer
+
+    from baton.common.structured import compiled_grammar, json_schema
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    grammar = reasoning.think_first(json_schema(schema), name)
+    tokenizer = llguidance.LLTokenizer((default_model_dir / "tokenizer.json").read_text())
+    hf = AutoTokenizer.from_pretrained(str(default_model_dir))
+
+    def accepts(text: str) -> bool:
+        matcher = llguidance.LLMatcher(tokenizer, compiled_grammar(grammar["kind"], grammar["spec"]), log_level=0)
+        ok = all(matcher.consume_token(t) for t in hf(text, add_special_tokens=False)["input_ids"])
+        return ok and matcher.is_accepting()
+
+    assert accepts('<think>x < y, so </thi is text</think>\n\n{"a": 1}')
+    assert not accepts('<think>hmm</think>{"a": "one"}')  # the schema holds after the thought
+    assert not accepts('<think>hmm</think>{"a":1}')  # with the gateway's JSON separators
+    assert not accepts('<think>a</think>b</think>{"a": 1}')
+    assert accepts('{"a": 2}') == (name == "qwen3")
+    assert accepts('the prompt opened it</think>{"a": 3}') == (name == "deepseek_r1")
+    assert reasoning.think_first({"kind": "regex", "spec": "[0-9]+"}, name) is None

@@ -50,6 +50,8 @@ GATEWAY_FLAGS: list[tuple[str, type, str]] = [
     ("--max-queue-size", int, "requests waiting for budget before 429"),
     ("--max-queue-wait", float, "seconds a request may wait for budget before a 503"),
     ("--shutdown-grace", float, "seconds requests in flight get to finish when the gateway stops (default 40)"),
+    ("--reasoning-parser", str, "deepseek_r1 | qwen3: split a thinking model's <think> block into reasoning_content"),
+    ("--tool-call-parser", str, "hermes | llama3_json | mistral | pythonic (default: from the chat template)"),
     ("--responses-ttl", int, "seconds stored /v1/responses answers are kept (0: none; default 3600)"),
     ("--pooling", str, "embeddings: last, mean or cls (default: the checkpoint's sentence-transformers config, else last)"),
 ]

@@ -14,9 +14,16 @@ Rules:
   across chunks (`<thi` at a chunk's end) is held back until the next chunk decides it; `finish()`
   returns what was held. Feeding the whole output at once gives exactly what feeding it in pieces
   gives (`split` does that).
+- Structured output (and tool_choice's constraints) apply to the answer: `think_first` turns a JSON
+  constraint into a Lark grammar (llguidance's) of a free think block, then the JSON. A regex,
+  choice or grammar constraint is left as it is (it constrains the whole output, so no think block
+  can come: the request's reasoning parser is off).
 """
 
 from __future__ import annotations
+
+import json
+from typing import Any
 
 OPEN, CLOSE = "<think>", "</think>"
 NAMES = ("deepseek_r1", "qwen3")
@@ -116,3 +123,33 @@ def split(name: str, text: str) -> tuple[str | None, str]:
     r2, c2 = parser.finish()
     reasoning = r1 + r2
     return (reasoning or None), c1 + c2
+
+
+# The think block as one lexeme: `<think>` (optional for deepseek_r1: the prompt may have opened it),
+# any text without `</think>`, `</think>`, blanks. The JSON keeps the separators the gateway's JSON
+# constraints always use (baton.common.structured.JSON_OPTIONS: tool streaming reads ", " and ": ").
+_THINK = r"/(?s:{open}(.*)<\/think>[ \t\n]*)/ & ~/(?s:.*<\/think>.*<\/think>.*)/"
+_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def think_first(structured: dict[str, str], name: str) -> dict[str, str] | None:
+    """The constraint with a think block allowed before it (qwen3: optional; deepseek_r1: required,
+    as its parser reads an output without `</think>` as all reasoning); None when it is not JSON."""
+    kind = structured.get("kind")
+    if kind == "json_object":
+        schema: Any = {"type": "object"}
+    elif kind == "json_schema":
+        schema = json.loads(structured["spec"])
+    else:
+        return None
+    if not isinstance(schema, dict):
+        return None
+    schema = {**schema, "x-guidance": {**_JSON_OPTIONS, **schema.get("x-guidance", {})}}
+    if name == "qwen3":
+        start = "start: THINK answer | answer"
+        think = _THINK.format(open="<think>")
+    else:
+        start = "start: THINK answer"
+        think = _THINK.format(open="(<think>)?")
+    lark = f"{start}\nTHINK: {think}\nanswer: %json {json.dumps(schema)}\n"
+    return {"kind": "grammar", "spec": lark}
