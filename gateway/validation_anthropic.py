@@ -17,8 +17,8 @@ module checks every Messages field itself, so that a 4xx names the field as the 
 - `stop_sequences` -> `stop`, `max_tokens` (required, as Anthropic requires it), `temperature`
   (Anthropic's range, 0 to 1), `top_p`, `top_k`; `metadata` is accepted and unused;
 - `output_config.format` (a JSON schema) -> `response_format`, through the structured-output engine;
-- `thinking` {type enabled|adaptive|between_tools|disabled, budget_tokens} -> the template kwarg
-  `enable_thinking` where the chat body takes `chat_template_kwargs`; otherwise accepted, no effect.
+- `thinking` {type enabled|adaptive|between_tools|disabled, budget_tokens} -> the chat template's
+  `enable_thinking` (chat_template_kwargs); a reasoning parser's split comes back as a thinking block.
 Unknown fields (top level and in blocks) follow the other endpoints' policy: ignored and listed in
 x-baton-ignored-fields, or a 400 with --strict-api.
 """
@@ -329,8 +329,7 @@ def _thinking(f: Fields, chat: dict[str, Any], max_tokens: Any, ignored: list[st
     if budget is not None and isinstance(max_tokens, int) and budget >= max_tokens:
         raise t.fail("budget_tokens", f"({budget}) must be less than max_tokens ({max_tokens})")
     # The budget itself is not enforced: the model stops thinking when it does (as vLLM serves it).
-    if "chat_template_kwargs" in validation_openai.CHAT_FIELDS:  # the chat body can pass template kwargs
-        chat["chat_template_kwargs"] = {"enable_thinking": kind != "disabled"}
+    chat["chat_template_kwargs"] = {"enable_thinking": kind != "disabled"}
 
 
 _CHAT_PARAMS = [(re.compile(r"tools\[(\d+)\]\.function\.parameters"), r"tools.\1.input_schema"),

@@ -10,7 +10,6 @@ import httpx
 import pytest
 
 from gateway.anthropic_reply import _Blocks
-from gateway import validation_openai
 from gateway.errors import error_body, overloaded, unavailable
 from gateway.tokenizer import PromptTokenizer
 from tests.test_gateway_support import start_gateway, wait_until
@@ -46,9 +45,10 @@ def sse(text: str) -> list[tuple[str, dict]]:
 
 @pytest.fixture(scope="module")
 def hermes_server(default_model_dir, gw_redis_url, gw_echo_worker):
-    """A gateway whose chat template renders tools and tool calls (auto tool calls are parsed)."""
+    """A gateway whose chat template renders tools and tool calls (auto tool calls are parsed), with
+    qwen3's reasoning parser (an answer that opens <think> has reasoning)."""
     tokenizer = PromptTokenizer(default_model_dir, chat_template=THINKING_HERMES)
-    server = start_gateway(default_model_dir, gw_redis_url, tokenizer)
+    server = start_gateway(default_model_dir, gw_redis_url, tokenizer, reasoning_parser="qwen3")
     yield server
     server.stop()
 
@@ -164,24 +164,25 @@ def test_tool_use_round_trip_through_a_template_that_renders_tools(hermes_server
         streamed = stream.get_final_message()
     assert [b.type for b in streamed.content] == ["text", "tool_use"] and streamed.content[1].input == call.input
     gw_worker.set_reply("It is 18 degrees.")
-    history = asked + [{"role": "assistant", "content": [b.model_dump() for b in first.content]},
+    history = asked + [first.to_param(),  # the answer sent back as the SDK writes it
                        {"role": "user", "content": [
                            {"type": "tool_result", "tool_use_id": call.id, "content": [{"type": "text", "text": "18C"}]},
                            {"type": "text", "text": "Thanks."}]}]
     answer = client.messages.create(model=MODEL, max_tokens=100, messages=history, tools=[WEATHER])
     assert answer.content[0].text == "It is 18 degrees." and answer.stop_reason == "end_turn"
-    prompt = hermes_server_prompt(gw_worker)
+    prompt = last_prompt(gw_worker)
     assert '<tool_call>get_weather {"city": "Paris"}</tool_call>' in prompt  # the call, as the template writes it
     assert "<|im_start|>tool\n18C<|im_end|>\n<|im_start|>user\nThanks." in prompt  # result first, then the text
     assert "<tools>get_weather;</tools>" in prompt
     failed = history[:-1] + [{"role": "user", "content": [
         {"type": "tool_result", "tool_use_id": call.id, "content": "no such city", "is_error": True}]}]
     client.messages.create(model=MODEL, max_tokens=100, messages=failed, tools=[WEATHER])
-    assert "<|im_start|>tool\nError: no such city<|im_end|>" in hermes_server_prompt(gw_worker)
+    assert "<|im_start|>tool\nError: no such city<|im_end|>" in last_prompt(gw_worker)
     assert wait_until(lambda: budget_in_use(hermes_server.url) == 0)
 
 
-def hermes_server_prompt(worker) -> str:
+def last_prompt(worker) -> str:
+    """The text of the prompt the worker got for the last request."""
     return worker.tok.decode(worker.requests[-1].prompt_token_ids)
 
 
@@ -306,16 +307,37 @@ def test_output_config_format_constrains_the_answer(gw_server, gw_worker):
     assert structured["kind"] == "json_schema" and json.loads(structured["spec"]) == schema
 
 
-@pytest.mark.skipif("chat_template_kwargs" not in validation_openai.CHAT_FIELDS,
-                    reason="the chat body does not take chat_template_kwargs yet: thinking has no effect")
 def test_thinking_reaches_the_template_as_enable_thinking(hermes_server, gw_worker):
     client = sdk(hermes_server)
     for thinking, shown in (({"type": "enabled", "budget_tokens": 1024}, "[thinking=True]"),
                             ({"type": "disabled"}, "[thinking=False]")):
         client.messages.create(model=MODEL, max_tokens=2048 - 100, messages=HELLO, thinking=thinking)
-        assert hermes_server_prompt(gw_worker).endswith(shown)
+        assert last_prompt(gw_worker).endswith(shown)
     client.messages.create(model=MODEL, max_tokens=8, messages=HELLO)
-    assert "[thinking=" not in hermes_server_prompt(gw_worker)
+    assert "[thinking=" not in last_prompt(gw_worker)
+
+
+def test_reasoning_comes_back_as_a_thinking_block(hermes_server, gw_worker):
+    gw_worker.set_reply("<think>Paris is in France.</think>It is Paris.")
+    client = sdk(hermes_server)
+    message = client.messages.create(model=MODEL, max_tokens=100, messages=HELLO)
+    assert [b.type for b in message.content] == ["thinking", "text"]
+    assert message.content[0].thinking.strip() == "Paris is in France."
+    assert message.content[1].text.strip() == "It is Paris."
+    with client.messages.stream(model=MODEL, max_tokens=100, messages=HELLO) as stream:
+        final = stream.get_final_message()
+    assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in final.content] == \
+        [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in message.content]
+    r = httpx.post(hermes_server.url + "/v1/messages", json={"model": MODEL, "max_tokens": 100, "messages": HELLO,
+                                                             "stream": True})
+    deltas = [(d["index"], d["delta"]["type"]) for k, d in sse(r.text) if k == "content_block_delta"]
+    assert {0: "thinking_delta", 1: "text_delta"} == dict(deltas)
+    # sent back, the earlier turn's thinking is dropped (as templates drop past reasoning), its text kept
+    history = HELLO + [message.to_param(), {"role": "user", "content": "And Spain?"}]
+    raw = client.messages.with_raw_response.create(model=MODEL, max_tokens=100, messages=history)
+    assert "x-baton-ignored-fields" not in raw.headers
+    assert "Paris is in France" not in last_prompt(gw_worker) and "It is Paris." in last_prompt(gw_worker)
+    assert wait_until(lambda: budget_in_use(hermes_server.url) == 0)
 
 
 def test_overload_and_outage_map_to_anthropics_error_types():
