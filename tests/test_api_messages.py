@@ -166,7 +166,8 @@ def test_tool_use_round_trip_through_a_template_that_renders_tools(hermes_server
     gw_worker.set_reply("It is 18 degrees.")
     history = asked + [first.to_param(),  # the answer sent back as the SDK writes it
                        {"role": "user", "content": [
-                           {"type": "tool_result", "tool_use_id": call.id, "content": [{"type": "text", "text": "18C"}]},
+                           {"type": "tool_result", "tool_use_id": call.id,
+                            "content": [{"type": "text", "text": "18C"}]},
                            {"type": "text", "text": "Thanks."}]}]
     answer = client.messages.create(model=MODEL, max_tokens=100, messages=history, tools=[WEATHER])
     assert answer.content[0].text == "It is 18 degrees." and answer.stop_reason == "end_turn"
@@ -295,6 +296,28 @@ def test_generation_failure_is_an_anthropic_error(gw_server, gw_worker):
         with client.messages.stream(model=MODEL, max_tokens=8, messages=HELLO) as stream:
             stream.get_final_message()
     assert wait_until(lambda: budget_in_use(gw_server.url) == 0)
+
+
+def test_a_claude_code_shaped_request_streams(gw_server, gw_worker):
+    """What Claude Code sends: `?beta=true`, beta headers, cached system blocks, a JSON-Schema-2020 tool
+    schema with `cache_control`, `metadata.user_id`, and the fields this server does not know."""
+    gw_worker.set_reply("Done.")
+    tool = {**WEATHER, "cache_control": {"type": "ephemeral"},
+            "input_schema": {**WEATHER["input_schema"], "$schema": "https://json-schema.org/draft/2020-12/schema",
+                             "additionalProperties": False}}
+    body = {"model": MODEL, "max_tokens": 512, "stream": True, "metadata": {"user_id": "user_abc"},
+            "system": [{"type": "text", "text": "You are a CLI.", "cache_control": {"type": "ephemeral"}}],
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "hi",
+                                                       "cache_control": {"type": "ephemeral"}}]}],
+            "tools": [tool], "temperature": 1, "context_management": {"edits": []}}
+    headers = {"anthropic-beta": "claude-code-20250219,interleaved-thinking-2025-05-14",
+               "anthropic-version": "2023-06-01"}
+    r = httpx.post(gw_server.url + "/v1/messages?beta=true", json=body, headers=headers)
+    assert r.status_code == 200 and r.headers["x-baton-ignored-fields"] == "context_management"
+    assert "".join(d["delta"].get("text", "") for k, d in sse(r.text) if k == "content_block_delta") == "Done."
+    count = httpx.post(gw_server.url + "/v1/messages/count_tokens?beta=true", headers=headers,
+                       json={k: body[k] for k in ("model", "system", "messages", "tools")})
+    assert count.status_code == 200 and count.json()["input_tokens"] == len(gw_worker.requests[-1].prompt_token_ids)
 
 
 def test_output_config_format_constrains_the_answer(gw_server, gw_worker):
