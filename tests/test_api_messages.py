@@ -383,6 +383,24 @@ def test_thinking_and_blocks_stream_one_block_at_a_time():
     assert events[5][1]["delta"] == {"type": "text_delta", "text": "Hi"}
 
 
+SAMPLES = {"model": MODEL, "max_tokens": 8, "messages": HELLO, "system": "Be brief.", "tools": [WEATHER],
+           "tool_choice": {"type": "auto"}, "thinking": {"type": "enabled", "budget_tokens": 4},
+           "output_config": {"effort": "low"}, "stream": False, "stop_sequences": ["\n\n"], "temperature": 0.7,
+           "top_p": 0.9, "top_k": 40, "metadata": {"user_id": "u"}}
+
+
+def test_every_documented_field_is_accepted_and_not_ignored(gw_server, gw_worker):
+    schemas = httpx.get(gw_server.url + "/openapi.json").json()["components"]["schemas"]
+    fields = set(schemas["MessagesCountTokensRequest"]["properties"]) | set(
+        schemas["MessagesRequest"]["allOf"][1]["properties"])
+    assert fields == set(SAMPLES)
+    r = httpx.post(gw_server.url + "/v1/messages", json=SAMPLES)  # every field at once
+    assert r.status_code == 200 and "x-baton-ignored-fields" not in r.headers, r.text
+    counted = {k: SAMPLES[k] for k in schemas["MessagesCountTokensRequest"]["properties"]}
+    r = httpx.post(gw_server.url + "/v1/messages/count_tokens", json=counted)
+    assert r.status_code == 200 and "x-baton-ignored-fields" not in r.headers, r.text
+
+
 def test_openapi_documents_the_messages_paths(gw_server):
     spec = httpx.get(gw_server.url + "/openapi.json").json()
     for path in ("/v1/messages", "/v1/messages/count_tokens"):
