@@ -167,7 +167,10 @@ SCHEMAS: dict[str, Any] = {
                 "function": {"type": "object", "properties": {"name": {"type": "string"}}}}}],
                         "description": "required / a named function: the output is constrained to the arguments' "
                                        "schema and answered as message.tool_calls."},
-        "parallel_tool_calls": {**_BOOL, "default": True}}}]},
+        "parallel_tool_calls": {**_BOOL, "default": True},
+        "chat_template_kwargs": {"type": "object", "maxProperties": 32, "description": "vLLM extra: extra "
+                                 "chat-template variables, e.g. {\"enable_thinking\": false} (which also turns "
+                                 "--reasoning-parser off)."}}}]},
     "ToolCall": {"type": "object", "properties": {
         "id": {"type": "string"}, "type": {"type": "string", "enum": ["function"]},
         "function": {"type": "object", "properties": {"name": {"type": "string"}, "arguments": {"type": "string"}}}}},
@@ -198,7 +201,9 @@ SCHEMAS: dict[str, Any] = {
         "choices": {"type": "array", "items": {"type": "object", "properties": {
             "index": _INT, "message": {"type": "object", "properties": {
                 "role": {"type": "string"}, "content": {"type": ["string", "null"]},
-                "tool_calls": {"type": "array", "items": _ref("ToolCall")}}},
+                "tool_calls": {"type": "array", "items": _ref("ToolCall")},
+                "reasoning_content": {"type": "string", "description": "With --reasoning-parser: the think "
+                                      "block's text (absent when there was none)."}}},
             "finish_reason": {"type": "string", "enum": ["stop", "length", "tool_calls"]}}}}}},
     "DashboardData": {"type": "object", "required": ["time", "now", "series", "workers"], "properties": {
         "time": {**_NUM, "description": "Server time (Unix seconds)."},
