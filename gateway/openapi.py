@@ -194,4 +194,5 @@ def _schemas(settings: Settings) -> dict[str, Any]:
     """SCHEMAS with this gateway's served names as the values `model` may take."""
     schemas = copy.deepcopy({**SCHEMAS, **RESPONSES_SCHEMAS, **EMBEDDINGS_SCHEMAS})
     schemas["OpenAICommon"]["properties"]["model"]["enum"] = list(settings.served_model_names)
+    schemas["MessagesCountTokensRequest"]["properties"]["model"]["enum"] = list(settings.served_model_names)
     return schemas
