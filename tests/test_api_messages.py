@@ -286,6 +286,17 @@ def test_client_leaving_mid_stream_cancels_and_releases(gw_server, gw_worker):
     assert wait_until(lambda: budget_in_use(gw_server.url) == 0)
 
 
+def test_client_leaving_before_the_answer_cancels_it(gw_server, gw_worker):
+    gw_worker.hold = True  # the worker never answers: the client gives up first
+    before = len(gw_worker.requests)
+    with pytest.raises(anthropic.APITimeoutError):
+        sdk(gw_server, timeout=0.5).messages.create(model=MODEL, max_tokens=50, messages=HELLO)
+    assert wait_until(lambda: len(gw_worker.requests) == before + 1)
+    rid = gw_worker.requests[-1].request_id
+    assert wait_until(lambda: rid in gw_worker.cancelled_ids())
+    assert wait_until(lambda: budget_in_use(gw_server.url) == 0)
+
+
 def test_generation_failure_is_an_anthropic_error(gw_server, gw_worker):
     gw_worker.mode = "error"
     client = sdk(gw_server)
