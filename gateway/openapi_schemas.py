@@ -167,10 +167,7 @@ SCHEMAS: dict[str, Any] = {
                 "function": {"type": "object", "properties": {"name": {"type": "string"}}}}}],
                         "description": "required / a named function: the output is constrained to the arguments' "
                                        "schema and answered as message.tool_calls."},
-        "parallel_tool_calls": {**_BOOL, "default": True},
-        "chat_template_kwargs": {"type": "object", "maxProperties": 32, "description": "vLLM extra: extra "
-                                 "chat-template variables, e.g. {\"enable_thinking\": false} (which also turns "
-                                 "--reasoning-parser off)."}}}]},
+        "parallel_tool_calls": {**_BOOL, "default": True}}}]},
     "ToolCall": {"type": "object", "properties": {
         "id": {"type": "string"}, "type": {"type": "string", "enum": ["function"]},
         "function": {"type": "object", "properties": {"name": {"type": "string"}, "arguments": {"type": "string"}}}}},
