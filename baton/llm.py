@@ -12,6 +12,7 @@ from baton.engine.llm_engine import EngineConfig, LLMEngine
 from baton.common.finish_reason import FinishReason
 from baton.engine.outputs import EngineOutput
 from baton.engine.pooling import Pooling, normalize as normalize_vector
+from baton.engine.spec_config import SpeculativeConfig
 from baton.common.model_files import resolve_model
 from baton.common.sampling_params import SamplingParams
 
@@ -50,12 +51,15 @@ class LLM:
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
                  scheduler_policy: str = "max-utilization", dtype: str = "auto", device: str | None = None,
                  enable_prefix_caching: bool = True, kv_cache_memory: int = 1 << 30,
-                 num_threads: int | None = None, quantization: str = "auto") -> None:
+                 num_threads: int | None = None, quantization: str = "auto",
+                 speculative_config: SpeculativeConfig | dict | str | None = None) -> None:
+        # speculative_config: vLLM's shape, e.g. {"method": "ngram", "num_speculative_tokens": 4}
         self.engine = LLMEngine(EngineConfig(
             model=resolve_model(model), dtype=dtype, device=device, block_size=block_size, num_kv_blocks=num_kv_blocks,
             kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, scheduler_policy=scheduler_policy,
             enable_prefix_caching=enable_prefix_caching, num_threads=num_threads, quantization=quantization,
+            speculative_config=speculative_config,
         ))
         self.tokenizer = load_tokenizer(self.engine.model_dir)
         self._ids = itertools.count()

@@ -59,6 +59,12 @@ class DecodeWorker(WorkerShell):
     def num_in_flight(self) -> int:
         return len(self.core.in_flight)
 
+    def refresh_stats(self) -> None:
+        super().refresh_stats()
+        stats = self.stats  # speculative decoding's counts (all 0 when it is off)
+        self.metrics.spec_decode(stats.spec_num_drafts, stats.spec_num_draft_tokens,
+                                 stats.spec_num_accepted_tokens, stats.spec_accepted_per_pos)
+
     def state(self) -> dict:
         stats = self.stats
         return {**stats.heartbeat(), "num_requests_running": stats.num_requests_running + stats.num_requests_loading_kv,

@@ -65,6 +65,8 @@ DECODE_FLAGS: list[tuple[str, type, str]] = [
     ("--kv-cache-memory", str, "decode worker: KV pool size instead of --num-kv-blocks, e.g. 1GiB"),
     ("--max-num-seqs", int, "decode worker: most requests in one batch"),
     ("--scheduler-policy", str, "decode worker: no-evict | max-utilization"),
+    ("--speculative-config", str, "decode worker: speculative decoding, JSON in vLLM's shape, e.g. "
+                                  '\'{"method": "ngram", "num_speculative_tokens": 4}\''),
 ]
 WORKER_FLAGS: list[tuple[str, type, str]] = [
     ("--block-size", int, "tokens per KV block (prefill and decode must agree)"),

@@ -34,6 +34,8 @@ from baton.engine.outputs import EngineOutput, EngineStats, KVHandoff
 from baton.engine.pooling import Pooling
 from baton.engine.quant import quantize_model
 from baton.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, StepOutput
+from baton.engine.spec_config import SpeculativeConfig, parse_speculative_config
+from baton.engine.spec_decode import verify_rows
 from baton.engine.structured import StructuredOutput
 from baton.engine.sequence import Sequence
 from baton.common.sampling_params import SamplingParams
@@ -57,6 +59,8 @@ class EngineConfig:
     num_threads: int | None = None
     kv_connector: bool = False  # load from and save to a block store (the workers)
     quantization: str = "auto"  # auto, none, int8, int4: the projections' weights (baton.engine.quant)
+    # speculative decoding (baton.engine.spec_decode): a SpeculativeConfig, its dict or JSON; None: off
+    speculative_config: SpeculativeConfig | dict | str | None = None
 
 
 def return_freed_memory() -> None:
@@ -104,6 +108,7 @@ class LLMEngine:
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.scheduler_policy,
                             max_model_len),
             self.block_manager, self.model_config.eos_token_ids, self.connector,
+            parse_speculative_config(config.speculative_config),
         )
         self.runner = ModelRunner(self.model, self.model_config, num_blocks, config.block_size)
         self.structured = StructuredOutput(self.model_dir, self.model_config.vocab_size, self.eos_token_ids)
@@ -197,6 +202,9 @@ class LLMEngine:
         return [self._output(out) for out in outputs]
 
     def _run(self, plan: SchedulerOutput) -> list[StepOutput]:
+        speculator = self.scheduler.speculator
+        if speculator is not None:
+            speculator.start_step()
         result = self.runner.execute(plan.scheduled)
         sample_seqs, all_logits, prompt_rows = result.sample_seqs, result.logits, result.prompt_rows
         if result.hidden is not None:
@@ -205,28 +213,43 @@ class LLMEngine:
                 assert rows.seq.pool is not None
                 rows.seq.pool.add(result.hidden[offset:offset + rows.count])
                 offset += rows.count
-        logits = all_logits[:len(sample_seqs)]
+        # one row per sampled request, then one per verified position of each speculating request
+        rows = [(s, 0) for s in sample_seqs] + verify_rows(result.verify_seqs)
+        logits = all_logits[:len(rows)]
         self.num_steps += 1
         tokens: list[int] = []
         logprobs: list[float] = []
         top_logprobs: list[list] | None = None
-        if sample_seqs:
-            params = [s.sampling_params for s in sample_seqs]
-            allowed = suppress_early_stops(logits, params, [s.num_output_tokens for s in sample_seqs],
-                                           self.eos_token_ids)
+        if rows:
+            seqs = [s for s, _ in rows]
+            params = [s.sampling_params for s in seqs]
+            # position j of a speculating row is output number n + j, after its first j proposals
+            draws = [s.num_output_tokens + j for s, j in rows]
+            allowed = suppress_early_stops(logits, params, draws, self.eos_token_ids)
             tokens, logprobs = sample(
-                self.structured.apply(sample_seqs, allowed),  # grammar masks (a no-op when unconstrained)
+                self.structured.apply(seqs, allowed),  # grammar masks (a no-op when unconstrained)
                 params,
-                [s.token_ids if s.sampling_params.edits_logits else [] for s in sample_seqs],
-                [s.num_output_tokens for s in sample_seqs],
-                [s.num_prompt_tokens for s in sample_seqs],
+                [s.token_ids + s.spec_token_ids[:j] if s.sampling_params.edits_logits else [] for s, j in rows],
+                draws,
+                [s.num_prompt_tokens for s in seqs],
             )
-            top_logprobs = self._requested_logprobs(sample_seqs, logits, tokens, logprobs)
+            top_logprobs = self._requested_logprobs(seqs, logits, tokens, logprobs)
         if prompt_rows:
-            self._record_prompt_logprobs(prompt_rows, all_logits[len(sample_seqs):])
-        self.num_generated_tokens += len(tokens)
-        step_outputs = self.scheduler.update_from_output(plan, sample_seqs, tokens, logprobs, top_logprobs)
+            self._record_prompt_logprobs(prompt_rows, all_logits[len(rows):])
+        num_sampled = len(sample_seqs)
+        tops = top_logprobs if top_logprobs is not None else [[] for _ in rows]
+        verified, offset = [], num_sampled
+        for seq in result.verify_seqs:
+            end = offset + 1 + len(seq.spec_token_ids)
+            verified.append((seq, tokens[offset:end], logprobs[offset:end], tops[offset:end]))
+            offset = end
+        step_outputs = self.scheduler.update_from_output(
+            plan, sample_seqs, tokens[:num_sampled], logprobs[:num_sampled],
+            None if top_logprobs is None else tops[:num_sampled], verified)
+        self.num_generated_tokens += sum(len(out.new_token_ids) for out in step_outputs)
         self._end_broken_grammars(step_outputs)
+        if speculator is not None:
+            speculator.end_step()
         return step_outputs
 
     def _output(self, out: StepOutput) -> EngineOutput:
@@ -326,7 +349,16 @@ class LLMEngine:
             kv_cache_usage=pool.usage(), block_size=pool.block_size, max_num_seqs=scheduler.config.max_num_seqs,
             policy=scheduler.config.policy,
             num_free_seqs=scheduler.config.max_num_seqs - scheduler.num_admitted - len(scheduler.waiting),
-            num_batched_tokens=self.last_num_batched_tokens)
+            num_batched_tokens=self.last_num_batched_tokens, **self._spec_stats())
+
+    def _spec_stats(self) -> dict:
+        speculator = self.scheduler.speculator
+        if speculator is None:
+            return {}
+        spec = speculator.stats
+        return {"spec_num_drafts": spec.num_drafts, "spec_num_draft_tokens": spec.num_draft_tokens,
+                "spec_num_accepted_tokens": spec.num_accepted_tokens,
+                "spec_accepted_per_pos": tuple(spec.accepted_per_pos)}
 
 
 def default_threads() -> int:

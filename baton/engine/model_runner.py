@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -34,10 +34,13 @@ class StepResult:
     """What one step of the model gave: see `ModelRunner.execute`."""
 
     sample_seqs: list[Sequence]
-    logits: torch.Tensor  # [S + P, vocab]
+    logits: torch.Tensor  # [S + V + P, vocab]
     prompt_rows: list[PromptRows]
     pool_rows: list[PoolRows]
     hidden: torch.Tensor | None  # [sum of pool_rows counts, hidden] fp32, None without pooling rows
+    # speculating rows (baton.engine.spec_decode), each with 1 + len(spec_token_ids) logits rows
+    # after the S sampled ones (V rows in all), one per verified position
+    verify_seqs: list[Sequence] = field(default_factory=list)
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -84,7 +87,9 @@ class ModelRunner:
 
         Decode requests (one new token each) come first, reordered by context length so that
         requests of similar length form one padded attention group; prefill chunks follow (a
-        pooling request's last chunk of one token too: it is no decode step).
+        pooling request's last chunk of one token too: it is no decode step), and so do
+        speculating rows: their last token and its proposals are a chunk whose every position
+        gets logits (the V rows between the sampled and the prompt ones).
         """
         bs, device = self.block_size, self.device
         decode = sorted((seq for seq, n in scheduled
@@ -101,6 +106,8 @@ class ModelRunner:
         prompt_indices: list[int] = []
         pool_rows: list[PoolRows] = []
         hidden_indices: list[int] = []
+        verify_seqs: list[Sequence] = []
+        verify_indices: list[int] = []
         for seq in decode:
             pos = seq.num_computed_tokens
             input_ids.append(seq.token_ids[pos])
@@ -131,7 +138,14 @@ class ModelRunner:
             start = seq.num_computed_tokens
             end = start + num_new
             offset = len(input_ids)
-            input_ids.extend(seq.token_ids[start:end])
+            if seq.spec_token_ids:  # the last token, then the proposals after it
+                assert num_new == 1 + len(seq.spec_token_ids) and start + 1 == seq.num_tokens
+                input_ids.append(seq.token_ids[start])
+                input_ids.extend(seq.spec_token_ids)
+                verify_seqs.append(seq)
+                verify_indices.extend(range(offset, offset + num_new))
+            else:
+                input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
             slots.extend(self._slots(seq.block_table, start, end))
             if start == 0:
@@ -153,7 +167,7 @@ class ModelRunner:
                 pooled = seq.pool.positions(start, end)
                 pool_rows.append(PoolRows(seq, len(pooled)))
                 hidden_indices.extend(offset + p - start for p in pooled)
-            elif end == seq.num_tokens:  # the whole sequence is computed: its next token is due
+            elif end == seq.num_tokens and not seq.spec_token_ids:  # computed: its next token is due
                 logits_indices.append(offset + num_new - 1)
                 sample_seqs.append(seq)
         meta = AttentionMetadata(
@@ -167,12 +181,12 @@ class ModelRunner:
             torch.tensor(positions, dtype=torch.long, device=device),
             self.kv_cache,
             meta,
-            torch.tensor(logits_indices + prompt_indices, dtype=torch.long, device=device),
+            torch.tensor(logits_indices + verify_indices + prompt_indices, dtype=torch.long, device=device),
             max(positions),
             torch.tensor(hidden_indices, dtype=torch.long, device=device) if pool_rows else None,
         )
         logits, hidden = out if pool_rows else (out, None)
-        return StepResult(sample_seqs, logits, prompt_rows, pool_rows, hidden)
+        return StepResult(sample_seqs, logits, prompt_rows, pool_rows, hidden, verify_seqs)
 
     # --- moving blocks in and out (the disaggregated workers hand KV through the store) ---
 

@@ -61,6 +61,12 @@ class EngineStats:
     policy: str
     num_free_seqs: int  # how many more requests it takes before it would queue them
     num_batched_tokens: int  # tokens the last step computed
+    # speculative decoding (all 0 when off): verify rows, proposals verified, proposals accepted,
+    # and per proposal position i the verify rows whose proposal i was accepted
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()
 
     @property
     def num_unfinished(self) -> int:

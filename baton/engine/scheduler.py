@@ -31,6 +31,8 @@ from baton.common.finish_reason import FinishReason
 from baton.engine.sequence import Sequence, SequenceStatus
 from baton.engine.kv_connector import KVConnectorScheduler
 from baton.engine.kv_types import KVLoad
+from baton.engine.spec_config import SpeculativeConfig
+from baton.engine.spec_decode import Speculator
 
 logger = logging.getLogger("baton.engine.scheduler")
 
@@ -76,10 +78,18 @@ class StepOutput:
     finished: bool = False
 
 
+# A speculating row's step result: (request, token per position, logprob per position, top per position)
+Verified = tuple[Sequence, list[int], list[float], list[list]]
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
-                 eos_token_ids: list[int] | None = None, connector: KVConnectorScheduler | None = None) -> None:
+                 eos_token_ids: list[int] | None = None, connector: KVConnectorScheduler | None = None,
+                 speculative: SpeculativeConfig | None = None) -> None:
         self.config = config
+        # proposes, reserves and rolls back speculative tokens (None: speculation off)
+        self.speculator = (Speculator(speculative, block_manager, config.max_model_len)
+                           if speculative is not None else None)
         self.block_manager = block_manager
         self.eos_token_ids = set(eos_token_ids or [])
         self.connector = connector
@@ -151,6 +161,9 @@ class Scheduler:
             seq.error = "the request does not fit in this worker's KV pool"
             out.failed.append(seq)
             logger.error("request %s needs more KV blocks than the pool has", seq.seq_id)
+        if self.speculator is not None and out.scheduled:
+            leftover = self.config.max_num_batched_tokens - out.num_batched_tokens
+            out.scheduled = self.speculator.plan(out.scheduled, leftover, len(self.running))
         # Decode tokens (one per request) first: the model batches them in one padded attention.
         out.scheduled.sort(key=lambda item: item[1] != 1)
         for seq, _ in out.scheduled:
@@ -254,14 +267,19 @@ class Scheduler:
                        seq.seq_id, seq.num_tokens, seq.num_preemptions, reason)
 
     def update_from_output(self, plan: SchedulerOutput, sampled: list[Sequence], token_ids: list[int],
-                           logprobs: list[float], top_logprobs: list[list] | None = None) -> list[StepOutput]:
+                           logprobs: list[float], top_logprobs: list[list] | None = None,
+                           verified: list[Verified] | None = None) -> list[StepOutput]:
         """Apply a step's results: advance the scheduled requests, register their full blocks,
         append the sampled tokens, and finish (and free) the requests that stop. A `remote_decode`
         request that does not stop finishes with "handoff", keeping its blocks until the engine has
-        saved them (`free_finished`)."""
+        saved them (`free_finished`). `verified`: the speculating rows' samples, one per position
+        (see baton.engine.spec_decode); their accepted tokens are appended in order, each checked
+        for a stop (nothing after a stop is emitted)."""
         bm = self.block_manager
         outputs = []
         for seq, num_new in plan.scheduled:
+            if seq.spec_token_ids:
+                continue  # advanced by what it accepts, below
             seq.num_computed_tokens += num_new
             bm.cache_full_blocks(seq)
             if seq.pool is not None and seq.num_computed_tokens == seq.num_tokens:
@@ -271,21 +289,45 @@ class Scheduler:
         now = time.time()
         tops = top_logprobs if top_logprobs is not None else [[] for _ in sampled]
         for seq, token, logprob, top in zip(sampled, token_ids, logprobs, tops):
+            outputs.append(self._append(seq, [token], [logprob], [top], now))
+        for seq, row_tokens, row_logprobs, row_tops in verified or []:
+            draft, seq.spec_token_ids = seq.spec_token_ids, []
+            assert self.speculator is not None and len(row_tokens) == len(draft) + 1
+            accepted = self.speculator.num_accepted(draft, row_tokens)
+            self.speculator.record(seq, len(draft), accepted)
+            n = accepted + 1
+            out = self._append(seq, row_tokens[:n], row_logprobs[:n], row_tops[:n], now)
+            if not out.finished:
+                self.speculator.rollback(seq)
+                bm.cache_full_blocks(seq)
+            outputs.append(out)
+        return outputs
+
+    def _append(self, seq: Sequence, tokens: list[int], logprobs: list[float], tops: list[list],
+                now: float) -> StepOutput:
+        """Append a row's new tokens in order, stopping at the first that ends it."""
+        out = StepOutput(seq)
+        wants_top = seq.sampling_params.logprobs is not None
+        reason = None
+        for token, logprob, top in zip(tokens, logprobs, tops):
             seq.append_token(token, logprob)
             if seq.first_token_time is None:
                 seq.first_token_time = now
+            if wants_top:
+                seq.top_logprobs.append(top)
+                out.new_top_logprobs.append(top)
+            out.new_token_ids.append(token)
+            out.new_logprobs.append(logprob)
             reason = self.check_stop(seq)
             if reason is not None:
                 self.finish(seq, reason)
-            elif seq.remote_decode:
-                self.running.remove(seq)
-                seq.status = SequenceStatus.FINISHED
-                seq.finish_reason = reason = FinishReason.HANDOFF
-            wants_top = seq.sampling_params.logprobs is not None
-            if wants_top:
-                seq.top_logprobs.append(top)
-            outputs.append(StepOutput(seq, [token], [logprob], [top] if wants_top else [], reason is not None))
-        return outputs
+                break
+        if reason is None and seq.remote_decode:
+            self.running.remove(seq)
+            seq.status = SequenceStatus.FINISHED
+            seq.finish_reason = reason = FinishReason.HANDOFF
+        out.finished = reason is not None
+        return out
 
     def check_stop(self, seq: Sequence) -> FinishReason | None:
         params = seq.sampling_params

@@ -51,6 +51,10 @@ class Sequence:
         # from the output tokens whenever this request is (re)created; why it failed, if it did.
         self.grammar: Any = None
         self.error: str | None = None
+        # Speculative decoding (baton.engine.spec_decode): this step's proposals (scheduled after
+        # the last token, never in token_ids until accepted) and the row's lookup/acceptance state.
+        self.spec_token_ids: list[int] = []
+        self.spec: Any = None
         self._block_hashes: list[str] = []
         # What the block store holds of this request's leading tokens (the KV connector loads it).
         self.remote_kv = remote_kv

@@ -32,6 +32,17 @@ def parse_bytes(text: str) -> int:
     return int(float(number) * base ** " KMGT".index(unit.upper() or " "))
 
 
+def speculative_config_arg(text: str) -> object:
+    """`--speculative-config` JSON -> a SpeculativeConfig (None when empty); argparse's error
+    names what is wrong."""
+    from baton.engine.spec_config import parse_speculative_config  # no torch: plain parsing
+
+    try:
+        return parse_speculative_config(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def add_common_args(parser: argparse.ArgumentParser, kind: str) -> None:
     parser.add_argument("--model", default=None,
                         help="model directory, .gguf, or Hub repo id (default: the default model)")

@@ -19,6 +19,9 @@ plain `sum()` over all scraped processes counts it twice. As rendered by prometh
     baton:worker_kv_handoff_latency_seconds, baton:worker_request_prefill_time_seconds,
     baton:worker_request_decode_time_seconds                                             histograms
     baton:worker_stream_backlog                                                          gauge
+    baton:worker_spec_decode_num_drafts_total, baton:worker_spec_decode_num_draft_tokens_total,
+    baton:worker_spec_decode_num_accepted_tokens_total,
+    baton:worker_spec_decode_num_accepted_tokens_per_pos_total{position}     (decode, speculating)
 
 A prefill worker counts the prompt tokens and the first token of each request; the decode worker
 every later token (so prefill + decode worker generation_tokens = the tokens the gateway delivered,
@@ -69,12 +72,32 @@ class WorkerMetrics:
         self.dead_letters = Counter("baton:worker_dead_letters", "Malformed messages parked in the dead-letter stream", LABELS, registry=r).labels(**lbl)
         self.stream_backlog = Gauge("baton:worker_stream_backlog", "Messages not yet delivered to this worker's group", LABELS, registry=r).labels(**lbl)
         self.requests_finished = Counter("baton:worker_requests_finished", "Requests this worker ended", LABELS + ["finished_reason"], registry=r)
+        # speculative decoding (vLLM's spec_decode series): verify rows, proposals, accepted ones
+        self.spec_drafts = Counter("baton:worker_spec_decode_num_drafts", "Speculating rows verified", LABELS, registry=r).labels(**lbl)
+        self.spec_draft_tokens = Counter("baton:worker_spec_decode_num_draft_tokens", "Proposed tokens verified", LABELS, registry=r).labels(**lbl)
+        self.spec_accepted_tokens = Counter("baton:worker_spec_decode_num_accepted_tokens", "Proposed tokens accepted", LABELS, registry=r).labels(**lbl)
+        self.spec_accepted_per_pos = Counter("baton:worker_spec_decode_num_accepted_tokens_per_pos",
+                                             "Verify rows whose proposal at this position was accepted",
+                                             LABELS + ["position"], registry=r)
+        self._spec_seen: tuple[int, int, int, tuple[int, ...]] = (0, 0, 0, ())
 
         # Every label value up front, so the series exist (at 0) from the first scrape.
         for direction in ("fetched", "written"):
             self.handoff_bytes.labels(model_name=model_name, direction=direction)
         for reason in sorted(WIRE_REASONS):
             self.requests_finished.labels(model_name=model_name, finished_reason=str(reason))
+
+    def spec_decode(self, drafts: int, draft_tokens: int, accepted: int, per_pos: tuple[int, ...]) -> None:
+        """Advance the spec_decode counters to the engine's cumulative counts (EngineStats.spec_*)."""
+        seen_drafts, seen_tokens, seen_accepted, seen_pos = self._spec_seen
+        self.spec_drafts.inc(drafts - seen_drafts)
+        self.spec_draft_tokens.inc(draft_tokens - seen_tokens)
+        self.spec_accepted_tokens.inc(accepted - seen_accepted)
+        for position, count in enumerate(per_pos):
+            before = seen_pos[position] if position < len(seen_pos) else 0
+            series = self.spec_accepted_per_pos.labels(model_name=self.model_name, position=str(position))
+            series.inc(count - before)
+        self._spec_seen = (drafts, draft_tokens, accepted, tuple(per_pos))
 
     def bytes(self, direction: str, n: int) -> None:
         self.handoff_bytes.labels(model_name=self.model_name, direction=direction).inc(n)

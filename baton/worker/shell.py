@@ -45,6 +45,7 @@ def build_engine(args: argparse.Namespace) -> LLMEngine:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         scheduler_policy=getattr(args, "scheduler_policy", "max-utilization"), num_threads=args.threads,
         kv_connector=True, quantization=getattr(args, "quantization", "auto"),
+        speculative_config=getattr(args, "speculative_config", None),  # decode workers only
     ))
     freed = engine.model.release_load_copies()
     return_freed_memory()

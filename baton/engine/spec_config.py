@@ -1,0 +1,89 @@
+"""`SpeculativeConfig`: what `--speculative-config` / `LLM(speculative_config=...)` takes, in vLLM's shape.
+
+    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+
+Rules: a JSON object (or a dict, or an already built config); `method` is required and only
+"ngram" (prompt lookup) runs in this version: "draft_model", "eagle", "eagle3", "medusa", "mtp" are
+refused with a "not yet" error naming the method; `num_speculative_tokens` (k, 1..16) is required;
+the lookup bounds default to max 4 and min 2 (when only one is given, the other's default is
+clamped to it), with 1 <= min <= max. Unknown keys are refused by name, so a typo is not a silent no-op.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+NOT_YET = ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "mtp")
+KNOWN_KEYS = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model"}
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+
+    def __post_init__(self) -> None:
+        if self.method != "ngram":
+            raise ValueError(_method_error(self.method))
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"speculative_config.num_speculative_tokens must be an integer in "
+                             f"1..{MAX_SPECULATIVE_TOKENS}, got {k!r}")
+        for name in ("prompt_lookup_max", "prompt_lookup_min"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"speculative_config.{name} must be a positive integer, got {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) must not exceed "
+                             f"prompt_lookup_max ({self.prompt_lookup_max})")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens,
+                "prompt_lookup_max": self.prompt_lookup_max, "prompt_lookup_min": self.prompt_lookup_min}
+
+
+def _method_error(method: Any) -> str:
+    if method in NOT_YET:
+        return (f"speculative_config.method {method!r} is not yet supported by Baton (only \"ngram\", "
+                "prompt lookup, runs in this version)")
+    return f"speculative_config.method must be \"ngram\", got {method!r}"
+
+
+def parse_speculative_config(value: str | dict | SpeculativeConfig | None) -> SpeculativeConfig | None:
+    """A config from JSON text, a dict, or a config (returned as is); None or "" -> None (off).
+    Raises ValueError naming the field that is wrong."""
+    if value is None or isinstance(value, SpeculativeConfig):
+        return value
+    if isinstance(value, str):
+        if not value.strip():
+            return None
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"speculative_config is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
+    unknown = sorted(set(value) - KNOWN_KEYS)
+    if unknown:
+        raise ValueError(f"speculative_config has unknown field(s) {unknown}; known: {sorted(KNOWN_KEYS)}")
+    if "method" not in value:
+        raise ValueError("speculative_config.method is required (\"ngram\")")
+    if value["method"] != "ngram":
+        raise ValueError(_method_error(value["method"]))
+    if "model" in value:
+        raise ValueError("speculative_config.model is for method \"draft_model\", which is not yet supported")
+    if "num_speculative_tokens" not in value:
+        raise ValueError("speculative_config.num_speculative_tokens is required")
+    lookup_max, lookup_min = value.get("prompt_lookup_max"), value.get("prompt_lookup_min")
+    if lookup_max is None and lookup_min is None:
+        lookup_max, lookup_min = 4, 2
+    elif lookup_max is None:
+        lookup_max = max(lookup_min, 4) if isinstance(lookup_min, int) else lookup_min
+    elif lookup_min is None:
+        lookup_min = min(lookup_max, 2) if isinstance(lookup_max, int) else lookup_max
+    return SpeculativeConfig("ngram", value["num_speculative_tokens"], lookup_max, lookup_min)
