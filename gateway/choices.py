@@ -16,11 +16,12 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from starlette.requests import Request
+from starlette.responses import Response
 
-from gateway.errors import ApiError
-from gateway.generation import ClientGone, Generation, Step, send_all, wait_for_disconnect
+from gateway.errors import ApiError, ApiStyle, error_response
+from gateway.generation import ClientGone, Generation, GenerationFailed, Step, send_all, wait_for_disconnect
 from gateway.request_scope import own
-from gateway.respond import rejection_reason, services
+from gateway.respond import client_gone_response, rejection_reason, services
 from gateway.siblings import sampling_for, send_after_first_tokens
 from gateway.spec import GenerationSpec
 from gateway.tokenizer import apply_limits
@@ -93,6 +94,22 @@ async def run_all_to_end(gens: list[Generation]) -> None:
                 waiters.discard(task)
     finally:
         await _cancel(tasks)
+
+
+async def failed_before_the_end(gens: list[Generation], style: ApiStyle,
+                                headers: dict[str, str]) -> Response | None:
+    """Non-streaming: run every choice to its end and release them; None when they all finished,
+    else what to answer instead (the client left: 499; a generation failed: its error in the API's
+    shape)."""
+    try:
+        await run_all_to_end(gens)
+    except ClientGone:
+        return client_gone_response()
+    except GenerationFailed as exc:
+        return error_response(exc.error, style, headers)
+    finally:
+        close_all(gens)
+    return None
 
 
 async def merged_steps(gens: list[Generation]) -> AsyncIterator[tuple[Generation, Step]]:

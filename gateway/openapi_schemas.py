@@ -167,7 +167,10 @@ SCHEMAS: dict[str, Any] = {
                 "function": {"type": "object", "properties": {"name": {"type": "string"}}}}}],
                         "description": "required / a named function: the output is constrained to the arguments' "
                                        "schema and answered as message.tool_calls."},
-        "parallel_tool_calls": {**_BOOL, "default": True}}}]},
+        "parallel_tool_calls": {**_BOOL, "default": True},
+        "chat_template_kwargs": {"type": "object", "maxProperties": 32, "description": "vLLM's: extra variables "
+                                 "for the chat template, e.g. {\"enable_thinking\": false} (which also turns "
+                                 "--reasoning-parser off for the request)."}}}]},
     "ToolCall": {"type": "object", "properties": {
         "id": {"type": "string"}, "type": {"type": "string", "enum": ["function"]},
         "function": {"type": "object", "properties": {"name": {"type": "string"}, "arguments": {"type": "string"}}}}},

@@ -20,9 +20,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from gateway.anthropic_reply import MessagesReply
-from gateway.choices import close_all, run_all_to_end, start_choices
-from gateway.errors import ApiError, error_response
-from gateway.generation import ClientGone, GenerationFailed
+from gateway.choices import failed_before_the_end, start_choices
+from gateway.errors import ApiError
+from gateway.generation import ClientGone
 from gateway.openai_reply import OpenAIReply
 from gateway.respond import SSEResponse, client_gone_response, services
 from gateway.spec import GenerationSpec
@@ -58,14 +58,8 @@ async def messages(request: Request) -> Response:
     if gens[0].spec.api.stream:
         gens[0].stop_watching()  # SSEResponse watches for the client leaving
         return SSEResponse(reply.stream(), gens, headers=headers)
-    try:
-        await run_all_to_end(gens)
-    except ClientGone:
-        return client_gone_response()
-    except GenerationFailed as exc:
-        return error_response(exc.error, "anthropic", headers)
-    finally:
-        close_all(gens)
+    if (failed := await failed_before_the_end(gens, "anthropic", headers)) is not None:
+        return failed
     return JSONResponse(reply.full(), headers=headers)
 
 

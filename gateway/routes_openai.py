@@ -22,8 +22,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from gateway.choices import close_all, merged_steps, run_all_to_end, start_choices
-from gateway.errors import error_body, error_response
+from gateway.choices import close_all, failed_before_the_end, merged_steps, start_choices
+from gateway.errors import error_body
 from gateway.generation import ClientGone, GenerationFailed
 from gateway.openai_reply import OpenAIReply, sse
 from gateway.respond import SSEResponse, client_gone_response, services
@@ -49,14 +49,8 @@ async def _handle(request: Request, chat: bool) -> Response:
     if reply.api.stream:
         gens[0].stop_watching()
         return SSEResponse(_stream(reply), gens, headers=headers)
-    try:
-        await run_all_to_end(gens)
-    except ClientGone:
-        return client_gone_response()
-    except GenerationFailed as exc:
-        return error_response(exc.error, "openai", headers)
-    finally:
-        close_all(gens)
+    if (failed := await failed_before_the_end(gens, "openai", headers)) is not None:
+        return failed
     reply.keep_best()
     if reply.formatting_cost() <= _INLINE_FORMATTING:
         return JSONResponse(reply.full(), headers=headers)

@@ -20,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from gateway.choices import close_all, merged_steps, run_all_to_end, start_choices
+from gateway.choices import close_all, failed_before_the_end, merged_steps, start_choices
 from gateway.errors import ApiError, error_response
 from gateway.generation import ClientGone, GenerationFailed
 from gateway.openai_reply import OpenAIReply
@@ -79,14 +79,8 @@ async def create_response(request: Request) -> Response:
     if req.stream:
         gens[0].stop_watching()
         return SSEResponse(_stream(reply, builder, save), gens, headers=headers)
-    try:
-        await run_all_to_end(gens)
-    except ClientGone:
-        return client_gone_response()
-    except GenerationFailed as exc:
-        return error_response(exc.error, "openai", headers)
-    finally:
-        close_all(gens)
+    if (failed := await failed_before_the_end(gens, "openai", headers)) is not None:
+        return failed
     choice = reply.full()["choices"][0]
     builder.feed(full_message_delta(choice["message"]))
     response = builder.finish(choice["finish_reason"], responses_usage(reply.usage()))
