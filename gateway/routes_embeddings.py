@@ -5,7 +5,7 @@ prompt through the engine, batched and chunked with every other prompt, pool its
 states and publish the vector in the request's one token event; nothing is sampled, handed off or
 decoded, and the worker frees its KV blocks at once. A request's inputs are admitted as one (their
 summed prompt tokens: nothing else is reserved) and sent in one round trip; the client leaving
-cancels every job (run_all_to_end watches it) and every job's close() releases the budget.
+cancels every job (choices.run_all_to_end watches it) and every job's close() releases the budget.
 
 The workers send the raw pooled vector; the gateway normalizes (here, not in the worker), because
 OpenAI's `dimensions` must cut the raw vector and renormalize it, and TEI's `normalize` is the
@@ -26,9 +26,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from baton.common.sampling_params import SamplingParams
-from gateway.choices import close_all, run_all_to_end
+from gateway.choices import close_all, failed_before_the_end
 from gateway.errors import ApiError, error_response
-from gateway.generation import ClientGone, Generation, GenerationFailed, send_all, wait_for_disconnect
+from gateway.generation import ClientGone, Generation, send_all, wait_for_disconnect
 from gateway.pooling_config import PoolingConfig, resolve
 from gateway.request_scope import own
 from gateway.respond import client_gone_response, rejection_reason, services
@@ -95,14 +95,8 @@ async def _run(request: Request, status: int, style: str) -> tuple[EmbeddingSpec
     except ClientGone:
         return client_gone_response()
     headers = ignored_fields_header(spec.ignored_fields)
-    try:
-        await run_all_to_end(gens)
-    except ClientGone:
-        return client_gone_response()
-    except GenerationFailed as exc:
-        return error_response(exc.error, style, headers)  # type: ignore[arg-type]
-    finally:
-        close_all(gens)
+    if (failed := await failed_before_the_end(gens, style, headers)) is not None:  # type: ignore[arg-type]
+        return failed
     missing = [g.choice for g in gens if g.embedding is None or len(g.embedding) != config.hidden_size]
     if missing:
         err = ApiError(500, f"the workers answered input {missing[0]} without its embedding", kind="generation")

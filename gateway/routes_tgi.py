@@ -20,10 +20,10 @@ from starlette.routing import Route
 
 from baton.common.finish_reason import FinishReason
 from gateway import siblings
-from gateway.errors import ApiError, error_body, error_response
+from gateway.errors import ApiError, error_body
 from gateway.finish import spelled
 from gateway.generation import ClientGone, Generation, GenerationFailed, Step, TokenOut
-from gateway.choices import close_all, run_all_to_end, start_choices
+from gateway.choices import failed_before_the_end, start_choices
 from gateway.logprobs_format import tgi_prefill, tgi_top_tokens
 from gateway.respond import SSEResponse, client_gone_response, rejection_reason, services
 from gateway.spec import GenerationSpec
@@ -42,14 +42,8 @@ async def generate(request: Request, body: dict[str, Any] | None = None, as_list
         gens = await start_choices(request, STATUS, _parser(request, streaming=False), body)
     except ClientGone:
         return client_gone_response()
-    try:
-        await run_all_to_end(gens)
-    except ClientGone:
-        return client_gone_response()
-    except GenerationFailed as exc:
-        return error_response(exc.error, "tgi", _headers(gens[0]))
-    finally:
-        close_all(gens)
+    if (failed := await failed_before_the_end(gens, "tgi", _headers(gens[0]))) is not None:
+        return failed
     # best_of: the candidate whose tokens have the highest total logprob (TGI's choice)
     ranked = siblings.ranked(gens)
     gen = ranked[0]
