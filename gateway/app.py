@@ -37,6 +37,7 @@ from gateway.cluster import Cluster
 from gateway.config import Settings
 from gateway.errors import ApiError, handle_api_error, handle_http_exception, handle_unexpected
 from gateway.hosts import HostCheckMiddleware, allowed_names
+from gateway.http_metrics import HttpMetricsMiddleware
 from gateway.metrics import GatewayMetrics
 from gateway.request_ids import RequestIdMiddleware
 from gateway.request_scope import ReleaseOnExitMiddleware
@@ -80,6 +81,7 @@ def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None,
         routes=[*routes_tgi.routes, *routes_openai.routes, *routes_tokenize.routes, *routes_misc.routes,
                 *routes_anthropic.routes, *routes_responses.routes, *routes_embeddings.routes, *dashboard.routes],
         middleware=[Middleware(RequestIdMiddleware),  # first: even a refused Host gets its id back
+                    Middleware(HttpMetricsMiddleware),  # counts the refused ones too, by route
                     Middleware(HostCheckMiddleware, allowed=allowed_names(settings)),
                     Middleware(ApiKeyMiddleware, api_key=settings.api_key),
                     # innermost: wraps every route, so whatever way a request ends it releases

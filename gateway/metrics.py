@@ -143,6 +143,12 @@ class GatewayMetrics:
         self.queue_time = Histogram(
             "baton:request_queue_time_seconds", "Time a request waited for admission.", m,
             buckets=_LATENCY_BUCKETS, registry=r).labels(model_name)
+        self._http_requests = Counter(
+            "baton:http_requests", "HTTP requests answered, by route template, method and status.",
+            m + ["endpoint", "method", "status"], registry=r)
+        self._http_duration = Histogram(
+            "baton:http_request_duration_seconds", "Time from a request's arrival to its last byte, by route.",
+            m + ["endpoint"], buckets=_LATENCY_BUCKETS, registry=r)
         stream_labels = m + ["stream"]
         self._stream_length = Gauge(
             "baton:stream_length", "Entries in the work stream (XLEN of {baton}:<stream>).",
@@ -177,6 +183,10 @@ class GatewayMetrics:
     def failure(self, reason: str) -> None:
         self._failure.labels(self.model_name, reason).inc()
         self.failures_by_reason[reason] = self.failures_by_reason.get(reason, 0) + 1
+
+    def http_request(self, endpoint: str, method: str, status: int, seconds: float) -> None:
+        self._http_requests.labels(self.model_name, endpoint, method, str(status)).inc()
+        self._http_duration.labels(self.model_name, endpoint).observe(seconds)
 
     def set_stream(self, stream: str, length: int | None, pending: int | None, lag: int | None) -> None:
         self.streams[stream] = {"length": length, "pending": pending, "lag": lag}

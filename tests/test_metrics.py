@@ -39,6 +39,8 @@ GATEWAY_NAMES = {
     "baton:inter_token_latency_seconds": "histogram",
     "baton:e2e_request_latency_seconds": "histogram",
     "baton:request_queue_time_seconds": "histogram",
+    "baton:http_requests_total": "counter",
+    "baton:http_request_duration_seconds": "histogram",
     "baton:stream_length": "gauge",
     "baton:stream_pending": "gauge",
     "baton:stream_lag": "gauge",
@@ -280,6 +282,47 @@ def test_prefix_cache_hits_are_counted(system):
     computed = after["prefill"].value("baton:worker_kv_blocks_computed_total") - before["prefill"].value(
         "baton:worker_kv_blocks_computed_total")
     assert computed == usage["prompt_tokens"] // BLOCK_SIZE - hits // BLOCK_SIZE
+
+
+def test_requests_are_counted_by_endpoint(system):
+    """Each API counts under its own route template, with the status its client got: answered,
+    refused by validation, and a path no route serves (one label value, whatever the path)."""
+    cluster, urls = system
+    base = cluster.base_url
+    cluster.wait_idle()
+    before = scrape(urls["gateway"])
+    chat = {"messages": [{"role": "user", "content": "Bonjour, ça va ?"}], "max_tokens": 2}
+    calls = [("POST", "/v1/chat/completions", chat, 200),
+             ("POST", "/v1/chat/completions", {**chat, "max_tokens": -1}, 400),
+             ("POST", "/v1/messages", {"model": cluster.model_dir.name, "max_tokens": 2,
+                                       "messages": [{"role": "user", "content": "こんにちは"}]}, 200),
+             ("POST", "/v1/responses", {"input": "Hello", "max_output_tokens": 2, "store": False}, 200),
+             ("POST", "/v1/embeddings", {"input": ["one", "two"]}, 200),
+             ("GET", "/v1/responses/resp_does_not_exist", None, 404),
+             ("GET", "/v1/no/such/route", None, 404),
+             ("GET", "/no-such-page", None, 404)]
+    for method, path, body, status in calls:
+        r = httpx.request(method, base + path, json=body, timeout=60)
+        assert r.status_code == status, (path, r.status_code, r.text)
+    after = scrape(urls["gateway"])
+
+    def delta(name: str, **labels: str) -> float:
+        return after.value(name, **labels) - before.value(name, **labels)
+
+    counted = "baton:http_requests_total"
+    assert delta(counted, endpoint="/v1/chat/completions", method="POST", status="200") == 1
+    assert delta(counted, endpoint="/v1/chat/completions", method="POST", status="400") == 1
+    assert delta(counted, endpoint="/v1/messages", method="POST", status="200") == 1
+    assert delta(counted, endpoint="/v1/responses", method="POST", status="200") == 1
+    assert delta(counted, endpoint="/v1/embeddings", method="POST", status="200") == 1
+    assert delta(counted, endpoint="/v1/responses/{response_id}", method="GET", status="404") == 1
+    assert delta(counted, endpoint="unmatched", status="404") == 2
+    assert not any("resp_does_not_exist" in dict(labels).get("endpoint", "") or
+                   "no-such-page" in dict(labels).get("endpoint", "") for _, labels in after.samples)
+    hist = "baton:http_request_duration_seconds"
+    assert delta(hist + "_count", endpoint="/v1/chat/completions") == 2
+    assert delta(hist + "_count", endpoint="/v1/messages") == 1
+    assert delta(hist + "_sum", endpoint="/v1/messages") > 0
 
 
 # ---- the Grafana dashboard (deploy/grafana/) queries exactly these metrics ----
