@@ -29,7 +29,7 @@ from baton.common.urls import redact_url
 from gateway import dashboard, routes_misc, routes_openai, routes_tgi, routes_tokenize
 from gateway import routes_anthropic
 from gateway import routes_responses
-from gateway import routes_embeddings
+from gateway import pooling_config, routes_embeddings
 from gateway.admission import Admission
 from gateway.auth import ApiKeyMiddleware
 from gateway.backend import InMemoryBackend, RedisBackend
@@ -70,6 +70,7 @@ def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None,
                runtime: Runtime | None = None) -> Starlette:
     settings.validate()
     tokenizer = tokenizer or PromptTokenizer(settings.model_dir, settings.chat_template)
+    _warn_if_embeddings_cannot_pool(settings)
     run = runtime or redis_runtime
 
     @contextlib.asynccontextmanager
@@ -177,6 +178,15 @@ def in_memory_runtime(backend: InMemoryBackend) -> Runtime:
             await client.aclose()
 
     return run
+
+
+def _warn_if_embeddings_cannot_pool(settings: Settings) -> None:
+    """Said once at start-up, not only to each embedding request (which answers 501 with the same
+    words): generation is unaffected, so it is no reason to refuse to start."""
+    try:
+        pooling_config.resolve(settings.model_dir, settings.pooling, settings.normalize)
+    except ValueError as exc:
+        log.warning("embeddings are off: %s", exc)
 
 
 def _crash_logger(task: asyncio.Task[None]) -> None:

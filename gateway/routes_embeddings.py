@@ -44,7 +44,8 @@ def pooling_config(request: Request) -> PoolingConfig:
     try:
         return resolve(settings.model_dir, settings.pooling, settings.normalize)
     except ValueError as exc:  # the checkpoint pools in a way Baton does not (it says how to choose)
-        raise ApiError(500, str(exc), kind="generation") from None
+        # 501: this server, as configured, does not do it (the gateway warned at start-up too)
+        raise ApiError(501, str(exc), kind="generation") from None
 
 
 async def _start(request: Request, spec: EmbeddingSpec, config: PoolingConfig, status: int) -> list[Generation]:

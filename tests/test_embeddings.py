@@ -121,10 +121,11 @@ def test_pooling_request_refuses_handoff(llm):
 
 # ---- the checkpoint's pooling config (sentence-transformers' files) ----
 
-def write_st_checkpoint(path, modes: dict, normalize: bool) -> None:
+def write_st_checkpoint(path, modes: dict, normalize: bool, config: bool = True) -> None:
     import json
 
-    (path / "config.json").write_text(json.dumps({"hidden_size": 32}))
+    if config:
+        (path / "config.json").write_text(json.dumps({"hidden_size": 32}))
     modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
                {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
     if normalize:
@@ -162,6 +163,41 @@ def test_pooling_defaults_and_refusals(tmp_path):
     with pytest.raises(ValueError, match="pooling_mode_max_tokens.*--pooling"):
         resolve(odd)
     assert resolve(odd, "mean").pooling == "mean"  # a flag lets it serve anyway
+
+
+async def test_a_pooling_baton_does_not_run_is_a_501_and_chat_still_answers(tmp_path, default_model_dir,
+                                                                            gw_tokenizer, caplog):
+    """A checkpoint that pools with max: the gateway says so at start-up, each embedding request
+    gets a 501 naming --pooling, and the model still chats."""
+    import httpx
+
+    from baton.common.finish_reason import FinishReason
+    from baton.common.protocol import TokenEvent
+    from gateway.app import create_app, in_memory_runtime
+    from gateway.backend import InMemoryBackend
+    from gateway.config import Settings
+
+    model = tmp_path / "max-pooled"
+    model.mkdir()
+    for f in default_model_dir.iterdir():  # links, never writes through to the shared model
+        (model / f.name).symlink_to(f)
+    write_st_checkpoint(model, {"pooling_mode_max_tokens": True}, normalize=True, config=False)
+    reply = gw_tokenizer.encode_text("Hi.", add_special_tokens=False)
+    backend = InMemoryBackend(lambda req: [TokenEvent(req.request_id, 0, reply, [-0.5] * len(reply), FinishReason.STOP,
+                                                      num_prompt_tokens=len(req.prompt_token_ids))])
+    settings = Settings(model_dir=model, max_batch_total_tokens=100_000, event_timeout=10.0)
+    with caplog.at_level("WARNING", logger="gateway.app"):
+        app = create_app(settings, tokenizer=gw_tokenizer, runtime=in_memory_runtime(backend))
+    assert any("embeddings are off" in r.getMessage() and "pooling_mode_max_tokens" in r.getMessage()
+               for r in caplog.records)
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1") as client:
+            r = await client.post("/v1/embeddings", json={"input": "hello"})
+            assert r.status_code == 501 and "--pooling" in r.json()["error"]["message"], r.text
+            r = await client.post("/embed", json={"inputs": "hello"})
+            assert r.status_code == 501 and "--pooling" in r.json()["error"], r.text
+            r = await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hey"}]})
+            assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "Hi.", r.text
 
 
 def test_gateway_flags(tiny_model_dir, monkeypatch):
