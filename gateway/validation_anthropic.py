@@ -164,6 +164,8 @@ def _messages(f: Fields, settings: Settings, ignored: list[str]) -> list[dict[st
 
 def _block_type(block: Any, where: str, allowed: set[str]) -> str:
     kind = block.get("type") if isinstance(block, dict) else None
+    if not isinstance(kind, str):
+        raise _fail(f"{where}.type", f"must be a string naming the block, one of {sorted(allowed)}")
     if kind in _NOT_TEXT:
         raise _fail(f"{where}.type", f"is {kind!r}: this server serves a text-only model, so {kind} blocks "
                                      "are not supported")
@@ -320,7 +322,7 @@ def _thinking(f: Fields, chat: dict[str, Any], max_tokens: Any, ignored: list[st
         raise f.fail("thinking", 'must be an object {"type": "enabled", "budget_tokens": N} or {"type": "disabled"}')
     t = Fields(thinking, STATUS, prefix="thinking.")
     kind = thinking.get("type")
-    if kind not in _THINKING_TYPES:
+    if not isinstance(kind, str) or kind not in _THINKING_TYPES:
         raise t.fail("type", f"must be one of {sorted(_THINKING_TYPES)}, got {json.dumps(kind)[:40]}")
     ignored += t.unknown({"type", "budget_tokens", "display"}, "`thinking`", strict)  # display: how it shows
     budget = t.integer("budget_tokens", lo=1)

@@ -11,8 +11,11 @@ quick. The budget is fixed and the run deterministic (derandomize): ~150 example
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -34,19 +37,28 @@ FUZZ = settings(max_examples=150, deadline=None, derandomize=True, database=None
 
 # ---- the system under test ----
 
-@pytest.fixture(scope="module")
-def gateway(default_model_dir, redis_url):
+@contextlib.contextmanager
+def echo_gateway(default_model_dir: Path, redis_url: str, db: int) -> Iterator[httpx.Client]:
+    """The real gateway on uvicorn over its own Redis database, the echo worker behind it."""
     from gateway.tokenizer import PromptTokenizer
 
-    url = private_db(redis_url, 12)  # our own database: no other test's workers read our streams
+    url = private_db(redis_url, db)  # our own database: no other test's workers read our streams
     tokenizer = PromptTokenizer(default_model_dir)
     worker = EchoWorker(url, tokenizer.hf).start()
     server = start_gateway(default_model_dir, url, tokenizer, max_queue_wait=5.0)
     client = httpx.Client(base_url=server.url, timeout=30)
-    yield client
-    client.close()
-    server.stop()
-    worker.stop()
+    try:
+        yield client
+    finally:
+        client.close()
+        server.stop()
+        worker.stop()
+
+
+@pytest.fixture(scope="module")
+def gateway(default_model_dir, redis_url):
+    with echo_gateway(default_model_dir, redis_url, 12) as client:
+        yield client
 
 
 # ---- strategies ----
@@ -192,16 +204,17 @@ def _put(body: dict[str, Any], path: tuple[Any, ...], value: Any, delete: bool) 
     return body
 
 
-def mutated_bodies(endpoint: str) -> st.SearchStrategy[dict[str, Any]]:
+def mutated_bodies(valid: st.SearchStrategy[dict[str, Any]],
+                   paths: list[tuple[Any, ...]]) -> st.SearchStrategy[dict[str, Any]]:
     """A valid body with one to three fields replaced by odd values (or removed)."""
-    edit = st.tuples(st.sampled_from(_paths(endpoint)), ODD_VALUES, st.sampled_from([False, False, False, True]))
+    edit = st.tuples(st.sampled_from(paths), ODD_VALUES, st.sampled_from([False, False, False, True]))
 
     def apply(body: dict[str, Any], edits: list[tuple[tuple[Any, ...], Any, bool]]) -> dict[str, Any]:
         for path, value, delete in edits:
             body = _put(body, path, value, delete)
         return body
 
-    return st.builds(apply, valid_bodies(endpoint), st.lists(edit, min_size=1, max_size=3))
+    return st.builds(apply, valid, st.lists(edit, min_size=1, max_size=3))
 
 
 def _encode(value: Any, ascii_only: bool) -> bytes:
@@ -223,13 +236,13 @@ RAW_BODIES = st.one_of(
 )
 
 
-def bodies(endpoint: str) -> st.SearchStrategy[tuple[str, bytes]]:
+def bodies(valid: st.SearchStrategy[dict[str, Any]], paths: list[tuple[Any, ...]]) -> st.SearchStrategy[tuple[str, bytes]]:
     """(kind, body bytes): kind "valid" must succeed; anything else must fail cleanly (or succeed)."""
+    mutated = st.builds(_encode, mutated_bodies(valid, paths), st.booleans())
     return st.one_of(
-        st.tuples(st.just("valid"), st.builds(_encode, valid_bodies(endpoint), st.booleans())),
-        st.tuples(st.just("mutated"), st.builds(_encode, mutated_bodies(endpoint), st.booleans())),
-        st.tuples(st.just("mutated"), st.builds(_encode, mutated_bodies(endpoint), st.booleans())),
-        st.tuples(st.just("mutated"), st.builds(_encode, mutated_bodies(endpoint), st.booleans())),
+        st.tuples(st.just("valid"), st.builds(_encode, valid, st.booleans())),
+        st.tuples(st.just("mutated"), mutated), st.tuples(st.just("mutated"), mutated),
+        st.tuples(st.just("mutated"), mutated),
         st.tuples(st.just("json"), st.builds(_encode, JSON_VALUES, st.booleans())),
         st.tuples(st.just("raw"), RAW_BODIES),
     )
@@ -270,22 +283,40 @@ def check_response(endpoint: str, kind: str, body: bytes, r: httpx.Response) -> 
         assert "error" not in (data[0] if isinstance(data, list) else data), where
 
 
-@pytest.mark.parametrize("endpoint", ENDPOINTS)
-def test_fuzz_endpoint(gateway: httpx.Client, endpoint: str) -> None:
+Check = Callable[[str, str, bytes, httpx.Response], None]
+
+
+def run_fuzz(gateway: httpx.Client, endpoint: str, cases: st.SearchStrategy[tuple[str, bytes]], check: Check,
+             config: settings = FUZZ) -> None:
+    """Post every case; the fuzzer must reach both sides (successes and clean rejections)."""
     seen: dict[int, int] = {}
 
-    @FUZZ
-    @given(case=bodies(endpoint))
+    @config
+    @given(case=cases)
     def run(case: tuple[str, bytes]) -> None:
         kind, body = case
         r = gateway.post(endpoint, content=body, headers={"content-type": "application/json"})
         seen[r.status_code] = seen.get(r.status_code, 0) + 1
-        check_response(endpoint, kind, body, r)
+        check(endpoint, kind, body, r)
 
     run()
-    # The fuzzer reached both sides: successes and clean rejections.
     assert seen.get(200, 0) > 0 and any(400 <= s < 500 for s in seen), seen
     assert gateway.get("/health").status_code == 200  # and the gateway is still fine
+
+
+def post_at_the_limits(gateway: httpx.Client, endpoint: str, base: dict[str, Any], paths: list[tuple[Any, ...]],
+                       check: Check) -> None:
+    """Every field, set to each value that has broken a validator somewhere."""
+    for path in paths:
+        for value in LIMIT_VALUES:
+            body = _encode(_put(base, path, value, delete=False), ascii_only=True)
+            r = gateway.post(endpoint, content=body, headers={"content-type": "application/json"})
+            check(endpoint, f"{path}={str(value)[:40]!r}", body, r)
+
+
+@pytest.mark.parametrize("endpoint", ENDPOINTS)
+def test_fuzz_endpoint(gateway: httpx.Client, endpoint: str) -> None:
+    run_fuzz(gateway, endpoint, bodies(valid_bodies(endpoint), _paths(endpoint)), check_response)
 
 
 @pytest.mark.parametrize("endpoint", ENDPOINTS)
@@ -313,11 +344,7 @@ BASE_BODIES = {
 
 @pytest.mark.parametrize("endpoint", ENDPOINTS)
 def test_every_field_at_the_limits(gateway: httpx.Client, endpoint: str) -> None:
-    for path in _paths(endpoint):
-        for value in LIMIT_VALUES:
-            body = _encode(_put(BASE_BODIES[endpoint], path, value, delete=False), ascii_only=True)
-            r = gateway.post(endpoint, content=body, headers={"content-type": "application/json"})
-            check_response(endpoint, f"{path}={str(value)[:40]!r}", body, r)
+    post_at_the_limits(gateway, endpoint, BASE_BODIES[endpoint], _paths(endpoint), check_response)
 
 
 # ---- OpenAPI-driven: bodies generated from the request schemas /openapi.json documents ----
@@ -372,9 +399,10 @@ def from_schema(schema: dict[str, Any], root: dict[str, Any]) -> st.SearchStrate
     return JSON_VALUES
 
 
-@pytest.mark.parametrize("endpoint", ENDPOINTS)
-def test_bodies_from_the_openapi_schema(gateway: httpx.Client, endpoint: str) -> None:
-    """Whatever the documented schema allows is answered without a 5xx (and 4xx are clean)."""
+def run_schema_bodies(gateway: httpx.Client, endpoint: str, check: Check,
+                      prepare: Callable[[dict[str, Any]], None]) -> None:
+    """Bodies from the endpoint's documented schema (after `prepare` keeps them short and reachable)
+    are answered without a 5xx, and some succeed."""
     spec = gateway.get("/openapi.json").json()
     schema = spec["paths"][endpoint]["post"]["requestBody"]["content"]["application/json"]["schema"]
     seen: dict[int, int] = {}
@@ -382,16 +410,26 @@ def test_bodies_from_the_openapi_schema(gateway: httpx.Client, endpoint: str) ->
     @settings(FUZZ, max_examples=60)
     @given(body=from_schema(schema, spec), ascii_only=st.booleans())
     def run(body: dict[str, Any], ascii_only: bool) -> None:
-        # Keep the run short (the schema sets no maximum), and keep the prompt real text.
-        if isinstance(body.get("parameters"), dict) and "max_new_tokens" in body["parameters"]:
-            body["parameters"]["max_new_tokens"] = min(body["parameters"]["max_new_tokens"], 8)
-        for key in ("max_tokens", "max_completion_tokens"):
-            if isinstance(body.get(key), int):
-                body[key] = min(body[key], 8)
+        prepare(body)
         raw = _encode(body, ascii_only)
         r = gateway.post(endpoint, content=raw, headers={"content-type": "application/json"})
         seen[r.status_code] = seen.get(r.status_code, 0) + 1
-        check_response(endpoint, "schema", raw, r)
+        check(endpoint, "schema", raw, r)
 
     run()
     assert seen.get(200, 0) > 0, seen
+
+
+def _short_run(body: dict[str, Any]) -> None:
+    # Keep the run short (the schema sets no maximum), and keep the prompt real text.
+    if isinstance(body.get("parameters"), dict) and "max_new_tokens" in body["parameters"]:
+        body["parameters"]["max_new_tokens"] = min(body["parameters"]["max_new_tokens"], 8)
+    for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
+        if isinstance(body.get(key), int):
+            body[key] = min(body[key], 8)
+
+
+@pytest.mark.parametrize("endpoint", ENDPOINTS)
+def test_bodies_from_the_openapi_schema(gateway: httpx.Client, endpoint: str) -> None:
+    """Whatever the documented schema allows is answered without a 5xx (and 4xx are clean)."""
+    run_schema_bodies(gateway, endpoint, check_response, _short_run)

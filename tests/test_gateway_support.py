@@ -35,6 +35,7 @@ from baton.common.protocol import (
     TokenEvent,
     decode,
     encode,
+    pack_embedding,
     token_stream,
 )
 
@@ -171,6 +172,11 @@ class EchoWorker:
         if self.mode == "error":
             await self._publish(r, stream, TokenEvent(req.request_id, 0, [], [], "error", "boom: worker failed"))
             return
+        if req.pooling:  # an embedding request: one event with a vector the prompt determines
+            await self._publish(r, stream, TokenEvent(
+                req.request_id, 0, [], [], "stop", num_prompt_tokens=len(req.prompt_token_ids), worker_id="echo",
+                embedding=pack_embedding(self._embedding(req.prompt_token_ids))))
+            return
         i = 0
         while i < len(ids):
             while self.hold:
@@ -197,6 +203,12 @@ class EchoWorker:
                                                           worker_id="echo-2"))
                 return
             i += len(chunk)
+
+    def _embedding(self, prompt_ids: list[int]) -> list[float]:
+        from gateway.pooling_config import hidden_size
+
+        size = hidden_size(Path(self.tok.name_or_path))  # the served model's, as the gateway expects
+        return [((sum(prompt_ids) + i) % 7) - 3.0 for i in range(size)]
 
     async def _publish(self, r: aioredis.Redis, stream: str, event: TokenEvent) -> None:
         await r.xadd(stream, {PAYLOAD_FIELD: encode(event)}, maxlen=STREAM_MAXLEN, approximate=True)
