@@ -406,6 +406,11 @@ def test_baton_serve_passes_the_embedding_flags_to_the_gateway():
     assert "--normalize" not in gateway
     with pytest.raises(SystemExit):  # the gateway refuses a pooling it does not run, at startup
         parse_args(["--model", "/m", "--pooling", "max"])
+    # and so does baton serve, before any worker loads the model (the parsers' names too)
+    for flag, typo in (("--pooling", "max"), ("--tool-call-parser", "hermès"), ("--reasoning-parser", "r1")):
+        with pytest.raises(SystemExit):
+            parser.parse_args([flag, typo])
+    assert parser.parse_args(["--tool-call-parser", "pythonic"]).tool_call_parser == "pythonic"
 
 
 # ---- the prefill worker's core: one event with the vector, no handoff, acked; redelivery; cancel ----

@@ -177,7 +177,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                              "$BATON_LOG_FORMAT, else text)")
     group = parser.add_argument_group("gateway limits (passed to the gateway when given)")
     for flag, typ, help_ in GATEWAY_FLAGS:
-        group.add_argument(flag, type=typ, default=None, help=help_)
+        group.add_argument(flag, type=typ, default=None, help=help_, **_choices(flag))
     group.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                        help="names requests may give as `model` (default: the model directory's name); "
                             "the first is the one reported")
@@ -195,6 +195,15 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     for flag, typ, help_ in WORKER_FLAGS + PREFILL_FLAGS + DECODE_FLAGS:
         kwargs = {"choices": ["no-evict", "max-utilization"]} if flag == "--scheduler-policy" else {}
         group.add_argument(flag, type=typ, default=None, help=help_, **kwargs)
+
+
+def _choices(flag: str) -> dict[str, list[str]]:
+    """The gateway's own choices, checked here too: a typo must fail before the workers load the model."""
+    from gateway.parsers import reasoning, tool_calls
+
+    known = {"--reasoning-parser": reasoning.NAMES, "--tool-call-parser": tool_calls.NAMES,
+             "--pooling": ("last", "mean", "cls")}
+    return {"choices": list(known[flag])} if flag in known else {}
 
 
 def _passthrough(args: argparse.Namespace, flags: list[tuple[str, type, str]]) -> list[str]:
