@@ -12,7 +12,7 @@ from baton.engine.llm_engine import EngineConfig, LLMEngine
 from baton.common.finish_reason import FinishReason
 from baton.engine.outputs import EngineOutput
 from baton.engine.pooling import Pooling, normalize as normalize_vector
-from baton.engine.spec_config import SpeculativeConfig
+from baton.engine.spec_config import SpeculativeConfig, parse_speculative_config, with_draft_dir
 from baton.common.model_files import resolve_model
 from baton.common.sampling_params import SamplingParams
 
@@ -59,7 +59,7 @@ class LLM:
             kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, scheduler_policy=scheduler_policy,
             enable_prefix_caching=enable_prefix_caching, num_threads=num_threads, quantization=quantization,
-            speculative_config=speculative_config,
+            speculative_config=with_draft_dir(parse_speculative_config(speculative_config), resolve_model),
         ))
         self.tokenizer = load_tokenizer(self.engine.model_dir)
         self._ids = itertools.count()

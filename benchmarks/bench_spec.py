@@ -28,40 +28,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from baton.cli.bench.datasets import sample_grounded_requests  # noqa: E402
 from baton.common.model_files import resolve_model  # noqa: E402
 from baton.common.sampling_params import SamplingParams  # noqa: E402
 from baton.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
 from baton.llm import load_tokenizer  # noqa: E402
 from benchmarks.bench_engine import cpu_model  # noqa: E402
 
-PASSAGES = [
-    "The river starts in the mountains as a narrow stream of melted snow. It gathers water from a hundred "
-    "small creeks as it runs down through the pine forests, and by the time it reaches the valley it is wide "
-    "and slow. Farmers along its banks have used it for centuries to water their fields of wheat and barley.",
-    "def merge_sorted(a, b):\n    result = []\n    i = j = 0\n    while i < len(a) and j < len(b):\n"
-    "        if a[i] <= b[j]:\n            result.append(a[i])\n            i += 1\n        else:\n"
-    "            result.append(b[j])\n            j += 1\n    result.extend(a[i:])\n    result.extend(b[j:])\n"
-    "    return result\n",
-    "Our office will be closed on Monday for the public holiday. Orders placed over the weekend will be "
-    "shipped on Tuesday morning. If you need help before then, please write to the support address and a "
-    "member of the team will answer as soon as possible. Thank you for your patience.",
-    "Photosynthesis is the process by which green plants turn light into chemical energy. Inside the leaf, "
-    "chlorophyll absorbs sunlight and uses it to split water, releasing oxygen. The energy is stored in sugar, "
-    "which the plant uses to grow and which animals eat in turn.",
-]
-ASKS = ["Repeat the following text exactly, with no comment:\n\n{}",
-        "Copy this text word for word, then stop:\n\n{}",
-        "Rewrite the following with the same words, fixing nothing:\n\n{}"]
-
-
 def grounded_prompts(tokenizer, n: int) -> list[list[int]]:
-    prompts = []
-    for i in range(n):
-        text = ASKS[i % len(ASKS)].format(PASSAGES[i % len(PASSAGES)])
-        chat = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                             add_generation_prompt=True)
-        prompts.append(tokenizer.encode(chat, add_special_tokens=False))
-    return prompts
+    """`baton bench serve --dataset-name grounded`'s prompts, as token ids."""
+    return [tokenizer.encode(r.prompt, add_special_tokens=False) for r in sample_grounded_requests(tokenizer, n, 0)]
 
 
 def random_prompts(n: int, length: int, seed: int) -> list[list[int]]:

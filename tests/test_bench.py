@@ -85,3 +85,24 @@ def test_bench_sweep_writes_csv_and_png(cluster, tiny_model_dir, tmp_path):
     assert float(rows[0]["output_throughput"]) > 0 and float(rows[1]["p99_tpot_ms"]) > 0
     png = (tmp_path / "sweep.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 5000
+
+
+def test_bench_serve_grounded_dataset_sends_prompts_the_answer_repeats(cluster, tiny_model_dir, tmp_path):
+    from baton.cli.bench.datasets import PASSAGES, load_tokenizer, sample_grounded_requests
+
+    tokenizer = load_tokenizer(tiny_model_dir)
+    requests = sample_grounded_requests(tokenizer, 6, 8, seed=1)
+    assert len({r.prompt for r in requests}) == 6
+    for r in requests:  # chat-formatted, with a whole passage inside it, counted with the tokenizer
+        assert r.prompt.startswith("<|im_start|>") and r.prompt.endswith("<|im_start|>assistant\n")
+        assert any(p in r.prompt for p in PASSAGES) and r.expected_output_len == 8
+        assert r.prompt_len == len(tokenizer.encode(r.prompt, add_special_tokens=False)) > 40
+    before = generated_tokens(cluster.base_url)
+    proc = bench("serve", "--base-url", cluster.base_url, "--dataset-name", "grounded", "--num-prompts", "4",
+                 "--random-output-len", "8", "--ignore-eos", "--max-concurrency", "2", "--save-result",
+                 "--result-dir", str(tmp_path), "--tokenizer", str(tiny_model_dir), "--disable-tqdm")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(next(tmp_path.glob("*.json")).read_text())
+    assert result["completed"] == 4 and result["output_lens"] == [8] * 4
+    assert result["total_output_tokens"] == generated_tokens(cluster.base_url) - before == 32
+    assert min(result["input_lens"]) > 40

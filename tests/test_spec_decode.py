@@ -79,8 +79,17 @@ def test_config_parses_vllms_shape_and_refuses_what_it_cannot_run():
     config = parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5}')
     assert config == SpeculativeConfig("ngram", 3, 5, 2)
     assert parse_speculative_config(None) is None and parse_speculative_config("") is None
-    with pytest.raises(ValueError, match="'draft_model' is not yet supported"):
-        parse_speculative_config({"method": "draft_model", "model": "/m", "num_speculative_tokens": 4})
+    assert parse_speculative_config({"method": "draft_model", "model": "/m", "num_speculative_tokens": 4}) == \
+        SpeculativeConfig("draft_model", 4, model="/m")
+    with pytest.raises(ValueError, match="'eagle' is not yet supported"):
+        parse_speculative_config({"method": "eagle", "model": "/m", "num_speculative_tokens": 4})
+    with pytest.raises(ValueError, match="model.*required"):
+        parse_speculative_config({"method": "draft_model", "num_speculative_tokens": 4})
+    with pytest.raises(ValueError, match="prompt_lookup_max.*ngram"):
+        parse_speculative_config({"method": "draft_model", "model": "/m", "num_speculative_tokens": 4,
+                                  "prompt_lookup_max": 3})
+    with pytest.raises(ValueError, match="model.*draft_model"):
+        parse_speculative_config({"method": "ngram", "model": "/m", "num_speculative_tokens": 4})
     with pytest.raises(ValueError, match="unknown field.*lookahead"):
         parse_speculative_config({"method": "ngram", "num_speculative_tokens": 4, "lookahead": 2})
     with pytest.raises(ValueError, match="num_speculative_tokens"):

@@ -157,6 +157,29 @@ def test_handoff_through_the_store_continues_exactly_where_prefill_stopped(tiny_
     assert_pool_free(decode)
 
 
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_a_speculating_decode_worker_continues_a_handoff_exactly(tiny_model_dir, reference, method):
+    """The decode side drafts over KV it loaded from the store (the draft model computes its own
+    KV of the prompt first): the tokens are the plain ones, and verify steps did happen."""
+    spec = ({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1} if method == "ngram" else
+            {"method": "draft_model", "model": str(tiny_model_dir), "num_speculative_tokens": 4})
+    prompt = PROMPT[:8] * 4  # repetitive: the n-gram lookup finds what to propose
+    store = new_store()
+    _, handoff, _ = prefill(tiny_model_dir, store, prompt)
+    decode = decode_core(tiny_model_dir, speculative_config=spec)
+    decode.engine.scheduler.speculator.costs.force = True
+    opened = decode.open(fields_of(handoff), 1, set())
+    decode.admit(b"9-0", opened.message)
+    decode.engine.step()
+    loaded = fetch_loads(decode, store)
+    assert sum(r.num_tokens for r in loaded) == len(prompt)
+    effects, _ = drive(decode, store, loaded=loaded)
+    assert [t for e in events_of(effects) for t in e.token_ids] == reference(prompt)[1:]
+    stats = decode.engine.stats()
+    assert stats.spec_num_drafts > 0 and stats.spec_num_accepted_tokens > 0, stats
+    assert_pool_free(decode)
+
+
 def test_the_writer_leaves_in_redis_the_first_token_the_blocks_the_handoff_and_the_acks(tiny_model_dir, reference):
     """What the gateway and a decode worker find after the real writer ran the cores' effects: the
     first token in the gateway's stream, the blocks with their TTL, the handoff on the decode stream,

@@ -36,6 +36,7 @@ from baton.engine.quant import quantize_model
 from baton.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, StepOutput
 from baton.engine.spec_config import SpeculativeConfig, parse_speculative_config
 from baton.engine.spec_decode import verify_rows
+from baton.engine.spec_draft import DraftModel, check_same_tokenizer
 from baton.engine.structured import StructuredOutput
 from baton.engine.sequence import Sequence
 from baton.common.sampling_params import SamplingParams
@@ -104,11 +105,13 @@ class LLMEngine:
         self.block_manager = BlockManager(self.pool, self.model_config.model_id, config.enable_prefix_caching)
         self.connector = (KVConnectorScheduler(config.block_size, self.model_config.model_id)
                           if config.kv_connector else None)
+        speculative = parse_speculative_config(config.speculative_config)
+        self.drafter = (self._load_drafter(Path(speculative.model), device, num_blocks)
+                        if speculative is not None and speculative.method == "draft_model" else None)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.scheduler_policy,
                             max_model_len),
-            self.block_manager, self.model_config.eos_token_ids, self.connector,
-            parse_speculative_config(config.speculative_config),
+            self.block_manager, self.model_config.eos_token_ids, self.connector, speculative, self.drafter,
         )
         self.runner = ModelRunner(self.model, self.model_config, num_blocks, config.block_size)
         self.structured = StructuredOutput(self.model_dir, self.model_config.vocab_size, self.eos_token_ids)
@@ -121,6 +124,20 @@ class LLMEngine:
                     self.model_dir.name, self.dtype,
                     "" if self.quantization == "none" else f", {self.quantization} weights",
                     device, num_blocks, config.block_size, config.scheduler_policy)
+
+    def _load_drafter(self, draft_dir: Path, device: torch.device, num_blocks: int) -> DraftModel:
+        """The draft model of a draft_model config (a directory: callers resolve names), in the
+        target's dtype, its KV cache indexed by the target's block ids (baton.engine.spec_draft)."""
+        if not (draft_dir / "config.json").is_file():
+            raise FileNotFoundError(f"speculative_config.model {draft_dir} is not a model directory (no config.json)")
+        check_same_tokenizer(self.model_dir, draft_dir)
+        drafter = DraftModel(draft_dir, self.dtype, device, num_blocks, self.config.block_size,
+                             self.model_config.vocab_size)
+        return_freed_memory()
+        logger.info("draft model %s: %d layers, hidden %d, proposing %s tokens a step", draft_dir.name,
+                    drafter.config.num_layers, drafter.config.hidden_size,
+                    parse_speculative_config(self.config.speculative_config).num_speculative_tokens)
+        return drafter
 
     @property
     def eos_token_ids(self) -> list[int]:

@@ -33,6 +33,7 @@ from baton.engine.kv_connector import KVConnectorScheduler
 from baton.engine.kv_types import KVLoad
 from baton.engine.spec_config import SpeculativeConfig
 from baton.engine.spec_decode import Speculator
+from baton.engine.spec_draft import DraftModel
 
 logger = logging.getLogger("baton.engine.scheduler")
 
@@ -85,10 +86,11 @@ Verified = tuple[Sequence, list[int], list[float], list[list]]
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
                  eos_token_ids: list[int] | None = None, connector: KVConnectorScheduler | None = None,
-                 speculative: SpeculativeConfig | None = None) -> None:
+                 speculative: SpeculativeConfig | None = None, drafter: DraftModel | None = None) -> None:
         self.config = config
-        # proposes, reserves and rolls back speculative tokens (None: speculation off)
-        self.speculator = (Speculator(speculative, block_manager, config.max_model_len)
+        # proposes, reserves and rolls back speculative tokens (None: speculation off); `drafter`:
+        # the draft model of a draft_model config
+        self.speculator = (Speculator(speculative, block_manager, config.max_model_len, drafter)
                            if speculative is not None else None)
         self.block_manager = block_manager
         self.eos_token_ids = set(eos_token_ids or [])

@@ -1,21 +1,28 @@
 """`SpeculativeConfig`: what `--speculative-config` / `LLM(speculative_config=...)` takes, in vLLM's shape.
 
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    {"method": "draft_model", "model": "HuggingFaceTB/SmolLM2-135M-Instruct", "num_speculative_tokens": 4}
 
-Rules: a JSON object (or a dict, or an already built config); `method` is required and only
-"ngram" (prompt lookup) runs in this version: "draft_model", "eagle", "eagle3", "medusa", "mtp" are
-refused with a "not yet" error naming the method; `num_speculative_tokens` (k, 1..16) is required;
-the lookup bounds default to max 4 and min 2 (when only one is given, the other's default is
-clamped to it), with 1 <= min <= max. Unknown keys are refused by name, so a typo is not a silent no-op.
+Rules: a JSON object (or a dict, or an already built config); `method` is required: "ngram"
+(prompt lookup) or "draft_model" (a small model with the target's tokenizer, `model` a directory,
+.gguf or Hub id that the caller resolves: baton.common.model_files); "eagle", "eagle3", "medusa",
+"mtp" are refused with a "not yet" error naming the method; `num_speculative_tokens` (k, 1..16) is
+required; the lookup bounds (ngram only) default to max 4 and min 2 (when only one is given, the
+other's default is clamped to it), with 1 <= min <= max. Unknown keys, and keys of the other method,
+are refused by name, so a typo is not a silent no-op.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-NOT_YET = ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "mtp")
+METHODS = ("ngram", "draft_model")
+NOT_YET = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp")
 KNOWN_KEYS = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model"}
 MAX_SPECULATIVE_TOKENS = 16
 
@@ -26,10 +33,13 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
+    model: str | None = None  # draft_model: the draft's directory (resolved by the caller)
 
     def __post_init__(self) -> None:
-        if self.method != "ngram":
+        if self.method not in METHODS:
             raise ValueError(_method_error(self.method))
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError("speculative_config.model is required for method \"draft_model\" and only for it")
         k = self.num_speculative_tokens
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"speculative_config.num_speculative_tokens must be an integer in "
@@ -43,15 +53,17 @@ class SpeculativeConfig:
                              f"prompt_lookup_max ({self.prompt_lookup_max})")
 
     def to_dict(self) -> dict[str, Any]:
+        if self.method == "draft_model":
+            return {"method": self.method, "model": self.model, "num_speculative_tokens": self.num_speculative_tokens}
         return {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens,
                 "prompt_lookup_max": self.prompt_lookup_max, "prompt_lookup_min": self.prompt_lookup_min}
 
 
 def _method_error(method: Any) -> str:
     if method in NOT_YET:
-        return (f"speculative_config.method {method!r} is not yet supported by Baton (only \"ngram\", "
-                "prompt lookup, runs in this version)")
-    return f"speculative_config.method must be \"ngram\", got {method!r}"
+        return (f"speculative_config.method {method!r} is not yet supported by Baton (\"ngram\", prompt "
+                "lookup, and \"draft_model\" run in this version)")
+    return f"speculative_config.method must be \"ngram\" or \"draft_model\", got {method!r}"
 
 
 def parse_speculative_config(value: str | dict | SpeculativeConfig | None) -> SpeculativeConfig | None:
@@ -72,13 +84,23 @@ def parse_speculative_config(value: str | dict | SpeculativeConfig | None) -> Sp
     if unknown:
         raise ValueError(f"speculative_config has unknown field(s) {unknown}; known: {sorted(KNOWN_KEYS)}")
     if "method" not in value:
-        raise ValueError("speculative_config.method is required (\"ngram\")")
-    if value["method"] != "ngram":
-        raise ValueError(_method_error(value["method"]))
-    if "model" in value:
-        raise ValueError("speculative_config.model is for method \"draft_model\", which is not yet supported")
+        raise ValueError("speculative_config.method is required (\"ngram\" or \"draft_model\")")
+    method = value["method"]
+    if not isinstance(method, str) or method not in METHODS:
+        raise ValueError(_method_error(method))
     if "num_speculative_tokens" not in value:
         raise ValueError("speculative_config.num_speculative_tokens is required")
+    if method == "draft_model":
+        lookup = sorted(k for k in value if k.startswith("prompt_lookup"))
+        if lookup:
+            raise ValueError(f"speculative_config {lookup} are for method \"ngram\", not \"draft_model\"")
+        model = value.get("model")
+        if not isinstance(model, str) or not model.strip():
+            raise ValueError("speculative_config.model (the draft model: a directory, .gguf or Hub id) is "
+                             "required for method \"draft_model\"")
+        return SpeculativeConfig("draft_model", value["num_speculative_tokens"], model=model)
+    if "model" in value:
+        raise ValueError("speculative_config.model is for method \"draft_model\", not \"ngram\"")
     lookup_max, lookup_min = value.get("prompt_lookup_max"), value.get("prompt_lookup_min")
     if lookup_max is None and lookup_min is None:
         lookup_max, lookup_min = 4, 2
@@ -87,3 +109,11 @@ def parse_speculative_config(value: str | dict | SpeculativeConfig | None) -> Sp
     elif lookup_min is None:
         lookup_min = min(lookup_max, 2) if isinstance(lookup_max, int) else lookup_max
     return SpeculativeConfig("ngram", value["num_speculative_tokens"], lookup_max, lookup_min)
+
+
+def with_draft_dir(config: SpeculativeConfig | None, resolve: Callable[[str], Path]) -> SpeculativeConfig | None:
+    """The config with its draft model's name turned into a directory by `resolve` (the caller's
+    baton.common.model_files.resolve_model: the engine resolves no names)."""
+    if config is None or config.model is None:
+        return config
+    return dataclasses.replace(config, model=str(resolve(config.model)))

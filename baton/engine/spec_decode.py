@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from baton.engine.block_manager import BlockManager, blocks_for
 from baton.engine.sequence import Sequence
 from baton.engine.spec_config import SpeculativeConfig
+from baton.engine.spec_draft import CATCH_UP_TOKENS, DraftCursor, DraftModel
 from baton.engine.spec_ngram import NgramIndex
 from baton.engine.spec_policy import RowSpec, StepCostModel
 
@@ -53,10 +54,15 @@ def is_decode_row(seq: Sequence, num_new: int) -> bool:
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, block_manager: BlockManager, max_model_len: int) -> None:
+    def __init__(self, config: SpeculativeConfig, block_manager: BlockManager, max_model_len: int,
+                 drafter: DraftModel | None = None) -> None:
+        if (config.method == "draft_model") != (drafter is not None):
+            raise ValueError("a draft_model speculative config needs its DraftModel (and only it)")
         self.config = config
         self.block_manager = block_manager
         self.max_model_len = max_model_len
+        self.drafter = drafter
+        self._draft_seconds = 0.0  # the draft's forwards in this step's plan (part of its cost)
         self.costs = StepCostModel()
         self.stats = SpecStats(accepted_per_pos=[0] * config.num_speculative_tokens)
         self._step_started = 0.0
@@ -68,54 +74,107 @@ class Speculator:
 
     def _row(self, seq: Sequence) -> RowSpec:
         if seq.spec is None:
-            seq.spec = RowSpec(NgramIndex(self.config.prompt_lookup_min, self.config.prompt_lookup_max))
+            seq.spec = RowSpec(DraftCursor() if self.drafter is not None
+                               else NgramIndex(self.config.prompt_lookup_min, self.config.prompt_lookup_max))
         return seq.spec
+
+    def _room(self, seq: Sequence, budget: int) -> int:
+        """The most proposals a row may make now: k, the step's leftover tokens, its max_tokens
+        (the bonus token included) and the model's length."""
+        p = seq.sampling_params
+        return min(self.config.num_speculative_tokens, budget,
+                   p.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens - 1)
 
     def plan(self, scheduled: list[tuple[Sequence, int]], budget: int, num_running: int) -> list[tuple[Sequence, int]]:
         """The step's rows with proposals added (`budget`: tokens left in the step). Sets each
         speculating row's `spec_token_ids` and takes its slots."""
+        self._draft_seconds = 0.0
         decode_only = all(is_decode_row(s, n) for s, n in scheduled)
-        proposals: dict[int, list[int]] = {}
-        for seq, n in scheduled:
-            if budget <= 0 or not is_decode_row(seq, n) or not self.eligible(seq):
-                continue
-            row = self._row(seq)
-            if not row.may_propose():
-                continue
-            p = seq.sampling_params
-            k = min(self.config.num_speculative_tokens, budget,
-                    p.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens - 1)
-            if k <= 0:
-                continue
-            draft = row.index.propose(seq.token_ids, k)  # type: ignore[attr-defined]
-            if draft:
-                proposals[id(seq)] = draft
-                budget -= len(draft)
+        wanted, catch_up = (self._draft_wants(scheduled, budget) if self.drafter is not None
+                            else self._ngram_proposals(scheduled, budget))
         rows = len(scheduled)
-        tokens = rows + sum(len(d) for d in proposals.values())
-        verify = bool(proposals)
+        tokens = rows + sum(len(d) for d in wanted.values())
+        verify = bool(wanted)
         if verify and decode_only:
-            expected = sum(seq.spec.acceptance * len(proposals[id(seq)])
-                           for seq, _ in scheduled if id(seq) in proposals)
+            expected = sum(seq.spec.acceptance * len(wanted[id(seq)])
+                           for seq, _ in scheduled if id(seq) in wanted)
             verify = self.costs.should_verify(rows, tokens, expected)
         if not verify:
-            self._step_shape = (rows, rows, False) if decode_only else None
+            if catch_up:  # a row still catching up proposes nothing, but its draft KV advances
+                assert self.drafter is not None
+                started = time.perf_counter()
+                self.drafter.propose([], catch_up)
+                self._draft_seconds = time.perf_counter() - started
+            self._step_shape = (rows, rows, False) if decode_only and not catch_up else None
             return scheduled
-        out = []
+        out, drafting = [], []
         pool = self.block_manager.pool
         for seq, n in scheduled:
-            draft = proposals.get(id(seq), [])
+            draft = wanted.get(id(seq), [])
             if draft:
                 draft = draft[:self._fits(seq, len(draft), pool.num_free_blocks - num_running)]
             if draft:
                 taken = self.block_manager.allocate_slots(seq, 1 + len(draft))
                 assert taken is not None  # _fits checked it
                 seq.spec_token_ids = draft
+                drafting.append((seq, len(draft)))
                 n = 1 + len(draft)
             out.append((seq, n))
+        if self.drafter is not None:  # the slots exist now: the draft writes its KV into them
+            started = time.perf_counter()
+            for (seq, _), proposals in zip(drafting, self.drafter.propose(drafting, catch_up)):
+                seq.spec_token_ids = proposals
+            self._draft_seconds = time.perf_counter() - started
         total = sum(n for _, n in out)
         self._step_shape = (rows, total, total > rows) if decode_only else None
         return out
+
+    def _candidates(self, scheduled: list[tuple[Sequence, int]]) -> list[Sequence]:
+        """The step's rows that may speculate: decode rows (one token due) of eligible requests."""
+        return [seq for seq, n in scheduled if is_decode_row(seq, n) and self.eligible(seq)]
+
+    def _ngram_proposals(self, scheduled: list[tuple[Sequence, int]],
+                         budget: int) -> tuple[dict[int, list[int]], list[tuple[Sequence, int]]]:
+        proposals: dict[int, list[int]] = {}
+        for seq in self._candidates(scheduled):
+            row = self._row(seq)
+            if budget <= 0 or not row.may_propose():
+                continue
+            k = self._room(seq, budget)
+            if k <= 0:
+                continue
+            draft = row.index.propose(seq.token_ids, k)  # type: ignore[attr-defined]
+            if draft:
+                proposals[id(seq)] = draft
+                budget -= len(draft)
+        return proposals, []
+
+    def _draft_wants(self, scheduled: list[tuple[Sequence, int]],
+                     budget: int) -> tuple[dict[int, list[int]], list[tuple[Sequence, int]]]:
+        """Rows that will propose (as k placeholders, replaced by the draft's tokens once their
+        slots exist), and rows that only catch their draft KV up this step (a long handed-off
+        prompt: `CATCH_UP_TOKENS` per step, all rows together)."""
+        assert self.drafter is not None
+        wanted: dict[int, list[int]] = {}
+        catch_up: list[tuple[Sequence, int]] = []
+        spare = CATCH_UP_TOKENS
+        for seq in self._candidates(scheduled):
+            row = self._row(seq)
+            if budget <= 0 or not row.may_propose():
+                continue
+            need = self.drafter.catch_up_need(seq)
+            if need > spare:
+                if spare > 0:
+                    catch_up.append((seq, spare))
+                    spare = 0
+                continue
+            k = self._room(seq, budget)
+            if k <= 0:
+                continue
+            spare -= need
+            wanted[id(seq)] = [-1] * k
+            budget -= k
+        return wanted, catch_up
 
     def _fits(self, seq: Sequence, k: int, spare_blocks: int) -> int:
         """How many of k proposals get slots: all if their blocks leave a block per running row
@@ -133,7 +192,8 @@ class Speculator:
         """The step planned last ran: its wall time feeds the cost model (decode-only steps)."""
         if self._step_shape is not None:
             rows, tokens, verified = self._step_shape
-            self.costs.observe(rows, tokens, time.perf_counter() - self._step_started, verified)
+            seconds = time.perf_counter() - self._step_started + self._draft_seconds
+            self.costs.observe(rows, tokens, seconds, verified)
             self._step_shape = None
 
     @staticmethod

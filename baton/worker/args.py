@@ -98,6 +98,10 @@ def run_worker(worker_class: type[WorkerShell], argv: list[str] | None,
     setup_tracing(f"baton-{kind}-worker")  # only with an OTLP endpoint set and OpenTelemetry installed
     try:  # before the worker starts: an unknown model is a message, not a traceback from its loop
         args.model = str(resolve_model(args.model))
+        if getattr(args, "speculative_config", None) is not None:  # a draft model: a name too
+            from baton.engine.spec_config import with_draft_dir
+
+            args.speculative_config = with_draft_dir(args.speculative_config, resolve_model)
     except FileNotFoundError as exc:
         parser.exit(2, f"error: {exc}\n")
     try:

@@ -20,7 +20,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="gamma shape of the arrival gaps: 1 is Poisson, <1 burstier, >1 more regular")
     p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight at once")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dataset-name", choices=["random", "file"], default="random")
+    p.add_argument("--dataset-name", choices=["random", "grounded", "file"], default="random",
+                   help="random token prompts; grounded: chat prompts asking to repeat or rewrite a passage "
+                        "(the answer repeats the prompt: where speculative decoding pays); file: --prompts-file")
     p.add_argument("--random-input-len", type=int, default=1024)
     p.add_argument("--random-output-len", type=int, default=128,
                    help="max_tokens of random prompts; also of file prompts without their own max_tokens")

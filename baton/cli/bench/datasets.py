@@ -1,4 +1,5 @@
-"""Workloads for the benchmark: random token prompts (as vLLM's `random` dataset) or a file."""
+"""Workloads for the benchmark: random token prompts (as vLLM's `random` dataset), input-grounded
+chat prompts whose answer repeats the prompt (`grounded`: where speculative decoding pays), or a file."""
 
 from __future__ import annotations
 
@@ -95,4 +96,38 @@ def sample_file_requests(path: str | os.PathLike, tokenizer: Any, num_requests: 
         prompt, max_tokens = entries[i % len(entries)]
         prompt_len = len(tokenizer.encode(prompt, add_special_tokens=False))
         requests.append(SampleRequest(prompt, prompt_len, max_tokens))
+    return requests
+
+
+# Passages to repeat or lightly edit: prose, code, a notice, an explanation (the work people give
+# self-hosted models most: editing code, answering from a document).
+PASSAGES = [
+    "The river starts in the mountains as a narrow stream of melted snow. It gathers water from a hundred "
+    "small creeks as it runs down through the pine forests, and by the time it reaches the valley it is wide "
+    "and slow. Farmers along its banks have used it for centuries to water their fields of wheat and barley.",
+    "def merge_sorted(a, b):\n    result = []\n    i = j = 0\n    while i < len(a) and j < len(b):\n"
+    "        if a[i] <= b[j]:\n            result.append(a[i])\n            i += 1\n        else:\n"
+    "            result.append(b[j])\n            j += 1\n    result.extend(a[i:])\n    result.extend(b[j:])\n"
+    "    return result\n",
+    "Our office will be closed on Monday for the public holiday. Orders placed over the weekend will be "
+    "shipped on Tuesday morning. If you need help before then, please write to the support address and a "
+    "member of the team will answer as soon as possible. Thank you for your patience.",
+    "Photosynthesis is the process by which green plants turn light into chemical energy. Inside the leaf, "
+    "chlorophyll absorbs sunlight and uses it to split water, releasing oxygen. The energy is stored in sugar, "
+    "which the plant uses to grow and which animals eat in turn.",
+]
+ASKS = ["Repeat the following text exactly, with no comment:\n\n{}",
+        "Copy this text word for word, then stop:\n\n{}",
+        "Rewrite the following with the same words, fixing nothing:\n\n{}"]
+
+
+def sample_grounded_requests(tokenizer: Any, num_requests: int, output_len: int, seed: int = 0) -> list[SampleRequest]:
+    """Chat prompts (the tokenizer's own template, sent as completion text) asking to repeat or
+    rewrite a passage: the answer repeats the prompt. Cycled through passages and asks from `seed`."""
+    requests = []
+    for i in range(num_requests):
+        text = ASKS[(seed + i) % len(ASKS)].format(PASSAGES[(seed + i) % len(PASSAGES)])
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                               add_generation_prompt=True)
+        requests.append(SampleRequest(prompt, len(tokenizer.encode(prompt, add_special_tokens=False)), output_len))
     return requests

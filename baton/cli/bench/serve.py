@@ -15,7 +15,8 @@ import httpx
 import numpy as np
 
 from baton.cli.bench.client import RequestInput, RequestOutput, fetch_first_model, make_client, request_completion
-from baton.cli.bench.datasets import SampleRequest, load_tokenizer, sample_file_requests, sample_random_requests
+from baton.cli.bench.datasets import (SampleRequest, load_tokenizer, sample_file_requests, sample_grounded_requests,
+                                      sample_random_requests)
 from baton.cli.bench.metrics import (BenchmarkMetrics, calculate_metrics, format_result, parse_goodput,
                                  parse_percentiles, result_json)
 
@@ -90,6 +91,8 @@ def load_requests(args: argparse.Namespace, tokenizer: Any) -> list[SampleReques
         if not args.prompts_file:
             raise SystemExit("--dataset-name file needs --prompts-file")
         return sample_file_requests(args.prompts_file, tokenizer, args.num_prompts, args.random_output_len)
+    if args.dataset_name == "grounded":
+        return sample_grounded_requests(tokenizer, args.num_prompts, args.random_output_len, args.seed)
     return sample_random_requests(tokenizer, args.num_prompts, args.random_input_len, args.random_output_len,
                                   args.random_range_ratio, args.seed,
                                   output_range_ratio=getattr(args, "random_output_range_ratio", None))
