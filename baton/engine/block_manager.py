@@ -1,13 +1,16 @@
 """Per-request block accounting over a `BlockPool`: prefix hits, slot allocation, freeing.
 
 It only allocates and frees; what to run is the scheduler's decision. Every allocation either fits
-whole or returns None with nothing changed.
+whole or returns None with nothing changed. With a window (every layer a sliding-window layer, see
+baton.engine.window_blocks) the blocks behind it are freed while the request runs
+(`release_out_of_window`): their table entries become the null block 0.
 """
 
 from __future__ import annotations
 
 from baton.engine.block_pool import BlockPool
 from baton.engine.sequence import Sequence
+from baton.engine.window_blocks import NULL_BLOCK, may_release, num_dead_blocks, num_released
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -15,11 +18,15 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 
 
 class BlockManager:
-    def __init__(self, pool: BlockPool, model_id: str, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, pool: BlockPool, model_id: str, enable_prefix_caching: bool = True,
+                 window: int | None = None) -> None:
         self.pool = pool
         self.block_size = pool.block_size
         self.model_id = model_id
         self.enable_prefix_caching = enable_prefix_caching
+        # tokens every layer attends (window_blocks.freeable_window); None: no block is ever dead
+        self.window = window
+        self.num_released_blocks = 0  # table entries freed behind the window, all requests
         self.num_prefix_queries = 0  # tokens looked up in the prefix cache
         self.num_prefix_hits = 0  # of which found
 
@@ -86,13 +93,35 @@ class BlockManager:
         hashes = seq.block_hashes(bs, self.model_id)
         for index in range(seq.num_registered_blocks, num_full):
             block = seq.block_table[index]
-            if self.pool.block_hashes[block] is None:
+            # (a released entry is the null block: no hash may ever name it)
+            if block != NULL_BLOCK and self.pool.block_hashes[block] is None:
                 self.pool.cache_block(block, hashes[index], seq.token_ids[index * bs:(index + 1) * bs])
         seq.num_registered_blocks = max(seq.num_registered_blocks, num_full)
 
+    def release_out_of_window(self, seq: Sequence) -> list[int]:
+        """Free the blocks of `seq` that no future query attends (all behind the window), keeping
+        their table positions as null entries; returns the blocks freed. Only this request's
+        reference is dropped: a block another request shares stays; a hashed one stays findable in
+        the prefix cache until it is reallocated. Call it once the computed tokens are final for
+        the step (after a speculative rollback); O(log n + blocks freed)."""
+        if self.window is None or not may_release(seq):
+            return []
+        table = seq.block_table
+        end = min(num_dead_blocks(seq.num_computed_tokens, self.window, self.block_size), len(table))
+        start = num_released(table)
+        if end <= start:
+            return []
+        dead = table[start:end]
+        table[start:end] = [NULL_BLOCK] * len(dead)
+        # Reverse order, as in `free`: the chain's first block stays findable longest.
+        self.pool.free(list(reversed(dead)))
+        self.num_released_blocks += len(dead)
+        return dead
+
     def free(self, seq: Sequence) -> None:
         # Reverse order: the tail of a request is the least likely to be shared, so evict it first.
-        self.pool.free(list(reversed(seq.block_table)))
+        # The released (null) entries lead the table and hold no reference.
+        self.pool.free(list(reversed(seq.block_table[num_released(seq.block_table):])))
         seq.block_table = []
         seq.num_computed_tokens = 0
         seq.num_registered_blocks = 0

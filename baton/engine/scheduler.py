@@ -272,7 +272,8 @@ class Scheduler:
                            logprobs: list[float], top_logprobs: list[list] | None = None,
                            verified: list[Verified] | None = None) -> list[StepOutput]:
         """Apply a step's results: advance the scheduled requests, register their full blocks,
-        append the sampled tokens, and finish (and free) the requests that stop. A `remote_decode`
+        append the sampled tokens, finish (and free) the requests that stop, and free the blocks the
+        running ones left behind a sliding window (`BlockManager.release_out_of_window`). A `remote_decode`
         request that does not stop finishes with "handoff", keeping its blocks until the engine has
         saved them (`free_finished`). `verified`: the speculating rows' samples, one per position
         (see baton.engine.spec_decode); their accepted tokens are appended in order, each checked
@@ -303,6 +304,11 @@ class Scheduler:
                 self.speculator.rollback(seq)
                 bm.cache_full_blocks(seq)
             outputs.append(out)
+        # Here, once: every row's computed tokens are final for the step (chunks advanced, verify
+        # rows rolled back) and its full blocks registered, so no dead block goes unregistered.
+        for seq, _ in plan.scheduled:
+            if seq.status is SequenceStatus.RUNNING:
+                bm.release_out_of_window(seq)
         return outputs
 
     def _append(self, seq: Sequence, tokens: list[int], logprobs: list[float], tops: list[list],
