@@ -290,10 +290,7 @@ def hf_greedy(model_dir: Path, prompt: list[int], n: int) -> list[int]:
 
 def window_llm(model_dir: Path, **kwargs: Any) -> LLM:
     llm = LLM(model=str(model_dir), dtype="float32", block_size=BS, **kwargs)
-    bm = llm.engine.block_manager
-    if bm.window is None:  # until the engine passes freeable_window(model_config) itself
-        bm.window = freeable_window(llm.engine.model_config)
-    assert bm.window == W
+    assert llm.engine.block_manager.window == freeable_window(llm.engine.model_config) == W  # the engine's own
     return llm
 
 

@@ -37,6 +37,7 @@ from baton.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, 
 from baton.engine.spec_config import SpeculativeConfig, parse_speculative_config
 from baton.engine.spec_decode import verify_rows
 from baton.engine.spec_draft import DraftModel, check_same_tokenizer
+from baton.engine.window_blocks import freeable_window
 from baton.engine.structured import StructuredOutput
 from baton.engine.sequence import Sequence
 from baton.common.sampling_params import SamplingParams
@@ -102,7 +103,9 @@ class LLMEngine:
         num_blocks = config.num_kv_blocks or max(2, config.kv_cache_memory // block_bytes)
         max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.pool = BlockPool(num_blocks, config.block_size)
-        self.block_manager = BlockManager(self.pool, self.model_config.model_id, config.enable_prefix_caching)
+        # an all-window model (Mistral) frees the blocks behind its window (baton.engine.window_blocks)
+        self.block_manager = BlockManager(self.pool, self.model_config.model_id, config.enable_prefix_caching,
+                                          window=freeable_window(self.model_config))
         self.connector = (KVConnectorScheduler(config.block_size, self.model_config.model_id)
                           if config.kv_connector else None)
         speculative = parse_speculative_config(config.speculative_config)
