@@ -289,17 +289,27 @@ def test_verify_rule_keeps_the_target_distribution_and_a_wrong_rule_is_caught():
 
 def test_cost_model_verifies_only_where_it_is_cheaper_per_token():
     costs = StepCostModel()
-    assert not costs.should_verify(1, 5, 3.0)  # nothing measured: a plain step first
+    assert costs.choose_cap(1, [4], [0.75]) == 0  # nothing measured: a plain step first
     costs.observe(1, 1, 0.010, verified=False)
-    assert costs.should_verify(1, 5, 3.0)  # verify never measured: explore it
+    assert costs.choose_cap(1, [4], [0.75]) == 1  # verify never measured: explore, smallest cap first
+    costs.observe(1, 2, 0.0105, verified=True)
+    assert costs.choose_cap(1, [4], [0.75]) == 2  # the next bucket (3 tokens -> 4)
+    costs.observe(1, 3, 0.011, verified=True)
+    assert costs.choose_cap(1, [4], [0.75]) == 4  # and the last (5 tokens -> 8)
     costs.observe(1, 5, 0.012, verified=True)
-    assert costs.should_verify(1, 5, 3.0)  # 12 ms for 4 tokens beats 10 ms for 1
-    assert not costs.should_verify(1, 5, 0.1)  # ... but not for 1.1 tokens
+    assert costs.choose_cap(1, [4], [0.75]) == 4  # 12 ms for 4 tokens beats 10 ms for 1
+    assert costs.choose_cap(1, [4], [0.02]) == 0  # ... but not for 1.08
+    # four rows whose kernels turn compute-bound past 16 query tokens: two proposals each win
+    costs.observe(4, 4, 0.010, verified=False)
+    for tokens, seconds in ((8, 0.011), (12, 0.012), (16, 0.013), (20, 0.030)):
+        costs.observe(4, tokens, seconds, verified=True)
+    assert costs.choose_cap(4, [4, 4, 4, 4], [0.7, 0.7, 0.7, 0.7]) == 3  # 16 tokens: (4 + 8.4) / 12.25 ms
     # a large batch whose verify step costs twice a plain one, for few accepted tokens
     costs.observe(64, 64, 0.050, verified=False)
-    costs.observe(64, 320, 0.100, verified=True)
-    decisions = [costs.should_verify(64, 320, 10.0) for _ in range(RETRY_STEPS + 1)]
-    assert not any(decisions[:-1]) and decisions[-1]  # off, retried once after RETRY_STEPS
+    for tokens in (128, 192, 256, 320):
+        costs.observe(64, tokens, 0.100, verified=True)
+    decisions = [costs.choose_cap(64, [4] * 64, [0.03] * 64) for _ in range(RETRY_STEPS + 1)]
+    assert not any(decisions[:-1]) and decisions[-1] == 4  # off, retried once after RETRY_STEPS
 
 
 def test_a_row_that_keeps_failing_stops_proposing_for_a_while():
@@ -332,3 +342,23 @@ def test_engine_with_the_measured_policy_is_exact_and_reports_metrics(tiny_model
     assert f'baton:worker_spec_decode_num_draft_tokens_total{{model_name="tiny"}} {float(stats.spec_num_draft_tokens)}' in text
     assert 'baton:worker_spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny",position="0"}' in text
     assert_pool_all_free(llm)
+
+
+# ------------------------------------------------------------------ the serving dtype: a verify step is a decode step
+
+def test_on_the_default_gguf_speculation_gives_the_plain_greedy_tokens(default_gguf_model_dir):
+    """The default model as `baton serve` serves it (its Q4_1 blocks, bf16 activations): verified
+    positions run as decode queries through the decode kernels, so their logits are the plain
+    steps' and the greedy text is the same with speculation on (a verify chunk through the prefill
+    path gave other numbers, and other tokens at near-ties)."""
+    from baton.cli.bench.datasets import sample_grounded_requests
+
+    plain = LLM(model=str(default_gguf_model_dir), num_kv_blocks=256)
+    prompts = [r.prompt for r in sample_grounded_requests(plain.tokenizer, 2, 48)]
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    expected = [[o.outputs[0].token_ids] for o in (plain.generate(p, params)[0] for p in prompts)]
+    llm = LLM(model=str(default_gguf_model_dir), num_kv_blocks=256, speculative_config=SPEC)
+    llm.engine.scheduler.speculator.costs.force = True
+    got = [[llm.generate(p, params)[0].outputs[0].token_ids] for p in prompts]  # one client at a time
+    assert got == expected
+    assert llm.engine.stats().spec_num_accepted_tokens > 10

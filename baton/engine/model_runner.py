@@ -30,6 +30,17 @@ class PoolRows:
 
 
 @dataclass
+class _QueryRow:
+    """One decode-kernel query of a step: a request's token at `position` (sampled: a plain decode
+    row, whose logits are sampled; else a verified position of a speculating request)."""
+
+    seq: Sequence
+    position: int
+    token: int
+    sampled: bool
+
+
+@dataclass
 class StepResult:
     """What one step of the model gave: see `ModelRunner.execute`."""
 
@@ -85,44 +96,51 @@ class ModelRunner:
         and positions those P rows are (in order), and for pooling requests the final-norm hidden
         states of their chunks' pooled rows (they are never sampled).
 
-        Decode requests (one new token each) come first, reordered by context length so that
-        requests of similar length form one padded attention group; prefill chunks follow (a
-        pooling request's last chunk of one token too: it is no decode step), and so do
-        speculating rows: their last token and its proposals are a chunk whose every position
-        gets logits (the V rows between the sampled and the prompt ones).
+        Decode queries come first, reordered by context length so that queries of similar length
+        form one padded attention group: one per decode request (one new token each), and one per
+        verified position of a speculating request (its last token and each proposal, whose logits
+        are the V rows between the sampled and the prompt ones: a verify step is a decode step of
+        more rows, through the same kernels, so its logits are the ones plain decode steps give
+        wherever the kernels are row-invariant). Prefill chunks follow (a pooling request's last
+        chunk of one token too: it is no decode step).
         """
         bs, device = self.block_size, self.device
-        decode = sorted((seq for seq, n in scheduled
-                         if n == 1 and seq.num_computed_tokens + 1 == seq.num_tokens and seq.pool is None),
-                        key=lambda s: s.num_computed_tokens)
-        decode_ids = {id(s) for s in decode}
-        chunks = [(seq, n) for seq, n in scheduled if id(seq) not in decode_ids]
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        logits_indices: list[int] = []
-        sample_seqs: list[Sequence] = []
+        # one query row per decode request, and per verified position of a speculating request
+        # (its last token, then each proposal: position p attends 0..p, exactly as a plain decode
+        # step at p would, through the same kernels: the verify logits are the decode logits)
+        rows = [_QueryRow(seq, seq.num_computed_tokens, seq.token_ids[seq.num_computed_tokens], sampled=True)
+                for seq, n in scheduled if n == 1 and seq.num_computed_tokens + 1 == seq.num_tokens
+                and seq.pool is None]
+        verify = [(seq, n) for seq, n in scheduled if seq.spec_token_ids]
+        verify_seqs = [seq for seq, _ in verify]
+        for seq, n in verify:
+            start = seq.num_computed_tokens
+            assert n == 1 + len(seq.spec_token_ids) and start + 1 == seq.num_tokens
+            rows += [_QueryRow(seq, start + j, token, sampled=False)
+                     for j, token in enumerate([seq.token_ids[start], *seq.spec_token_ids])]
+        rows.sort(key=lambda r: r.position)
+        row_ids = {id(r.seq) for r in rows}
+        chunks = [(seq, n) for seq, n in scheduled if id(seq) not in row_ids]
+        input_ids = [r.token for r in rows]
+        positions = [r.position for r in rows]
+        slots = [r.seq.block_table[r.position // bs] * bs + r.position % bs for r in rows]
+        logits_indices = [i for i, r in enumerate(rows) if r.sampled]
+        sample_seqs = [r.seq for r in rows if r.sampled]
+        at = {(id(r.seq), r.position): i for i, r in enumerate(rows)}
+        verify_indices = [at[(id(seq), seq.num_computed_tokens + j)]
+                          for seq in verify_seqs for j in range(1 + len(seq.spec_token_ids))]
         prompt_rows: list[PromptRows] = []
         prompt_indices: list[int] = []
         pool_rows: list[PoolRows] = []
         hidden_indices: list[int] = []
-        verify_seqs: list[Sequence] = []
-        verify_indices: list[int] = []
-        for seq in decode:
-            pos = seq.num_computed_tokens
-            input_ids.append(seq.token_ids[pos])
-            positions.append(pos)
-            slots.append(seq.block_table[pos // bs] * bs + pos % bs)
-        logits_indices.extend(range(len(decode)))
-        sample_seqs.extend(decode)
         groups = []
-        context_lens = [s.num_computed_tokens + 1 for s in decode]
+        context_lens = [r.position + 1 for r in rows]
         for start, count in self._decode_groups(context_lens):
-            members = decode[start:start + count]
-            num_blocks = -(-(members[-1].num_computed_tokens + 1) // bs)
+            members = rows[start:start + count]
+            num_blocks = -(-(members[-1].position + 1) // bs)
             block_ids = []
-            for seq in members:
-                table = seq.block_table[:num_blocks]
+            for row in members:
+                table = row.seq.block_table[:num_blocks]
                 block_ids.extend(table)
                 block_ids.extend([0] * (num_blocks - len(table)))  # padding -> reserved block 0
             lengths = torch.tensor(context_lens[start:start + count], dtype=torch.long)
@@ -138,14 +156,7 @@ class ModelRunner:
             start = seq.num_computed_tokens
             end = start + num_new
             offset = len(input_ids)
-            if seq.spec_token_ids:  # the last token, then the proposals after it
-                assert num_new == 1 + len(seq.spec_token_ids) and start + 1 == seq.num_tokens
-                input_ids.append(seq.token_ids[start])
-                input_ids.extend(seq.spec_token_ids)
-                verify_seqs.append(seq)
-                verify_indices.extend(range(offset, offset + num_new))
-            else:
-                input_ids.extend(seq.token_ids[start:end])
+            input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
             slots.extend(self._slots(seq.block_table, start, end))
             if start == 0:
@@ -167,7 +178,7 @@ class ModelRunner:
                 pooled = seq.pool.positions(start, end)
                 pool_rows.append(PoolRows(seq, len(pooled)))
                 hidden_indices.extend(offset + p - start for p in pooled)
-            elif end == seq.num_tokens and not seq.spec_token_ids:  # computed: its next token is due
+            elif end == seq.num_tokens:  # computed: its next token is due
                 logits_indices.append(offset + num_new - 1)
                 sample_seqs.append(seq)
         meta = AttentionMetadata(

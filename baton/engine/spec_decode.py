@@ -93,12 +93,15 @@ class Speculator:
         wanted, catch_up = (self._draft_wants(scheduled, budget) if self.drafter is not None
                             else self._ngram_proposals(scheduled, budget))
         rows = len(scheduled)
-        tokens = rows + sum(len(d) for d in wanted.values())
         verify = bool(wanted)
         if verify and decode_only:
-            expected = sum(seq.spec.acceptance * len(wanted[id(seq)])
-                           for seq, _ in scheduled if id(seq) in wanted)
-            verify = self.costs.should_verify(rows, tokens, expected)
+            # how many proposals per row to verify: the measured cost per emitted token decides
+            # (fewer per row is cheaper where the kernels are compute-bound at rows * (1 + k))
+            speculating = [seq for seq, _ in scheduled if id(seq) in wanted]
+            cap = self.costs.choose_cap(rows, [len(wanted[id(seq)]) for seq in speculating],
+                                        [seq.spec.acceptance for seq in speculating])
+            wanted = {key: draft[:cap] for key, draft in wanted.items()} if cap else {}
+            verify = cap > 0
         if not verify:
             if catch_up:  # a row still catching up proposes nothing, but its draft KV advances
                 assert self.drafter is not None

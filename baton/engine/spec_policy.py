@@ -4,7 +4,9 @@ Step rule (decode-only steps, the decode worker's every step): a plain step of R
 `plain[R]` seconds for R tokens; a verify step of R rows and T query tokens costs `verify[R, T]`
 for R + E tokens, E the accepted proposals expected from the rows' recent acceptance rates. Both
 are EWMAs of measured wall times (the whole step: forward, sampling, bookkeeping) in power-of-two
-buckets of R and T. Verify iff verify[R, T] / (R + E) < plain[R] / R. A bucket never measured is
+buckets of R and T. Verify iff verify[R, T] / (R + E) < plain[R] / R, with the number of proposals
+per row capped where that emits the most tokens per second (`choose_cap`: where the kernels turn
+compute-bound at R * (1 + k) rows, two proposals per row can beat four). A bucket never measured is
 explored once (plain first); a bucket where verifying lost is retried every `RETRY_STEPS` steps,
 so a machine that got faster at it, or a workload that got more repetitive, is noticed. Steps that
 also run prefill chunks take the general (multi-token) forward anyway, so their rows speculate
@@ -64,26 +66,38 @@ class StepCostModel:
         self.num_steps = 0
         self.force: bool | None = None  # tests: always (True) or never (False) speculate
 
-    def should_verify(self, rows: int, tokens: int, expected_accepted: float) -> bool:
-        """A decode-only step of `rows` rows: whether verifying `tokens` query tokens (proposals
-        included) is expected to cost less per emitted token than a plain step."""
+    def choose_cap(self, rows: int, lengths: list[int], acceptances: list[float]) -> int:
+        """A decode-only step of `rows` rows whose speculating rows propose `lengths` tokens (their
+        recent acceptance rates `acceptances`): how many proposals per row to verify, 0 for a plain
+        step. Each cap c gives T = rows + sum(min(n, c)) query tokens and E = sum(a * min(n, c))
+        expected accepted ones; the cap with the most tokens per second, (rows + E) / verify[R, T],
+        wins if it beats the plain step's rows / plain[R]. Buckets never measured are explored
+        once, smallest cap first; when no cap wins, the full one is retried every RETRY_STEPS."""
         self.num_steps += 1
-        if self.force is not None:
-            return self.force
-        rb, key = bucket(rows), (bucket(rows), bucket(tokens))
+        top = max(lengths, default=0)
+        if self.force is not None or top == 0:
+            return top if self.force is not False else 0
+        rb = bucket(rows)
         plain = self.plain.get(rb)
         if plain is None:
-            return False  # measure a plain step first
-        verify = self.verify.get(key)
-        if verify is None:
-            return True  # explore
-        if verify / (rows + expected_accepted) < plain / rows:
-            return True
+            return 0  # measure a plain step first
+        best, best_rate = 0, rows / plain
+        for cap in range(1, top + 1):
+            tokens = rows + sum(min(n, cap) for n in lengths)
+            seconds = self.verify.get((rb, bucket(tokens)))
+            if seconds is None:
+                return cap  # explore
+            rate = (rows + sum(a * min(n, cap) for a, n in zip(acceptances, lengths))) / seconds
+            if rate > best_rate:
+                best, best_rate = cap, rate
+        if best:
+            return best
+        key = (rb, bucket(rows + sum(lengths)))
         last = self.lost_at.setdefault(key, self.num_steps)
         if self.num_steps - last >= RETRY_STEPS:
             self.lost_at[key] = self.num_steps
-            return True
-        return False
+            return top
+        return 0
 
     def observe(self, rows: int, tokens: int, seconds: float, verified: bool) -> None:
         """A decode-only step's wall time."""

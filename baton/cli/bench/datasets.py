@@ -104,17 +104,27 @@ def sample_file_requests(path: str | os.PathLike, tokenizer: Any, num_requests: 
 PASSAGES = [
     "The river starts in the mountains as a narrow stream of melted snow. It gathers water from a hundred "
     "small creeks as it runs down through the pine forests, and by the time it reaches the valley it is wide "
-    "and slow. Farmers along its banks have used it for centuries to water their fields of wheat and barley.",
+    "and slow. Farmers along its banks have used it for centuries to water their fields of wheat and barley. "
+    "In spring the river floods the low meadows, leaving a layer of dark soil behind when the water goes down. "
+    "In summer children swim in the shallow pools near the old stone bridge, and in autumn the fishermen come "
+    "back to the same places their fathers fished, waiting for the salmon to return from the sea.",
     "def merge_sorted(a, b):\n    result = []\n    i = j = 0\n    while i < len(a) and j < len(b):\n"
     "        if a[i] <= b[j]:\n            result.append(a[i])\n            i += 1\n        else:\n"
     "            result.append(b[j])\n            j += 1\n    result.extend(a[i:])\n    result.extend(b[j:])\n"
-    "    return result\n",
+    "    return result\n\n\ndef binary_search(items, target):\n    low, high = 0, len(items) - 1\n"
+    "    while low <= high:\n        middle = (low + high) // 2\n        if items[middle] == target:\n"
+    "            return middle\n        if items[middle] < target:\n            low = middle + 1\n"
+    "        else:\n            high = middle - 1\n    return -1\n",
+    '{\n  "name": "inventory-service",\n  "version": "2.4.1",\n  "port": 8080,\n  "database": {\n'
+    '    "host": "db.internal",\n    "port": 5432,\n    "user": "inventory",\n    "pool_size": 20\n  },\n'
+    '  "cache": {\n    "enabled": true,\n    "ttl_seconds": 300\n  },\n  "features": ["search", "export", '
+    '"audit-log"],\n  "log_level": "info"\n}',
     "Our office will be closed on Monday for the public holiday. Orders placed over the weekend will be "
     "shipped on Tuesday morning. If you need help before then, please write to the support address and a "
-    "member of the team will answer as soon as possible. Thank you for your patience.",
-    "Photosynthesis is the process by which green plants turn light into chemical energy. Inside the leaf, "
-    "chlorophyll absorbs sunlight and uses it to split water, releasing oxygen. The energy is stored in sugar, "
-    "which the plant uses to grow and which animals eat in turn.",
+    "member of the team will answer as soon as possible. Returns received during the closure will be "
+    "processed on Wednesday, and refunds will reach your account within five working days. The warehouse "
+    "will open one hour later than usual on Tuesday while the new shelves are installed. Thank you for your "
+    "patience, and we wish you a pleasant long weekend.",
 ]
 ASKS = ["Repeat the following text exactly, with no comment:\n\n{}",
         "Copy this text word for word, then stop:\n\n{}",
