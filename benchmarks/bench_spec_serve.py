@@ -1,0 +1,96 @@
+"""Speculative decoding through `baton serve`, against speculation off, in one run (issue #25's goals).
+
+Two servers up at once (`baton serve` defaults, and the same with `--speculative-config`); at each
+level `baton bench serve` runs against one then the other (the order alternating by round), on two
+workloads, greedy, ignore_eos, 128 output tokens; the median over `--rounds` is reported:
+- grounded (`--dataset-name grounded`: chat prompts asking to repeat or rewrite a passage) at 1 and 4
+  clients: where prompt lookup pays;
+- random (`--dataset-name random`, prompts 50-200 tokens) at 1 and 64 clients: where it must not lose.
+Prints per level the per-token latency (TPOT p50: (last token - first token) / (tokens - 1), what a
+streaming reader sees per token; bench serve's ITL is per chunk, and an accepted run arrives as one
+chunk of several tokens), ITL p50 and output tok/s, and the ratios off / on (> 1: speculation is faster).
+
+    python benchmarks/bench_spec_serve.py
+    python benchmarks/bench_spec_serve.py --spec '{"method": "ngram", "num_speculative_tokens": 6}'
+    python benchmarks/bench_spec_serve.py --quick       # fewer prompts per level
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.bench_engine import cpu_model  # noqa: E402
+from benchmarks.bench_serving import free_port, start_server, stop_server, warm_up  # noqa: E402
+
+LEVELS = [("grounded", 1), ("grounded", 4), ("random", 1), ("random", 64)]
+
+
+def bench(port: int, dataset: str, concurrency: int, num_prompts: int, out_dir: Path, tag: str) -> dict:
+    name = f"{tag}-{dataset}-c{concurrency}.json"
+    cmd = [sys.executable, "-m", "baton.cli.cli", "bench", "serve", "--base-url", f"http://127.0.0.1:{port}",
+           "--dataset-name", dataset, "--num-prompts", str(num_prompts), "--max-concurrency", str(concurrency),
+           "--request-rate", "inf", "--random-input-len", "125", "--random-range-ratio", "0.6",
+           "--random-output-len", "128", "--random-output-range-ratio", "0", "--ignore-eos",
+           "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99", "--save-result",
+           "--result-dir", str(out_dir), "--result-filename", name, "--disable-tqdm", "--seed", str(concurrency)]
+    subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    return json.loads((out_dir / name).read_text())
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--spec", default='{"method": "ngram", "num_speculative_tokens": 4}',
+                        help="the --speculative-config of the second server")
+    parser.add_argument("--serve-args", default="", help="extra flags for both servers")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--rounds", type=int, default=2, help="passes over the levels (median reported)")
+    args = parser.parse_args()
+    out_dir = Path(tempfile.mkdtemp(prefix="bench-spec-"))
+    print(f"CPU: {cpu_model()}, {os.cpu_count()} cores; load average {os.getloadavg()}", flush=True)
+    results: dict[tuple[str, str, int], list[dict]] = {}
+    servers = {}
+    try:  # both up at once (an idle server costs little), so the two alternate at every level
+        for tag, extra in (("off", []), ("on", ["--speculative-config", args.spec])):
+            port = free_port()
+            servers[tag] = (port, start_server(ROOT, port, args.serve_args.split() + extra))
+            warm_up(port)
+        for round_ in range(args.rounds):
+            for dataset, c in LEVELS:
+                for tag in (("off", "on") if round_ % 2 == 0 else ("on", "off")):
+                    n = max(2 * c, 8) if not args.quick else max(c, 2)
+                    r = bench(servers[tag][0], dataset, c, n, out_dir, f"{tag}{round_}")
+                    results.setdefault((tag, dataset, c), []).append(r)
+                    print(f"{tag:>3} {dataset:>8} c={c:<3} TPOT p50 {r['median_tpot_ms']:6.1f} ms  ITL p50 "
+                          f"{r['median_itl_ms']:6.1f} ms  {r['output_throughput']:7.1f} out tok/s", flush=True)
+    finally:
+        for _, proc in servers.values():
+            stop_server(proc)
+    # per level, the median over rounds of each figure
+    med = {key: {name: statistics.median(r[name] for r in runs)
+                 for name in ("median_tpot_ms", "median_itl_ms", "output_throughput")}
+           for key, runs in results.items()}
+    print(f"\nspeculation: {args.spec}\n")
+    print("| workload | clients | TPOT p50 off / on (ms) | ratio | ITL p50 off / on (ms) | tok/s off / on | ratio |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for dataset, c in LEVELS:
+        off, on = med[("off", dataset, c)], med[("on", dataset, c)]
+        print(f"| {dataset} | {c} | {off['median_tpot_ms']:.1f} / {on['median_tpot_ms']:.1f} | "
+              f"{off['median_tpot_ms'] / on['median_tpot_ms']:.2f}x | {off['median_itl_ms']:.1f} / "
+              f"{on['median_itl_ms']:.1f} | {off['output_throughput']:.1f} / {on['output_throughput']:.1f} | "
+              f"{on['output_throughput'] / off['output_throughput']:.2f}x |")
+    print(f"\nload average after: {os.getloadavg()}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
