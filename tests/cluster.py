@@ -58,12 +58,14 @@ class Cluster:
         self.procs[name] = proc
         return proc
 
-    def start_worker(self, module: str, worker_id: str, dtype: str | None = None) -> subprocess.Popen:
+    def start_worker(self, module: str, worker_id: str, dtype: str | None = None,
+                     args: tuple[str, ...] = ()) -> subprocess.Popen:
+        """`args`: this worker's own flags, after its pool's (say, a metrics port of its own)."""
         extra = self.prefill_args if module == "prefill_worker" else self.decode_args
         return self._spawn(worker_id, [
             sys.executable, "-m", module, "--model", str(self.model_dir), "--redis-url", self.redis_url,
             "--threads", "1", "--dtype", dtype or self.dtype, "--worker-id", worker_id, "--claim-idle-ms", "500",
-            *extra])
+            *extra, *args])
 
     def wait_ready(self, prefill: int, decode: int, timeout: float = 180) -> None:
         deadline = time.time() + timeout

@@ -78,6 +78,29 @@ def test_sigkill_decode_worker_mid_stream(tiny_model_dir, reference):
         cluster.wait_idle(timeout=30)
 
 
+def test_sigkill_of_a_speculating_decode_worker_mid_stream(tiny_model_dir, reference):
+    """Speculation on (n-gram): every stream still gets the plain greedy tokens through a crash (the
+    survivor continues from the store's KV, speculating too), and verify steps did happen there."""
+    from baton.cli.redis_server import free_port
+
+    spec = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}'
+    prompts = [" ".join(WORDS[: 3 + i % 10]) for i in range(8)]
+    ports = [free_port(), free_port()]
+    with Cluster(tiny_model_dir, prefill=1, decode=0,
+                 decode_args=("--max-num-seqs", "8", "--speculative-config", spec)) as cluster:
+        for i, port in enumerate(ports):
+            cluster.start_worker("decode_worker", f"decode-{i}", args=("--metrics-port", str(port)))
+        cluster.wait_ready(1, 2)
+        got = run_streams_and_kill(cluster, prompts, 120, "decode-0", after_tokens=150)
+        assert got == expected_ids(reference, prompts, 120)
+        assert cluster.procs["decode-0"].poll() is not None
+        metrics = httpx.get(f"http://127.0.0.1:{ports[1]}/metrics", timeout=10).text
+        accepted = [float(line.split()[-1]) for line in metrics.splitlines()
+                    if line.startswith("baton:worker_spec_decode_num_accepted_tokens_total")]
+        assert accepted and accepted[0] > 0, metrics[-2000:]
+        cluster.wait_idle(timeout=30)
+
+
 def test_sigkill_prefill_worker_mid_prompt(tiny_model_dir, reference):
     # Long prompts and a small prefill budget keep prefills in flight when the worker dies.
     prompts = [" ".join(WORDS * (20 + i)) for i in range(16)]
