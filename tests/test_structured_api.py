@@ -261,7 +261,7 @@ def test_sigkill_decode_worker_mid_structured_stream(tiny_model_dir):
     schema = {"type": "object", "properties": {"xs": {"type": "array", "minItems": 24, "maxItems": 24,
                                                       "items": {"type": "integer", "minimum": 0, "maximum": 99}}},
               "required": ["xs"], "additionalProperties": False}
-    prompts = [f"Numbers, list {i}:" for i in range(12)]
+    prompts = [f"Numbers, list {i}:" for i in range(8)]
 
     async def stream(client: httpx.AsyncClient, prompt: str, seed: int, counter: list[int]) -> list[int]:
         ids: list[int] = []
@@ -282,12 +282,12 @@ def test_sigkill_decode_worker_mid_structured_stream(tiny_model_dir):
         counter = [0]
         async with httpx.AsyncClient(base_url=cluster.base_url, timeout=180) as client:
             tasks = [asyncio.create_task(stream(client, p, seed, counter)) for seed, p in enumerate(prompts)]
-            while counter[0] < 150 and not all(t.done() for t in tasks):
+            while counter[0] < 100 and not all(t.done() for t in tasks):
                 await asyncio.sleep(0.01)
             cluster.kill("decode-0", signal.SIGKILL)
             return await asyncio.gather(*tasks)
 
-    with Cluster(tiny_model_dir, prefill=1, decode=2, decode_args=("--max-num-seqs", "6")) as cluster:
+    with Cluster(tiny_model_dir, prefill=1, decode=2, decode_args=("--max-num-seqs", "4")) as cluster:
         got = asyncio.run(run(cluster))
         assert cluster.procs["decode-0"].poll() is not None
     reference = LLM(model=str(tiny_model_dir), dtype="float32", enable_prefix_caching=False)
