@@ -347,8 +347,8 @@ def test_bf16_greedy_is_transformers_but_at_near_ties(family, family_dir, prompt
     hf = _HF_MODELS[str(model_dir)]
     llm = LLM(model=str(model_dir), dtype="bfloat16", num_kv_blocks=128)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    exact = 0
-    for prompt, out in zip(prompts, llm.generate(prompts, params)):
+    exact, chosen = 0, [prompts[1], prompts[3]]  # 17 tokens, and 70: past the 24-token window
+    for prompt, out in zip(chosen, llm.generate(chosen, params)):
         got = out.outputs[0].token_ids
         with torch.no_grad():
             logits = hf(torch.tensor([prompt + got])).logits[0, len(prompt) - 1:len(prompt) - 1 + len(got)]
@@ -357,4 +357,4 @@ def test_bf16_greedy_is_transformers_but_at_near_ties(family, family_dir, prompt
             margin = float(row.max() - row[token])
             assert margin <= 0.03 * float(row.max() - row.median()), (family, len(prompt), i, margin)
             exact += margin == 0
-    assert exact >= 0.6 * 16 * len(prompts), (family, exact)  # near-ties are the exception
+    assert exact >= 0.6 * 16 * len(chosen), (family, exact)  # near-ties are the exception
