@@ -362,3 +362,34 @@ def test_on_the_default_gguf_speculation_gives_the_plain_greedy_tokens(default_g
     got = [[llm.generate(p, params)[0].outputs[0].token_ids] for p in prompts]  # one client at a time
     assert got == expected
     assert llm.engine.stats().spec_num_accepted_tokens > 10
+
+
+def test_constrained_rows_speculate_within_their_grammar(tiny_model_dir, prompts):
+    """A JSON-schema row proposes only what its grammar accepts and each verified position is
+    masked after the proposals before it: greedy and seeded sampled outputs are speculation off's,
+    valid JSON, and proposals were verified and accepted."""
+    import json
+
+    import jsonschema
+
+    from baton.common.structured import json_schema
+
+    schema = {"type": "object", "properties": {"xs": {"type": "array", "minItems": 12, "maxItems": 12,
+                                                      "items": {"type": "integer", "minimum": 0, "maximum": 3}}},
+              "required": ["xs"], "additionalProperties": False}
+    params = [SamplingParams(temperature=0, max_tokens=80, structured=json_schema(schema)),
+              SamplingParams(temperature=1.0, seed=3, max_tokens=80, structured=json_schema(schema)),
+              SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)]  # an unconstrained row beside them
+    batch = [prompts[0], prompts[1], prompts[4]]
+    off = make_llm(tiny_model_dir, spec=False).generate(batch, params)
+    constrained = make_llm(tiny_model_dir, spec=True)  # the constrained rows alone: they do speculate
+    assert tokens_of(constrained.generate(batch[:2], params[:2])) == tokens_of(off[:2])
+    stats = constrained.engine.stats()
+    assert stats.spec_num_drafts > 0 and stats.spec_num_accepted_tokens > 0, stats
+    llm = make_llm(tiny_model_dir, spec=True)
+    on = llm.generate(batch, params)
+    assert tokens_of(on) == tokens_of(off)
+    for out in on[:2]:
+        assert out.outputs[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(out.outputs[0].text), schema)
+    assert_pool_all_free(llm)

@@ -247,7 +247,8 @@ class LLMEngine:
             draws = [s.num_output_tokens + j for s, j in rows]
             allowed = suppress_early_stops(logits, params, draws, self.eos_token_ids)
             tokens, logprobs = sample(
-                self.structured.apply(seqs, allowed),  # grammar masks (a no-op when unconstrained)
+                # grammar masks (a no-op when unconstrained); a verified position's after its proposals
+                self.structured.apply(seqs, allowed, [s.spec_token_ids[:j] for s, j in rows]),
                 params,
                 [s.token_ids + s.spec_token_ids[:j] if s.sampling_params.edits_logits else [] for s, j in rows],
                 draws,

@@ -1,7 +1,7 @@
 """Speculative decoding inside the scheduler: propose, reserve slots, accept, roll back.
 
 Rules (the scheduler calls these; nothing else touches a request's speculation):
-- After a step is scheduled, each decode row (one token due, not a grammar row, not a pooling or
+- After a step is scheduled, each decode row (one token due, not a pooling or
   handed-off one) asks its n-gram index for up to k proposals, capped by the step's leftover token
   budget, its max_tokens and the model's length. The proposals are the row's `spec_token_ids`; the
   row is then scheduled for 1 + k query tokens, whose slots the block manager allocates (it fits
@@ -19,8 +19,10 @@ Rules (the scheduler calls these; nothing else touches a request's speculation):
   them (their slots held rejected tokens' KV) and registers in the prefix cache only blocks whose
   every token is accepted (`cache_full_blocks` counts computed tokens only).
 - Penalties and logit bias apply per position (position j's history is the tokens plus the first j
-  proposals, which is the real history whenever position j is used); min_tokens likewise. Rows with
-  a grammar do not speculate in this version (their matcher would have to advance over proposals).
+  proposals, which is the real history whenever position j is used); min_tokens likewise. A row
+  with a grammar proposes only what its matcher accepts, and position j is masked by the matcher's
+  state after the first j proposals (baton.engine.structured); with a draft model it does not
+  speculate.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from baton.engine.spec_config import SpeculativeConfig
 from baton.engine.spec_draft import CATCH_UP_TOKENS, DraftCursor, DraftModel
 from baton.engine.spec_ngram import NgramIndex
 from baton.engine.spec_policy import RowSpec, StepCostModel
+from baton.engine.structured import StructuredOutput
 
 
 @dataclass
@@ -69,8 +72,11 @@ class Speculator:
         self._step_shape: tuple[int, int, bool] | None = None  # (rows, tokens, verified), decode-only steps
 
     def eligible(self, seq: Sequence) -> bool:
-        p = seq.sampling_params
-        return seq.pool is None and not seq.remote_decode and p.structured is None
+        # a constrained row speculates with n-gram proposals (cut to what its grammar accepts; each
+        # verified position then gets its own mask); a draft model's would need the masks in the
+        # draft's own sampling too, so constrained rows do not draft
+        structured = seq.sampling_params.structured is not None
+        return seq.pool is None and not seq.remote_decode and not (structured and self.drafter is not None)
 
     def _row(self, seq: Sequence) -> RowSpec:
         if seq.spec is None:
@@ -146,7 +152,7 @@ class Speculator:
             k = self._room(seq, budget)
             if k <= 0:
                 continue
-            draft = row.index.propose(seq.token_ids, k)  # type: ignore[attr-defined]
+            draft = StructuredOutput.valid_prefix(seq, row.index.propose(seq.token_ids, k))  # type: ignore[attr-defined]
             if draft:
                 proposals[id(seq)] = draft
                 budget -= len(draft)

@@ -128,9 +128,12 @@ class StructuredOutput:
             raise ValueError(f"the output so far does not match the structured output spec: {state.error}")
         seq.grammar = state
 
-    def apply(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
+    def apply(self, seqs: list[Sequence], logits: torch.Tensor,
+              drafts: list[list[int]] | None = None) -> torch.Tensor:
         """`logits` with the grammar masks of the constrained rows applied (a copy; `logits`
-        itself when no row is constrained). logits: [S, V], row i sampled for seqs[i]."""
+        itself when no row is constrained). logits: [S, V], row i sampled for seqs[i]; `drafts[i]`:
+        the speculative proposals row i comes after (a verified position: its mask is the matcher's
+        after the output and them; the proposals were checked valid when proposed)."""
         rows = [i for i, s in enumerate(seqs) if s.sampling_params.structured is not None]
         if not rows:
             return logits
@@ -146,9 +149,15 @@ class StructuredOutput:
         if self._bitmask.shape[0] < len(rows):
             self._bitmask = torch.empty((max(len(rows), 2 * self._bitmask.shape[0]), width), dtype=torch.int32)
         bitmask = self._bitmask[:len(rows)]
-        live = [(state.matcher, j) for j, state in enumerate(states) if not state.error]
+        ahead = [drafts[i] if drafts is not None else [] for i in rows]
+        live = [(state.matcher, j) for j, state in enumerate(states) if not state.error and not ahead[j]]
         if live:
             executor.unsafe_compute_mask_ptr(live, bitmask.data_ptr(), width * 4, len(rows))
+        for j, state in enumerate(states):  # verified positions: one matcher state each, in turn
+            if ahead[j] and not state.error:
+                state.matcher.consume_tokens(ahead[j])
+                executor.unsafe_compute_mask_ptr([(state.matcher, j)], bitmask.data_ptr(), width * 4, len(rows))
+                state.matcher.rollback(len(ahead[j]))
         for j, state in enumerate(states):
             if state.error:  # ends with "error" after this step (see `failed`): let it stop now
                 bitmask[j].zero_()
@@ -158,6 +167,21 @@ class StructuredOutput:
         masked = logits.float().clone()  # the model's logits are inference tensors: not in place
         apply_bitmask(masked, bitmask, rows)
         return masked
+
+    @staticmethod
+    def valid_prefix(seq: Sequence, proposals: list[int]) -> list[int]:
+        """The leading proposals a constrained request's grammar accepts after its output (cut at
+        the first EOS: the matcher never consumes one); all of them for an unconstrained request."""
+        state = seq.grammar
+        if seq.sampling_params.structured is None:
+            return proposals
+        if state is None:
+            return []
+        state.sync(seq.output_token_ids)
+        if state.error:
+            return []
+        cut = next((i for i, t in enumerate(proposals) if t in state.eos_token_ids), len(proposals))
+        return proposals[:state.matcher.validate_tokens(proposals[:cut])]
 
     @staticmethod
     def failed(seq: Sequence) -> str:
