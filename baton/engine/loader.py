@@ -146,7 +146,10 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto",
     tensors = _read_tensors(model_dir)
     state = _build_state(_recipes(model, config), tensors, config.tie_word_embeddings)
     del tensors
-    state = {k: v.to(device=device, dtype=torch_dtype) for k, v in state.items()}
+    # copy=True: a tensor already in the target dtype would otherwise stay a view of the
+    # checkpoint's memory map, and one view (a norm's weight) keeps the whole mapped file resident
+    # for the worker's life (measured: 2.36 GB of a 1B model's file after load, on top of the packs)
+    state = {k: v.to(device=device, dtype=torch_dtype, copy=True) for k, v in state.items()}
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     missing = [m for m in missing if not (config.tie_word_embeddings and m == "lm_head.weight")]
     if missing or unexpected:  # a recipe bug, not a checkpoint problem
