@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -285,3 +287,18 @@ def test_released_load_copies_leave_one_copy_and_the_same_tokens(tiny_model_dir,
     after = [o.outputs[0] for o in llm.generate(prompts, params)]
     assert [o.token_ids for o in after] == [o.token_ids for o in before]
     assert [o.logprobs for o in after] == [o.logprobs for o in before]
+
+
+@needs_native
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one core: nothing to run in parallel")
+def test_the_kernels_run_on_the_threads_torch_is_given():
+    """`--threads 2` must reach the native kernels: built without OpenMP, their parallel_for ran
+    every matmul and attention on one thread whatever torch.set_num_threads said."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert native.parallel_threads(64) == 2
+        torch.set_num_threads(1)
+        assert native.parallel_threads(64) == 1
+    finally:
+        torch.set_num_threads(before)

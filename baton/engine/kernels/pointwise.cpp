@@ -136,3 +136,15 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   });
   return out;
 }
+
+// How many threads a parallel_for over `n` items runs on in these kernels (at most
+// torch.get_num_threads()): 1 when the extension was built without OpenMP, whatever --threads says.
+int64_t parallel_threads(int64_t n) {
+  std::atomic<int64_t> most{1};
+  at::parallel_for(0, n, 1, [&](int64_t, int64_t) {
+    const int64_t mine = at::get_thread_num() + 1;
+    int64_t seen = most.load();
+    while (mine > seen && !most.compare_exchange_weak(seen, mine)) {}
+  });
+  return most.load();
+}
