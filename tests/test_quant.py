@@ -41,7 +41,7 @@ has kept its character: a place of work and trade, proud of its past, but never 
 def native():
     module = kernels.load()
     if module is None or not module.q8_available():
-        pytest.skip("the native int8 kernel needs AVX512-VNNI and a compiler")
+        pytest.skip("the native int8 kernel needs AVX512-VNNI or AVX2 and a compiler")
     return module
 
 

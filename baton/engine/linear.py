@@ -32,6 +32,7 @@ deterministic inference, for this engine's CPU kernels (the costs: docs/performa
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -106,7 +107,21 @@ class PackedLinear:
 
 def packing_supported(weight: torch.Tensor) -> bool:
     return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
-            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and _cpu_packs_bf16())
+
+
+@functools.cache
+def _cpu_packs_bf16() -> bool:
+    """Whether oneDNN packs a bf16 weight on this CPU: torch has the op everywhere, but refuses it
+    without AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT (AMD Zen 2/3: "bf16 path needs the cpu support ...").
+    Tried once on a tiny weight, so that a model's hundreds of projections do not each fail and warn."""
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), PACK_BATCH_HINT)
+        return True
+    except RuntimeError as exc:
+        logger.info("oneDNN cannot pack bf16 weights on this CPU (%s): bf16 projections run F.linear", exc)
+        return False
 
 
 def make_linear_op(linear: nn.Linear, fast: bool = True) -> LinearOp:
@@ -312,6 +327,11 @@ class QuantizedLinear:
     @property
     def native(self) -> bool:
         return self._kernels is not None
+
+    @property
+    def isa(self) -> str:
+        """The integer dot product the native kernel runs ("AVX512-VNNI", "AVX2"; "" without it)."""
+        return self._kernels.qgemv_isa() if self._kernels is not None else ""
 
     @property
     def nbytes(self) -> int:

@@ -67,7 +67,7 @@ def kernel_words(op: object, linear: nn.Linear) -> str:
         return f"torch F.linear ({linear.weight.dtype})"
     if isinstance(op, QuantizedLinear):
         blocks = {"q8_0": "Q8_0", "q4": "Q4 (4-bit, per-block scale and min)"}.get(op.scheme, op.scheme)
-        how = "native AVX512-VNNI integer dot products" if op.native else "dequantized per call"
+        how = f"native {op.isa} integer dot products" if op.native else "dequantized per call"
         return f"{blocks} blocks, {how}"
     if isinstance(op, RowSplitLinear):
         if op.max_native_rows >= ALL_ROWS:

@@ -1,7 +1,7 @@
 """Quantized projections: int8 weights in GGUF's Q8_0 form (blocks of 32 along the input, one scale
 each: w = d * q) or 4-bit ones in Q4_1's (w = d * q + m, q in 0..15), multiplied by the native
-kernel (`kernels/qgemv.cpp`, AVX512-VNNI integer dot products against activations quantized per
-block, as llama.cpp multiplies them).
+kernel (`kernels/qgemv.cpp`: integer dot products, AVX512-VNNI or AVX2, against activations
+quantized per block, as llama.cpp multiplies them).
 
 `quantize_model(model, quantization, gguf_source=...)`: "int8" / "int4" quantize each dense projection
 (q|k|v, o, gate|up, down; MoE experts stay in the model's dtype) and the LM head at load and replace
@@ -12,7 +12,7 @@ dtype (a GGUF then runs dequantized, in --dtype). The token embedding stays in t
 per token; it is the LM head's weight too when the two are tied, and the head's quantized copy is
 then the only other one).
 
-Where the kernel cannot run (no AVX512-VNNI, or native kernels off), `Q8Linear` dequantizes its
+Where the kernel cannot run (neither AVX512-VNNI nor AVX2, or native kernels off), `Q8Linear` dequantizes its
 weight for each call and multiplies in the activations' dtype: correct, and slow; `quantize_model`
 says so in the log once. The quantized weight is the same either way.
 """
@@ -82,15 +82,15 @@ def quantize_model(model: nn.Module, quantization: str, kernels: Any = None,
 
         kernels = native.load()
     if quantization == "auto":
-        # the GGUF's own blocks where the native kernel multiplies them; without it (no AVX512-VNNI)
+        # the GGUF's own blocks where the native kernel multiplies them; without it (no AVX512-VNNI/AVX2)
         # they would be dequantized per call, slower than the dequantized weights served as they are
         if kernels is None or not kernels.q8_available():
-            logger.warning("%s: no native int8/4-bit kernel on this machine (AVX512-VNNI): serving its "
+            logger.warning("%s: no native int8/4-bit kernel on this machine (AVX512-VNNI or AVX2): serving its "
                            "dequantized weights in the model's dtype", gguf_source.name)
             return "none"
         quantization = "gguf"
     if kernels is None or not kernels.q8_available():
-        logger.warning("quantized weights without the native kernel (it needs AVX512-VNNI and a compiler): "
+        logger.warning("quantized weights without the native kernel (it needs AVX512-VNNI or AVX2 and a compiler): "
                        "each projection dequantizes its weight per call, which is slow")
     if quantization == "gguf":
         assert gguf_source is not None
@@ -104,7 +104,8 @@ def quantize_model(model: nn.Module, quantization: str, kernels: Any = None,
     else:
         _quantize_projections(model, quantization, kernels)
     # the all-layers native decode call, rebuilt over the quantized packs (None where it cannot run them)
-    model.layers_plan = LayersPlan.build(model, kernels) if model.layers_plan is not None else None
+    # (prepare may have built none: bf16 projections without a pack, as on a CPU without AVX-512)
+    model.layers_plan = LayersPlan.build(model, kernels) if model.path == "native" else None
     return quantization
 
 

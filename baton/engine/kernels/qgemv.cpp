@@ -29,6 +29,15 @@
 // share a weight load): batch-invariant, as the bf16 kernel.
 #include "vec.h"
 
+// Which integer dot product the kernels use: AVX512-VNNI's VPDPBUSD, or AVX2's VPMADDUBSW +
+// VPMADDWD (Zen 2/3, Intel client cores without AVX-512: see the AVX2 strips below). Neither: no
+// native kernel, and the loader serves a GGUF's dequantized weights instead.
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define BATON_QGEMV_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define BATON_QGEMV_AVX2 1
+#endif
+
 namespace {
 
 constexpr int64_t kQStrip = 32;  // outputs per strip: 2 zmm of int32 (and 2 of fp32) per row
@@ -36,7 +45,9 @@ constexpr int64_t kQBlock = 32;  // K per block (GGUF's QK8_0)
 constexpr int64_t kQBlockBytes = 8 * kQStrip * 4 + 2 * kQStrip * 4;  // weights, d, c: 1280
 constexpr int64_t kQ4BlockBytes = 8 * 64 + 2 * kQStrip * 2;  // nibbles, d, m (fp16): 640
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(BATON_QGEMV_AVX512)
+constexpr int kQ8Offset = 128;  // the activations are VPDPBUSD's unsigned operand: p + 128
+
 // One strip of 32 outputs for MT activation rows. xq: [MT, K] u8 (offset 128), xs: [MT, K/32] fp32.
 template <int MT>
 inline void q8_strip(const uint8_t* xq, const float* xs, int64_t K, const uint8_t* strip, const float* bias,
@@ -107,9 +118,177 @@ inline void q4_strip(const uint8_t* xq, const float* xs, const float* xsum, int6
   }
   store_tiles<MT, 2>(acc, bias, n0, N, out_f, out_b);
 }
+#elif defined(BATON_QGEMV_AVX2)
+// AVX2 has no VPDPBUSD: VPMADDUBSW multiplies u8 by s8 bytes and adds adjacent pairs into int16,
+// saturating, and VPMADDWD by ones adds those pairs into the int32 lane (4 consecutive K of one
+// output, the same packed layout as above). The Q8_0 dot uses llama.cpp's sign trick so that no
+// pair can saturate: |w| (u8, at most 128) times x carrying w's sign (|p| <= 127), 2 * 128 * 127 <
+// 2^15; the activations are therefore signed (p, not offset) and the packed c is not read. The
+// 4-bit dot (nibbles <= 15 times |p| <= 127) stays within int16 over a whole block's 8 groups
+// (8 * 2 * 15 * 127 < 2^15), so it widens to int32 once per block. A strip runs as two halves of 16
+// outputs (2 ymm of sums and 2 of dots per row: 16 registers hold 3 rows); a tile of more rows is
+// two passes over the strip, which is then in L1/L2. Each row's arithmetic is the same whatever the
+// tile: batch-invariant, as the AVX-512 kernel.
+constexpr int kQ8Offset = 0;
+
+// 8 fp32 -> 8 bf16, rounded to nearest even as torch converts (NaN is not expected here).
+inline __m128i to_bf16x8(__m256 y) {
+  const __m256i bits = _mm256_castps_si256(y);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i top = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+  const __m256i packed = _mm256_packus_epi32(top, top);  // per 128-bit lane: t0..t3 t0..t3 | t4..t7 t4..t7
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, _MM_SHUFFLE(3, 1, 2, 0)));
+}
+
+// Outputs n0 .. n0 + 15 (masked at N) of MT rows, N apart: sums + bias, as fp32 or bf16.
+template <int MT>
+inline void store_half(const __m256 (&acc)[MT][2], const float* bias, int64_t n0, int64_t N, float* out_f,
+                       c10::BFloat16* out_b) {
+  for (int j = 0; j < 2; ++j) {
+    const int64_t c0 = n0 + 8 * j;
+    if (c0 >= N) break;
+    const int64_t cols = std::min<int64_t>(8, N - c0);
+    alignas(32) float bias8[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    if (bias != nullptr) std::memcpy(bias8, bias + c0, cols * sizeof(float));
+    const __m256 bv = _mm256_load_ps(bias8);
+    for (int m = 0; m < MT; ++m) {
+      const __m256 y = _mm256_add_ps(acc[m][j], bv);
+      if (out_f != nullptr) {
+        if (cols == 8) {
+          _mm256_storeu_ps(out_f + m * N + c0, y);
+        } else {
+          alignas(32) float tmp[8];
+          _mm256_store_ps(tmp, y);
+          std::memcpy(out_f + m * N + c0, tmp, cols * sizeof(float));
+        }
+      } else {
+        const __m128i h = to_bf16x8(y);
+        if (cols == 8) {
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(out_b + m * N + c0), h);
+        } else {
+          alignas(16) uint16_t tmp[8];
+          _mm_store_si128(reinterpret_cast<__m128i*>(tmp), h);
+          std::memcpy(out_b + m * N + c0, tmp, cols * sizeof(uint16_t));
+        }
+      }
+    }
+  }
+}
+
+// Half `half` (outputs 16 half .. 16 half + 15) of a Q8_0 strip for MT <= 3 rows. xq: [MT, K] s8.
+template <int MT>
+inline void q8_half(const uint8_t* xq, const float* xs, int64_t K, const uint8_t* strip, int half,
+                    __m256 (&acc)[MT][2]) {
+  const int64_t blocks = K / kQBlock;
+  const int32_t* x4 = reinterpret_cast<const int32_t*>(xq);
+  const int64_t words = K / 4;
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* blk = strip + b * kQBlockBytes;
+    __m256i dot[MT][2];
+    for (int m = 0; m < MT; ++m) dot[m][0] = dot[m][1] = _mm256_setzero_si256();
+    for (int g = 0; g < 8; ++g) {
+      const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + g * 128 + half * 64));
+      const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + g * 128 + half * 64 + 32));
+      const __m256i a0 = _mm256_abs_epi8(w0), a1 = _mm256_abs_epi8(w1);
+      for (int m = 0; m < MT; ++m) {
+        const __m256i xv = _mm256_set1_epi32(x4[m * words + b * 8 + g]);
+        const __m256i p0 = _mm256_maddubs_epi16(a0, _mm256_sign_epi8(xv, w0));
+        const __m256i p1 = _mm256_maddubs_epi16(a1, _mm256_sign_epi8(xv, w1));
+        dot[m][0] = _mm256_add_epi32(dot[m][0], _mm256_madd_epi16(p0, ones));
+        dot[m][1] = _mm256_add_epi32(dot[m][1], _mm256_madd_epi16(p1, ones));
+      }
+    }
+    const float* d = reinterpret_cast<const float*>(blk + 1024) + half * 16;
+    const __m256 d0 = _mm256_loadu_ps(d), d1 = _mm256_loadu_ps(d + 8);
+    for (int m = 0; m < MT; ++m) {
+      const __m256 s = _mm256_set1_ps(xs[m * blocks + b]);
+      acc[m][0] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(dot[m][0]), d0), s, acc[m][0]);
+      acc[m][1] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(dot[m][1]), d1), s, acc[m][1]);
+    }
+  }
+}
+
+// Half `half` of a 4-bit strip for MT <= 3 rows: the low nibbles are outputs 0-15, the high 16-31.
+template <int MT>
+inline void q4_half(const uint8_t* xq, const float* xs, const float* xsum, int64_t K, const uint8_t* strip,
+                    int half, __m256 (&acc)[MT][2]) {
+  const int64_t blocks = K / kQBlock;
+  const int32_t* x4 = reinterpret_cast<const int32_t*>(xq);
+  const int64_t words = K / 4;
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* blk = strip + b * kQ4BlockBytes;
+    __m256i dot[MT][2];  // int16 pairs: the whole block fits (see above)
+    for (int m = 0; m < MT; ++m) dot[m][0] = dot[m][1] = _mm256_setzero_si256();
+    for (int g = 0; g < 8; ++g) {
+      __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + g * 64));
+      __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + g * 64 + 32));
+      if (half != 0) {
+        v0 = _mm256_srli_epi16(v0, 4);
+        v1 = _mm256_srli_epi16(v1, 4);
+      }
+      const __m256i w0 = _mm256_and_si256(v0, low4), w1 = _mm256_and_si256(v1, low4);
+      for (int m = 0; m < MT; ++m) {
+        const __m256i xv = _mm256_set1_epi32(x4[m * words + b * 8 + g]);
+        dot[m][0] = _mm256_add_epi16(dot[m][0], _mm256_maddubs_epi16(w0, xv));
+        dot[m][1] = _mm256_add_epi16(dot[m][1], _mm256_maddubs_epi16(w1, xv));
+      }
+    }
+    const __m128i* dm = reinterpret_cast<const __m128i*>(blk + 512) + half * 2;  // 32 fp16 d, then 32 m
+    const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128(dm)), d1 = _mm256_cvtph_ps(_mm_loadu_si128(dm + 1));
+    const __m256 o0 = _mm256_cvtph_ps(_mm_loadu_si128(dm + 4)), o1 = _mm256_cvtph_ps(_mm_loadu_si128(dm + 5));
+    for (int m = 0; m < MT; ++m) {
+      const __m256 s = _mm256_set1_ps(xs[m * blocks + b]);
+      const __m256 sp = _mm256_set1_ps(xsum[m * blocks + b]);
+      const __m256 f0 = _mm256_cvtepi32_ps(_mm256_madd_epi16(dot[m][0], ones));
+      const __m256 f1 = _mm256_cvtepi32_ps(_mm256_madd_epi16(dot[m][1], ones));
+      acc[m][0] = _mm256_fmadd_ps(o0, sp, _mm256_fmadd_ps(_mm256_mul_ps(f0, d0), s, acc[m][0]));
+      acc[m][1] = _mm256_fmadd_ps(o1, sp, _mm256_fmadd_ps(_mm256_mul_ps(f1, d1), s, acc[m][1]));
+    }
+  }
+}
+
+// One strip of 32 outputs for MT activation rows (the AVX-512 strips' signature).
+template <int MT>
+inline void q8_strip(const uint8_t* xq, const float* xs, int64_t K, const uint8_t* strip, const float* bias,
+                     int64_t n0, int64_t N, float* out_f, c10::BFloat16* out_b) {
+  if constexpr (MT > 3) {
+    const int64_t blocks = K / kQBlock;
+    q8_strip<3>(xq, xs, K, strip, bias, n0, N, out_f, out_b);
+    q8_strip<MT - 3>(xq + 3 * K, xs + 3 * blocks, K, strip, bias, n0, N, out_f ? out_f + 3 * N : nullptr,
+                     out_b ? out_b + 3 * N : nullptr);
+  } else {
+    for (int half = 0; half < 2 && n0 + 16 * half < N; ++half) {
+      __m256 acc[MT][2];
+      q8_half<MT>(xq, xs, K, strip, half, acc);
+      store_half<MT>(acc, bias, n0 + 16 * half, N, out_f, out_b);
+    }
+  }
+}
+
+template <int MT>
+inline void q4_strip(const uint8_t* xq, const float* xs, const float* xsum, int64_t K, const uint8_t* strip,
+                     const float* bias, int64_t n0, int64_t N, float* out_f, c10::BFloat16* out_b) {
+  if constexpr (MT > 3) {
+    const int64_t blocks = K / kQBlock;
+    q4_strip<3>(xq, xs, xsum, K, strip, bias, n0, N, out_f, out_b);
+    q4_strip<MT - 3>(xq + 3 * K, xs + 3 * blocks, xsum + 3 * blocks, K, strip, bias, n0, N,
+                     out_f ? out_f + 3 * N : nullptr, out_b ? out_b + 3 * N : nullptr);
+  } else {
+    for (int half = 0; half < 2 && n0 + 16 * half < N; ++half) {
+      __m256 acc[MT][2];
+      q4_half<MT>(xq, xs, xsum, K, strip, half, acc);
+      store_half<MT>(acc, bias, n0 + 16 * half, N, out_f, out_b);
+    }
+  }
+}
 #endif
 
-// Row m of x -> its blocks as bytes p + offset (128 for the Q8_0 kernel's unsigned operand, 0 for the
+// Row m of x -> its blocks as bytes p + offset (kQ8Offset for the Q8_0 kernel, 0 for the
 // 4-bit one's signed operand), their scales s = amax / 127 (0 for an all-zero block) and, where xsum
 // is given, s * sum(p) per block.
 template <typename T>
@@ -143,8 +322,19 @@ void quantize_rows(const T* x, int64_t M, int64_t K, int offset, uint8_t* xq, fl
 
 }  // namespace
 
+// The integer dot product qgemv runs on this build, in words ("" where it has none).
+std::string qgemv_isa() {
+#if defined(BATON_QGEMV_AVX512)
+  return "AVX512-VNNI";
+#elif defined(BATON_QGEMV_AVX2)
+  return "AVX2";
+#else
+  return "";
+#endif
+}
+
 bool q8_available() {
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(BATON_QGEMV_AVX512) || defined(BATON_QGEMV_AVX2)
   return true;
 #else
   return false;
@@ -233,7 +423,7 @@ torch::Tensor q4_pack(torch::Tensor q, torch::Tensor d, torch::Tensor m) {
 // x [..., K] -> [..., N] through a q8_pack or a q4_pack (the pack's last size says which).
 torch::Tensor qgemv(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t N,
                     bool out_float) {
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(BATON_QGEMV_AVX512) || defined(BATON_QGEMV_AVX2)
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "x must be bf16 or fp32");
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte &&
                   (packed.size(2) == kQBlockBytes || packed.size(2) == kQ4BlockBytes),
@@ -258,7 +448,7 @@ torch::Tensor qgemv(torch::Tensor x, torch::Tensor packed, c10::optional<torch::
   uint8_t* xqp = xq_scratch.data();
   float* xsp = xs_scratch.data();
   float* xsum = four_bit ? xsp + M * blocks : nullptr;
-  const int offset = four_bit ? 0 : 128;
+  const int offset = four_bit ? 0 : kQ8Offset;
   if (x2.scalar_type() == at::kBFloat16)
     quantize_rows(x2.data_ptr<c10::BFloat16>(), M, K, offset, xqp, xsp, xsum);
   else
@@ -281,7 +471,7 @@ torch::Tensor qgemv(torch::Tensor x, torch::Tensor packed, c10::optional<torch::
   });
   return out.view(out_shape);
 #else
-  TORCH_CHECK(false, "qgemv needs AVX512-VNNI");
+  TORCH_CHECK(false, "qgemv needs AVX512-VNNI or AVX2");
   return x;
 #endif
 }

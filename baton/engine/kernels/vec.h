@@ -3,7 +3,7 @@
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
