@@ -44,6 +44,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--schemes", default="none,int8,int4,auto", help="--quantization values (none first)")
+    parser.add_argument("--dtype", default="bfloat16",
+                        help="the model's dtype (float32 is what `auto` serves on a CPU without AVX512-BF16)")
     args = parser.parse_args(argv)
 
     from baton.llm import LLM
@@ -51,7 +53,7 @@ def main(argv: list[str] | None = None) -> None:
 
     model_dir = resolve_model(args.model)
     batches = [int(b) for b in args.batches.split(",")]
-    print(f"model {model_dir.name}; CPU: {cpu_model()}; torch {torch.__version__}")
+    print(f"model {model_dir.name} in {args.dtype}; CPU: {cpu_model()}; torch {torch.__version__}")
     print(f"before: {loadavg()}")
     for threads in [int(t) for t in args.threads.split(",")]:
         torch.set_num_threads(threads)
@@ -59,7 +61,7 @@ def main(argv: list[str] | None = None) -> None:
         rows = {}
         schemes = args.schemes.split(",")
         for quantization in schemes:
-            llm = LLM(model=str(model_dir), dtype="bfloat16", max_num_seqs=max(batches), num_threads=threads,
+            llm = LLM(model=str(model_dir), dtype=args.dtype, max_num_seqs=max(batches), num_threads=threads,
                       quantization=quantization, enable_prefix_caching=False,
                       num_kv_blocks=max(batches) * (args.context // 16 + args.repeats // 16 + 8) + 8)
             name = f"{quantization}={llm.engine.quantization}" if quantization == "auto" else quantization

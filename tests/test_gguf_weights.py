@@ -72,7 +72,7 @@ def test_a_converted_directory_knows_its_gguf_while_the_file_is_unchanged(tmp_pa
 
 
 def test_auto_serves_a_gguf_dequantized_where_no_native_kernel_multiplies_its_blocks(tmp_path):
-    """Without AVX512-VNNI the blocks would be dequantized per call: auto keeps the loaded weights."""
+    """Without AVX512-VNNI or AVX2 the blocks would be dequantized per call: auto keeps the loaded weights."""
     from types import SimpleNamespace
 
     from baton.engine.quant import quantize_model
@@ -87,3 +87,26 @@ def test_auto_serves_a_gguf_dequantized_where_no_native_kernel_multiplies_its_bl
     assert quantize_model(model, "auto", kernels=NoVNNI(), gguf_source=source) == "none"
     assert quantize_model(model, "auto", kernels=NoVNNI(), gguf_source=None) == "none"
     assert quantize_model(model, "none", kernels=NoVNNI(), gguf_source=source) == "none"
+
+
+def test_auto_dtype_is_bf16_wherever_the_native_kernel_serves_quantized_weights(tmp_path):
+    """On a CPU without bf16 instructions (AVX2) `--dtype auto` would load fp32, the torch path; with
+    quantized weights the native bf16 layer path runs them twice as fast, so auto loads bf16 there."""
+    from baton.engine.quant import auto_dtype
+
+    class Kernels:
+        def __init__(self, available: bool) -> None:
+            self.available = available
+
+        def q8_available(self) -> bool:
+            return self.available
+
+    cpu, cuda, source = torch.device("cpu"), torch.device("cuda"), tmp_path / "m.gguf"
+    native, none = Kernels(True), Kernels(False)
+    assert auto_dtype("auto", source, cpu, native) == "bfloat16"  # a GGUF's own blocks
+    assert auto_dtype("int8", None, cpu, native) == "bfloat16"
+    assert auto_dtype("int4", None, cpu, native) == "bfloat16"
+    assert auto_dtype("auto", None, cpu, native) == "auto"  # not quantized: the CPU decides
+    assert auto_dtype("none", source, cpu, native) == "auto"
+    assert auto_dtype("auto", source, cpu, none) == "auto"  # dequantized: as without quantization
+    assert auto_dtype("int8", None, cuda, native) == "auto"

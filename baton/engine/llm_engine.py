@@ -32,7 +32,7 @@ from baton.engine.kv_connector import KVConnectorScheduler
 from baton.engine.kv_types import KVLoad, LoadedKV, RemoteKV
 from baton.engine.outputs import EngineOutput, EngineStats, KVHandoff
 from baton.engine.pooling import Pooling
-from baton.engine.quant import quantize_model
+from baton.engine.quant import auto_dtype, quantize_model
 from baton.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, StepOutput
 from baton.engine.spec_config import SpeculativeConfig, parse_speculative_config
 from baton.engine.spec_decode import verify_rows
@@ -90,8 +90,10 @@ class LLMEngine:
             raise FileNotFoundError(f"{self.model_dir} is not a model directory (no config.json); "
                                     "resolve a model name with baton.common.model_files.resolve_model first")
         device = torch.device(config.device) if config.device else default_device()
-        self.model, self.model_config = load_model(self.model_dir, config.dtype, device)
-        self.quantization = quantize_model(self.model, config.quantization, gguf_source=gguf_source(self.model_dir))
+        source = gguf_source(self.model_dir)
+        dtype = auto_dtype(config.quantization, source, device) if config.dtype == "auto" else config.dtype
+        self.model, self.model_config = load_model(self.model_dir, dtype, device)
+        self.quantization = quantize_model(self.model, config.quantization, gguf_source=source)
         if self.quantization != "none":
             # KV computed with other weights is another model's: prefix hashes (and the block store's
             # keys) must not match across quantizations
