@@ -22,7 +22,8 @@ import torch
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.bench_engine import cpu_model, loadavg, measure_bandwidth, measure_decode_steps  # noqa: E402
+from benchmarks.bench_engine import (cpu_model, loadavg, measure_bandwidth, measure_decode_steps,  # noqa: E402
+                                     measure_prefill)
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
@@ -44,6 +45,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--schemes", default="none,int8,int4,auto", help="--quantization values (none first)")
+    parser.add_argument("--prefill", type=int, default=0,
+                        help="also time the step that prefills one prompt of this many tokens (0: no)")
     parser.add_argument("--dtype", default="bfloat16",
                         help="the model's dtype (float32 is what `auto` serves on a CPU without AVX512-BF16)")
     args = parser.parse_args(argv)
@@ -58,7 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     for threads in [int(t) for t in args.threads.split(",")]:
         torch.set_num_threads(threads)
         bandwidth = measure_bandwidth()[0]  # with this many threads (torch.sum uses them)
-        rows = {}
+        rows, prefill = {}, {}
         schemes = args.schemes.split(",")
         for quantization in schemes:
             llm = LLM(model=str(model_dir), dtype=args.dtype, max_num_seqs=max(batches), num_threads=threads,
@@ -67,6 +70,8 @@ def main(argv: list[str] | None = None) -> None:
             name = f"{quantization}={llm.engine.quantization}" if quantization == "auto" else quantization
             steps = measure_decode_steps(llm.engine, batches, args.context, args.repeats, seed=0)
             rows[name] = ({b: statistics.median(t) for b, t in steps.items()}, weight_bytes(llm.engine.model))
+            if args.prefill:
+                prefill[name] = statistics.median(measure_prefill(llm.engine, args.prefill, 5, seed=1))
             del llm
         print(f"\n{threads} thread(s); read bandwidth {bandwidth / 1e9:.1f} GB/s")
         print("weights per step: " + ", ".join(f"{n} {nbytes / 1e6:.0f} MB (floor {nbytes / bandwidth * 1e3:.2f} ms)"
@@ -81,6 +86,9 @@ def main(argv: list[str] | None = None) -> None:
             ratios = [f"{r[b] / rows[base][0][b]:.2f}" for r, _ in list(rows.values())[1:]]
             floors = [f"{r[b] / (nbytes / bandwidth):.2f}" for r, nbytes in rows.values()]
             print(f"| {b} | " + " | ".join(steps_ms + ratios + floors) + " |")
+        if prefill:
+            print(f"prefill of {args.prefill} tokens (median of 5): "
+                  + ", ".join(f"{n} {t * 1e3:.0f} ms" for n, t in prefill.items()))
     print(f"\nafter: {loadavg()}")
 
 
