@@ -60,6 +60,7 @@ class PrefillWorker(WorkerShell):
             await self._accept_new()
         self.refresh_stats()
         if not self.engine.has_unfinished():
+            self.cores.idle()  # lend this worker's cores until it has a prompt again
             return
         await self.wait_for_loads()
         outputs = await self.step()

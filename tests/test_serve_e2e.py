@@ -114,6 +114,20 @@ def _stream(base: str, model: str, started: threading.Event, ended: list[str]) -
         started.set()
 
 
+def _decode_step_threads(base: str, model: str, metrics_port: int) -> float:
+    """A 64-token completion (long enough for an idle prefill worker's threads to be lent), then
+    the threads the decode worker's last step ran on, from its metrics."""
+    import httpx
+
+    with httpx.Client(base_url=base, timeout=120, headers=AUTH) as client:
+        resp = client.post("/v1/completions", json={"model": model, "prompt": "Hello, my name is", "max_tokens": 64,
+                                                    "temperature": 0, "ignore_eos": True})
+    assert resp.status_code == 200, resp.text
+    metrics = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text
+    return float(next(line.rsplit(" ", 1)[1] for line in metrics.splitlines()
+                      if line.startswith("baton:worker_step_threads{")))
+
+
 def _check_no_secret_on_argv(pids: set[int], secrets_: list[str]) -> None:
     for pid in pids:
         try:
@@ -128,13 +142,15 @@ def test_baton_serve_end_to_end(tiny_model_dir):
     import httpx
 
     port = free_port()
+    metrics_port = free_port()  # prefill worker's; the decode worker's is the next one
     import redis
+    from baton.cli.serve import available_cpus
 
     env = dict(os.environ, BATON_API_KEY=API_KEY)
     env.pop("REDIS_URL", None)  # let serve start (and stop) its own private Redis
     proc = subprocess.Popen(
         [*baton_command(), "serve", "--model", str(tiny_model_dir), "--port", str(port),
-         "--startup-timeout", str(STARTUP_TIMEOUT)],
+         "--startup-timeout", str(STARTUP_TIMEOUT), "--worker-metrics-port", str(metrics_port)],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     out: list[str] = []
@@ -190,6 +206,14 @@ def test_baton_serve_end_to_end(tiny_model_dir):
         assert usage.get("completion_tokens", 0) > 0, body
         assert body["choices"] and isinstance(body["choices"][0].get("text"), str), body
 
+        # One core each (2 cores): while the prefill worker is idle, the decode worker's steps run
+        # on its thread too (the core-share ledger serve made, gone once serve stops).
+        ledger = next(cmd.split("--core-share ")[1].split()[0] for _, cmd in _processes().values()
+                      if "-m decode_worker" in cmd)
+        assert Path(ledger).is_file()
+        if available_cpus() >= 2:
+            assert _decode_step_threads(base, model, metrics_port + 1) == 2
+
         # kill -9 the decode worker: baton serve restarts it and serves the next request
         decode_pid = int(next(l for l in err if "started decode_worker[0] (pid " in l)
                          .split("(pid ")[1].split(")")[0])
@@ -202,6 +226,8 @@ def test_baton_serve_end_to_end(tiny_model_dir):
         again = _complete(base, model, time.monotonic() + STARTUP_TIMEOUT)  # 503/429 until it is up
         assert again.status_code == 200, again.text
         assert again.json()["choices"][0]["text"] == body["choices"][0]["text"]  # greedy: the same text
+        if available_cpus() >= 2:  # the new decode worker borrows too (its predecessor's record cleared)
+            assert _decode_step_threads(base, model, metrics_port + 1) == 2
         assert proc.poll() is None
         child_pids |= {pid for pid, (ppid, _) in _processes().items() if ppid == proc.pid}
 
@@ -265,3 +291,4 @@ def test_baton_serve_end_to_end(tiny_model_dir):
     while (left := _left_behind(proc.pid, child_pids, tiny_model_dir)) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not left, "processes left behind:\n" + "\n".join(left)
+    assert not Path(ledger).parent.exists(), "the core-share ledger's directory was left behind"

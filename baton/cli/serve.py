@@ -24,9 +24,11 @@ import argparse
 import json
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -34,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from baton.common.urls import redact_url
+from baton.worker import core_share
 from baton.cli.supervisor import API_KEY_ENV, ChildExited, ChildSpec, StopRequested, Supervisor
 from baton.worker.args import DTYPE_CHOICES, QUANTIZATION_CHOICES, QUANTIZATION_HELP
 
@@ -164,6 +167,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantization", default="auto", choices=QUANTIZATION_CHOICES, help="worker " + QUANTIZATION_HELP)
     parser.add_argument("--threads-per-worker", type=int, default=None,
                         help="torch threads per worker (default: split this machine's cores among the workers)")
+    parser.add_argument("--no-core-share", action="store_true",
+                        help="keep each worker on its own threads (default: an idle prefill worker lends its "
+                             "threads to a decode worker, giving one to four clients the machine's cores)")
     parser.add_argument("--worker-metrics-port", type=int, default=None,
                         help="first Prometheus port for the workers: prefill i gets PORT+i, decode j PORT+#prefill+j (default: none)")
     parser.add_argument("--startup-timeout", type=float, default=600.0,
@@ -216,9 +222,11 @@ def _passthrough(args: argparse.Namespace, flags: list[tuple[str, type, str]]) -
 
 
 def build_child_specs(args: argparse.Namespace, model_dir: Path, redis_url: str,
-                      plan: ThreadPlan, python: str = sys.executable) -> list[ChildSpec]:
+                      plan: ThreadPlan, python: str = sys.executable,
+                      core_share: Path | None = None) -> list[ChildSpec]:
     """The command lines of every child, in start order: prefill workers, decode workers, gateway.
-    The Redis URL and the API key go in each child's environment, not on its command line."""
+    The Redis URL and the API key go in each child's environment, not on its command line.
+    `core_share`: the ledger through which idle prefill workers lend their threads (None: none)."""
     specs: list[ChildSpec] = []
     common = ["--model", str(model_dir)]
     if getattr(args, "log_format", None):
@@ -231,6 +239,8 @@ def build_child_specs(args: argparse.Namespace, model_dir: Path, redis_url: str,
         argv += _passthrough(args, WORKER_FLAGS + PREFILL_FLAGS)
         if metrics_port is not None:
             argv += ["--metrics-port", str(metrics_port + i)]
+        if core_share is not None:
+            argv += ["--core-share", str(core_share), "--core-share-slot", str(i)]
         specs.append(ChildSpec(f"prefill_worker[{i}]", argv, {**_thread_env(threads), **secret_env},
                                "prefill"))
     for j, threads in enumerate(plan.decode):
@@ -239,6 +249,8 @@ def build_child_specs(args: argparse.Namespace, model_dir: Path, redis_url: str,
         argv += _passthrough(args, WORKER_FLAGS + DECODE_FLAGS)
         if metrics_port is not None:
             argv += ["--metrics-port", str(metrics_port + len(plan.prefill) + j)]
+        if core_share is not None:
+            argv += ["--core-share", str(core_share), "--core-share-slot", str(j)]
         specs.append(ChildSpec(f"decode_worker[{j}]", argv, {**_thread_env(threads), **secret_env},
                                "decode"))
     argv = [python, "-m", GATEWAY_MODULE, *common, "--host", args.host, "--port", str(args.port)]
@@ -366,6 +378,7 @@ def run(args: argparse.Namespace) -> int:
     sup = Supervisor(stop_timeout=args.stop_timeout, log=log)
     sup.install_signal_handlers()
     private_redis = None
+    run_dir: Path | None = None  # the core-share ledger's
     exit_code = 0
     try:
         redis_url = args.redis_url
@@ -379,7 +392,11 @@ def run(args: argparse.Namespace) -> int:
             redis_url = private_redis.url
             sup.watch("redis-server", private_redis)
             log(f"redis: {private_redis.display_url} (private, pid {private_redis.process.pid})")
-        for spec in build_child_specs(args, Path(model_dir), redis_url, plan):
+        ledger = None
+        if not getattr(args, "no_core_share", False) and len(plan.prefill) <= 64:
+            run_dir = Path(tempfile.mkdtemp(prefix="baton-serve-"))
+            ledger = core_share.create(run_dir / "core-share", len(plan.prefill), len(plan.decode))
+        for spec in build_child_specs(args, Path(model_dir), redis_url, plan, core_share=ledger):
             sup.start(spec)
         wait_until_ready(sup, args.host, args.port, args.startup_timeout)
         print(f"Baton is serving {model_name} at http://{args.host}:{args.port}", flush=True)
@@ -400,5 +417,7 @@ def run(args: argparse.Namespace) -> int:
         sup.stop_all()
         if private_redis is not None:
             private_redis.stop()
+        if run_dir is not None:
+            shutil.rmtree(run_dir, ignore_errors=True)
         log("stopped")
     return exit_code

@@ -54,6 +54,10 @@ def add_common_args(parser: argparse.ArgumentParser, kind: str) -> None:
                         help=QUANTIZATION_HELP)
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if present)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (workers on one machine must share its cores)")
+    parser.add_argument("--core-share", default=None, metavar="PATH",
+                        help="the core-share ledger `baton serve` made for the workers of this machine: an idle "
+                             "prefill worker lends its threads to a decode worker (baton/worker/core_share.py)")
+    parser.add_argument("--core-share-slot", type=int, default=0, help="this worker's record in --core-share")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--num-kv-blocks", type=int, default=None)
     parser.add_argument("--kv-cache-memory", type=parse_bytes, default=parse_bytes("1GiB"),

@@ -56,6 +56,10 @@ class WorkerMetrics:
                                           buckets=(1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048), registry=r).labels(**lbl)
         self.step_seconds = Histogram("baton:worker_engine_step_seconds", "Wall time of one engine step", LABELS,
                                       buckets=_TIME_BUCKETS, registry=r).labels(**lbl)
+        self.step_threads = Gauge("baton:worker_step_threads", "Torch threads the last engine step ran on (a decode worker's "
+                                  "own plus any an idle prefill worker on its machine lent it)", LABELS, registry=r).labels(**lbl)
+        self.core_reclaim_seconds = Gauge("baton:worker_core_reclaim_wait_seconds", "Seconds this prefill worker has waited "
+                                          "in all for the cores it lent to come back", LABELS, registry=r).labels(**lbl)
         self.blocks_fetched = Counter("baton:worker_kv_blocks_fetched", "Full KV blocks loaded from the store", LABELS, registry=r).labels(**lbl)
         self.blocks_missing = Counter("baton:worker_kv_blocks_missing", "KV blocks a load expected that the store no longer had (computed instead)", LABELS, registry=r).labels(**lbl)
         self.blocks_rejected = Counter("baton:worker_kv_blocks_rejected", "KV blocks from the store that were unreadable or of the wrong dtype, shape or size (a miss: computed instead)", LABELS, registry=r).labels(**lbl)

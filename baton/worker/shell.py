@@ -25,6 +25,7 @@ from baton.engine.llm_engine import EngineConfig, LLMEngine, return_freed_memory
 from baton.engine.outputs import EngineOutput, EngineStats
 from baton.common.logs import request_extra
 from baton.worker.core import Effects, Opening, WorkerCore
+from baton.worker.core_share import StepCores, run_with_threads
 from baton.worker.health import LoopWatch, serve_metrics
 from baton.worker.metrics import WorkerMetrics
 from baton.common.redis_client import REDIS_RETRYABLE
@@ -88,6 +89,9 @@ class WorkerShell:
         self.num_blocks_fetched = 0
         self.num_preemptions_seen = 0
         self.drain_deadline: float | None = None  # monotonic; set when a drain starts
+        # cores lent by an idle prefill worker to a decode worker (`baton serve` on one machine)
+        self.cores = StepCores.from_args(self.kind, getattr(args, "core_share", None),
+                                         getattr(args, "core_share_slot", 0), args.threads or 1)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, registry: CollectorRegistry = REGISTRY) -> WorkerShell:
@@ -165,6 +169,7 @@ class WorkerShell:
         for task in [*self.tasks, *self.loads]:
             task.cancel()
         await asyncio.gather(*self.tasks, *self.loads, return_exceptions=True)
+        self.cores.close()
         await self.redis.aclose()
         if self.metrics_server is not None:
             self.metrics_server.shutdown()
@@ -240,17 +245,23 @@ class WorkerShell:
         step ran all the same, and its output must reach the caller (raising dropped a step's tokens
         per failed read: a Redis Cluster failover cost every stream 3 tokens, a "token stream gap").
         The next step reads again."""
+        threads = await self.cores.before_step()
         started = time.perf_counter()
         loaded = self._take_loaded()
-        step = asyncio.ensure_future(asyncio.to_thread(self.engine.step, loaded))
+        step = asyncio.ensure_future(asyncio.to_thread(run_with_threads, self.engine.step, loaded, threads=threads))
         overlap_error: BaseException | None = None
         if overlap is not None:
             try:
                 await overlap
             except REDIS_RETRYABLE as exc:
                 overlap_error = exc
-        outputs = await step
-        self.metrics.step_seconds.observe(time.perf_counter() - started)
+        try:
+            outputs = await step
+        finally:
+            self.cores.after_step(time.perf_counter() - started)
+        self.metrics.step_seconds.observe(self.cores.last_step_seconds)
+        self.metrics.step_threads.set(threads if threads is not None else self.cores.threads)
+        self.metrics.core_reclaim_seconds.set(self.cores.reclaim_seconds)
         for load in self.engine.take_kv_loads():
             self.loads.append(asyncio.create_task(self._fetch(load)))
         self.refresh_stats()
