@@ -15,9 +15,9 @@ native = kernels.load()
 needs_native = pytest.mark.skipif(native is None, reason="native kernels cannot be built on this machine")
 
 
-def paged(batch: int, lengths: list[int], head_dim: int, dtype: torch.dtype, block_size: int = 16):
+def paged(batch: int, lengths: list[int], head_dim: int, dtype: torch.dtype, block_size: int = 16,
+          heads: int = 9, kv_heads: int = 3):
     gen = torch.Generator().manual_seed(batch + head_dim)
-    heads, kv_heads = 9, 3
     width = max(-(-n // block_size) for n in lengths)
     num_blocks = 1 + batch * width + 5
     cache = torch.randn(2, kv_heads, num_blocks * block_size, head_dim, generator=gen).to(dtype)
@@ -33,7 +33,20 @@ def paged(batch: int, lengths: list[int], head_dim: int, dtype: torch.dtype, blo
 
 
 @needs_native
-@pytest.mark.parametrize("head_dim", [64, 128, 48])  # 64/128: the AVX-512 path where built; 48: generic loops
+@pytest.mark.parametrize("heads, kv_heads", [(8, 8), (8, 2), (16, 2), (12, 2)])  # 1, 4, 8, 6 query heads a KV head
+def test_paged_decode_kernel_equals_torch_path_for_every_grouping(heads, kv_heads):
+    # the AVX-512 and AVX2 kernels are compiled per group size, and the AVX2 one splits p.V into
+    # column passes whose width depends on it
+    lengths = [3, 31, 200]
+    cache, q, group = paged(len(lengths), lengths, 128, torch.bfloat16, heads=heads, kv_heads=kv_heads)
+    expected = TorchAttention(heads, kv_heads, 128).decode(q.float(), cache.float(), group, 16)
+    got = native.paged_decode(q, cache[0], cache[1], group.block_ids.view(len(lengths), -1), group.context_lens,
+                              16, 128**-0.5)
+    assert (got.float() - expected).abs().max() < 2e-2
+
+
+@needs_native
+@pytest.mark.parametrize("head_dim", [64, 128, 48])  # 64/128: the AVX-512 or AVX2 path where built; 48: generic loops
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_paged_decode_kernel_equals_torch_path(head_dim, dtype):
     lengths = [1, 15, 16, 17, 100, 257]

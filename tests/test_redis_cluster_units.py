@@ -116,6 +116,7 @@ def test_a_cluster_clients_lost_connections_are_connection_errors():
 async def test_a_failed_read_during_a_step_keeps_the_steps_output():
     """The decode worker reads new handoffs while the engine steps; when that read failed (the
     streams' master was just killed), the step's tokens were dropped with the raised error."""
+    from baton.worker.core_share import StepCores
     from baton.worker.shell import WorkerShell
 
     class Engine:
@@ -129,7 +130,10 @@ async def test_a_failed_read_during_a_step_keeps_the_steps_output():
     shell.engine, shell.loads, shell.refresh_stats = Engine(), [], lambda: None
     shell.stats = types.SimpleNamespace(num_batched_tokens=1)
     metric = types.SimpleNamespace(observe=lambda _value: None)
-    shell.metrics = types.SimpleNamespace(step_seconds=metric, iteration_tokens=metric)
+    gauge = types.SimpleNamespace(set=lambda _value: None)
+    shell.metrics = types.SimpleNamespace(step_seconds=metric, iteration_tokens=metric, step_threads=gauge,
+                                          core_reclaim_seconds=gauge)
+    shell.cores = StepCores.from_args("decode", None, 0, threads=1)  # no ledger: its own threads
 
     async def read() -> None:
         raise RedisConnectionError("Error 111 connecting to 127.0.0.1:7000. Connection refused.")

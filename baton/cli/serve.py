@@ -393,7 +393,8 @@ def run(args: argparse.Namespace) -> int:
             sup.watch("redis-server", private_redis)
             log(f"redis: {private_redis.display_url} (private, pid {private_redis.process.pid})")
         ledger = None
-        if not getattr(args, "no_core_share", False) and len(plan.prefill) <= 64:
+        # (not where the plan oversubscribes already: --threads-per-worker beyond the cores)
+        if not getattr(args, "no_core_share", False) and len(plan.prefill) <= 64 and plan.total <= plan.cpus:
             run_dir = Path(tempfile.mkdtemp(prefix="baton-serve-"))
             ledger = core_share.create(run_dir / "core-share", len(plan.prefill), len(plan.decode))
         for spec in build_child_specs(args, Path(model_dir), redis_url, plan, core_share=ledger):

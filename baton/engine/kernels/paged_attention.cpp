@@ -3,9 +3,10 @@
 // One query token per request. Work is split over (request, KV head) pairs; the query heads that
 // share a KV head (GQA) are handled together, so every K and V row is read from memory once per
 // step. Scores and the softmax are in fp32; K/V may be bf16 or fp32. Where the compiler targets
-// AVX-512 (-march=native on such a CPU) bf16 with head_dim 64 or 128 runs an intrinsics version that
-// keeps rows and accumulators in registers; everything else runs generic loops written for the
-// auto-vectoriser, so the file builds on any CPU and compiler that builds torch extensions.
+// AVX-512 (-march=native on such a CPU), or AVX2 with FMA, bf16 with head_dim 64 or 128 runs an
+// intrinsics version that keeps rows and accumulators in registers; everything else runs generic
+// loops written for the auto-vectoriser, so the file builds on any CPU and compiler that builds
+// torch extensions.
 //
 // Shapes: q [B, H, D]; k_cache, v_cache [KVH, S, D] (one layer, head-major, S = slots);
 // block_ids [B, W] int64 (block tables padded to W with block 0); context_lens [B] int64;
@@ -95,6 +96,37 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
   });
 }
 
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+// Walks a request's tokens through its block table without a division per token.
+struct RowCursor {
+  const c10::BFloat16* head;
+  const int64_t* table;
+  int64_t block_size, D, block = 0, offset = 0;
+  const c10::BFloat16* next() {
+    const c10::BFloat16* row = head + (table[block] * block_size + offset) * D;
+    if (++offset == block_size) offset = 0, ++block;
+    return row;
+  }
+};
+
+// Software prefetch of an item's rows ahead of their use, K rows then V rows as one stream
+// (position p < L is K row p, p >= L is V row p - L), so that the first V rows are in flight while
+// the last K tile is computed. Blocks sit anywhere in the pool: the hardware prefetcher cannot
+// follow a block table. Hint: the cache level (_MM_HINT_T0: L1, _MM_HINT_T1: L2).
+template <int Hint>
+struct RowPrefetcher {
+  RowCursor k, v;
+  int64_t L, done = 0;
+  void upto(int64_t position) {
+    position = std::min(position, 2 * L);
+    for (; done < position; ++done) {
+      const char* r = reinterpret_cast<const char*>(done < L ? k.next() : v.next());
+      for (int64_t o = 0; o < k.D * 2; o += 64) _mm_prefetch(r + o, static_cast<_mm_hint>(Hint));
+    }
+  }
+};
+#endif
 
 #if defined(__AVX512F__)
 
@@ -206,38 +238,10 @@ void decode_item_avx512(const c10::BFloat16* q, const c10::BFloat16* kh, const c
 }
 
 #if defined(__AVX512BF16__)
-// How far ahead rows are prefetched, and into L2 (T1): measured on Zen 4 over a 30-layer pool at
-// batch 64, context 256: 16/16 rows into L1 24.9 ms, 32/32 26.3, 64/32 into L2 23.1 (docs/performance.md).
+// How far ahead rows are prefetched, and into L2 (T1, RowPrefetcher's hint): measured on Zen 4
+// over a 30-layer pool at batch 64, context 256: 16/16 rows into L1 24.9 ms, 32/32 26.3, 64/32 into L2 23.1 (docs/performance.md).
 constexpr int64_t K_AHEAD = 64;
 constexpr int64_t V_AHEAD = 32;
-#define PF_HINT _MM_HINT_T1
-// Walks a request's tokens through its block table without a division per token.
-struct RowCursor {
-  const c10::BFloat16* head;
-  const int64_t* table;
-  int64_t block_size, D, block = 0, offset = 0;
-  const c10::BFloat16* next() {
-    const c10::BFloat16* row = head + (table[block] * block_size + offset) * D;
-    if (++offset == block_size) offset = 0, ++block;
-    return row;
-  }
-};
-
-// Software prefetch of an item's rows ahead of their use, K rows then V rows as one stream
-// (position p < L is K row p, p >= L is V row p - L), so that the first V rows are in flight while
-// the last K tile is computed. Blocks sit anywhere in the pool: the hardware prefetcher cannot
-// follow a block table.
-struct RowPrefetcher {
-  RowCursor k, v;
-  int64_t L, done = 0;
-  void upto(int64_t position) {
-    position = std::min(position, 2 * L);
-    for (; done < position; ++done) {
-      const char* r = reinterpret_cast<const char*>(done < L ? k.next() : v.next());
-      for (int64_t o = 0; o < k.D * 2; o += 64) _mm_prefetch(r + o, PF_HINT);
-    }
-  }
-};
 
 // The same item with AVX512-BF16 on both products, ~2x fewer instructions per token than the
 // version above (which was compute-bound: ~65 cycles per token and KV head on Zen 4):
@@ -259,7 +263,7 @@ void decode_item_dpbf16(const c10::BFloat16* q, const c10::BFloat16* kh, const c
     for (int c = 0; c < NP; ++c) qb[g][c] = (__m512bh)_mm512_loadu_si512(q + g * D + 32 * c);
   const __m512 scale_v = _mm512_set1_ps(scale);
   RowCursor kc{kh, table, block_size, D};
-  RowPrefetcher ahead{kc, RowCursor{vh, table, block_size, D}, L};
+  RowPrefetcher<_MM_HINT_T1> ahead{kc, RowCursor{vh, table, block_size, D}, L};
   const c10::BFloat16* rows[16];
   for (int64_t t0 = 0; t0 < L; t0 += 16) {
     ahead.upto(t0 + 16 + K_AHEAD);
@@ -371,6 +375,170 @@ AvxKernel pick_avx512_kernel(int64_t G) {
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// AVX2 (Zen 2/3, Intel client cores without AVX-512), bf16 with head_dim = 8 * NC: the generic loops
+// above convert every K/V row to fp32 in memory, reduce each dot product horizontally and keep the
+// V accumulators in memory; at context 1024 the default model's attention cost 7.7 ms of a 23 ms
+// step on Zen 3 (its KV is 23.5 MB: ~1.8 ms at the core's bandwidth). Here rows are converted in
+// registers, q.K runs 8 tokens at a time (their 8 sums reduced together), and p.V keeps its
+// accumulators in registers, a few columns of the head at a time (G x CW ymm): each pass reads
+// its columns of every V row (a 64-byte line of a 128-dim row), so no byte is read twice.
+
+inline __m256 load_bf16x8(const c10::BFloat16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+// exp(x) for x <= 0 (softmax inputs after the max is subtracted): 2^n * 2^f, |f| <= 1/2, 2^f by the
+// degree-6 polynomial of exp_avx512; n clamped at -126 (exp(-87) is 0 next to the max's 1).
+inline __m256 exp_avx2_nonpositive(__m256 x) {
+  const __m256 t = _mm256_max_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.4426950408889634f)), _mm256_set1_ps(-126.f));
+  const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(t, n);
+  __m256 p = _mm256_set1_ps(1.5403530393381606e-4f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558146428443e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291076284772e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504108664821580e-2f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022650695910071e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718055994531e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
+}
+
+inline void softmax_rows_avx2(float* scores, int64_t G, int64_t L) {
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = scores + g * L;
+    float m = -INFINITY;
+    for (int64_t t = 0; t < L; ++t) m = sg[t] > m ? sg[t] : m;
+    const __m256 mb = _mm256_set1_ps(m);
+    __m256 sv = _mm256_setzero_ps();
+    int64_t t = 0;
+    for (; t + 8 <= L; t += 8) {
+      const __m256 e = exp_avx2_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(sg + t), mb));
+      _mm256_storeu_ps(sg + t, e);
+      sv = _mm256_add_ps(sv, e);
+    }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, sv);
+    float sum = 0.f;
+    for (float lane : lanes) sum += lane;
+    for (; t < L; ++t) {
+      sg[t] = std::exp(sg[t] - m);
+      sum += sg[t];
+    }
+    const float inv = 1.f / sum;
+    for (t = 0; t < L; ++t) sg[t] *= inv;
+  }
+}
+
+// [sum(v[0]), ..., sum(v[7])] for 8 vectors of 8 floats.
+inline __m256 reduce8(const __m256* v) {
+  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+constexpr int64_t kRowsAhead = 32;  // rows prefetched ahead into L1 (without: a third of the gain)
+
+// One (request, KV head) item: G query heads against L tokens. qf [G, D]: the queries in fp32,
+// pre-scaled. CW: ymm columns per p.V pass (the G x CW accumulators and CW rows fit 16 registers).
+template <int NC, int G>
+void decode_item_avx2(const float* qf, const c10::BFloat16* kh, const c10::BFloat16* vh, const int64_t* table,
+                      int64_t L, int64_t block_size, float* scores, c10::BFloat16* out) {
+  constexpr int64_t D = 8 * NC;
+  constexpr int CW = G <= 3 ? 4 : G <= 6 ? 2 : 1;
+  static_assert(NC % CW == 0, "the column passes must cover the head");
+  RowCursor kw{kh, table, block_size, D};
+  RowPrefetcher<_MM_HINT_T0> ahead{RowCursor{kh, table, block_size, D}, RowCursor{vh, table, block_size, D}, L};
+  const c10::BFloat16* rows[8];
+  for (int64_t t0 = 0; t0 < L; t0 += 8) {
+    ahead.upto(t0 + 8 + kRowsAhead);
+    const int64_t n = std::min<int64_t>(8, L - t0);
+    for (int j = 0; j < n; ++j) rows[j] = kw.next();
+    for (int j = n; j < 8; ++j) rows[j] = rows[0];  // padding lanes: computed, never stored
+    for (int g = 0; g < G; ++g) {
+      const float* qg = qf + g * D;
+      __m256 acc[8];
+      for (int j = 0; j < 8; ++j) {
+        __m256 a = _mm256_mul_ps(load_bf16x8(rows[j]), _mm256_loadu_ps(qg));
+        for (int c = 1; c < NC; ++c) a = _mm256_fmadd_ps(load_bf16x8(rows[j] + 8 * c), _mm256_loadu_ps(qg + 8 * c), a);
+        acc[j] = a;
+      }
+      const __m256 sums = reduce8(acc);
+      if (n == 8) {
+        _mm256_storeu_ps(scores + g * L + t0, sums);
+      } else {
+        alignas(32) float tmp[8];
+        _mm256_store_ps(tmp, sums);
+        std::memcpy(scores + g * L + t0, tmp, n * sizeof(float));
+      }
+    }
+  }
+  softmax_rows_avx2(scores, G, L);
+  for (int c0 = 0; c0 < NC; c0 += CW) {
+    __m256 acc[G][CW];
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < CW; ++c) acc[g][c] = _mm256_setzero_ps();
+    RowCursor vw{vh, table, block_size, D};
+    for (int64_t t = 0; t < L; ++t) {
+      if (c0 == 0 && (t & 7) == 0) ahead.upto(L + t + 8 + kRowsAhead);  // later passes find the rows in L2
+      const c10::BFloat16* row = vw.next() + 8 * c0;
+      __m256 vr[CW];
+      for (int c = 0; c < CW; ++c) vr[c] = load_bf16x8(row + 8 * c);
+      for (int g = 0; g < G; ++g) {
+        const __m256 p = _mm256_broadcast_ss(scores + g * L + t);
+        for (int c = 0; c < CW; ++c) acc[g][c] = _mm256_fmadd_ps(p, vr[c], acc[g][c]);
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      alignas(32) float tmp[8 * CW];
+      for (int c = 0; c < CW; ++c) _mm256_store_ps(tmp + 8 * c, acc[g][c]);
+      for (int d = 0; d < 8 * CW; ++d) out[g * D + 8 * c0 + d] = static_cast<c10::BFloat16>(tmp[d]);
+    }
+  }
+}
+
+template <int NC, int G>
+void decode_kernel_avx2(const c10::BFloat16* q, const c10::BFloat16* k_cache, const c10::BFloat16* v_cache,
+                        const int64_t* block_ids, const int64_t* context_lens, c10::BFloat16* out, int64_t B,
+                        int64_t H, int64_t KVH, int64_t S, int64_t W, int64_t block_size, float scale) {
+  constexpr int64_t D = 8 * NC;
+  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    alignas(32) float qf[G * D];
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / KVH, h = item % KVH;
+      const int64_t L = context_lens[b];
+      scores.resize(G * L);
+      const c10::BFloat16* qh = q + (b * H + h * G) * D;
+      for (int64_t i = 0; i < G * D; ++i) qf[i] = to_float(qh[i]) * scale;
+      decode_item_avx2<NC, G>(qf, k_cache + h * S * D, v_cache + h * S * D, block_ids + b * W, L, block_size,
+                              scores.data(), out + (b * H + h * G) * D);
+    }
+  });
+}
+
+using Avx2Kernel = void (*)(const c10::BFloat16*, const c10::BFloat16*, const c10::BFloat16*, const int64_t*,
+                            const int64_t*, c10::BFloat16*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                            float);
+
+template <int NC>
+Avx2Kernel pick_avx2_kernel(int64_t G) {
+  switch (G) {
+    case 1: return decode_kernel_avx2<NC, 1>;
+    case 2: return decode_kernel_avx2<NC, 2>;
+    case 3: return decode_kernel_avx2<NC, 3>;
+    case 4: return decode_kernel_avx2<NC, 4>;
+    case 5: return decode_kernel_avx2<NC, 5>;
+    case 6: return decode_kernel_avx2<NC, 6>;
+    case 7: return decode_kernel_avx2<NC, 7>;
+    case 8: return decode_kernel_avx2<NC, 8>;
+    default: return nullptr;
+  }
+}
+#endif
+
 }  // namespace
 
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -398,6 +566,16 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   AvxKernel kernel = q.scalar_type() != at::kBFloat16 ? nullptr
                      : D == 64 ? pick_avx512_kernel<4>(H / KVH)
                      : D == 128 ? pick_avx512_kernel<8>(H / KVH) : nullptr;
+  if (kernel != nullptr) {
+    kernel(q.data_ptr<c10::BFloat16>(), k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>(),
+           block_ids.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(), out.data_ptr<c10::BFloat16>(), B, H,
+           KVH, S, W, block_size, static_cast<float>(scale));
+    return out;
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  Avx2Kernel kernel = q.scalar_type() != at::kBFloat16 ? nullptr
+                      : D == 64 ? pick_avx2_kernel<8>(H / KVH)
+                      : D == 128 ? pick_avx2_kernel<16>(H / KVH) : nullptr;
   if (kernel != nullptr) {
     kernel(q.data_ptr<c10::BFloat16>(), k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>(),
            block_ids.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(), out.data_ptr<c10::BFloat16>(), B, H,
