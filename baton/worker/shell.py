@@ -17,6 +17,7 @@ import time
 from collections.abc import Coroutine
 from typing import Any
 
+import torch
 from prometheus_client import REGISTRY, CollectorRegistry
 from redis.exceptions import ResponseError
 
@@ -91,7 +92,8 @@ class WorkerShell:
         self.drain_deadline: float | None = None  # monotonic; set when a drain starts
         # cores lent by an idle prefill worker to a decode worker (`baton serve` on one machine)
         self.cores = StepCores.from_args(self.kind, getattr(args, "core_share", None),
-                                         getattr(args, "core_share_slot", 0), args.threads or 1)
+                                         getattr(args, "core_share_slot", 0),
+                                         args.threads or torch.get_num_threads())
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, registry: CollectorRegistry = REGISTRY) -> WorkerShell:
