@@ -13,7 +13,8 @@ if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt
       chromium fonts-dejavu-core; } >/dev/null 2>&1 || echo "warning: chromium not installed; the dashboard test will skip" >&2
 fi
 set +e
-.venv/bin/python -m pytest -q "$@"
+# the slowest tests in every run's log: the suite must stay near 15 minutes on 2 cores
+.venv/bin/python -m pytest -q --durations=20 "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then
