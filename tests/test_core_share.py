@@ -5,6 +5,7 @@ that runs on them. Real files, mapped as the workers map them; both sides in one
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 
@@ -106,6 +107,26 @@ def test_prefill_workers_lend_to_decode_workers_round_robin(tmp_path):
     assert borrowers[0].acquire(0.001) == 1 + 3  # prefill 0 and 2
     assert borrowers[1].acquire(0.001) == 2  # prefill 1
     assert Ledger(path).borrowed(0) == 0b101 and Ledger(path).borrowed(1) == 0b010
+
+
+def test_serves_ledger_lives_in_memory_and_is_shared_with_the_workers_it_starts(tmp_path):
+    # a memfd: nothing on disk to leave behind when `baton serve` is killed; a child process that
+    # inherits the descriptor maps the same bytes (here: it lends, this process borrows)
+    import subprocess
+    import sys
+
+    fd = core_share.create_anonymous(prefill_workers=1, decode_workers=1)
+    if fd is None:
+        pytest.skip("no memfd on this OS: baton serve shares no cores here")
+    try:
+        borrower = Borrower(Ledger(core_share.path_of(fd)), 0)
+        child = ("import sys; from baton.worker.core_share import Ledger, Lender; "
+                 "Lender(Ledger(sys.argv[1]), 0, threads=2).lend()")
+        subprocess.run([sys.executable, "-c", child, core_share.path_of(fd)], pass_fds=(fd,), check=True, timeout=60)
+        time.sleep(LEND_AFTER_S + 0.005)
+        assert borrower.acquire(0.001) == 2
+    finally:
+        os.close(fd)
 
 
 def test_a_file_that_is_not_a_ledger_is_refused(tmp_path):

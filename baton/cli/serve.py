@@ -24,11 +24,9 @@ import argparse
 import json
 import os
 import secrets
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -37,6 +35,7 @@ from pathlib import Path
 
 from baton.common.urls import redact_url
 from baton.worker import core_share
+from baton.worker.core_share import path_of as core_share_path
 from baton.cli.supervisor import API_KEY_ENV, ChildExited, ChildSpec, StopRequested, Supervisor
 from baton.worker.args import DTYPE_CHOICES, QUANTIZATION_CHOICES, QUANTIZATION_HELP
 
@@ -223,10 +222,11 @@ def _passthrough(args: argparse.Namespace, flags: list[tuple[str, type, str]]) -
 
 def build_child_specs(args: argparse.Namespace, model_dir: Path, redis_url: str,
                       plan: ThreadPlan, python: str = sys.executable,
-                      core_share: Path | None = None) -> list[ChildSpec]:
+                      core_share_fd: int | None = None) -> list[ChildSpec]:
     """The command lines of every child, in start order: prefill workers, decode workers, gateway.
     The Redis URL and the API key go in each child's environment, not on its command line.
-    `core_share`: the ledger through which idle prefill workers lend their threads (None: none)."""
+    `core_share_fd`: the descriptor of the ledger through which idle prefill workers lend their threads
+    (inherited by the workers; None: none)."""
     specs: list[ChildSpec] = []
     common = ["--model", str(model_dir)]
     if getattr(args, "log_format", None):
@@ -239,20 +239,20 @@ def build_child_specs(args: argparse.Namespace, model_dir: Path, redis_url: str,
         argv += _passthrough(args, WORKER_FLAGS + PREFILL_FLAGS)
         if metrics_port is not None:
             argv += ["--metrics-port", str(metrics_port + i)]
-        if core_share is not None:
-            argv += ["--core-share", str(core_share), "--core-share-slot", str(i)]
+        if core_share_fd is not None:
+            argv += ["--core-share", core_share_path(core_share_fd), "--core-share-slot", str(i)]
         specs.append(ChildSpec(f"prefill_worker[{i}]", argv, {**_thread_env(threads), **secret_env},
-                               "prefill"))
+                               "prefill", _fds(core_share_fd)))
     for j, threads in enumerate(plan.decode):
         argv = [python, "-m", DECODE_MODULE, *common, "--threads", str(threads), "--dtype", args.dtype,
                 "--quantization", args.quantization]
         argv += _passthrough(args, WORKER_FLAGS + DECODE_FLAGS)
         if metrics_port is not None:
             argv += ["--metrics-port", str(metrics_port + len(plan.prefill) + j)]
-        if core_share is not None:
-            argv += ["--core-share", str(core_share), "--core-share-slot", str(j)]
+        if core_share_fd is not None:
+            argv += ["--core-share", core_share_path(core_share_fd), "--core-share-slot", str(j)]
         specs.append(ChildSpec(f"decode_worker[{j}]", argv, {**_thread_env(threads), **secret_env},
-                               "decode"))
+                               "decode", _fds(core_share_fd)))
     argv = [python, "-m", GATEWAY_MODULE, *common, "--host", args.host, "--port", str(args.port)]
     argv += _passthrough(args, GATEWAY_FLAGS)
     if getattr(args, "served_model_name", None):
@@ -267,6 +267,10 @@ def build_child_specs(args: argparse.Namespace, model_dir: Path, redis_url: str,
         gateway_env[API_KEY_ENV] = args.api_key
     specs.append(ChildSpec("gateway", argv, gateway_env, "gateway"))
     return specs
+
+
+def _fds(fd: int | None) -> tuple[int, ...]:
+    return () if fd is None else (fd,)
 
 
 def _absolute_if_file(value: str) -> str:
@@ -378,7 +382,7 @@ def run(args: argparse.Namespace) -> int:
     sup = Supervisor(stop_timeout=args.stop_timeout, log=log)
     sup.install_signal_handlers()
     private_redis = None
-    run_dir: Path | None = None  # the core-share ledger's
+    ledger_fd: int | None = None  # the core-share ledger (a memfd the workers inherit)
     exit_code = 0
     try:
         redis_url = args.redis_url
@@ -392,12 +396,10 @@ def run(args: argparse.Namespace) -> int:
             redis_url = private_redis.url
             sup.watch("redis-server", private_redis)
             log(f"redis: {private_redis.display_url} (private, pid {private_redis.process.pid})")
-        ledger = None
         # (not where the plan oversubscribes already: --threads-per-worker beyond the cores)
         if not getattr(args, "no_core_share", False) and len(plan.prefill) <= 64 and plan.total <= plan.cpus:
-            run_dir = Path(tempfile.mkdtemp(prefix="baton-serve-"))
-            ledger = core_share.create(run_dir / "core-share", len(plan.prefill), len(plan.decode))
-        for spec in build_child_specs(args, Path(model_dir), redis_url, plan, core_share=ledger):
+            ledger_fd = core_share.create_anonymous(len(plan.prefill), len(plan.decode))
+        for spec in build_child_specs(args, Path(model_dir), redis_url, plan, core_share_fd=ledger_fd):
             sup.start(spec)
         wait_until_ready(sup, args.host, args.port, args.startup_timeout)
         print(f"Baton is serving {model_name} at http://{args.host}:{args.port}", flush=True)
@@ -418,7 +420,7 @@ def run(args: argparse.Namespace) -> int:
         sup.stop_all()
         if private_redis is not None:
             private_redis.stop()
-        if run_dir is not None:
-            shutil.rmtree(run_dir, ignore_errors=True)
+        if ledger_fd is not None:
+            os.close(ledger_fd)
         log("stopped")
     return exit_code

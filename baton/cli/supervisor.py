@@ -31,6 +31,7 @@ class ChildSpec:
     argv: list[str]
     env: dict[str, str] = field(default_factory=dict)
     role: str = ""  # "gateway" | "prefill" | "decode"
+    pass_fds: tuple[int, ...] = ()  # descriptors the child inherits (the core-share ledger's)
 
 
 class Restartable(Protocol):
@@ -103,7 +104,7 @@ class Supervisor:
         proc = subprocess.Popen(
             spec.argv, env=env, stdin=subprocess.DEVNULL,
             stdout=sys.stderr.fileno(),  # keep our stdout for our own status lines
-            preexec_fn=child_preexec(new_session=False, death_signal=signal.SIGTERM),
+            preexec_fn=child_preexec(new_session=False, death_signal=signal.SIGTERM), pass_fds=spec.pass_fds,
         )
         self.children.append((spec, proc))
         self.log(f"started {spec.name} (pid {proc.pid})")

@@ -8,8 +8,8 @@ worker its cores go to runs its next steps with them; before the prefill worker 
 *reclaims* them and waits until no step runs on them (at most one short step: see
 `MAX_BORROWING_STEP_S`), so the two never run more threads than cores.
 
-The ledger is a small file that `baton serve` creates and maps into every worker it starts
-(`--core-share PATH --core-share-slot N`): one record per prefill worker (lending or busy, its
+The ledger is a small in-memory file (a memfd) that `baton serve` creates and every worker it
+starts inherits and maps (`--core-share /proc/self/fd/N --core-share-slot N`): one record per prefill worker (lending or busy, its
 threads, since when) and one per decode worker (the lenders its running step uses, a bit mask).
 A zeroed file means no one lends. Workers started any other way (compose, several machines) have
 no ledger and keep their own threads. Prefill worker i's threads go to decode worker i mod D.
@@ -63,16 +63,35 @@ class LenderState(enum.IntEnum):
     LENDING = 1
 
 
-def create(path: str | os.PathLike[str], prefill_workers: int, decode_workers: int) -> Path:
-    """Write a zeroed ledger for these workers (by `baton serve`, before it starts them)."""
+def _zeroed(prefill_workers: int, decode_workers: int) -> bytes:
     if not 1 <= prefill_workers <= 64 or decode_workers < 1:
         raise ValueError("a core-share ledger holds 1 to 64 prefill workers and at least one decode worker")
-    size = _HEADER.size + prefill_workers * _LENDER.size + decode_workers * _BORROWER.size
-    data = bytearray(size)
+    data = bytearray(_HEADER.size + prefill_workers * _LENDER.size + decode_workers * _BORROWER.size)
     _HEADER.pack_into(data, 0, MAGIC, prefill_workers, decode_workers)
+    return bytes(data)
+
+
+def create(path: str | os.PathLike[str], prefill_workers: int, decode_workers: int) -> Path:
+    """Write a zeroed ledger for these workers at `path`."""
     path = Path(path)
-    path.write_bytes(bytes(data))
+    path.write_bytes(_zeroed(prefill_workers, decode_workers))
     return path
+
+
+def create_anonymous(prefill_workers: int, decode_workers: int) -> int | None:
+    """A zeroed ledger in memory with no name on any file system (`baton serve`'s: nothing is left
+    behind even when it is killed with SIGKILL); its descriptor, which the workers inherit and open
+    as /proc/self/fd/N (`path_of`). None where the OS has no memfd (not Linux): no sharing."""
+    if not hasattr(os, "memfd_create") or not Path("/proc/self/fd").is_dir():
+        return None
+    fd = os.memfd_create("baton-core-share", 0)
+    os.write(fd, _zeroed(prefill_workers, decode_workers))
+    return fd
+
+
+def path_of(fd: int) -> str:
+    """The path a child that inherited `fd` opens the ledger by."""
+    return f"/proc/self/fd/{fd}"
 
 
 class Ledger:
