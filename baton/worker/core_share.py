@@ -9,8 +9,9 @@ worker its cores go to runs its next steps with them; before the prefill worker 
 `MAX_BORROWING_STEP_S`), so the two never run more threads than cores.
 
 The ledger is a small in-memory file (a memfd) that `baton serve` creates and every worker it
-starts inherits and maps (`--core-share /proc/self/fd/N --core-share-slot N`): one record per prefill worker (lending or busy, its
-threads, since when) and one per decode worker (the lenders its running step uses, a bit mask).
+starts inherits and maps (`--core-share /proc/self/fd/N --core-share-slot N`): one record per
+prefill worker (lending or busy, its threads, since when) and one per decode worker (the lenders
+its running step uses, a bit mask).
 A zeroed file means no one lends. Workers started any other way (compose, several machines) have
 no ledger and keep their own threads. Prefill worker i's threads go to decode worker i mod D.
 
@@ -38,9 +39,10 @@ _LENDER = struct.Struct("<iid")  # state, threads, since (time.monotonic: one cl
 _BORROWER = struct.Struct("<Q")  # bit i: the running step uses prefill worker i's threads
 
 # A decode step longer than this does not borrow: a reclaiming prefill worker waits for the step
-# that runs on its core to end, so this bounds what lending can add to a prompt's TTFT. At 1-4
-# clients a decode step is 5-30 ms; at 16 and more it is longer, and the prefill worker is rarely
-# idle anyway: those loads keep the plain split.
+# that runs on its core to end, so this bounds what lending can add to a prompt's TTFT. The default
+# model's step on Zen 3 is ~14-17 ms at one client and ~35 ms at four (30 allowed four clients to
+# borrow there, for no gain: docs/performance.md); at 16 and more clients steps are longer and the
+# prefill worker is rarely idle: those loads keep the plain split.
 MAX_BORROWING_STEP_S = 0.020
 # A lender must have been idle this long before its cores are used: back-to-back prompts
 # (a gap of a loop turn) do not make the two workers trade cores every step.
