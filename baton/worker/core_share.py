@@ -40,10 +40,11 @@ _BORROWER = struct.Struct("<Q")  # bit i: the running step uses prefill worker i
 
 # A decode step longer than this does not borrow: a reclaiming prefill worker waits for the step
 # that runs on its core to end, so this bounds what lending can add to a prompt's TTFT. The default
-# model's step on Zen 3 is ~14-17 ms at one client and ~35 ms at four (30 allowed four clients to
-# borrow there, for no gain: docs/performance.md); at 16 and more clients steps are longer and the
-# prefill worker is rarely idle: those loads keep the plain split.
-MAX_BORROWING_STEP_S = 0.020
+# model's step on Zen 3 is ~17 ms on one thread at one client (spikes past 20 ms on a busy machine:
+# 20 ms often never started borrowing) and ~35 ms at four (30 ms let four clients borrow, for no
+# gain: docs/performance.md); at 16 and more clients steps are longer and the prefill worker is
+# rarely idle: those loads keep the plain split.
+MAX_BORROWING_STEP_S = 0.025
 # A lender must have been idle this long before its cores are used: back-to-back prompts
 # (a gap of a loop turn) do not make the two workers trade cores every step.
 LEND_AFTER_S = 0.020
