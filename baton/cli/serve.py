@@ -168,7 +168,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="torch threads per worker (default: split this machine's cores among the workers)")
     parser.add_argument("--no-core-share", action="store_true",
                         help="keep each worker on its own threads (default: an idle prefill worker lends its "
-                             "threads to a decode worker, giving one to four clients the machine's cores)")
+                             "threads to a decode worker whose steps are short: one or two clients get the machine's cores)")
     parser.add_argument("--worker-metrics-port", type=int, default=None,
                         help="first Prometheus port for the workers: prefill i gets PORT+i, decode j PORT+#prefill+j (default: none)")
     parser.add_argument("--startup-timeout", type=float, default=600.0,
