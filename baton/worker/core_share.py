@@ -153,13 +153,17 @@ class Lender:
             self.ledger.write_lender(self.slot, LenderState.LENDING, self.threads, time.monotonic())
             self.lending = True
 
+    def withdraw(self) -> None:
+        """Mark this worker busy (lending nothing) without waiting for a step on its threads."""
+        self.ledger.write_lender(self.slot, LenderState.BUSY, self.threads, 0.0)
+        self.lending = False
+
     async def reclaim(self, timeout: float = RECLAIM_TIMEOUT_S) -> float:
         """Take the cores back; returns once no decode step runs on them (or after `timeout`:
         a borrower that died mid-step leaves its record set). Returns the seconds waited."""
         if not self.lending:
             return 0.0
-        self.lending = False
-        self.ledger.write_lender(self.slot, LenderState.BUSY, self.threads, 0.0)
+        self.withdraw()
         _fence()
         started = time.monotonic()
         bit = 1 << self.slot
@@ -259,7 +263,6 @@ class StepCores:
     def close(self) -> None:
         """At exit: a lender takes its cores back (its successor starts by loading the model)."""
         if self.lender is not None:
-            self.lender.ledger.write_lender(self.lender.slot, LenderState.BUSY, self.threads, 0.0)
-            self.lender.lending = False
+            self.lender.withdraw()
         if self.borrower is not None:
             self.borrower.release()
