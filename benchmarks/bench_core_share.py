@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -23,11 +22,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.ab_serve import measure  # noqa: E402
 from benchmarks.bench_engine import cpu_model  # noqa: E402
-from benchmarks.bench_serving import free_port, start_server, stop_server, warm_up  # noqa: E402
+from benchmarks.bench_serving import baton_target, stop_server  # noqa: E402
 from benchmarks.bench_spec_serve import bench  # noqa: E402
-
-FIGURES = ("median_itl_ms", "median_tpot_ms", "median_ttft_ms", "p99_ttft_ms", "output_throughput")
 
 
 def main() -> int:
@@ -39,24 +37,13 @@ def main() -> int:
     levels = [int(c) for c in args.levels.split(",")]
     out_dir = Path(tempfile.mkdtemp(prefix="bench-cores-"))
     print(f"CPU: {cpu_model()}, {os.cpu_count()} cores; load average {os.getloadavg()}", flush=True)
-    results: dict[tuple[str, int], list[dict]] = {}
-    servers = {}
-    try:  # both up at once (an idle server costs little), so the two alternate at every level
-        for tag, extra in (("off", ["--no-core-share"]), ("on", [])):
-            port = free_port()
-            servers[tag] = (port, start_server(ROOT, port, args.serve_args.split() + extra))
-            warm_up(port)
-        for round_ in range(args.rounds):
-            for c in levels:
-                for tag in (("off", "on") if round_ % 2 == 0 else ("on", "off")):
-                    r = bench(servers[tag][0], "random", c, max(2 * c, 6), out_dir, f"{tag}{round_}")
-                    results.setdefault((tag, c), []).append(r)
-                    print(f"{tag:>3} c={c:<3} ITL p50 {r['median_itl_ms']:6.1f} ms  TTFT p50 {r['median_ttft_ms']:7.1f} ms"
-                          f"  {r['output_throughput']:7.1f} out tok/s", flush=True)
-    finally:
-        for _, proc in servers.values():
-            stop_server(proc)
-    med = {key: {name: statistics.median(r[name] for r in runs) for name in FIGURES} for key, runs in results.items()}
+    serve_args = args.serve_args.split()
+    targets = [baton_target("off", ROOT, serve_args + ["--no-core-share"]), baton_target("on", ROOT, serve_args)]
+    med = measure(targets, levels, args.rounds,
+                  run=lambda port, c, label: bench(port, "random", c, max(2 * c, 6), out_dir, label),
+                  describe=lambda tag, c, r: f"{tag:>3} c={c:<3} ITL p50 {r['median_itl_ms']:6.1f} ms  TTFT p50 "
+                                             f"{r['median_ttft_ms']:7.1f} ms  {r['output_throughput']:7.1f} out tok/s",
+                  stop=stop_server)
     print("\n| clients | ITL p50 off / on (ms) | ratio | TTFT p50 off / on (ms) | TTFT p99 off / on (ms) "
           "| tok/s off / on | ratio |")
     print("| --- | --- | --- | --- | --- | --- | --- |")

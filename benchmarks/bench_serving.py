@@ -3,8 +3,10 @@
 For each tree (this checkout, and with --baseline a worktree of another commit), start `baton serve`
 with its defaults on a free port, run `baton bench serve` at each concurrency (streaming
 completions, prompts 50-200 tokens, exactly 128 output tokens, ignore_eos, greedy), stop the server,
-and print one table with the ratios. Trees alternate per concurrency level only through their order
-in the run; the machine's load average is printed before and after.
+and print one table with the ratios. Both servers are up at once and at each concurrency level the
+bench runs against one then the other (with --rounds N, N passes, the order reversed every other
+pass, the median reported: benchmarks/ab_serve.py); the machine's load average is printed before
+and after.
 
     git worktree add /tmp/baton-base d084efe
     python benchmarks/bench_serving.py --baseline /tmp/baton-base
@@ -35,6 +37,9 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.ab_serve import Server, Target, measure  # noqa: E402
 
 
 def free_port() -> int:
@@ -92,10 +97,9 @@ def warm_up(port: int) -> None:
         headers={"content-type": "application/json"}), timeout=300).read()
 
 
-def report(tag: str, c: int, r: dict) -> None:
-    print(f"{tag:>8} c={c:<3} {r['output_throughput']:7.1f} out tok/s  TTFT p50 {r['median_ttft_ms']:7.0f} ms  "
-          f"ITL p50 {r['median_itl_ms']:6.1f} ms  TPOT p50 {r['median_tpot_ms']:6.1f} ms  "
-          f"({r['completed']} requests)", flush=True)
+def describe(tag: str, c: int, r: dict) -> str:
+    return (f"{tag:>10} c={c:<3} {r['output_throughput']:7.1f} out tok/s  TTFT p50 {r['median_ttft_ms']:7.0f} ms  "
+            f"ITL p50 {r['median_itl_ms']:6.1f} ms  TPOT p50 {r['median_tpot_ms']:6.1f} ms  ({r['completed']} requests)")
 
 
 def stop_server(proc: subprocess.Popen) -> None:
@@ -128,61 +132,72 @@ def default_gguf() -> Path:
     return source
 
 
+def baton_target(tag: str, tree: Path, serve_args: list[str]) -> Target:
+    """`baton serve` from `tree` with its defaults plus `serve_args`, up for the whole run."""
+    def start(_case: object) -> Server:
+        port = free_port()
+        proc = start_server(tree, port, serve_args)
+        warm_up(port)
+        return port, proc
+    return Target(tag, start)
+
+
+def llama_target(binary: Path, gguf: Path) -> Target:
+    """llama-server on `gguf`, started anew for each client count (one slot per client)."""
+    def start(clients: object) -> Server:
+        port = free_port()
+        proc = start_llama_server(binary, gguf, port, int(clients))
+        try:
+            warm_up(port)
+        except BaseException:
+            stop_server(proc)
+            raise
+        return port, proc
+    return Target("baseline", start, per_case=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--baseline", type=Path, default=None, help="a checkout of the baseline commit")
     parser.add_argument("--concurrency", default="1,4,16,64")
     parser.add_argument("--prompts-per-level", type=float, default=2.0,
                         help="requests per level = max(6, this x concurrency)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="passes at each level, the order of the two alternating (median reported)")
     parser.add_argument("--serve-args", default="", help="extra flags for baton serve (both trees)")
     parser.add_argument("--result-dir", type=Path, default=Path(tempfile.mkdtemp(prefix="bench-serving-")))
     parser.add_argument("--llama-server", type=Path, default=None, help="llama.cpp's llama-server binary: the baseline")
     parser.add_argument("--gguf", type=Path, default=None, help="the GGUF llama-server serves (default: the default model's)")
     args = parser.parse_args()
+    if args.baseline is not None and args.llama_server is not None:
+        parser.error("one baseline: --baseline or --llama-server")
     levels = [int(c) for c in args.concurrency.split(",")]
-    trees = [("baton", ROOT)] + ([("baseline", args.baseline.resolve())] if args.baseline else [])
+    targets = [baton_target("baton", ROOT, args.serve_args.split())]
+    if args.baseline is not None:
+        targets.append(baton_target("baseline", args.baseline.resolve(), args.serve_args.split()))
     if args.llama_server is not None:
-        trees.append(("baseline", args.llama_server))  # measured after baton, a fresh server per level
+        gguf = args.gguf or default_gguf()
+        print(f"llama-server on {gguf.name}", flush=True)
+        targets.append(llama_target(args.llama_server, gguf))
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from bench_engine import cpu_model, loadavg
 
     print(f"CPU: {cpu_model()}; {loadavg()}", flush=True)
-    results: dict[str, dict[int, dict]] = {}
-    for tag, tree in trees:
-        if args.llama_server is not None and tree == args.llama_server:
-            gguf = args.gguf or default_gguf()
-            print(f"llama-server on {gguf.name}", flush=True)
-            for c in levels:
-                port = free_port()
-                proc = start_llama_server(tree, gguf, port, c)
-                try:
-                    warm_up(port)
-                    results.setdefault(tag, {})[c] = r = bench(port, c, max(6, int(args.prompts_per_level * c)),
-                                                               args.result_dir, f"llama-c{c}")
-                    report("llama", c, r)
-                finally:
-                    stop_server(proc)
-            continue
-        port = free_port()
-        proc = start_server(tree, port, args.serve_args.split())
-        try:
-            warm_up(port)
-            for c in levels:
-                n = max(6, int(args.prompts_per_level * c))
-                results.setdefault(tag, {})[c] = r = bench(port, c, n, args.result_dir, tag)
-                report(tag, c, r)
-        finally:
-            stop_server(proc)
+    results = measure(targets, levels, args.rounds,
+                      run=lambda port, c, label: bench(port, c, max(6, int(args.prompts_per_level * c)),
+                                                       args.result_dir, label),
+                      describe=describe, stop=stop_server)
     print(f"\nafter: {loadavg()}\n")
-    print("| concurrency | " + " | ".join(f"{t} tok/s" for t, _ in trees)
-          + (" | ratio | ITL p50 baton / baseline ms | TTFT p50 baton / baseline ms |" if len(trees) > 1 else
+    tags = [t.tag for t in targets]
+    print("| concurrency | " + " | ".join(f"{t} tok/s" for t in tags)
+          + (" | ratio | ITL p50 baton / baseline ms | TTFT p50 baton / baseline ms |" if len(tags) > 1 else
              " | ITL p50 ms | TTFT p50 ms |"))
-    print("| --- " * (1 + len(trees) + (3 if len(trees) > 1 else 2)) + "|")
+    print("| --- " * (1 + len(tags) + (3 if len(tags) > 1 else 2)) + "|")
     for c in levels:
-        row = [f"{results[t][c]['output_throughput']:.1f}" for t, _ in trees]
-        b = results["baton"][c]
-        if len(trees) > 1:
-            base = results["baseline"][c]
+        row = [f"{results[(t, c)]['output_throughput']:.1f}" for t in tags]
+        b = results[("baton", c)]
+        if len(tags) > 1:
+            base = results[("baseline", c)]
             row += [f"{b['output_throughput'] / base['output_throughput']:.2f}x",
                     f"{b['median_itl_ms']:.1f} / {base['median_itl_ms']:.1f}",
                     f"{b['median_ttft_ms']:.0f} / {base['median_ttft_ms']:.0f}"]

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -29,8 +28,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.ab_serve import measure  # noqa: E402
 from benchmarks.bench_engine import cpu_model  # noqa: E402
-from benchmarks.bench_serving import free_port, start_server, stop_server, warm_up  # noqa: E402
+from benchmarks.bench_serving import baton_target, stop_server  # noqa: E402
 
 LEVELS = [("grounded", 1), ("grounded", 4), ("random", 1), ("random", 64)]
 
@@ -57,28 +57,18 @@ def main() -> int:
     args = parser.parse_args()
     out_dir = Path(tempfile.mkdtemp(prefix="bench-spec-"))
     print(f"CPU: {cpu_model()}, {os.cpu_count()} cores; load average {os.getloadavg()}", flush=True)
-    results: dict[tuple[str, str, int], list[dict]] = {}
-    servers = {}
-    try:  # both up at once (an idle server costs little), so the two alternate at every level
-        for tag, extra in (("off", []), ("on", ["--speculative-config", args.spec])):
-            port = free_port()
-            servers[tag] = (port, start_server(ROOT, port, args.serve_args.split() + extra))
-            warm_up(port)
-        for round_ in range(args.rounds):
-            for dataset, c in LEVELS:
-                for tag in (("off", "on") if round_ % 2 == 0 else ("on", "off")):
-                    n = max(2 * c, 8) if not args.quick else max(c, 2)
-                    r = bench(servers[tag][0], dataset, c, n, out_dir, f"{tag}{round_}")
-                    results.setdefault((tag, dataset, c), []).append(r)
-                    print(f"{tag:>3} {dataset:>8} c={c:<3} TPOT p50 {r['median_tpot_ms']:6.1f} ms  ITL p50 "
-                          f"{r['median_itl_ms']:6.1f} ms  {r['output_throughput']:7.1f} out tok/s", flush=True)
-    finally:
-        for _, proc in servers.values():
-            stop_server(proc)
-    # per level, the median over rounds of each figure
-    med = {key: {name: statistics.median(r[name] for r in runs)
-                 for name in ("median_tpot_ms", "median_itl_ms", "output_throughput")}
-           for key, runs in results.items()}
+
+    def run(port: int, case: tuple[str, int], label: str) -> dict:
+        dataset, c = case
+        return bench(port, dataset, c, max(2 * c, 8) if not args.quick else max(c, 2), out_dir, label)
+
+    serve_args = args.serve_args.split()
+    med = measure([baton_target("off", ROOT, serve_args),
+                   baton_target("on", ROOT, serve_args + ["--speculative-config", args.spec])], LEVELS, args.rounds,
+                  run=run, stop=stop_server,
+                  describe=lambda tag, case, r: f"{tag:>3} {case[0]:>8} c={case[1]:<3} TPOT p50 "
+                                                f"{r['median_tpot_ms']:6.1f} ms  ITL p50 {r['median_itl_ms']:6.1f} ms  "
+                                                f"{r['output_throughput']:7.1f} out tok/s")
     print(f"\nspeculation: {args.spec}\n")
     print("| workload | clients | TPOT p50 off / on (ms) | ratio | ITL p50 off / on (ms) | tok/s off / on | ratio |")
     print("| --- | --- | --- | --- | --- | --- | --- |")

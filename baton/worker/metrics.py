@@ -58,6 +58,8 @@ class WorkerMetrics:
                                       buckets=_TIME_BUCKETS, registry=r).labels(**lbl)
         self.step_threads = Gauge("baton:worker_step_threads", "Torch threads the last engine step ran on (a decode worker's "
                                   "own plus any an idle prefill worker on its machine lent it)", LABELS, registry=r).labels(**lbl)
+        self.borrowed_steps = Counter("baton:worker_borrowed_steps", "Engine steps this decode worker ran with threads an idle "
+                                      "prefill worker on its machine lent it", LABELS, registry=r).labels(**lbl)
         self.core_reclaim_seconds = Gauge("baton:worker_core_reclaim_wait_seconds", "Seconds this prefill worker has waited "
                                           "in all for the cores it lent to come back", LABELS, registry=r).labels(**lbl)
         self.blocks_fetched = Counter("baton:worker_kv_blocks_fetched", "Full KV blocks loaded from the store", LABELS, registry=r).labels(**lbl)

@@ -263,6 +263,8 @@ class WorkerShell:
             self.cores.after_step(time.perf_counter() - started)
         self.metrics.step_seconds.observe(self.cores.last_step_seconds)
         self.metrics.step_threads.set(threads if threads is not None else self.cores.threads)
+        if self.cores.last_step_borrowed:
+            self.metrics.borrowed_steps.inc()
         self.metrics.core_reclaim_seconds.set(self.cores.reclaim_seconds)
         for load in self.engine.take_kv_loads():
             self.loads.append(asyncio.create_task(self._fetch(load)))

@@ -97,6 +97,22 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
 }
 
 
+// The intrinsics kernels (AVX-512 or AVX2, bf16): one per head width and GQA group size G, which
+// are template parameters so that the accumulators of a group stay in registers.
+using NativeKernel = void (*)(const c10::BFloat16* q, const c10::BFloat16* k_cache, const c10::BFloat16* v_cache,
+                              const int64_t* block_ids, const int64_t* context_lens, c10::BFloat16* out, int64_t B,
+                              int64_t H, int64_t KVH, int64_t S, int64_t W, int64_t block_size, float scale);
+
+// Family<NC, 1..8>::kernel for the group size G; nullptr past 8 (the generic loops serve those).
+template <template <int, int> class Family, int NC, int G = 1>
+NativeKernel pick_by_group(int64_t group) {
+  if constexpr (G > 8) {
+    return nullptr;
+  } else {
+    return group == G ? Family<NC, G>::kernel : pick_by_group<Family, NC, G + 1>(group);
+  }
+}
+
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 // Walks a request's tokens through its block table without a division per token.
 struct RowCursor {
@@ -355,23 +371,13 @@ void decode_kernel_avx512(const c10::BFloat16* q, const c10::BFloat16* k_cache, 
   });
 }
 
-using AvxKernel = void (*)(const c10::BFloat16*, const c10::BFloat16*, const c10::BFloat16*, const int64_t*,
-                           const int64_t*, c10::BFloat16*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                           float);
+template <int NC, int G>
+struct Avx512Decode {
+  static constexpr NativeKernel kernel = decode_kernel_avx512<NC, G>;
+};
 
-template <int NC>
-AvxKernel pick_avx512_kernel(int64_t G) {
-  switch (G) {
-    case 1: return decode_kernel_avx512<NC, 1>;
-    case 2: return decode_kernel_avx512<NC, 2>;
-    case 3: return decode_kernel_avx512<NC, 3>;
-    case 4: return decode_kernel_avx512<NC, 4>;
-    case 5: return decode_kernel_avx512<NC, 5>;
-    case 6: return decode_kernel_avx512<NC, 6>;
-    case 7: return decode_kernel_avx512<NC, 7>;
-    case 8: return decode_kernel_avx512<NC, 8>;
-    default: return nullptr;
-  }
+NativeKernel pick_native_kernel(int64_t D, int64_t G) {
+  return D == 64 ? pick_by_group<Avx512Decode, 4>(G) : D == 128 ? pick_by_group<Avx512Decode, 8>(G) : nullptr;
 }
 #endif
 
@@ -519,23 +525,13 @@ void decode_kernel_avx2(const c10::BFloat16* q, const c10::BFloat16* k_cache, co
   });
 }
 
-using Avx2Kernel = void (*)(const c10::BFloat16*, const c10::BFloat16*, const c10::BFloat16*, const int64_t*,
-                            const int64_t*, c10::BFloat16*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                            float);
+template <int NC, int G>
+struct Avx2Decode {
+  static constexpr NativeKernel kernel = decode_kernel_avx2<NC, G>;
+};
 
-template <int NC>
-Avx2Kernel pick_avx2_kernel(int64_t G) {
-  switch (G) {
-    case 1: return decode_kernel_avx2<NC, 1>;
-    case 2: return decode_kernel_avx2<NC, 2>;
-    case 3: return decode_kernel_avx2<NC, 3>;
-    case 4: return decode_kernel_avx2<NC, 4>;
-    case 5: return decode_kernel_avx2<NC, 5>;
-    case 6: return decode_kernel_avx2<NC, 6>;
-    case 7: return decode_kernel_avx2<NC, 7>;
-    case 8: return decode_kernel_avx2<NC, 8>;
-    default: return nullptr;
-  }
+NativeKernel pick_native_kernel(int64_t D, int64_t G) {
+  return D == 64 ? pick_by_group<Avx2Decode, 8>(G) : D == 128 ? pick_by_group<Avx2Decode, 16>(G) : nullptr;
 }
 #endif
 
@@ -562,20 +558,8 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   for (int64_t b = 0; b < B; ++b)
     TORCH_CHECK(lens[b] >= 1 && lens[b] <= W * block_size, "context length outside its block table");
   auto out = torch::empty_like(q);
-#if defined(__AVX512F__)
-  AvxKernel kernel = q.scalar_type() != at::kBFloat16 ? nullptr
-                     : D == 64 ? pick_avx512_kernel<4>(H / KVH)
-                     : D == 128 ? pick_avx512_kernel<8>(H / KVH) : nullptr;
-  if (kernel != nullptr) {
-    kernel(q.data_ptr<c10::BFloat16>(), k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>(),
-           block_ids.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(), out.data_ptr<c10::BFloat16>(), B, H,
-           KVH, S, W, block_size, static_cast<float>(scale));
-    return out;
-  }
-#elif defined(__AVX2__) && defined(__FMA__)
-  Avx2Kernel kernel = q.scalar_type() != at::kBFloat16 ? nullptr
-                      : D == 64 ? pick_avx2_kernel<8>(H / KVH)
-                      : D == 128 ? pick_avx2_kernel<16>(H / KVH) : nullptr;
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+  const NativeKernel kernel = q.scalar_type() == at::kBFloat16 ? pick_native_kernel(D, H / KVH) : nullptr;
   if (kernel != nullptr) {
     kernel(q.data_ptr<c10::BFloat16>(), k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>(),
            block_ids.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(), out.data_ptr<c10::BFloat16>(), B, H,
