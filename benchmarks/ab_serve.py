@@ -25,10 +25,11 @@ class Target:
 
 
 def measure(targets: Sequence[Target], cases: Sequence[Hashable], rounds: int,
-            run: Callable[[int, Hashable, str], dict], describe: Callable[[str, Hashable, dict], str],
+            run: Callable[[int, Hashable, int, str], dict], describe: Callable[[str, Hashable, dict], str],
             stop: Callable[[subprocess.Popen], None]) -> dict[tuple[str, Hashable], dict[str, float]]:
-    """run(port, case, label) -> bench serve's result; returns (tag, case) -> the median over rounds
-    of every numeric figure of the results."""
+    """run(port, case, round, label) -> bench serve's result (every server of a round gets the same
+    prompts, each round others: a round must not measure the prefix cache the last one filled);
+    returns (tag, case) -> the median over rounds of every numeric figure of the results."""
     results: dict[tuple[str, Hashable], list[dict]] = {}
     whole_run: dict[str, Server] = {}
     try:
@@ -44,7 +45,7 @@ def measure(targets: Sequence[Target], cases: Sequence[Hashable], rounds: int,
                 for round_ in range(rounds):
                     for target in (targets if round_ % 2 == 0 else targets[::-1]):
                         port = (whole_run | this_case)[target.tag][0]
-                        result = run(port, case, f"{target.tag}{round_}")
+                        result = run(port, case, round_, f"{target.tag}{round_}")
                         results.setdefault((target.tag, case), []).append(result)
                         print(describe(target.tag, case, result), flush=True)
             finally:

@@ -40,7 +40,7 @@ def main() -> int:
     serve_args = args.serve_args.split()
     targets = [baton_target("off", ROOT, serve_args + ["--no-core-share"]), baton_target("on", ROOT, serve_args)]
     med = measure(targets, levels, args.rounds,
-                  run=lambda port, c, label: bench(port, "random", c, max(2 * c, 6), out_dir, label),
+                  run=lambda port, c, round_, label: bench(port, "random", c, max(2 * c, 6), out_dir, label, seed=round_),
                   describe=lambda tag, c, r: f"{tag:>3} c={c:<3} ITL p50 {r['median_itl_ms']:6.1f} ms  TTFT p50 "
                                              f"{r['median_ttft_ms']:7.1f} ms  {r['output_throughput']:7.1f} out tok/s",
                   stop=stop_server)

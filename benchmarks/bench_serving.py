@@ -111,14 +111,14 @@ def stop_server(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def bench(port: int, concurrency: int, num_prompts: int, out_dir: Path, tag: str) -> dict:
+def bench(port: int, concurrency: int, num_prompts: int, out_dir: Path, tag: str, seed: int = 0) -> dict:
     name = f"{tag}-c{concurrency}.json"
     cmd = [sys.executable, "-m", "baton.cli.cli", "bench", "serve", "--base-url", f"http://127.0.0.1:{port}",
            "--num-prompts", str(num_prompts), "--max-concurrency", str(concurrency), "--request-rate", "inf",
            "--random-input-len", "125", "--random-range-ratio", "0.6", "--random-output-len", "128",
            "--random-output-range-ratio", "0", "--ignore-eos", "--percentile-metrics", "ttft,tpot,itl,e2el",
            "--metric-percentiles", "50,99", "--save-result", "--result-dir", str(out_dir),
-           "--result-filename", name, "--disable-tqdm", "--seed", str(concurrency)]
+           "--result-filename", name, "--disable-tqdm", "--seed", str(concurrency + 1000 * seed)]
     subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, env=dict(os.environ, PYTHONPATH=str(ROOT)))
     return json.loads((out_dir / name).read_text())
 
@@ -184,8 +184,8 @@ def main() -> int:
 
     print(f"CPU: {cpu_model()}; {loadavg()}", flush=True)
     results = measure(targets, levels, args.rounds,
-                      run=lambda port, c, label: bench(port, c, max(6, int(args.prompts_per_level * c)),
-                                                       args.result_dir, label),
+                      run=lambda port, c, round_, label: bench(port, c, max(6, int(args.prompts_per_level * c)),
+                                                               args.result_dir, label, seed=round_),
                       describe=describe, stop=stop_server)
     print(f"\nafter: {loadavg()}\n")
     tags = [t.tag for t in targets]

@@ -35,14 +35,16 @@ from benchmarks.bench_serving import baton_target, stop_server  # noqa: E402
 LEVELS = [("grounded", 1), ("grounded", 4), ("random", 1), ("random", 64)]
 
 
-def bench(port: int, dataset: str, concurrency: int, num_prompts: int, out_dir: Path, tag: str) -> dict:
+def bench(port: int, dataset: str, concurrency: int, num_prompts: int, out_dir: Path, tag: str,
+          seed: int = 0) -> dict:
     name = f"{tag}-{dataset}-c{concurrency}.json"
     cmd = [sys.executable, "-m", "baton.cli.cli", "bench", "serve", "--base-url", f"http://127.0.0.1:{port}",
            "--dataset-name", dataset, "--num-prompts", str(num_prompts), "--max-concurrency", str(concurrency),
            "--request-rate", "inf", "--random-input-len", "125", "--random-range-ratio", "0.6",
            "--random-output-len", "128", "--random-output-range-ratio", "0", "--ignore-eos",
            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99", "--save-result",
-           "--result-dir", str(out_dir), "--result-filename", name, "--disable-tqdm", "--seed", str(concurrency)]
+           "--result-dir", str(out_dir), "--result-filename", name, "--disable-tqdm", "--seed",
+           str(concurrency + 1000 * seed)]
     subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, env=dict(os.environ, PYTHONPATH=str(ROOT)))
     return json.loads((out_dir / name).read_text())
 
@@ -58,9 +60,9 @@ def main() -> int:
     out_dir = Path(tempfile.mkdtemp(prefix="bench-spec-"))
     print(f"CPU: {cpu_model()}, {os.cpu_count()} cores; load average {os.getloadavg()}", flush=True)
 
-    def run(port: int, case: tuple[str, int], label: str) -> dict:
+    def run(port: int, case: tuple[str, int], round_: int, label: str) -> dict:
         dataset, c = case
-        return bench(port, dataset, c, max(2 * c, 8) if not args.quick else max(c, 2), out_dir, label)
+        return bench(port, dataset, c, max(2 * c, 8) if not args.quick else max(c, 2), out_dir, label, seed=round_)
 
     serve_args = args.serve_args.split()
     med = measure([baton_target("off", ROOT, serve_args),

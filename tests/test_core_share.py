@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from baton.worker import core_share
-from baton.worker.core_share import (LEND_AFTER_S, MAX_BORROWING_STEP_S, PROBE_STEPS, RETRY_AFTER_S, BorrowGain,
-                                     Borrower, Ledger, Lender, StepCores, run_with_threads)
+from baton.worker.core_share import (LEND_AFTER_S, MAX_BORROWING_STEP_S, Borrower, Ledger, Lender, StepCores,
+                                     run_with_threads)
 
 
 @pytest.fixture
@@ -181,36 +181,3 @@ def test_step_cores_lend_when_idle_and_take_back_at_exit(ledger_path):
     time.sleep(LEND_AFTER_S + 0.005)
     assert asyncio.run(decode.before_step()) == 1
 
-
-def test_borrowing_stops_while_borrowed_steps_are_slower_and_is_tried_again():
-    gain = BorrowGain()
-    now = 100.0
-    for _ in range(3):
-        gain.record(0.014, borrowed=False, now=now)  # one thread: 14 ms
-    for i in range(PROBE_STEPS):  # the lent core is busy elsewhere: 22 ms with it
-        assert gain.allows(now)
-        gain.record(0.022, borrowed=True, now=now)
-    assert not gain.allows(now)  # back on the own thread
-    assert not gain.allows(now + RETRY_AFTER_S - 0.01)
-    assert gain.allows(now + RETRY_AFTER_S)  # measured afresh: the other process may be gone
-    later = now + RETRY_AFTER_S
-    for _ in range(10 * PROBE_STEPS):  # now it pays: borrowing goes on
-        gain.record(0.010, borrowed=True, now=later)
-        assert gain.allows(later)
-
-
-def test_a_decode_worker_steps_on_its_own_threads_when_borrowed_ones_measure_slower(ledger_path):
-    prefill = StepCores.from_args("prefill", str(ledger_path), 0, threads=1)
-    decode = StepCores.from_args("decode", str(ledger_path), 0, threads=1)
-    asyncio.run(decode.before_step())  # nothing lent yet: its own thread
-    decode.after_step(0.010)
-    prefill.idle()
-    time.sleep(LEND_AFTER_S + 0.005)
-    for _ in range(PROBE_STEPS):
-        assert asyncio.run(decode.before_step()) == 2
-        assert decode.last_step_borrowed == 1
-        decode.after_step(0.020)  # slower with the lent thread
-    assert asyncio.run(decode.before_step()) == 1  # still lent, not taken
-    assert decode.last_step_borrowed == 0
-    decode.after_step(0.010)
-    prefill.close()

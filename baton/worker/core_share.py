@@ -6,9 +6,7 @@ that split wastes half the machine: the prefill worker idles for the whole of ea
 the decode worker steps on one core. So an idle prefill worker *lends* its threads, and the decode
 worker its cores go to runs its next steps with them; before the prefill worker computes again it
 *reclaims* them and waits until no step runs on them (at most one short step: see
-`MAX_BORROWING_STEP_S`), so the two never run more threads than cores. A decode worker keeps
-borrowing only while its steps measure faster for it (`BorrowGain`: the lent core may be busy with
-another process).
+`MAX_BORROWING_STEP_S`), so the two never run more threads than cores.
 
 The ledger is a small in-memory file (a memfd) that `baton serve` creates and every worker it
 starts inherits and maps (`--core-share /proc/self/fd/N --core-share-slot N`): one record per
@@ -51,11 +49,6 @@ MAX_BORROWING_STEP_S = 0.025
 # (a gap of a loop turn) do not make the two workers trade cores every step.
 LEND_AFTER_S = 0.020
 RECLAIM_TIMEOUT_S = 0.250
-# Borrowed threads must make steps faster, as measured: see BorrowGain.
-PROBE_STEPS = 4  # borrowed steps timed before they are judged
-SLOWER_BY = 1.05  # borrowed steps this much slower than own ones on average: stop borrowing
-RETRY_AFTER_S = 2.0  # then step on the own threads this long before trying again
-_AVERAGING = 0.25  # weight of the newest step in the running means
 _POLL_S = 0.0005
 
 _fence_lock = threading.Lock()
@@ -218,35 +211,6 @@ class Borrower:
         self.ledger.write_borrowed(self.slot, 0)
 
 
-class BorrowGain:
-    """Whether borrowed threads make this worker's steps faster, as measured here. A lent core may
-    be busy with another process (a build, a second server), and OpenMP threads that share a busy
-    core wait for each other at every barrier: on 2 vCPUs with a compiler running on both, the
-    default model's step at one client took ~14 ms on its own thread and 21-25 ms with a borrowed
-    one (all under `MAX_BORROWING_STEP_S`). So the running means of steps on the own threads and
-    with borrowed ones are kept (steps at low load look alike); when borrowed ones are slower after
-    `PROBE_STEPS` of them, borrowing stops for `RETRY_AFTER_S` and is then measured afresh."""
-
-    def __init__(self) -> None:
-        self.own: float | None = None  # mean seconds of a step on the own threads
-        self.borrowed: float | None = None  # ... with borrowed ones, since the last probe began
-        self.borrowed_steps = 0
-        self.resume_at = 0.0  # time.monotonic() before which nothing is borrowed
-
-    def allows(self, now: float) -> bool:
-        return now >= self.resume_at
-
-    def record(self, seconds: float, borrowed: bool, now: float) -> None:
-        if not borrowed:
-            self.own = seconds if self.own is None else self.own + _AVERAGING * (seconds - self.own)
-            return
-        self.borrowed = seconds if self.borrowed is None else self.borrowed + _AVERAGING * (seconds - self.borrowed)
-        self.borrowed_steps += 1
-        if self.borrowed_steps >= PROBE_STEPS and self.own is not None and self.borrowed > self.own * SLOWER_BY:
-            self.resume_at = now + RETRY_AFTER_S
-            self.borrowed, self.borrowed_steps = None, 0
-
-
 _step_thread = threading.local()
 
 
@@ -270,7 +234,6 @@ class StepCores:
         self.threads = threads
         self.lender = Lender(ledger, slot, threads) if ledger is not None and kind == "prefill" else None
         self.borrower = Borrower(ledger, slot) if ledger is not None and kind == "decode" else None
-        self.gain = BorrowGain()
         self.last_step_seconds = 0.0
         self.last_step_borrowed = 0  # threads the last step borrowed
         self.reclaim_seconds = 0.0  # waited in all, for the metrics
@@ -285,8 +248,7 @@ class StepCores:
             self.reclaim_seconds += await self.lender.reclaim()
             return None
         if self.borrower is not None:
-            allowed = self.gain.allows(time.monotonic())
-            self.last_step_borrowed = self.borrower.acquire(self.last_step_seconds) if allowed else 0
+            self.last_step_borrowed = self.borrower.acquire(self.last_step_seconds)
             return self.threads + self.last_step_borrowed
         return None
 
@@ -294,7 +256,6 @@ class StepCores:
         self.last_step_seconds = seconds
         if self.borrower is not None:
             self.borrower.release()
-            self.gain.record(seconds, self.last_step_borrowed > 0, time.monotonic())
 
     def idle(self) -> None:
         """Nothing to compute now: a prefill worker lends its threads."""
