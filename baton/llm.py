@@ -51,7 +51,7 @@ class LLM:
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
                  scheduler_policy: str = "max-utilization", dtype: str = "auto", device: str | None = None,
                  enable_prefix_caching: bool = True, kv_cache_memory: int = 1 << 30,
-                 num_threads: int | None = None, quantization: str = "auto",
+                 num_threads: int | None = None, quantization: str = "auto", kv_cache_dtype: str = "auto",
                  speculative_config: SpeculativeConfig | dict | str | None = None) -> None:
         # speculative_config: vLLM's shape, e.g. {"method": "ngram", "num_speculative_tokens": 4}
         self.engine = LLMEngine(EngineConfig(
@@ -59,7 +59,7 @@ class LLM:
             kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, scheduler_policy=scheduler_policy,
             enable_prefix_caching=enable_prefix_caching, num_threads=num_threads, quantization=quantization,
-            speculative_config=with_draft_dir(parse_speculative_config(speculative_config), resolve_model),
+            kv_cache_dtype=kv_cache_dtype, speculative_config=with_draft_dir(parse_speculative_config(speculative_config), resolve_model),
         ))
         self.tokenizer = load_tokenizer(self.engine.model_dir)
         self._ids = itertools.count()

@@ -15,7 +15,8 @@ import torch
 
 
 def encode_block(token_ids: Sequence[int], kv: torch.Tensor) -> bytes:
-    """kv: [layers, 2, block_size, kv_heads, head_dim] -> bytes (tokens, dtype, shape, raw data)."""
+    """kv: [layers, 2, block_size, kv_heads, head_dim (+ 4 in a quantized format)] -> bytes (tokens,
+    dtype, shape, raw data)."""
     kv = kv.contiguous()
     return msgpack.packb({
         "v": 1,
@@ -26,8 +27,22 @@ def encode_block(token_ids: Sequence[int], kv: torch.Tensor) -> bytes:
     }, use_bin_type=True)
 
 
-# The dtypes a block may hold (what a worker computes in); anything else is no KV of ours.
-KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# The dtypes a block may hold (what a worker computes in, or a quantized cache's format: see
+# baton.engine.kv_quant); anything else is no KV of ours.
+KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+             "int8": torch.int8, "float8_e4m3fn": torch.float8_e4m3fn}
+# A quantized cache's row: head_dim one-byte codes, then an fp32 scale in this many bytes.
+QUANTIZED_KV_DTYPES = (torch.int8, torch.float8_e4m3fn)
+KV_SCALE_BYTES = 4
+
+
+def logical_shape(kv: torch.Tensor) -> list[int]:
+    """A block's [layers, 2, block_size, kv_heads, head_dim], whatever format holds it (a quantized
+    row is head_dim codes plus its scale's bytes)."""
+    shape = list(kv.shape)
+    if kv.dtype in QUANTIZED_KV_DTYPES and shape:
+        shape[-1] -= KV_SCALE_BYTES
+    return shape
 
 
 def decode_block(value: bytes) -> tuple[list[int], torch.Tensor]:
@@ -46,6 +61,8 @@ def decode_block(value: bytes) -> tuple[list[int], torch.Tensor]:
     if not isinstance(shape, list) or not all(type(n) is int and n >= 0 for n in shape):
         raise ValueError(f"shape {shape!r} is not a list of sizes")
     dtype = KV_DTYPES[name]
+    if dtype in QUANTIZED_KV_DTYPES and (not shape or shape[-1] <= KV_SCALE_BYTES):
+        raise ValueError(f"shape {shape!r} has no room for a quantized row's scale")
     if not isinstance(data, bytes) or len(data) != math.prod(shape) * dtype.itemsize:
         raise ValueError(f"{len(data) if isinstance(data, bytes) else type(data).__name__} bytes of data "
                          f"for {name} {shape}")

@@ -109,7 +109,7 @@ def _serve_args(*argv: str) -> argparse.Namespace:
 
 def test_child_command_lines_pass_flags_through():
     args = _serve_args("--host", "0.0.0.0", "--port", "8123", "--dtype", "bfloat16", "--quantization", "int8",
-                       "--max-concurrent-requests", "64", "--max-queue-wait", "2.5", "--api-key", "k",
+                       "--kv-cache-dtype", "fp8", "--max-concurrent-requests", "64", "--max-queue-wait", "2.5", "--api-key", "k",
                        "--num-kv-blocks", "512", "--scheduler-policy", "max-utilization",
                        "--max-num-batched-tokens", "256", "--block-size", "16",
                        "--worker-metrics-port", "9100", "--decode-workers", "2",
@@ -131,6 +131,7 @@ def test_child_command_lines_pass_flags_through():
     assert flag(dec0, "--block-size") == "16" and flag(pre, "--block-size") == "16"
     assert flag(dec0, "--dtype") == "bfloat16" and "--max-num-batched-tokens" not in dec0
     assert flag(pre, "--quantization") == "int8" and flag(dec1, "--quantization") == "int8"
+    assert flag(pre, "--kv-cache-dtype") == "fp8" and flag(dec1, "--kv-cache-dtype") == "fp8"
     assert gw[:3] == ["py", "-m", "gateway"] and flag(gw, "--port") == "8123"
     assert flag(gw, "--host") == "0.0.0.0" and flag(gw, "--max-concurrent-requests") == "64"
     assert flag(gw, "--max-queue-wait") == "2.5"

@@ -13,7 +13,8 @@ import sys
 def build_parser() -> argparse.ArgumentParser:
     from baton.common.env_flags import apply_env
     from baton.cli.serve import add_serve_arguments
-    from baton.worker.args import DTYPE_CHOICES, QUANTIZATION_CHOICES, QUANTIZATION_HELP
+    from baton.worker.args import (DTYPE_CHOICES, KV_CACHE_DTYPE_CHOICES, KV_CACHE_DTYPE_HELP, QUANTIZATION_CHOICES,
+                                   QUANTIZATION_HELP)
 
     parser = argparse.ArgumentParser(
         prog="baton",
@@ -42,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--model", default=None, help="as `baton serve --model` (default: the default model)")
     plan.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help="as `baton serve --dtype`")
     plan.add_argument("--quantization", default="auto", choices=QUANTIZATION_CHOICES, help=QUANTIZATION_HELP)
+    plan.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_CHOICES, help=KV_CACHE_DTYPE_HELP)
     apply_env(plan)
 
     sub.add_parser("bench", help="benchmark a running Baton (arguments go to baton.cli.bench.cli)",
@@ -70,7 +72,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     logging.basicConfig(level="WARNING", format="%(message)s")
     worker_args = SimpleNamespace(model=str(resolve_model(args.model)), dtype=args.dtype, device=None, block_size=16,
                                   num_kv_blocks=16, kv_cache_memory=None, max_num_seqs=1, max_num_batched_tokens=512,
-                                  threads=None, quantization=args.quantization)
+                                  threads=None, quantization=args.quantization,
+                                  kv_cache_dtype=args.kv_cache_dtype)
     engine = build_engine(worker_args)
     print(report(engine.model, engine.quantization), flush=True)
     return 0

@@ -37,7 +37,8 @@ from baton.common.urls import redact_url
 from baton.worker import core_share
 from baton.worker.core_share import path_of as core_share_path
 from baton.cli.supervisor import API_KEY_ENV, ChildExited, ChildSpec, StopRequested, Supervisor
-from baton.worker.args import DTYPE_CHOICES, QUANTIZATION_CHOICES, QUANTIZATION_HELP
+from baton.worker.args import (DTYPE_CHOICES, KV_CACHE_DTYPE_CHOICES, KV_CACHE_DTYPE_HELP, QUANTIZATION_CHOICES,
+                               QUANTIZATION_HELP)
 
 PREFILL_MODULE = "prefill_worker"
 DECODE_MODULE = "decode_worker"
@@ -164,6 +165,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="worker compute dtype (default auto: bfloat16 on CUDA and on CPUs with fast "
                              "bf16, else float32)")
     parser.add_argument("--quantization", default="auto", choices=QUANTIZATION_CHOICES, help="worker " + QUANTIZATION_HELP)
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_CHOICES,
+                        help="workers' " + KV_CACHE_DTYPE_HELP)
     parser.add_argument("--threads-per-worker", type=int, default=None,
                         help="torch threads per worker (default: split this machine's cores among the workers)")
     parser.add_argument("--no-core-share", action="store_true",
@@ -235,7 +238,7 @@ def build_child_specs(args: argparse.Namespace, model_dir: Path, redis_url: str,
     metrics_port = args.worker_metrics_port
     for i, threads in enumerate(plan.prefill):
         argv = [python, "-m", PREFILL_MODULE, *common, "--threads", str(threads), "--dtype", args.dtype,
-                "--quantization", args.quantization]
+                "--quantization", args.quantization, "--kv-cache-dtype", getattr(args, "kv_cache_dtype", "auto")]
         argv += _passthrough(args, WORKER_FLAGS + PREFILL_FLAGS)
         if metrics_port is not None:
             argv += ["--metrics-port", str(metrics_port + i)]
@@ -245,7 +248,7 @@ def build_child_specs(args: argparse.Namespace, model_dir: Path, redis_url: str,
                                "prefill", _fds(core_share_fd)))
     for j, threads in enumerate(plan.decode):
         argv = [python, "-m", DECODE_MODULE, *common, "--threads", str(threads), "--dtype", args.dtype,
-                "--quantization", args.quantization]
+                "--quantization", args.quantization, "--kv-cache-dtype", getattr(args, "kv_cache_dtype", "auto")]
         argv += _passthrough(args, WORKER_FLAGS + DECODE_FLAGS)
         if metrics_port is not None:
             argv += ["--metrics-port", str(metrics_port + len(plan.prefill) + j)]

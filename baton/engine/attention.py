@@ -24,6 +24,10 @@ window is in the masks, not in the backend: `windowed(meta, window)` rebuilds th
 once per step and the window layers get that metadata, so every step kind (prefill chunks, mixed,
 decode) is covered by the same code. Soft-capping (Gemma 2) needs the scores between the matmuls,
 so capped layers run the reference's eager attention (`_eager`) instead of SDPA.
+
+A quantized cache (`--kv-cache-dtype int8|fp8`, `baton.engine.kv_quant`): rows are written as
+codes and a scale, gathered as bytes and dequantized to the query's dtype before the same matmuls;
+the native kernels (bf16 rows) are not attached to such a backend.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from baton.engine.kv_quant import as_bytes, dequantize_rows, is_quantized, quantize_rows
 
 
 @dataclass
@@ -88,6 +94,22 @@ class TorchAttention:
         self.softcap = softcap  # scores -> tanh(scores / cap) * cap before the mask (Gemma 2)
         self.paged_kernel: Any = None  # the compiled module; set by `use_native_kernel`
         self.decode_style_prefill = False  # set by `use_native_kernel` (batch-invariant mode)
+        self.kv_dtype: torch.dtype | None = None  # int8 / fp8: a quantized cache (`use_kv_dtype`)
+
+    def use_kv_dtype(self, dtype: torch.dtype) -> None:
+        """Read and write the cache in `dtype`; a quantized one detaches the native kernels."""
+        self.kv_dtype = dtype if is_quantized(dtype) else None
+        if self.kv_dtype is not None:
+            self.use_native_kernel(None)
+
+    def _gather(self, kv_cache: torch.Tensor, dim: int, index: torch.Tensor,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        # kv_cache: [2, kv_heads, slots, w] (or a blocked view); K's and V's rows `index` along
+        # `dim`, dequantized to `dtype` when the cache is quantized (K and V in one op each)
+        if self.kv_dtype is None:
+            return kv_cache[0].index_select(dim - 1, index), kv_cache[1].index_select(dim - 1, index)
+        kv = dequantize_rows(as_bytes(kv_cache).index_select(dim, index).view(kv_cache.dtype), dtype)
+        return kv[0], kv[1]
 
     def use_native_kernel(self, kernel: Any, decode_style_prefill: bool = False) -> None:
         """decode_style_prefill: attend every prefill query with the paged decode kernel, over its own
@@ -95,6 +117,8 @@ class TorchAttention:
         number whether it was computed in a prefill chunk (any chunking, any batch) or in a decode
         step: a request recomputed from prompt + generated tokens (a takeover whose KV is missing
         from the store, a preemption) continues with the tokens it would have produced."""
+        if self.kv_dtype is not None:
+            kernel = None  # the native kernels read bf16 rows, not a quantized cache's
         self.paged_kernel = kernel
         self.decode_style_prefill = decode_style_prefill and kernel is not None
 
@@ -119,7 +143,11 @@ class TorchAttention:
                                                    self.num_heads, meta.block_size, self.scale)
 
     def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
-        # kv_cache: [2, kv_heads, slots, d]; k, v: [T, kv_heads, d]
+        # kv_cache: [2, kv_heads, slots, d (+ 4 when quantized)]; k, v: [T, kv_heads, d]
+        if self.kv_dtype is not None:  # K and V quantized together, written in one op
+            rows = as_bytes(quantize_rows(torch.stack([k, v]), self.kv_dtype))  # [2, T, kv_heads, d + 4]
+            as_bytes(kv_cache).index_copy_(2, meta.slot_mapping, rows.transpose(1, 2))
+            return
         kv_cache[0].index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
         kv_cache[1].index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
 
@@ -129,10 +157,10 @@ class TorchAttention:
         if self.paged_kernel is not None and q.dtype != torch.float32:
             return self.paged_kernel.paged_decode(q, kv_cache[0], kv_cache[1], group.block_ids.view(batch, -1),
                                                   group.context_lens, block_size, self.scale)
-        blocks = kv_cache.view(2, kv_heads, -1, block_size, d)
+        blocks = kv_cache.view(2, kv_heads, -1, block_size, kv_cache.shape[-1])
         length = group.num_blocks * block_size
-        k = blocks[0].index_select(1, group.block_ids).view(kv_heads, batch, length, d)
-        v = blocks[1].index_select(1, group.block_ids).view(kv_heads, batch, length, d)
+        k, v = self._gather(blocks, 2, group.block_ids, q.dtype)
+        k, v = k.view(kv_heads, batch, length, d), v.view(kv_heads, batch, length, d)
         if self.softcap is not None:
             out = _eager(q.unsqueeze(2), k.transpose(0, 1), v.transpose(0, 1), group.mask, self.scale, self.softcap)
             return out.squeeze(2)
@@ -165,8 +193,8 @@ class TorchAttention:
         if span.gather_slots is None:  # the chunk is the whole context: no cache read needed
             kp, vp = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
         else:
-            kp = kv_cache[0].index_select(1, span.gather_slots).unsqueeze(0)  # [1, kv_heads, ctx, d]
-            vp = kv_cache[1].index_select(1, span.gather_slots).unsqueeze(0)
+            kp, vp = self._gather(kv_cache, 2, span.gather_slots, q.dtype)
+            kp, vp = kp.unsqueeze(0), vp.unsqueeze(0)  # [1, kv_heads, ctx, d]
         if self.softcap is not None:
             return _eager(qp, kp, vp, span.mask, self.scale, self.softcap).squeeze(0).transpose(0, 1)
         out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=span.mask, is_causal=span.mask is None,

@@ -32,6 +32,7 @@ from baton.engine.kv_connector import KVConnectorScheduler
 from baton.engine.kv_types import KVLoad, LoadedKV, RemoteKV
 from baton.engine.outputs import EngineOutput, EngineStats, KVHandoff
 from baton.engine.pooling import Pooling
+from baton.engine.kv_quant import is_quantized, resolve_kv_cache_dtype
 from baton.engine.quant import auto_dtype, quantize_model
 from baton.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, StepOutput
 from baton.engine.spec_config import SpeculativeConfig, parse_speculative_config
@@ -61,6 +62,7 @@ class EngineConfig:
     num_threads: int | None = None
     kv_connector: bool = False  # load from and save to a block store (the workers)
     quantization: str = "auto"  # auto, none, int8, int4: the projections' weights (baton.engine.quant)
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype), int8, fp8: the KV cache (baton.engine.kv_quant)
     # speculative decoding (baton.engine.spec_decode): a SpeculativeConfig, its dict or JSON; None: off
     speculative_config: SpeculativeConfig | dict | str | None = None
 
@@ -100,8 +102,15 @@ class LLMEngine:
             self.model_config = dataclasses.replace(
                 self.model_config, model_id=f"{self.model_config.model_id}+{self.quantization}")
         self.dtype = next(self.model.parameters()).dtype
+        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
+        if is_quantized(self.kv_dtype):
+            self.model.use_kv_dtype(self.kv_dtype)
+            # a quantized cache's blocks are other numbers than the model's own: prefix hashes (and
+            # the store's keys) must not match across cache formats
+            self.model_config = dataclasses.replace(
+                self.model_config, model_id=f"{self.model_config.model_id}+kv_{str(self.kv_dtype).removeprefix('torch.')}")
         return_freed_memory()
-        block_bytes = kv_bytes_per_block(self.model_config, config.block_size, self.dtype)
+        block_bytes = kv_bytes_per_block(self.model_config, config.block_size, self.kv_dtype)
         num_blocks = config.num_kv_blocks or max(2, config.kv_cache_memory // block_bytes)
         max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.pool = BlockPool(num_blocks, config.block_size)
@@ -118,17 +127,19 @@ class LLMEngine:
                             max_model_len),
             self.block_manager, self.model_config.eos_token_ids, self.connector, speculative, self.drafter,
         )
-        self.runner = ModelRunner(self.model, self.model_config, num_blocks, config.block_size)
+        self.runner = ModelRunner(self.model, self.model_config, num_blocks, config.block_size, self.kv_dtype)
         self.structured = StructuredOutput(self.model_dir, self.model_config.vocab_size, self.eos_token_ids)
         self.num_steps = 0
         self.num_generated_tokens = 0
         self.last_num_batched_tokens = 0
         self._kv_loads: list[KVLoad] = []
         self._requests: dict[str, Sequence] = {}  # unfinished, by id
-        logger.info("engine ready: %s (%s%s, %s), %d KV blocks of %d tokens, policy %s",
+        logger.info("engine ready: %s (%s%s, %s), %d KV blocks of %d tokens%s, policy %s",
                     self.model_dir.name, self.dtype,
                     "" if self.quantization == "none" else f", {self.quantization} weights",
-                    device, num_blocks, config.block_size, config.scheduler_policy)
+                    device, num_blocks, config.block_size,
+                    f" ({config.kv_cache_dtype}, torch attention)" if is_quantized(self.kv_dtype) else "",
+                    config.scheduler_policy)
 
     def _load_drafter(self, draft_dir: Path, device: torch.device, num_blocks: int) -> DraftModel:
         """The draft model of a draft_model config (a directory: callers resolve names), in the

@@ -8,6 +8,7 @@ import torch
 
 from baton.engine.config import ModelConfig
 from baton.engine.attention import AttentionMetadata, DecodeGroup, PrefillSpan, group_by_context
+from baton.engine.kv_quant import as_bytes, convert_rows, row_width
 from baton.engine.model import LlamaModel
 from baton.engine.sequence import Sequence
 
@@ -55,11 +56,13 @@ class StepResult:
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    return config.num_layers * 2 * block_size * config.num_kv_heads * config.head_dim * dtype.itemsize
+    """Bytes of one block of the KV cache in `dtype` (a quantized format: codes and scales)."""
+    return config.num_layers * 2 * block_size * config.num_kv_heads * row_width(config.head_dim, dtype) * dtype.itemsize
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, config: ModelConfig, num_blocks: int, block_size: int) -> None:
+    def __init__(self, model: LlamaModel, config: ModelConfig, num_blocks: int, block_size: int,
+                 kv_dtype: torch.dtype | None = None) -> None:
         self.model = model
         self.config = config
         self.block_size = block_size
@@ -67,12 +70,14 @@ class ModelRunner:
         param = next(model.parameters())
         self.device = param.device
         self.dtype = param.dtype
-        # [layers, k/v, kv_heads, slots, head_dim]; slot = block * block_size + offset (head-major:
-        # see baton.engine.attention)
+        self.kv_dtype = kv_dtype or self.dtype  # int8 / fp8: quantized rows (baton.engine.kv_quant)
+        # [layers, k/v, kv_heads, slots, head_dim (+ 4 scale bytes when quantized)]; slot = block *
+        # block_size + offset (head-major: see baton.engine.attention)
         self.kv_cache = torch.zeros(
-            config.num_layers, 2, config.num_kv_heads, num_blocks * block_size, config.head_dim,
-            dtype=self.dtype, device=self.device,
-        )
+            config.num_layers, 2, config.num_kv_heads, num_blocks * block_size,
+            row_width(config.head_dim, self.kv_dtype), dtype=torch.uint8 if self.kv_dtype.itemsize == 1 else self.kv_dtype,
+            device=self.device,
+        ).view(self.kv_dtype)
 
     def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
         # slots of positions [start, end) of a request
@@ -203,16 +208,19 @@ class ModelRunner:
 
     @property
     def block_shape(self) -> list[int]:
-        """One block in the store's format, as `read_block` gives and `write_block` takes it."""
+        """One block's logical shape in the store's format, as `read_block` gives and `write_block`
+        takes it (a quantized cache's rows carry 4 scale bytes more: `kvstore.codec.logical_shape`)."""
         return [self.config.num_layers, 2, self.block_size, self.config.num_kv_heads, self.config.head_dim]
 
     def read_block(self, block: int) -> torch.Tensor:
-        """A block's KV in the store's format: [layers, 2, block_size, kv_heads, head_dim] (a copy,
-        on the CPU; the cache itself is head-major)."""
+        """A block's KV in the store's format: [layers, 2, block_size, kv_heads, head_dim (+ 4 when
+        quantized)] in the cache's dtype (a copy, on the CPU; the cache itself is head-major)."""
         s = block * self.block_size
-        return self.kv_cache[:, :, :, s:s + self.block_size].transpose(2, 3).to("cpu", copy=True).contiguous()
+        rows = as_bytes(self.kv_cache)[:, :, :, s:s + self.block_size].transpose(2, 3)
+        return rows.to("cpu", copy=True).contiguous().view(self.kv_dtype)
 
     def write_block(self, block: int, data: torch.Tensor) -> None:
-        # data: [layers, 2, block_size, kv_heads, head_dim] (the store's format)
+        # data: [layers, 2, block_size, kv_heads, head_dim (+ 4)] in any cache format (converted)
         s = block * self.block_size
-        self.kv_cache[:, :, :, s:s + self.block_size] = data.to(self.device, self.dtype).transpose(2, 3)
+        rows = convert_rows(data.to(self.device), self.kv_dtype)
+        as_bytes(self.kv_cache)[:, :, :, s:s + self.block_size] = as_bytes(rows).transpose(2, 3)

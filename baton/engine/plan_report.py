@@ -94,7 +94,10 @@ def projection_plans(model: nn.Module, counted: _Bytes | None = None) -> list[Pr
 
 def step_plans(model: nn.Module) -> dict[str, str]:
     """Per step kind: what runs the layers."""
-    layers = ("native layer kernels (fused add + RMSNorm, native paged attention, SiLU-mul)"
+    kv = model.layers[0].self_attn.backend.kv_dtype if len(model.layers) else None
+    attention = (f"torch attention over the {str(kv).removeprefix('torch.')} KV cache" if kv is not None
+                 else "native paged attention")
+    layers = (f"native layer kernels (fused add + RMSNorm, {attention}, SiLU-mul)"
               if model.path == "native" else model.describe())
     decode = ("one native call for every layer (LayersPlan, kernels/decode_layers.cpp)"
               if getattr(model, "layers_plan", None) is not None else f"a Python loop over the layers: {layers}")

@@ -20,6 +20,11 @@ QUANTIZATION_HELP = ("weights: auto (the default: a model converted from a GGUF 
                      "Q8_0 / Q4_0 / Q4_1 / Q4_K as they are and other types requantized to Q8_0; any other model "
                      "in --dtype), none (in --dtype; a GGUF dequantized), int8 (Q8_0 blocks of 32) or int4 (Q4_1 "
                      "blocks of 32), both quantized at load")
+# baton.engine.kv_quant.KV_CACHE_DTYPES (not imported here: parsing flags must not load torch)
+KV_CACHE_DTYPE_CHOICES = ["auto", "int8", "fp8", "fp8_e4m3"]
+KV_CACHE_DTYPE_HELP = ("the KV cache: auto (the model's dtype), int8 or fp8 (= fp8_e4m3): one byte a value and an fp32 "
+                       "scale per token and head, half of bf16's memory and handoff bytes; attention then runs "
+                       "torch ops, not the native bf16 decode kernels (slower steps)")
 
 
 def parse_bytes(text: str) -> int:
@@ -52,6 +57,7 @@ def add_common_args(parser: argparse.ArgumentParser, kind: str) -> None:
     parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
     parser.add_argument("--quantization", default="auto", choices=QUANTIZATION_CHOICES,
                         help=QUANTIZATION_HELP)
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_CHOICES, help=KV_CACHE_DTYPE_HELP)
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if present)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (workers on one machine must share its cores)")
     parser.add_argument("--core-share", default=None, metavar="PATH",

@@ -14,7 +14,7 @@ from collections.abc import Sequence as Seq
 from typing import Protocol
 
 from baton.engine.kv_types import KVLoad, LoadedKV
-from kvstore.codec import decode_block
+from kvstore.codec import decode_block, logical_shape
 from kvstore.keys import block_key
 
 logger = logging.getLogger("baton.kv_connector")
@@ -51,7 +51,7 @@ def _key(block_hash: str | None, partial: str | None) -> str:
 
 class StoreKVTransfer:
     """`KVConnectorWorker` over a block store, for an engine whose blocks are `block_shape`
-    ([layers, 2, block_size, kv_heads, head_dim]; None: any shape)."""
+    ([layers, 2, block_size, kv_heads, head_dim] in any cache format; None: any shape)."""
 
     def __init__(self, store: BlockStore, block_shape: Seq[int] | None = None) -> None:
         self.store = store
@@ -68,8 +68,9 @@ class StoreKVTransfer:
                 break
             try:
                 stored_tokens, kv = decode_block(value)
-                if self.block_shape is not None and list(kv.shape) != self.block_shape:
-                    raise ValueError(f"shape {list(kv.shape)}, expected {self.block_shape}")
+                # a block of another cache format (bf16, int8, fp8) is converted when written
+                if self.block_shape is not None and logical_shape(kv) != self.block_shape:
+                    raise ValueError(f"shape {logical_shape(kv)}, expected {self.block_shape}")
             except Exception as exc:  # untrusted bytes: whatever fails to decode is a miss, never a crash
                 result.num_rejected += 1
                 result.rejected_keys.append(key)

@@ -47,6 +47,7 @@ def build_engine(args: argparse.Namespace) -> LLMEngine:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         scheduler_policy=getattr(args, "scheduler_policy", "max-utilization"), num_threads=args.threads,
         kv_connector=True, quantization=getattr(args, "quantization", "auto"),
+        kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
         speculative_config=getattr(args, "speculative_config", None),  # decode workers only
     ))
     freed = engine.model.release_load_copies()
