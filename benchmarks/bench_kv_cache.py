@@ -4,41 +4,34 @@ decode step at a few batch sizes (the quantized caches run the torch attention p
 
     .venv/bin/python benchmarks/bench_kv_cache.py [--model M] [--batches 1,16] [--rounds 2]
 
-A step's time is (generate with 1 + S new tokens - generate with 1) / S, the median of the rounds.
+A step's time is the median of S timed decode steps (`bench_engine.DecodeBatch`), then the median of the rounds.
 """
 
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
-import time
+import sys
+from pathlib import Path
 
-from baton import LLM, SamplingParams
-from baton.engine.model_runner import kv_bytes_per_block
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from baton import LLM, SamplingParams  # noqa: E402
+from baton.engine.model_runner import kv_bytes_per_block  # noqa: E402
+from benchmarks.bench_engine import DecodeBatch, cpu_model  # noqa: E402
 
 FORMATS = ("auto", "int8", "fp8")
 
 
-def cpu_name() -> str:
-    try:
-        info = open("/proc/cpuinfo").read()
-        fields = dict(line.split(":", 1) for line in info.splitlines() if ":" in line)
-        fields = {k.strip(): v.strip() for k, v in fields.items()}
-        return f"{fields.get('model name', '?')}, family {fields.get('cpu family', '?')} model {fields.get('model', '?')}"
-    except OSError:
-        return platform.processor() or "?"
-
-
 def decode_ms(llm: LLM, batch: int, context: int, steps: int) -> float:
-    prompts = [[(7 * i + j) % 1000 + 100 for j in range(context)] for i in range(batch)]
-
-    def run(n: int) -> float:
-        start = time.perf_counter()
-        llm.generate(prompts, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
-        return time.perf_counter() - start
-
-    return (run(1 + steps) - run(1)) / steps * 1000
+    """The median decode step of `batch` requests at ~`context` tokens each (bench_engine's DecodeBatch)."""
+    db = DecodeBatch(llm.engine, batch, context, steps + 2, seed=batch)
+    for _ in range(2):
+        db.step()  # the first decode steps at this shape
+    times = [db.step() for _ in range(steps)]
+    db.close()
+    return statistics.median(times) * 1000
 
 
 def main() -> None:
@@ -60,7 +53,7 @@ def main() -> None:
         for batch in batches:
             for kv, llm in engines.items():  # alternating: drift hits every format alike
                 times.setdefault((kv, batch), []).append(decode_ms(llm, batch, args.context, args.steps))
-    print(f"CPU: {cpu_name()}; torch threads {args.threads}; context {args.context}; median of {args.rounds} rounds")
+    print(f"CPU: {cpu_model()}; torch threads {args.threads}; context {args.context}; median of {args.rounds} rounds")
     header = "| cache | bytes / token | blocks / GiB | " + " | ".join(f"step ms, batch {b}" for b in batches) + " |"
     print(header)
     print("|" + " --- |" * (3 + len(batches)))

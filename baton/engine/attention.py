@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from baton.engine.kv_quant import as_bytes, dequantize_rows, is_quantized, quantize_rows
+from baton.engine.kv_quant import as_bytes, dequantize_rows, is_quantized, quantize_rows, split_rows
 
 
 @dataclass
@@ -159,6 +159,8 @@ class TorchAttention:
                                                   group.context_lens, block_size, self.scale)
         blocks = kv_cache.view(2, kv_heads, -1, block_size, kv_cache.shape[-1])
         length = group.num_blocks * block_size
+        if self.kv_dtype is not None and self.softcap is None and q.dtype != torch.float32:
+            return self._decode_codes(q, blocks, group, length)
         k, v = self._gather(blocks, 2, group.block_ids, q.dtype)
         k, v = k.view(kv_heads, batch, length, d), v.view(kv_heads, batch, length, d)
         if self.softcap is not None:
@@ -175,6 +177,23 @@ class TorchAttention:
         scores = torch.matmul(qg, k.transpose(-1, -2))  # [kv_heads, B, group, L]
         scores = torch.add(group.bias, scores, alpha=self.scale)  # fp32: mask and scale in one op
         probs = torch.softmax(scores, dim=-1).to(v.dtype)
+        out = torch.matmul(probs, v)  # [kv_heads, B, group, d]
+        return out.transpose(0, 1).reshape(batch, self.num_heads, d)
+
+    def _decode_codes(self, q: torch.Tensor, blocks: torch.Tensor, group: DecodeGroup, length: int) -> torch.Tensor:
+        # A quantized cache's decode: the matmuls read the codes (exact in bf16), and the scales
+        # multiply the scores and the probabilities ([.., L], head_dim times smaller than K or V):
+        # q.(s_t c_t) = s_t (q.c_t) and sum_t p_t (s_t c_t) = sum_t (p_t s_t) c_t.
+        kv_heads, d, batch = self.num_kv_heads, self.head_dim, group.count
+        rows = as_bytes(blocks).index_select(2, group.block_ids).view(blocks.dtype)  # [2, kv_heads, B*nb, bs, d+4]
+        codes, scales = split_rows(rows, q.dtype)
+        k, v = codes[0].view(kv_heads, batch, length, d), codes[1].view(kv_heads, batch, length, d)
+        k_scale = scales[0].view(kv_heads, batch, 1, length)
+        v_scale = scales[1].view(kv_heads, batch, 1, length)
+        qg = q.view(batch, kv_heads, self.group, d).transpose(0, 1)  # [kv_heads, B, group, d]
+        scores = torch.matmul(qg, k.transpose(-1, -2)).float()  # [kv_heads, B, group, L]
+        scores = torch.addcmul(group.bias, scores, k_scale, value=self.scale)
+        probs = (torch.softmax(scores, dim=-1) * v_scale).to(v.dtype)
         out = torch.matmul(probs, v)  # [kv_heads, B, group, d]
         return out.transpose(0, 1).reshape(batch, self.num_heads, d)
 

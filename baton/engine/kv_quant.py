@@ -63,13 +63,21 @@ def quantize_rows(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.cat([codes, scale.view(torch.int8)], dim=-1).view(dtype)
 
 
-def dequantize_rows(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """rows [..., d + 4] of a quantized dtype -> [..., d] in `dtype`."""
+def split_rows(rows: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """rows [..., d + 4] of a quantized dtype -> (codes [..., d] in `dtype`, scales [..., 1] fp32).
+    The codes are exact in bf16 (int8's integers and e4m3's values fit its 8-bit mantissa), so
+    attention can multiply them as they are and apply the scales to the much smaller scores."""
     d = rows.shape[-1] - KV_SCALE_BYTES
     raw = rows.view(torch.int8)
     scale = raw[..., d:].contiguous().view(torch.float32)  # [..., 1]
     codes = raw[..., :d] if rows.dtype == torch.int8 else raw[..., :d].view(rows.dtype)
-    return (codes.float() * scale).to(dtype)
+    return codes.to(dtype), scale
+
+
+def dequantize_rows(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """rows [..., d + 4] of a quantized dtype -> [..., d] in `dtype`."""
+    codes, scale = split_rows(rows, torch.float32)
+    return (codes * scale).to(dtype)
 
 
 def convert_rows(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
