@@ -97,7 +97,7 @@ def test_a_quantized_cache_keeps_perplexity_close_in_half_the_memory(cache_engin
     # the same memory holds ~1.9x the blocks (68 bytes a head row instead of bf16's 128)
     ratio = llm.engine.pool.num_blocks / reference.engine.pool.num_blocks
     assert 1.85 < ratio < 1.9, ratio
-    assert "KV cache: torch attention" in llm.engine.model.describe()
+    assert "int8 KV cache" in llm.engine.model.describe() or "float8_e4m3fn KV cache" in llm.engine.model.describe()
     # and nothing is left behind: every block is free again
     assert llm.engine.pool.num_used_blocks == 0
 
@@ -153,3 +153,90 @@ def _metrics(port: int) -> dict[str, float]:
         name = re.sub(r'model_name="[^"]*",?', "", name).replace("{}", "").replace(",}", "}")
         samples[name] = samples.get(name, 0.0) + float(value)
     return samples
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    from baton.engine import kernels
+
+    module = kernels.load()
+    if module is None:
+        pytest.skip("the native kernels are not built here (no C++ compiler)")
+    return module
+
+
+@pytest.mark.parametrize("dtype", QUANTIZED)
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (8, 8, 128), (4, 2, 32)])  # 32: generic loops
+def test_the_native_decode_reads_quantized_rows_as_their_values(kernel, dtype, heads, kv_heads, head_dim):
+    torch.manual_seed(0)
+    block_size, num_blocks, batch = 16, 12, 3
+    values = torch.randn(2, kv_heads, num_blocks * block_size, head_dim) * 3
+    cache = quantize_rows(values, dtype)  # [2, KVH, S, D + 4]
+    exact = dequantize_rows(cache, torch.float32)
+    q = torch.randn(batch, heads, head_dim).to(torch.bfloat16)
+    tables = torch.tensor([[3, 5, 1, 0], [7, 2, 9, 11], [4, 0, 0, 0]])
+    lens = torch.tensor([40, 64, 5])
+    got = kernel.paged_decode(q, cache[0], cache[1], tables, lens, block_size, head_dim**-0.5)
+    reference = kernel.paged_decode(q.float(), exact[0].contiguous(), exact[1].contiguous(), tables, lens, block_size,
+                                    head_dim**-0.5)
+    assert got.dtype == torch.bfloat16
+    assert torch.allclose(got.float(), reference, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", QUANTIZED)
+def test_the_native_decode_step_writes_quantized_rows_as_the_torch_path_does(kernel, dtype):
+    torch.manual_seed(1)
+    heads, kv_heads, d, block_size, batch = 6, 2, 64, 16, 2
+    slots = 4 * block_size
+    cache = torch.zeros(2, kv_heads, slots, d + 4, dtype=torch.uint8).view(dtype)
+    qkv = torch.randn(batch, (heads + 2 * kv_heads) * d).to(torch.bfloat16)
+    cos, sin = torch.randn(batch, d).to(torch.bfloat16), torch.randn(batch, d).to(torch.bfloat16)
+    slot_mapping, tables, lens = torch.tensor([17, 50]), torch.tensor([[0, 1], [2, 3]]), torch.tensor([18, 19])
+    kernel.rope_write_decode(qkv, cos, sin, cache, slot_mapping, tables, lens, heads, block_size, d**-0.5)
+    x = qkv.view(batch, heads + 2 * kv_heads, d)
+    k = x[:, heads:heads + kv_heads]
+    roped = ((k * cos[:, None]).float() + torch.roll(k, -d // 2, dims=-1).float() * sin[:, None].float()).to(torch.bfloat16)
+    v = x[:, heads + kv_heads:]
+    # V is written as it came: exactly quantize_rows' bytes
+    written_v = cache[1][:, slot_mapping].transpose(0, 1)
+    assert torch.equal(written_v.view(torch.uint8), quantize_rows(v, dtype).view(torch.uint8))
+    # K after RoPE: the torch path's rounding, but for a possibly fused multiply-add before it
+    written_k = dequantize_rows(cache[0][:, slot_mapping].transpose(0, 1), torch.float32)
+    expected_k = dequantize_rows(quantize_rows(roped, dtype), torch.float32)
+    scale = roped.float().abs().amax(-1, keepdim=True) / (127 if dtype == torch.int8 else 448)
+    tolerance = 1.01 * scale if dtype == torch.int8 else expected_k.abs() / 8 + scale
+    assert torch.all((written_k - expected_k).abs() <= tolerance)
+    # and nothing else in the cache was touched
+    others = torch.ones(slots, dtype=torch.bool)
+    others[slot_mapping] = False
+    assert not cache.view(torch.uint8)[:, :, others].any()
+
+
+def test_a_bf16_engine_decodes_through_the_native_kernels_over_an_int8_cache(cache_engines):
+    from baton import SamplingParams
+
+    llm, reference = cache_engines["int8"], cache_engines["auto"]
+    attn = llm.engine.model.layers[0].self_attn
+    if attn.backend.paged_kernel is None:
+        pytest.skip("the native kernels are not built here")
+    assert attn.backend.kv_dtype == torch.int8 and llm.engine.model.layers_plan is not None
+    params = SamplingParams(max_tokens=8, temperature=0)
+    prompt = "The capital of France is"
+    got = llm.generate(prompt, params)[0].outputs[0].token_ids
+    assert got[:3] == reference.generate(prompt, params)[0].outputs[0].token_ids[:3]
+
+
+def test_every_fp8_code_reads_as_its_value(kernel):
+    """The native kernel converts e4m3 codes by their bits: every code but the NaNs (never
+    written: values are clamped to 448), each as the V row of a one-token context (block size 1)."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes = codes[(codes & 0x7F) != 0x7F]
+    n = codes.numel()
+    rows = torch.zeros(1, n, 1 + 4, dtype=torch.uint8)  # [KVH = 1, S = n, D = 1 + the scale]
+    rows[0, :, 0] = codes
+    rows[0, :, 1:] = torch.ones(n, 1).view(torch.uint8)  # scale 1.0
+    cache = rows.view(torch.float8_e4m3fn)
+    q = torch.zeros(n, 1, 1, dtype=torch.bfloat16)
+    out = kernel.paged_decode(q, cache, cache, torch.arange(n).view(n, 1), torch.ones(n, dtype=torch.long), 1, 1.0)
+    # e4m3 values are exact in bf16: each token's output is its code's value, as torch converts it
+    assert torch.equal(out.float().view(-1), codes.view(torch.float8_e4m3fn).float())

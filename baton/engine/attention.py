@@ -26,8 +26,8 @@ decode) is covered by the same code. Soft-capping (Gemma 2) needs the scores bet
 so capped layers run the reference's eager attention (`_eager`) instead of SDPA.
 
 A quantized cache (`--kv-cache-dtype int8|fp8`, `baton.engine.kv_quant`): rows are written as
-codes and a scale, gathered as bytes and dequantized to the query's dtype before the same matmuls;
-the native kernels (bf16 rows) are not attached to such a backend.
+codes and a scale; the native kernels read and write them in place (`kernels/paged_attention.cpp`),
+and the torch path gathers them as bytes (decode multiplies the codes, prefill dequantizes).
 """
 
 from __future__ import annotations
@@ -97,10 +97,9 @@ class TorchAttention:
         self.kv_dtype: torch.dtype | None = None  # int8 / fp8: a quantized cache (`use_kv_dtype`)
 
     def use_kv_dtype(self, dtype: torch.dtype) -> None:
-        """Read and write the cache in `dtype`; a quantized one detaches the native kernels."""
+        """Read and write the cache in `dtype` (int8 / fp8: quantized rows, which the native kernels
+        read and write too)."""
         self.kv_dtype = dtype if is_quantized(dtype) else None
-        if self.kv_dtype is not None:
-            self.use_native_kernel(None)
 
     def _gather(self, kv_cache: torch.Tensor, dim: int, index: torch.Tensor,
                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,8 +116,6 @@ class TorchAttention:
         number whether it was computed in a prefill chunk (any chunking, any batch) or in a decode
         step: a request recomputed from prompt + generated tokens (a takeover whose KV is missing
         from the store, a preemption) continues with the tokens it would have produced."""
-        if self.kv_dtype is not None:
-            kernel = None  # the native kernels read bf16 rows, not a quantized cache's
         self.paged_kernel = kernel
         self.decode_style_prefill = decode_style_prefill and kernel is not None
 

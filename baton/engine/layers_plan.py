@@ -45,8 +45,6 @@ class LayersPlan:
             return None
         if not all(hasattr(layer.mlp, "gate_up") for layer in model.layers):
             return None  # MoE layers: their experts run in baton.engine.moe
-        if any(layer.self_attn.backend.kv_dtype is not None for layer in model.layers):
-            return None  # a quantized KV cache: its attention runs the torch path (baton.engine.kv_quant)
         ops = [[layer.self_attn.qkv, layer.self_attn.o, layer.mlp.gate_up, layer.mlp.down] for layer in model.layers]
         kinds = (PackedLinear, RowSplitLinear, QuantizedLinear)
         if not all(isinstance(op, kinds) and op.bias is None for row in ops for op in row):

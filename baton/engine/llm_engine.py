@@ -138,7 +138,7 @@ class LLMEngine:
                     self.model_dir.name, self.dtype,
                     "" if self.quantization == "none" else f", {self.quantization} weights",
                     device, num_blocks, config.block_size,
-                    f" ({config.kv_cache_dtype}, torch attention)" if is_quantized(self.kv_dtype) else "",
+                    f" ({config.kv_cache_dtype})" if is_quantized(self.kv_dtype) else "",
                     config.scheduler_policy)
 
     def _load_drafter(self, draft_dir: Path, device: torch.device, num_blocks: int) -> DraftModel:

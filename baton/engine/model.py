@@ -33,7 +33,6 @@ from torch import nn
 
 from baton.engine.attention import AttentionMetadata, TorchAttention, windowed
 from baton.engine.config import ModelConfig
-from baton.engine.kv_quant import is_quantized
 from baton.engine.layers_plan import LayersPlan
 from baton.engine.moe import SparseMoE, activation
 from baton.engine.rope import apply_rope, rope_inv_freq, rope_table
@@ -234,17 +233,14 @@ class LlamaModel(nn.Module):
     def describe(self) -> str:
         why = f" ({', '.join(self.native_unsupported)})" if self.path == "torch" and self.native_unsupported else ""
         kv = self.layers[0].self_attn.backend.kv_dtype if self.layers else None
-        cache = f"; {str(kv).removeprefix('torch.')} KV cache: torch attention" if kv is not None else ""
+        cache = f"; {str(kv).removeprefix('torch.')} KV cache" if kv is not None else ""
         return f"{self.config.model_type}: {self.path} path{why}{cache}"
 
     def use_kv_dtype(self, dtype: torch.dtype) -> None:
-        """After `prepare()`: attend over a KV cache of `dtype`. A quantized one (int8, fp8:
-        `baton.engine.kv_quant`) takes the torch attention path in every step kind (the native
-        decode kernels read bf16 rows), so the all-layers decode call is dropped too."""
+        """Attend over a KV cache of `dtype` (int8, fp8: quantized rows, `baton.engine.kv_quant`;
+        the native kernels and the torch path both read and write them)."""
         for layer in self.layers:
             layer.self_attn.backend.use_kv_dtype(dtype)
-        if is_quantized(dtype):
-            self.layers_plan = None
 
     def projection_slots(self) -> list[tuple[nn.Module, str, nn.Linear]]:
         """(owner, op attribute, the nn.Linear behind it) for every dense projection the forward

@@ -95,7 +95,7 @@ def projection_plans(model: nn.Module, counted: _Bytes | None = None) -> list[Pr
 def step_plans(model: nn.Module) -> dict[str, str]:
     """Per step kind: what runs the layers."""
     kv = model.layers[0].self_attn.backend.kv_dtype if len(model.layers) else None
-    attention = (f"torch attention over the {str(kv).removeprefix('torch.')} KV cache" if kv is not None
+    attention = (f"native paged attention over the {str(kv).removeprefix('torch.')} KV cache" if kv is not None
                  else "native paged attention")
     layers = (f"native layer kernels (fused add + RMSNorm, {attention}, SiLU-mul)"
               if model.path == "native" else model.describe())

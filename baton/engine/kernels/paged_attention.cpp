@@ -97,6 +97,104 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
 }
 
 
+
+// A quantized cache (`--kv-cache-dtype int8 | fp8`, baton/engine/kv_quant.py): each row is D
+// one-byte codes, then its fp32 scale (kKVScaleBytes), RW = D + 4 elements a row. The value of
+// code c is value(c) * scale; int8's codes are integers, e4m3's are converted by bits: its
+// exponent and mantissa shifted into an fp32's, times 2^120 (the bias difference, 127 - 7), which
+// is exact for normal and subnormal codes alike and vectorises (a table lookup did not).
+constexpr int64_t kKVScaleBytes = 4;
+
+inline float code_value(int8_t c) { return static_cast<float>(c); }
+inline float code_value(c10::Float8_e4m3fn c) {
+  const uint32_t bits = (static_cast<uint32_t>(c.x & 0x7f) << 20) | (static_cast<uint32_t>(c.x & 0x80) << 24);
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f * 0x1p120f;
+}
+inline float code_max(int8_t) { return 127.f; }
+inline float code_max(c10::Float8_e4m3fn) { return 448.f; }
+inline int8_t to_code(float v, int8_t) { return static_cast<int8_t>(std::nearbyint(std::min(127.f, std::max(-127.f, v)))); }
+inline c10::Float8_e4m3fn to_code(float v, c10::Float8_e4m3fn) {
+  return c10::Float8_e4m3fn(std::min(448.f, std::max(-448.f, v)));
+}
+
+// x [D] fp32 -> one quantized row at dst [D + 4]: as kv_quant.quantize_rows (absmax / code_max)
+template <typename Code>
+inline void quantize_row(const float* x, int64_t D, Code* dst) {
+  float amax = 0.f;
+  for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(x[d]));
+  const float scale = amax > 0.f ? amax / code_max(Code()) : 1.f;
+  for (int64_t d = 0; d < D; ++d) dst[d] = to_code(x[d] / scale, Code());
+  std::memcpy(dst + D, &scale, sizeof(float));
+}
+
+// As for_each_row, over quantized rows: row [D] = value(codes) * the row's scale.
+template <typename Code, typename F>
+inline void for_each_quantized_row(const Code* head, const int64_t* table, int64_t L, int64_t block_size, int64_t D,
+                                   float* row, F&& f) {
+  const int64_t RW = D + kKVScaleBytes;
+  for (int64_t t0 = 0; t0 < L; t0 += block_size) {
+    const Code* block = head + table[t0 / block_size] * block_size * RW;
+    const int64_t n = std::min(block_size, L - t0);
+    for (int64_t j = 0; j < n; ++j) {
+      const Code* src = block + j * RW;
+      float s;
+      std::memcpy(&s, src + D, sizeof(float));
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) row[d] = code_value(src[d]) * s;
+      f(t0 + j, row);
+    }
+  }
+}
+
+// decode_kernel over a quantized cache: k_cache, v_cache [KVH, S, D + 4] of Code.
+template <typename T, typename Code>
+void decode_kernel_quantized(const T* q, const Code* k_cache, const Code* v_cache, const int64_t* block_ids,
+                             const int64_t* context_lens, T* out, int64_t B, int64_t H, int64_t KVH, int64_t D,
+                             int64_t S, int64_t W, int64_t block_size, float scale) {
+  const int64_t G = H / KVH, RW = D + kKVScaleBytes;
+  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(G * D), acc(G * D), scores;
+    std::vector<float> row(D);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / KVH, h = item % KVH;
+      const int64_t L = context_lens[b];
+      const int64_t* table = block_ids + b * W;
+      scores.assign(G * L, 0.f);
+      for (int64_t g = 0; g < G; ++g) {
+        const T* qrow = q + (b * H + h * G + g) * D;
+        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_float(qrow[d]) * scale;
+      }
+      for_each_quantized_row(k_cache + h * S * RW, table, L, block_size, D, row.data(), [&](int64_t t, const float* k) {
+        for (int64_t g = 0; g < G; ++g) {
+          const float* qg = qf.data() + g * D;
+          float s = 0.f;
+#pragma omp simd reduction(+ : s)
+          for (int64_t d = 0; d < D; ++d) s += qg[d] * k[d];
+          scores[g * L + t] = s;
+        }
+      });
+      softmax_rows(scores.data(), G, L);
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for_each_quantized_row(v_cache + h * S * RW, table, L, block_size, D, row.data(), [&](int64_t t, const float* v) {
+        for (int64_t g = 0; g < G; ++g) {
+          const float p = scores[g * L + t];
+          float* ag = acc.data() + g * D;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) ag[d] += p * v[d];
+        }
+      });
+      for (int64_t g = 0; g < G; ++g) {
+        T* orow = out + (b * H + h * G + g) * D;
+        for (int64_t d = 0; d < D; ++d) orow[d] = static_cast<T>(acc[g * D + d]);
+      }
+    }
+  });
+}
+
+inline bool quantized_kv(at::ScalarType t) { return t == at::kChar || t == at::kFloat8_e4m3fn; }
+
 // The intrinsics kernels (AVX-512 or AVX2, bf16): one per head width and GQA group size G, which
 // are template parameters so that the accumulators of a group stay in registers.
 using NativeKernel = void (*)(const c10::BFloat16* q, const c10::BFloat16* k_cache, const c10::BFloat16* v_cache,
@@ -170,6 +268,103 @@ inline void softmax_rows_avx512(float* scores, int64_t G, int64_t L) {
     const __m512 iv = _mm512_set1_ps(inv);
     for (t = 0; t + 16 <= L; t += 16) _mm512_storeu_ps(sg + t, _mm512_mul_ps(_mm512_loadu_ps(sg + t), iv));
     for (int64_t r = t; r < L; ++r) sg[r] *= inv;
+  }
+}
+
+// A quantized cache's rows (int8 or e4m3 codes, then the row's fp32 scale) with head_dim = 16 * NC:
+// 16 codes widened to fp32 in registers (e4m3 by its bits, as code_value), the row's scale applied
+// to its score (K) and to its probability (V), never to the D elements.
+inline __m512 load_codes16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m512 load_codes16(const c10::Float8_e4m3fn* p) {
+  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m512i bits = _mm512_or_si512(_mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x7f)), 20),
+                                       _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24));
+  return _mm512_mul_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(0x1p120f));
+}
+
+template <typename Code, int NC, int G>
+void decode_item_quantized_avx512(const c10::BFloat16* q, const Code* kh, const Code* vh, const int64_t* table,
+                                  int64_t L, int64_t block_size, float scale, float* scores, c10::BFloat16* out) {
+  constexpr int64_t D = 16 * NC, RW = D + kKVScaleBytes;
+  __m512 qv[G][NC];
+  const __m512 sv = _mm512_set1_ps(scale);
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < NC; ++c) qv[g][c] = _mm512_mul_ps(load_bf16x16(q + g * D + 16 * c), sv);
+  for (int64_t t0 = 0; t0 < L; t0 += block_size) {  // scores[g, t] = s_t (q_g . c_t)
+    const Code* block = kh + table[t0 / block_size] * block_size * RW;
+    const int64_t n = std::min(block_size, L - t0);
+    for (int64_t j = 0; j < n; ++j) {
+      const Code* row = block + j * RW;
+      __m512 kr[NC];
+      for (int c = 0; c < NC; ++c) kr[c] = load_codes16(row + 16 * c);
+      float row_scale;
+      std::memcpy(&row_scale, row + D, sizeof(float));
+      for (int g = 0; g < G; ++g) {
+        __m512 acc = _mm512_mul_ps(kr[0], qv[g][0]);
+        for (int c = 1; c < NC; ++c) acc = _mm512_fmadd_ps(kr[c], qv[g][c], acc);
+        scores[g * L + t0 + j] = _mm512_reduce_add_ps(acc) * row_scale;
+      }
+    }
+  }
+  softmax_rows_avx512(scores, G, L);
+  __m512 acc[G][NC];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < NC; ++c) acc[g][c] = _mm512_setzero_ps();
+  for (int64_t t0 = 0; t0 < L; t0 += block_size) {  // out_g = sum_t (p[g, t] s_t) c_t
+    const Code* block = vh + table[t0 / block_size] * block_size * RW;
+    const int64_t n = std::min(block_size, L - t0);
+    for (int64_t j = 0; j < n; ++j) {
+      const Code* row = block + j * RW;
+      float row_scale;
+      std::memcpy(&row_scale, row + D, sizeof(float));
+      __m512 vr[NC];
+      for (int c = 0; c < NC; ++c) vr[c] = load_codes16(row + 16 * c);
+      for (int g = 0; g < G; ++g) {
+        const __m512 p = _mm512_set1_ps(scores[g * L + t0 + j] * row_scale);
+        for (int c = 0; c < NC; ++c) acc[g][c] = _mm512_fmadd_ps(p, vr[c], acc[g][c]);
+      }
+    }
+  }
+  alignas(64) float tmp[D];
+  for (int g = 0; g < G; ++g) {
+    for (int c = 0; c < NC; ++c) _mm512_store_ps(tmp + 16 * c, acc[g][c]);
+    for (int64_t d = 0; d < D; ++d) out[g * D + d] = static_cast<c10::BFloat16>(tmp[d]);
+  }
+}
+
+// Every (request, KV head) item of a quantized cache's decode, for head_dim 16 * NC and group G.
+template <typename Code, int NC, int G>
+void decode_quantized_avx512(const c10::BFloat16* q, const Code* k_cache, const Code* v_cache, const int64_t* block_ids,
+                             const int64_t* context_lens, c10::BFloat16* out, int64_t B, int64_t H, int64_t KVH,
+                             int64_t S, int64_t W, int64_t block_size, float scale) {
+  constexpr int64_t D = 16 * NC, RW = D + kKVScaleBytes;
+  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / KVH, h = item % KVH, L = context_lens[b];
+      scores.resize(G * L);
+      decode_item_quantized_avx512<Code, NC, G>(q + (b * H + h * G) * D, k_cache + h * S * RW, v_cache + h * S * RW,
+                                                block_ids + b * W, L, block_size, scale, scores.data(),
+                                                out + (b * H + h * G) * D);
+    }
+  });
+}
+
+// The quantized kernel for head_dim D (64 or 128) and group size (1..8), or false where none fits.
+template <typename Code, int G = 1>
+bool run_quantized_avx512(int64_t D, int64_t group, const c10::BFloat16* q, const Code* k, const Code* v,
+                          const int64_t* ids, const int64_t* lens, c10::BFloat16* out, int64_t B, int64_t H,
+                          int64_t KVH, int64_t S, int64_t W, int64_t block_size, float scale) {
+  if constexpr (G > 8) {
+    return false;
+  } else {
+    if (group != G) return run_quantized_avx512<Code, G + 1>(D, group, q, k, v, ids, lens, out, B, H, KVH, S, W, block_size, scale);
+    if (D == 64) decode_quantized_avx512<Code, 4, G>(q, k, v, ids, lens, out, B, H, KVH, S, W, block_size, scale);
+    else if (D == 128) decode_quantized_avx512<Code, 8, G>(q, k, v, ids, lens, out, B, H, KVH, S, W, block_size, scale);
+    else return false;
+    return true;
   }
 }
 
@@ -541,8 +736,9 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
                            torch::Tensor block_ids, torch::Tensor context_lens, int64_t block_size,
                            double scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "q [B,H,D], caches [KVH,S,D]");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
-              "q and the caches must share a dtype");
+  const bool quantized = quantized_kv(k_cache.scalar_type());
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() && (quantized || q.scalar_type() == k_cache.scalar_type()),
+              "q and the caches must share a dtype (or the caches are int8 / fp8 rows)");
   TORCH_CHECK(block_ids.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
               "block_ids and context_lens must be int64");
   q = q.contiguous();
@@ -551,13 +747,46 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   block_ids = block_ids.contiguous();
   context_lens = context_lens.contiguous();
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), KVH = k_cache.size(0), S = k_cache.size(1);
-  TORCH_CHECK(H % KVH == 0 && k_cache.size(2) == D, "head shapes do not match");
+  TORCH_CHECK(H % KVH == 0 && k_cache.size(2) == D + (quantized ? kKVScaleBytes : 0), "head shapes do not match");
   TORCH_CHECK(block_ids.dim() == 2 && block_ids.size(0) == B && context_lens.size(0) == B, "one row per request");
   const int64_t W = block_ids.size(1);
   auto lens = context_lens.accessor<int64_t, 1>();
   for (int64_t b = 0; b < B; ++b)
     TORCH_CHECK(lens[b] >= 1 && lens[b] <= W * block_size, "context length outside its block table");
   auto out = torch::empty_like(q);
+  if (quantized) {
+    TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kFloat, "q bfloat16 or float32");
+#if defined(__AVX512F__)
+    if (q.scalar_type() == at::kBFloat16) {
+      const auto* qp = q.data_ptr<c10::BFloat16>();
+      auto* op = out.data_ptr<c10::BFloat16>();
+      const float sc = static_cast<float>(scale);
+      const bool done = k_cache.scalar_type() == at::kChar
+          ? run_quantized_avx512(D, H / KVH, qp, k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>(),
+                                 block_ids.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(), op, B, H, KVH, S, W,
+                                 block_size, sc)
+          : run_quantized_avx512(D, H / KVH, qp, k_cache.data_ptr<c10::Float8_e4m3fn>(),
+                                 v_cache.data_ptr<c10::Float8_e4m3fn>(), block_ids.data_ptr<int64_t>(),
+                                 context_lens.data_ptr<int64_t>(), op, B, H, KVH, S, W, block_size, sc);
+      if (done) return out;
+    }
+#endif
+    auto run = [&](auto* qp, auto* outp) {
+      if (k_cache.scalar_type() == at::kChar)
+        decode_kernel_quantized(qp, k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>(), block_ids.data_ptr<int64_t>(),
+                                context_lens.data_ptr<int64_t>(), outp, B, H, KVH, D, S, W, block_size,
+                                static_cast<float>(scale));
+      else
+        decode_kernel_quantized(qp, k_cache.data_ptr<c10::Float8_e4m3fn>(), v_cache.data_ptr<c10::Float8_e4m3fn>(),
+                                block_ids.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(), outp, B, H, KVH, D, S,
+                                W, block_size, static_cast<float>(scale));
+    };
+    if (q.scalar_type() == at::kBFloat16)
+      run(q.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>());
+    else
+      run(q.data_ptr<float>(), out.data_ptr<float>());
+    return out;
+  }
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
   const NativeKernel kernel = q.scalar_type() == at::kBFloat16 ? pick_native_kernel(D, H / KVH) : nullptr;
   if (kernel != nullptr) {
@@ -594,10 +823,13 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
 torch::Tensor rope_write_decode(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin_signed, torch::Tensor kv_cache,
                                 torch::Tensor slot_mapping, torch::Tensor block_ids, torch::Tensor context_lens,
                                 int64_t num_heads, int64_t block_size, double scale) {
-  TORCH_CHECK(qkv.scalar_type() == at::kBFloat16 && kv_cache.scalar_type() == at::kBFloat16, "bf16 only");
+  const bool quantized = quantized_kv(kv_cache.scalar_type());
+  TORCH_CHECK(qkv.scalar_type() == at::kBFloat16 && (quantized || kv_cache.scalar_type() == at::kBFloat16),
+              "bf16 only (the cache bf16, or int8 / fp8 rows)");
   TORCH_CHECK(kv_cache.dim() == 4 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(), "kv_cache [2, KVH, S, D]");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong, "slot_mapping must be int64");
-  const int64_t KVH = kv_cache.size(1), S = kv_cache.size(2), D = kv_cache.size(3), H = num_heads;
+  const int64_t KVH = kv_cache.size(1), S = kv_cache.size(2), H = num_heads;
+  const int64_t D = kv_cache.size(3) - (quantized ? kKVScaleBytes : 0), RW = kv_cache.size(3);
   const int64_t B = qkv.size(0);
   qkv = qkv.contiguous();
   TORCH_CHECK(qkv.numel() == B * (H + 2 * KVH) * D, "qkv must be [B, (H + 2 KVH) * D]");
@@ -612,9 +844,17 @@ torch::Tensor rope_write_decode(torch::Tensor qkv, torch::Tensor cos, torch::Ten
   const auto* sp = sin_signed.data_ptr<c10::BFloat16>();
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   auto* qp = q.data_ptr<c10::BFloat16>();
-  auto* kc = kv_cache.data_ptr<c10::BFloat16>();
-  auto* vc = kc + KVH * S * D;
+  auto* kc = quantized ? nullptr : kv_cache.data_ptr<c10::BFloat16>();
+  auto* vc = quantized ? nullptr : kc + KVH * S * D;
   const int64_t half = D / 2, row = (H + 2 * KVH) * D;
+  std::vector<float> krow(D);  // a quantized cache's K row after RoPE (bf16-rounded), then quantized
+  auto write_quantized = [&](int64_t h, int64_t slot, const float* x, bool is_v) {
+    const int64_t offset = ((is_v ? KVH : 0) + h) * S * RW + slot * RW;
+    if (kv_cache.scalar_type() == at::kChar)
+      quantize_row(x, D, kv_cache.data_ptr<int8_t>() + offset);
+    else
+      quantize_row(x, D, kv_cache.data_ptr<c10::Float8_e4m3fn>() + offset);
+  };
   for (int64_t b = 0; b < B; ++b) {
     const int64_t slot = slots[b];
     TORCH_CHECK(slot >= 0 && slot < S, "slot outside the cache");
@@ -622,15 +862,28 @@ torch::Tensor rope_write_decode(torch::Tensor qkv, torch::Tensor cos, torch::Ten
     const c10::BFloat16* s = sp + b * D;
     for (int64_t h = 0; h < H + KVH; ++h) {
       const c10::BFloat16* x = src + b * row + h * D;
-      c10::BFloat16* dst = h < H ? qp + (b * H + h) * D : kc + ((h - H) * S + slot) * D;
+      const bool to_quantize = quantized && h >= H;
+      c10::BFloat16* dst = h < H ? qp + (b * H + h) * D : to_quantize ? nullptr : kc + ((h - H) * S + slot) * D;
       for (int64_t d = 0; d < D; ++d) {
         const float first = to_float(c10::BFloat16(to_float(x[d]) * to_float(c[d])));
         const float rolled = to_float(x[d < half ? d + half : d - half]);
-        dst[d] = c10::BFloat16(first + rolled * to_float(s[d]));
+        const c10::BFloat16 value(first + rolled * to_float(s[d]));
+        if (to_quantize)
+          krow[d] = to_float(value);
+        else
+          dst[d] = value;
+      }
+      if (to_quantize) write_quantized(h - H, slot, krow.data(), false);
+    }
+    for (int64_t h = 0; h < KVH; ++h) {
+      const c10::BFloat16* v = src + b * row + (H + KVH + h) * D;
+      if (quantized) {
+        for (int64_t d = 0; d < D; ++d) krow[d] = to_float(v[d]);
+        write_quantized(h, slot, krow.data(), true);
+      } else {
+        std::memcpy(vc + (h * S + slot) * D, v, D * sizeof(c10::BFloat16));
       }
     }
-    for (int64_t h = 0; h < KVH; ++h)
-      std::memcpy(vc + (h * S + slot) * D, src + b * row + (H + KVH + h) * D, D * sizeof(c10::BFloat16));
   }
   auto out = paged_decode(q, kv_cache[0], kv_cache[1], block_ids, context_lens, block_size, scale);
   return out.view({B, H * D});
