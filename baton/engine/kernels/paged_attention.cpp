@@ -48,53 +48,6 @@ inline void for_each_row(const T* head, const int64_t* table, int64_t L, int64_t
   }
 }
 
-template <typename T>
-void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_ids,
-                   const int64_t* context_lens, T* out, int64_t B, int64_t H, int64_t KVH, int64_t D,
-                   int64_t S, int64_t W, int64_t block_size, float scale) {
-  const int64_t G = H / KVH;
-  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(G * D), acc(G * D), scores;
-    std::vector<float> row(D);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / KVH, h = item % KVH;
-      const int64_t L = context_lens[b];
-      const int64_t* table = block_ids + b * W;
-      scores.assign(G * L, 0.f);
-      for (int64_t g = 0; g < G; ++g) {
-        const T* qrow = q + (b * H + h * G + g) * D;
-        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_float(qrow[d]) * scale;
-      }
-      const T* kh = k_cache + h * S * D;
-      const T* vh = v_cache + h * S * D;
-      // scores[g, t] = q_g . k_t
-      for_each_row(kh, table, L, block_size, D, row.data(), [&](int64_t t, const float* k) {
-        for (int64_t g = 0; g < G; ++g) {
-          const float* qg = qf.data() + g * D;
-          float s = 0.f;
-#pragma omp simd reduction(+ : s)
-          for (int64_t d = 0; d < D; ++d) s += qg[d] * k[d];
-          scores[g * L + t] = s;
-        }
-      });
-      softmax_rows(scores.data(), G, L);
-      // out_g = sum_t p[g, t] v_t
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for_each_row(vh, table, L, block_size, D, row.data(), [&](int64_t t, const float* v) {
-        for (int64_t g = 0; g < G; ++g) {
-          const float p = scores[g * L + t];
-          float* ag = acc.data() + g * D;
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) ag[d] += p * v[d];
-        }
-      });
-      for (int64_t g = 0; g < G; ++g) {
-        T* orow = out + (b * H + h * G + g) * D;
-        for (int64_t d = 0; d < D; ++d) orow[d] = static_cast<T>(acc[g * D + d]);
-      }
-    }
-  });
-}
 
 
 
@@ -131,7 +84,7 @@ inline void quantize_row(const float* x, int64_t D, Code* dst) {
 
 // As for_each_row, over quantized rows: row [D] = value(codes) * the row's scale.
 template <typename Code, typename F>
-inline void for_each_quantized_row(const Code* head, const int64_t* table, int64_t L, int64_t block_size, int64_t D,
+inline void for_each_code_row(const Code* head, const int64_t* table, int64_t L, int64_t block_size, int64_t D,
                                    float* row, F&& f) {
   const int64_t RW = D + kKVScaleBytes;
   for (int64_t t0 = 0; t0 < L; t0 += block_size) {
@@ -147,13 +100,29 @@ inline void for_each_quantized_row(const Code* head, const int64_t* table, int64
     }
   }
 }
+template <typename F>
+inline void for_each_row(const int8_t* head, const int64_t* table, int64_t L, int64_t block_size, int64_t D, float* row,
+                         F&& f) {
+  for_each_code_row(head, table, L, block_size, D, row, f);
+}
+template <typename F>
+inline void for_each_row(const c10::Float8_e4m3fn* head, const int64_t* table, int64_t L, int64_t block_size,
+                         int64_t D, float* row, F&& f) {
+  for_each_code_row(head, table, L, block_size, D, row, f);
+}
 
-// decode_kernel over a quantized cache: k_cache, v_cache [KVH, S, D + 4] of Code.
-template <typename T, typename Code>
-void decode_kernel_quantized(const T* q, const Code* k_cache, const Code* v_cache, const int64_t* block_ids,
-                             const int64_t* context_lens, T* out, int64_t B, int64_t H, int64_t KVH, int64_t D,
-                             int64_t S, int64_t W, int64_t block_size, float scale) {
-  const int64_t G = H / KVH, RW = D + kKVScaleBytes;
+template <typename C>
+constexpr int64_t row_width(int64_t D) {
+  return std::is_same_v<C, int8_t> || std::is_same_v<C, c10::Float8_e4m3fn> ? D + kKVScaleBytes : D;
+}
+
+// T: q's and out's dtype; C: the cache's (T itself, or a quantized cache's codes: for_each_row's
+// overloads below read those)
+template <typename T, typename C>
+void decode_kernel(const T* q, const C* k_cache, const C* v_cache, const int64_t* block_ids,
+                   const int64_t* context_lens, T* out, int64_t B, int64_t H, int64_t KVH, int64_t D,
+                   int64_t S, int64_t W, int64_t block_size, float scale) {
+  const int64_t G = H / KVH, RW = row_width<C>(D);
   at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * D), acc(G * D), scores;
     std::vector<float> row(D);
@@ -166,7 +135,10 @@ void decode_kernel_quantized(const T* q, const Code* k_cache, const Code* v_cach
         const T* qrow = q + (b * H + h * G + g) * D;
         for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_float(qrow[d]) * scale;
       }
-      for_each_quantized_row(k_cache + h * S * RW, table, L, block_size, D, row.data(), [&](int64_t t, const float* k) {
+      const C* kh = k_cache + h * S * RW;
+      const C* vh = v_cache + h * S * RW;
+      // scores[g, t] = q_g . k_t
+      for_each_row(kh, table, L, block_size, D, row.data(), [&](int64_t t, const float* k) {
         for (int64_t g = 0; g < G; ++g) {
           const float* qg = qf.data() + g * D;
           float s = 0.f;
@@ -176,8 +148,9 @@ void decode_kernel_quantized(const T* q, const Code* k_cache, const Code* v_cach
         }
       });
       softmax_rows(scores.data(), G, L);
+      // out_g = sum_t p[g, t] v_t
       std::fill(acc.begin(), acc.end(), 0.f);
-      for_each_quantized_row(v_cache + h * S * RW, table, L, block_size, D, row.data(), [&](int64_t t, const float* v) {
+      for_each_row(vh, table, L, block_size, D, row.data(), [&](int64_t t, const float* v) {
         for (int64_t g = 0; g < G; ++g) {
           const float p = scores[g * L + t];
           float* ag = acc.data() + g * D;
@@ -192,6 +165,7 @@ void decode_kernel_quantized(const T* q, const Code* k_cache, const Code* v_cach
     }
   });
 }
+
 
 inline bool quantized_kv(at::ScalarType t) { return t == at::kChar || t == at::kFloat8_e4m3fn; }
 
@@ -773,11 +747,11 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
 #endif
     auto run = [&](auto* qp, auto* outp) {
       if (k_cache.scalar_type() == at::kChar)
-        decode_kernel_quantized(qp, k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>(), block_ids.data_ptr<int64_t>(),
+        decode_kernel(qp, k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>(), block_ids.data_ptr<int64_t>(),
                                 context_lens.data_ptr<int64_t>(), outp, B, H, KVH, D, S, W, block_size,
                                 static_cast<float>(scale));
       else
-        decode_kernel_quantized(qp, k_cache.data_ptr<c10::Float8_e4m3fn>(), v_cache.data_ptr<c10::Float8_e4m3fn>(),
+        decode_kernel(qp, k_cache.data_ptr<c10::Float8_e4m3fn>(), v_cache.data_ptr<c10::Float8_e4m3fn>(),
                                 block_ids.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(), outp, B, H, KVH, D, S,
                                 W, block_size, static_cast<float>(scale));
     };
@@ -797,12 +771,12 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   }
 #endif
   if (q.scalar_type() == at::kBFloat16) {
-    decode_kernel<c10::BFloat16>(q.data_ptr<c10::BFloat16>(), k_cache.data_ptr<c10::BFloat16>(),
+    decode_kernel(q.data_ptr<c10::BFloat16>(), k_cache.data_ptr<c10::BFloat16>(),
                                  v_cache.data_ptr<c10::BFloat16>(), block_ids.data_ptr<int64_t>(),
                                  context_lens.data_ptr<int64_t>(), out.data_ptr<c10::BFloat16>(), B, H, KVH,
                                  D, S, W, block_size, static_cast<float>(scale));
   } else if (q.scalar_type() == at::kFloat) {
-    decode_kernel<float>(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+    decode_kernel(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
                          block_ids.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(), out.data_ptr<float>(),
                          B, H, KVH, D, S, W, block_size, static_cast<float>(scale));
   } else {
