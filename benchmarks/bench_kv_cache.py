@@ -1,6 +1,6 @@
 """The KV cache formats side by side (`--kv-cache-dtype auto | int8 | fp8`), one process, alternating:
 bytes a prompt token holds (and a handoff moves through the block store), blocks a GiB holds, and the
-decode step at a few batch sizes (the quantized caches run the torch attention path).
+decode step at a few batch sizes.
 
     .venv/bin/python benchmarks/bench_kv_cache.py [--model M] [--batches 1,16] [--rounds 2]
 
@@ -45,7 +45,7 @@ def main() -> None:
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     engines = {kv: LLM(model=args.model, kv_cache_dtype=kv, num_threads=args.threads, enable_prefix_caching=False,
-                       kv_cache_memory=256 << 20) for kv in FORMATS}
+                       kv_cache_memory=1 << 30) for kv in FORMATS}
     for llm in engines.values():
         llm.generate(["warm up"], SamplingParams(max_tokens=4, temperature=0))
     times: dict[tuple[str, int], list[float]] = {}

@@ -240,3 +240,31 @@ def test_every_fp8_code_reads_as_its_value(kernel):
     out = kernel.paged_decode(q, cache, cache, torch.arange(n).view(n, 1), torch.ones(n, dtype=torch.long), 1, 1.0)
     # e4m3 values are exact in bf16: each token's output is its code's value, as torch converts it
     assert torch.equal(out.float().view(-1), codes.view(torch.float8_e4m3fn).float())
+
+
+@pytest.mark.parametrize("dtype", QUANTIZED)
+def test_the_torch_decode_over_codes_is_attention_over_their_values(dtype):
+    """Where no native kernel is built, decode multiplies the codes and scales the scores and the
+    probabilities: the same attention as over the dequantized values (fp32 SDPA)."""
+    from baton.engine.attention import DecodeGroup, TorchAttention
+
+    torch.manual_seed(2)
+    heads, kv_heads, d, block_size = 6, 2, 64, 16
+    cache = quantize_rows(torch.randn(2, kv_heads, 8 * block_size, d) * 2, dtype)
+    tables, lens = torch.tensor([[1, 2, 3], [4, 5, 0]]), torch.tensor([40, 20])
+    length = 3 * block_size
+    attend = torch.arange(length).unsqueeze(0) < lens.unsqueeze(1)  # [2, L]
+    bias = torch.zeros(attend.shape).masked_fill(~attend, float("-inf"))
+    group = DecodeGroup(start=0, count=2, num_blocks=3, block_ids=tables.flatten(), context_lens=lens,
+                        bias=bias.view(1, 2, 1, length), mask=attend.view(2, 1, 1, length))
+    q = torch.randn(2, heads, d).to(torch.bfloat16)
+    attention = TorchAttention(heads, kv_heads, d)
+    attention.use_kv_dtype(dtype)
+    assert attention.paged_kernel is None
+    got = attention.decode(q, cache, group, block_size)
+    reference = TorchAttention(heads, kv_heads, d).decode(q.float(), dequantize_rows(cache, torch.float32), group,
+                                                          block_size)
+    assert got.dtype == torch.bfloat16
+    # bf16's rounding of outputs up to ~4 (the bf16 path over the dequantized values is as far off)
+    assert torch.allclose(got.float(), reference, atol=6e-2, rtol=2e-2)
+    assert not torch.allclose(got[1].float(), reference[0])  # each request its own context

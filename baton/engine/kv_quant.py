@@ -13,9 +13,9 @@ The cache tensor keeps one dtype per format (`torch.int8` or `torch.float8_e4m3f
 head_dim + 4 in the last dimension), so a block carries its format in its dtype: the codec
 records it, and a worker of another format converts a block it reads (`convert_rows`).
 
-Attention over a quantized cache runs the torch path (`TorchAttention`): rows are gathered as
-bytes and dequantized to the model's dtype before the matmuls. The native decode kernels read
-bf16 rows only, so the model's plan says the attention path is torch for such a cache.
+The native decode kernels read and write these rows in place (`kernels/paged_attention.cpp`:
+`paged_decode`, `rope_write_decode`); the torch path (`TorchAttention`) gathers them as bytes,
+multiplies the codes in decode and dequantizes them for prefill chunks.
 """
 
 from __future__ import annotations

@@ -23,8 +23,7 @@ QUANTIZATION_HELP = ("weights: auto (the default: a model converted from a GGUF 
 # baton.engine.kv_quant.KV_CACHE_DTYPES (not imported here: parsing flags must not load torch)
 KV_CACHE_DTYPE_CHOICES = ["auto", "int8", "fp8", "fp8_e4m3"]
 KV_CACHE_DTYPE_HELP = ("the KV cache: auto (the model's dtype), int8 or fp8 (= fp8_e4m3): one byte a value and an fp32 "
-                       "scale per token and head, half of bf16's memory and handoff bytes; attention then runs "
-                       "torch ops, not the native bf16 decode kernels (slower steps)")
+                       "scale per token and head, about half of bf16's memory and handoff bytes")
 
 
 def parse_bytes(text: str) -> int:
