@@ -57,6 +57,11 @@ class PrefillWorker(WorkerShell):
         for request_id in [r for r in self.core.in_flight if self.gateways.is_gone(self.core.gateway_of(r))]:
             await self.write(self.core.cancel(request_id, "gateway gone"))
         if accept_new:
+            if not self.engine.has_unfinished() and not self.pending:
+                # nothing to compute: lend before the read blocks (up to 100 ms) for a prompt, or a
+                # generation that starts right after this worker's handoff runs its first ~100 ms of
+                # decode steps without the lent cores
+                self.cores.idle()
             await self._accept_new()
         self.refresh_stats()
         if not self.engine.has_unfinished():
