@@ -82,10 +82,11 @@ inline void quantize_row(const float* x, int64_t D, Code* dst) {
   std::memcpy(dst + D, &scale, sizeof(float));
 }
 
-// As for_each_row, over quantized rows: row [D] = value(codes) * the row's scale.
+// Calls f(t, codes, scale) for the L quantized rows of one head's K or V, in order, through the
+// block table (rows of D codes and their scale; no division per token).
 template <typename Code, typename F>
 inline void for_each_code_row(const Code* head, const int64_t* table, int64_t L, int64_t block_size, int64_t D,
-                                   float* row, F&& f) {
+                              F&& f) {
   const int64_t RW = D + kKVScaleBytes;
   for (int64_t t0 = 0; t0 < L; t0 += block_size) {
     const Code* block = head + table[t0 / block_size] * block_size * RW;
@@ -94,21 +95,30 @@ inline void for_each_code_row(const Code* head, const int64_t* table, int64_t L,
       const Code* src = block + j * RW;
       float s;
       std::memcpy(&s, src + D, sizeof(float));
-#pragma omp simd
-      for (int64_t d = 0; d < D; ++d) row[d] = code_value(src[d]) * s;
-      f(t0 + j, row);
+      f(t0 + j, src, s);
     }
   }
+}
+
+// As for_each_row, over quantized rows: row [D] = value(codes) * the row's scale.
+template <typename Code, typename F>
+inline void for_each_dequantized_row(const Code* head, const int64_t* table, int64_t L, int64_t block_size,
+                                     int64_t D, float* row, F&& f) {
+  for_each_code_row(head, table, L, block_size, D, [&](int64_t t, const Code* src, float s) {
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) row[d] = code_value(src[d]) * s;
+    f(t, row);
+  });
 }
 template <typename F>
 inline void for_each_row(const int8_t* head, const int64_t* table, int64_t L, int64_t block_size, int64_t D, float* row,
                          F&& f) {
-  for_each_code_row(head, table, L, block_size, D, row, f);
+  for_each_dequantized_row(head, table, L, block_size, D, row, f);
 }
 template <typename F>
 inline void for_each_row(const c10::Float8_e4m3fn* head, const int64_t* table, int64_t L, int64_t block_size,
                          int64_t D, float* row, F&& f) {
-  for_each_code_row(head, table, L, block_size, D, row, f);
+  for_each_dequantized_row(head, table, L, block_size, D, row, f);
 }
 
 template <typename C>
@@ -261,46 +271,32 @@ inline __m512 load_codes16(const c10::Float8_e4m3fn* p) {
 template <typename Code, int NC, int G>
 void decode_item_quantized_avx512(const c10::BFloat16* q, const Code* kh, const Code* vh, const int64_t* table,
                                   int64_t L, int64_t block_size, float scale, float* scores, c10::BFloat16* out) {
-  constexpr int64_t D = 16 * NC, RW = D + kKVScaleBytes;
+  constexpr int64_t D = 16 * NC;
   __m512 qv[G][NC];
   const __m512 sv = _mm512_set1_ps(scale);
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < NC; ++c) qv[g][c] = _mm512_mul_ps(load_bf16x16(q + g * D + 16 * c), sv);
-  for (int64_t t0 = 0; t0 < L; t0 += block_size) {  // scores[g, t] = s_t (q_g . c_t)
-    const Code* block = kh + table[t0 / block_size] * block_size * RW;
-    const int64_t n = std::min(block_size, L - t0);
-    for (int64_t j = 0; j < n; ++j) {
-      const Code* row = block + j * RW;
-      __m512 kr[NC];
-      for (int c = 0; c < NC; ++c) kr[c] = load_codes16(row + 16 * c);
-      float row_scale;
-      std::memcpy(&row_scale, row + D, sizeof(float));
-      for (int g = 0; g < G; ++g) {
-        __m512 acc = _mm512_mul_ps(kr[0], qv[g][0]);
-        for (int c = 1; c < NC; ++c) acc = _mm512_fmadd_ps(kr[c], qv[g][c], acc);
-        scores[g * L + t0 + j] = _mm512_reduce_add_ps(acc) * row_scale;
-      }
+  for_each_code_row(kh, table, L, block_size, D, [&](int64_t t, const Code* row, float row_scale) {
+    __m512 kr[NC];  // scores[g, t] = s_t (q_g . c_t)
+    for (int c = 0; c < NC; ++c) kr[c] = load_codes16(row + 16 * c);
+    for (int g = 0; g < G; ++g) {
+      __m512 acc = _mm512_mul_ps(kr[0], qv[g][0]);
+      for (int c = 1; c < NC; ++c) acc = _mm512_fmadd_ps(kr[c], qv[g][c], acc);
+      scores[g * L + t] = _mm512_reduce_add_ps(acc) * row_scale;
     }
-  }
+  });
   softmax_rows_avx512(scores, G, L);
   __m512 acc[G][NC];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < NC; ++c) acc[g][c] = _mm512_setzero_ps();
-  for (int64_t t0 = 0; t0 < L; t0 += block_size) {  // out_g = sum_t (p[g, t] s_t) c_t
-    const Code* block = vh + table[t0 / block_size] * block_size * RW;
-    const int64_t n = std::min(block_size, L - t0);
-    for (int64_t j = 0; j < n; ++j) {
-      const Code* row = block + j * RW;
-      float row_scale;
-      std::memcpy(&row_scale, row + D, sizeof(float));
-      __m512 vr[NC];
-      for (int c = 0; c < NC; ++c) vr[c] = load_codes16(row + 16 * c);
-      for (int g = 0; g < G; ++g) {
-        const __m512 p = _mm512_set1_ps(scores[g * L + t0 + j] * row_scale);
-        for (int c = 0; c < NC; ++c) acc[g][c] = _mm512_fmadd_ps(p, vr[c], acc[g][c]);
-      }
+  for_each_code_row(vh, table, L, block_size, D, [&](int64_t t, const Code* row, float row_scale) {
+    __m512 vr[NC];  // out_g = sum_t (p[g, t] s_t) c_t
+    for (int c = 0; c < NC; ++c) vr[c] = load_codes16(row + 16 * c);
+    for (int g = 0; g < G; ++g) {
+      const __m512 p = _mm512_set1_ps(scores[g * L + t] * row_scale);
+      for (int c = 0; c < NC; ++c) acc[g][c] = _mm512_fmadd_ps(p, vr[c], acc[g][c]);
     }
-  }
+  });
   alignas(64) float tmp[D];
   for (int g = 0; g < G; ++g) {
     for (int c = 0; c < NC; ++c) _mm512_store_ps(tmp + 16 * c, acc[g][c]);
