@@ -2,7 +2,8 @@
 
 Each scheme is measured in a fresh process: import torch, read VmRSS, build the engine as a worker
 does (`baton.worker.shell.build_engine`: load, prepare, quantize, release the load-time copies, hand
-freed heap back), read VmRSS again; the weights' own bytes are printed beside it.
+freed heap back), read VmRSS again; the weights' own bytes are printed beside it, and the peak
+(VmHWM) the load reached above the same base.
 
     python benchmarks/bench_memory.py                       # the default model: none (bf16), int8, auto
     python benchmarks/bench_memory.py --model DIR_OR_GGUF --schemes none,auto
@@ -20,8 +21,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 CHILD = r"""
 import argparse, json, sys
-def rss_mb():
-    return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS")).split()[1]) / 1024
+def rss_mb(key="VmRSS"):
+    return int(next(l for l in open("/proc/self/status") if l.startswith(key)).split()[1]) / 1024
 import torch
 base = rss_mb()
 from baton.common.model_files import resolve_model
@@ -32,7 +33,7 @@ args = argparse.Namespace(model=resolve_model(sys.argv[1] or None), dtype="bfloa
 engine = build_engine(args)
 from baton.engine.plan_report import held_bytes
 held = held_bytes(engine.model)  # every weight in whatever forms it is held, each storage once
-print(json.dumps({"rss_mb": rss_mb() - base, "scheme": engine.quantization, "weights_mb": held / 1e6}))
+print(json.dumps({"rss_mb": rss_mb() - base, "peak_mb": rss_mb("VmHWM") - base, "scheme": engine.quantization, "weights_mb": held / 1e6}))
 """
 
 
@@ -45,13 +46,14 @@ def main() -> int:
     from bench_engine import cpu_model
 
     print(f"CPU: {cpu_model()}")
-    print("| --quantization | serves | weights MB | engine RSS above torch's MB |")
-    print("| --- | --- | --- | --- |")
+    print("| --quantization | serves | weights MB | engine RSS above torch's MB | peak RSS while loading MB |")
+    print("| --- | --- | --- | --- | --- |")
     for scheme in args.schemes.split(","):
         out = subprocess.run([sys.executable, "-c", CHILD, args.model, scheme], cwd=ROOT, check=True,
                              capture_output=True, text=True).stdout.strip().splitlines()[-1]
         r = json.loads(out)
-        print(f"| {scheme} | {r['scheme']} | {r['weights_mb']:.0f} | {r['rss_mb']:.0f} |", flush=True)
+        print(f"| {scheme} | {r['scheme']} | {r['weights_mb']:.0f} | {r['rss_mb']:.0f} | {r['peak_mb']:.0f} |",
+              flush=True)
     return 0
 
 

@@ -16,8 +16,8 @@ Zen 4). `RowSplitLinear` adds the native kernel (`kernels/gemv.cpp`) for up to `
 rows, chosen per weight shape by timing both on this machine at load (`tune_row_split`): the
 fastest per shape and row count, as the kernels differ by CPU.
 
-Batch invariance (`BATON_BATCH_INVARIANT`: auto, the default, is on where the CPU has AMX; full,
-matmul or off, see `batch_invariant_mode`): greedy tokens must not depend
+Batch invariance (`BATON_BATCH_INVARIANT`: auto, the default, is on wherever the native kernel runs,
+AMX or AVX512-BF16; full, matmul or off, see `batch_invariant_mode`): greedy tokens must not depend
 on what else shares a step, or a request that a live decode worker resumes after a crash (in another
 batch) produces other tokens than were already sent, and the gateway must fail it
 (`resume_mismatch`). Choosing the kernel per row count breaks that: oneDNN and the native kernel
@@ -27,7 +27,9 @@ bf16 projection runs the native kernel for every row count (`use_native_for_all_
 per-row arithmetic does not depend on M (`kernels/gemv.cpp`: AMX where the CPU has it, else
 AVX512-BF16), prefill and decode alike; no timing decides anything, so two workers on the same
 kind of CPU compute the same numbers. This is vLLM's batch-invariant mode and SGLang's
-deterministic inference, for this engine's CPU kernels (the costs: docs/performance.md).
+deterministic inference, for this engine's CPU kernels (the costs: docs/performance.md). It also
+keeps each weight once: the native pack is the only copy (the tuned split, `off`, keeps oneDNN's
+pack beside it).
 """
 
 from __future__ import annotations
@@ -60,10 +62,12 @@ def batch_invariant_mode(kernels: Any = None) -> str:
     same whatever the row count, and prefill queries attend as decode steps do (see
     `TorchAttention.use_native_kernel`); "matmul": the projections only (prefill attention keeps
     SDPA, faster for long prompts, but a prompt's numbers then depend on how it was chunked);
-    "off" (0/false/no): the fastest matmul kernel per row count. "auto" (the default): "full"
-    where the native matmul runs on AMX (`kernels`' choice; there it costs decode nothing), "off"
-    elsewhere (the AVX512-BF16 path is 2-6x slower than oneDNN from 8 rows on: measured on an Intel
-    Xeon with its AMX turned off; docs/performance.md), said once in the log."""
+    "off" (0/false/no): the fastest matmul kernel per row count, measured at load (two packs of each
+    weight where the native kernel wins for few rows). "auto" (the default): "full" wherever the
+    native matmul runs (`kernels`' choice: AMX, or AVX512-BF16 pair products), "off" where it cannot
+    (no AVX512-BF16: oneDNN or F.linear is the only kernel), said once in the log. Without AMX the
+    native kernel runs as fast as oneDNN's AVX512-BF16 kernel at every row count (1-512 rows, both
+    on vdpbf16ps; docs/performance.md), so the invariant mode costs decode nothing there either."""
     raw = os.environ.get("BATON_BATCH_INVARIANT", "auto").strip().lower() or "auto"
     if raw in ("1", "true", "yes", "on", "full"):
         return "full"
@@ -76,16 +80,14 @@ def batch_invariant_mode(kernels: Any = None) -> str:
     if kernels is None:
         return "off"  # no native kernels (float32, another device, no compiler): nothing to choose
     kernel = kernels.gemv_kernel("") if hasattr(kernels, "gemv_kernel") else "none"
-    mode = "full" if kernel == "amx" else "off"
+    mode = "full" if kernel in ("amx", "avx512bf16") else "off"
     if kernel not in _auto_said:
         _auto_said.add(kernel)
         if mode == "full":
-            logger.info("greedy decode is batch-invariant (the native matmul runs on AMX for every row count)")
+            logger.info("greedy decode is batch-invariant (the native matmul, %s, runs every row count)", kernel)
         else:
-            logger.info("greedy decode is not batch-invariant on this CPU (native matmul: %s; without AMX "
-                        "the invariant matmul costs 2-6x from 8 rows): a decode worker's takeover in bf16 "
-                        "may end a stream with resume_mismatch; BATON_BATCH_INVARIANT=full makes it "
-                        "invariant at that cost", kernel)
+            logger.info("greedy decode is not batch-invariant on this CPU (no native bf16 matmul: it needs "
+                        "AVX512-BF16): a decode worker's takeover in bf16 may end a stream with resume_mismatch")
     return mode
 
 
@@ -143,17 +145,26 @@ def make_linear_op(linear: nn.Linear, fast: bool = True) -> LinearOp:
 
 
 class RowSplitLinear:
-    """A PackedLinear plus the native few-row kernel, used for inputs of up to `max_native_rows`
-    rows (0 until `tune_row_split` measured where it wins)."""
+    """The native few-row kernel's pack of a bf16 weight, used for inputs of up to `max_native_rows`
+    rows (0 until `tune_row_split` measured where it wins) and `large`, a PackedLinear, above. In
+    the batch-invariant mode there is no `large`: the native kernel takes every row count and its
+    pack is the weight's only copy (`native_for_all_rows`)."""
 
-    def __init__(self, large: PackedLinear, kernels: Any) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernels: Any,
+                 large: PackedLinear | None = None) -> None:
+        # weight: [out, in] bf16 on the CPU (not kept); bias: [out] or None
         self.large = large
         self.kernels = kernels
+        self.packed = kernels.gemv_pack(weight.detach())  # [ceil(out/64), in/2, 64, 2]
+        self.bias = bias.detach().float() if bias is not None else None
+        self.out_features, self.in_features = weight.shape
+        self.max_native_rows = 0 if large is not None else ALL_ROWS
+
+    @classmethod
+    def beside(cls, large: PackedLinear, kernels: Any) -> RowSplitLinear:
+        """The native pack of `large`'s weight, with `large` for more rows than the split allows."""
         assert large.weight is not None, "RowSplitLinear needs the unpacked weight (before release_load_copies)"
-        self.packed = kernels.gemv_pack(large.weight)  # [ceil(out/64), in/2, 64, 2]
-        self.bias = large.bias.float() if large.bias is not None else None
-        self.out_features, self.in_features = large.out_features, large.in_features
-        self.max_native_rows = 0
+        return cls(large.weight, large.bias, kernels, large=large)
 
     def native(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in] bf16 -> [..., out] bf16
@@ -167,7 +178,7 @@ class RowSplitLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in] -> [..., out]
-        if x.numel() <= self.max_native_rows * self.in_features:
+        if self.large is None or x.numel() <= self.max_native_rows * self.in_features:
             return self.native(x)
         return self.large(x)
 
@@ -182,6 +193,7 @@ def drop_load_copies(op: LinearOp) -> int:
         return 0
     freed = 0
     if isinstance(op, RowSplitLinear) and op.max_native_rows >= ALL_ROWS and large.packed is not None:
+        # a split turned into "every row count" after its oneDNN pack was made (re-prepared)
         freed += large.packed.numel() * large.packed.element_size()
         large.packed = None  # never called: every row count takes op.native
     large.weight = None  # the nn.Linear's tensor: freed with it, or kept by it (a tied embedding)
@@ -191,7 +203,7 @@ def drop_load_copies(op: LinearOp) -> int:
 TUNE_ROWS = (1, 2, 4, 8, 16)
 
 
-def _seconds(fn: Callable[[], Any], repeats: int = 3) -> float:
+def best_seconds(fn: Callable[[], Any], repeats: int = 3) -> float:
     fn()
     best = float("inf")
     for _ in range(repeats):
@@ -201,18 +213,19 @@ def _seconds(fn: Callable[[], Any], repeats: int = 3) -> float:
     return best
 
 
-def _native_splits(ops: Sequence[LinearOp], kernels: Any, oneDNN_keeps: str) -> dict[tuple[int, int], list[tuple[int, RowSplitLinear]]]:
+def _native_splits(ops: Sequence[LinearOp], kernels: Any) -> dict[tuple[int, int], list[tuple[int, RowSplitLinear]]]:
     """Per weight shape, the PackedLinears of `ops` the native kernel can run (even in_features),
-    each with its index and wrapped in a RowSplitLinear, for the shapes where the native kernel
-    agrees with oneDNN on a probe here; the others are logged (`oneDNN_keeps`: what that costs)."""
+    each with its index and wrapped in a RowSplitLinear beside its oneDNN pack, for the shapes where
+    the native kernel agrees with oneDNN on a probe here (the others are logged)."""
     by_shape: dict[tuple[int, int], list[tuple[int, RowSplitLinear]]] = {}
     for i, op in enumerate(ops):
         if isinstance(op, PackedLinear) and op.in_features % 2 == 0:
-            by_shape.setdefault((op.out_features, op.in_features), []).append((i, RowSplitLinear(op, kernels)))
+            split = RowSplitLinear.beside(op, kernels)
+            by_shape.setdefault((op.out_features, op.in_features), []).append((i, split))
     for shape, splits in list(by_shape.items()):
         first = splits[0][1]
-        if not _agrees(first.native, first.large, shape[1], torch.bfloat16):
-            logger.warning("native bf16 matmul disagrees with oneDNN for %s: using oneDNN%s", shape, oneDNN_keeps)
+        if not _agrees(first.native, first.large, shape[1], torch.bfloat16):  # type: ignore[arg-type]
+            logger.warning("native bf16 matmul disagrees with oneDNN for %s: using oneDNN", shape)
             del by_shape[shape]
     return by_shape
 
@@ -222,17 +235,17 @@ def tune_row_split(ops: Sequence[LinearOp], kernels: Any) -> list[LinearOp]:
     weight shape, the largest row count up to which the native kernel measured faster (each shape's
     ops timed together, all layers in turn, so the weights stream from memory as in a step).
     Returns the ops, wrapped where that pays; the others unchanged."""
-    if kernels is None or not hasattr(kernels, "gemv") or not kernels.gemv_available():
+    if not native_gemv(kernels):
         return list(ops)
     out: list[LinearOp] = list(ops)
-    for (out_features, in_features), indexed in _native_splits(ops, kernels, "").items():
+    for (out_features, in_features), indexed in _native_splits(ops, kernels).items():
         split = [op for _, op in indexed]
         max_rows = 0
         with torch.inference_mode():
             for rows in TUNE_ROWS:
                 x = torch.randn(rows, in_features).to(torch.bfloat16)
-                native = _seconds(lambda x=x: [op.native(x) for op in split])
-                onednn = _seconds(lambda x=x: [op.large(x) for op in split])
+                native = best_seconds(lambda x=x: [op.native(x) for op in split])
+                onednn = best_seconds(lambda x=x: [op.large(x) for op in split])
                 if native >= onednn:
                     break
                 max_rows = rows
@@ -244,21 +257,39 @@ def tune_row_split(ops: Sequence[LinearOp], kernels: Any) -> list[LinearOp]:
     return out
 
 
-def use_native_for_all_rows(ops: Sequence[LinearOp], kernels: Any) -> list[LinearOp]:
-    """Batch-invariant mode: wrap every PackedLinear of `ops` to run the native kernel for every row
-    count (its per-row result does not depend on how many rows share the call). Where the native
-    kernel is missing or disagrees with oneDNN, oneDNN stays (and the output may then depend on the
-    batch: said once in the log)."""
-    out: list[LinearOp] = list(ops)
-    if kernels is None or not hasattr(kernels, "gemv") or not kernels.gemv_available():
+def native_gemv(kernels: Any) -> bool:
+    """Whether `kernels` has the native bf16 matmul on this CPU (AVX512-BF16, or AMX)."""
+    return kernels is not None and hasattr(kernels, "gemv") and kernels.gemv_available()
+
+
+def native_for_all_rows(linears: Sequence[nn.Linear], kernels: Any) -> list[LinearOp]:
+    """Batch-invariant mode: one op per projection that runs the native kernel for every row count
+    (its per-row result does not depend on how many rows share the call), its pack the only copy
+    the op holds: no oneDNN pack is made, so loading peaks at the checkpoint's weights plus this
+    pack. A weight the native kernel cannot take (not bf16 on the CPU, odd in_features), or whose
+    shape disagrees with F.linear on a probe here, gets `make_linear_op`'s op instead (and the
+    output may then depend on the batch: logged)."""
+    if not native_gemv(kernels):
+        ops = [make_linear_op(linear) for linear in linears]
         if any(isinstance(op, PackedLinear) for op in ops):
             logger.warning("batch-invariant matmuls need the native kernel (AVX512-BF16): oneDNN runs, and "
                            "greedy tokens may depend on the batch")
-        return out
-    for indexed in _native_splits(ops, kernels, " (not batch-invariant)").values():
-        for i, op in indexed:
-            op.max_native_rows = ALL_ROWS
-            out[i] = op
+        return ops
+    out: list[LinearOp] = []
+    agrees: dict[tuple[int, int], bool] = {}
+    for linear in linears:
+        weight, bias = linear.weight, linear.bias
+        shape = (weight.shape[0], weight.shape[1])
+        if not packing_supported(weight) or shape[1] % 2 != 0:
+            out.append(make_linear_op(linear))
+            continue
+        op = RowSplitLinear(weight, bias, kernels)
+        if shape not in agrees:
+            agrees[shape] = _agrees(op.native, lambda x, w=weight, b=bias: F.linear(x, w, b), shape[1], torch.bfloat16)
+            if not agrees[shape]:
+                logger.warning("native bf16 matmul disagrees with F.linear for %s: using oneDNN (not batch-invariant)",
+                               shape)
+        out.append(op if agrees[shape] else make_linear_op(linear))
     kernel_name = kernels.gemv_kernel("") if hasattr(kernels, "gemv_kernel") else "native"
     logger.info("batch-invariant matmuls: the native kernel (%s) for every row count", kernel_name)
     return out

@@ -41,7 +41,7 @@ __all__ = ["LlamaModel", "DecoderLayer", "Attention", "MLP", "RMSNorm", "set_op"
            "rope_table"]  # the rope functions are re-exported (their home is baton.engine.rope)
 from baton.engine.linear import (BATCH_INVARIANT_MODES, LinearOp, QuantizedLinear, RowSplitLinear,
                                  batch_invariant_mode, drop_load_copies, make_linear_op, tune_row_split,
-                                 use_native_for_all_rows)
+                                 native_for_all_rows)
 
 
 def set_op(module: nn.Module, name: str, op: LinearOp) -> None:
@@ -275,13 +275,17 @@ class LlamaModel(nn.Module):
 
             kernel = kernels.load()
         slots = self.projection_slots()
-        ops = [make_linear_op(linear, fast_linears) for _, _, linear in slots]
         mode = batch_invariant_mode(kernel) if batch_invariant is None else \
             {True: "full", False: "off"}.get(batch_invariant, batch_invariant)  # type: ignore[call-overload]
         if mode not in BATCH_INVARIANT_MODES:
             raise ValueError(f"batch_invariant must be full, matmul or off, not {batch_invariant!r}")
-        if fast_linears:
-            ops = use_native_for_all_rows(ops, kernel) if mode != "off" else tune_row_split(ops, kernel)
+        linears = [linear for _, _, linear in slots]
+        if not fast_linears:
+            ops: list[LinearOp] = list(linears)
+        elif mode != "off":
+            ops = native_for_all_rows(linears, kernel)  # one pack per weight, no oneDNN pack made
+        else:
+            ops = tune_row_split([make_linear_op(linear) for linear in linears], kernel)
         for (owner, name, _), op in zip(slots, ops):
             set_op(owner, name, op)
         layer_kernel = kernel if not self.native_unsupported else None

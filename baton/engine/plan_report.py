@@ -56,7 +56,9 @@ def op_tensors(op: object, linear: nn.Linear) -> list[torch.Tensor | None]:
     if isinstance(op, QuantizedLinear):
         tensors += [op.packed, *op.parts, op.bias]
     elif isinstance(op, RowSplitLinear):
-        tensors += [op.packed, op.bias, op.large.packed, op.large.weight, op.large.bias]
+        tensors += [op.packed, op.bias]
+        if op.large is not None:  # the tuned split's oneDNN pack beside it
+            tensors += [op.large.packed, op.large.weight, op.large.bias]
     elif isinstance(op, PackedLinear):
         tensors += [op.packed, op.weight, op.bias]
     return tensors
