@@ -304,6 +304,52 @@ def test_released_load_copies_leave_one_copy_and_the_same_tokens(tiny_model_dir,
     assert [o.logprobs for o in after] == [o.logprobs for o in before]
 
 
+@needs_gemv
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+def test_a_worker_engine_loads_without_a_second_copy_of_any_weight(tiny_model_dir, monkeypatch, quantization):
+    """Loading peaks near one copy (issue 22, a 3B model on a 24 GB machine): a worker's engine packs
+    each bf16 projection and frees its original at once (every projection weight is gone before
+    release_load_copies runs), and one quantized at load never gets a bf16 pack first; its greedy
+    tokens equal an engine's that kept everything."""
+    from baton.common.sampling_params import SamplingParams
+    from baton.engine.llm_engine import EngineConfig, LLMEngine
+
+    monkeypatch.delenv("BATON_BATCH_INVARIANT", raising=False)
+    packed: list[tuple[int, ...]] = []
+    real_pack = native.gemv_pack
+
+    class CountingKernels:
+        def __getattr__(self, name):
+            return getattr(native, name)
+
+        @staticmethod
+        def gemv_pack(w):
+            packed.append(tuple(w.shape))
+            return real_pack(w)
+
+    monkeypatch.setattr(kernels, "load", lambda: CountingKernels())
+    config = dict(model=str(tiny_model_dir), dtype="bfloat16", num_kv_blocks=32, quantization=quantization,
+                  enable_prefix_caching=False)
+    lean = LLMEngine(EngineConfig(**config, release_load_copies=True))
+    lean_packs = list(packed)
+    model = lean.model
+    slots = model.projection_slots()
+    assert all(linear.weight.numel() == 0 for _, _, linear in slots if linear is not model.lm_head)
+    kept = LLMEngine(EngineConfig(**config))
+    shapes = [tuple(linear.weight.shape) for _, _, linear in kept.model.projection_slots()]
+    assert lean_packs == ([] if quantization == "int8" else shapes)  # one native pack per projection, or none
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+    def tokens(engine):
+        engine.add_request("r", [5, 9, 14, 20, 7], params)
+        out: list[int] = []
+        while engine.has_unfinished():
+            out += [t for o in engine.step() for t in o.new_token_ids]
+        return out
+
+    assert tokens(lean) == tokens(kept)
+
+
 @needs_native
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one core: nothing to run in parallel")
 def test_the_kernels_run_on_the_threads_torch_is_given():

@@ -262,13 +262,15 @@ def native_gemv(kernels: Any) -> bool:
     return kernels is not None and hasattr(kernels, "gemv") and kernels.gemv_available()
 
 
-def native_for_all_rows(linears: Sequence[nn.Linear], kernels: Any) -> list[LinearOp]:
+def native_for_all_rows(linears: Sequence[nn.Linear], kernels: Any,
+                        release: Callable[[nn.Linear], Any] | None = None) -> list[LinearOp]:
     """Batch-invariant mode: one op per projection that runs the native kernel for every row count
     (its per-row result does not depend on how many rows share the call), its pack the only copy
     the op holds: no oneDNN pack is made, so loading peaks at the checkpoint's weights plus this
     pack. A weight the native kernel cannot take (not bf16 on the CPU, odd in_features), or whose
     shape disagrees with F.linear on a probe here, gets `make_linear_op`'s op instead (and the
-    output may then depend on the batch: logged)."""
+    output may then depend on the batch: logged). `release(linear)`, if given, frees a projection's
+    own weight once its native pack is made (loading then peaks one weight above one copy)."""
     if not native_gemv(kernels):
         ops = [make_linear_op(linear) for linear in linears]
         if any(isinstance(op, PackedLinear) for op in ops):
@@ -289,7 +291,12 @@ def native_for_all_rows(linears: Sequence[nn.Linear], kernels: Any) -> list[Line
             if not agrees[shape]:
                 logger.warning("native bf16 matmul disagrees with F.linear for %s: using oneDNN (not batch-invariant)",
                                shape)
-        out.append(op if agrees[shape] else make_linear_op(linear))
+        if agrees[shape]:
+            out.append(op)
+            if release is not None:
+                release(linear)
+        else:
+            out.append(make_linear_op(linear))
     kernel_name = kernels.gemv_kernel("") if hasattr(kernels, "gemv_kernel") else "native"
     logger.info("batch-invariant matmuls: the native kernel (%s) for every row count", kernel_name)
     return out

@@ -33,7 +33,7 @@ from baton.engine.kv_types import KVLoad, LoadedKV, RemoteKV
 from baton.engine.outputs import EngineOutput, EngineStats, KVHandoff
 from baton.engine.pooling import Pooling
 from baton.engine.kv_quant import is_quantized, resolve_kv_cache_dtype
-from baton.engine.quant import auto_dtype, quantize_model
+from baton.engine.quant import asks_for_quantized, auto_dtype, quantize_model
 from baton.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, StepOutput
 from baton.engine.spec_config import SpeculativeConfig, parse_speculative_config
 from baton.engine.spec_decode import verify_rows
@@ -65,6 +65,9 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # auto (the model's dtype), int8, fp8: the KV cache (baton.engine.kv_quant)
     # speculative decoding (baton.engine.spec_decode): a SpeculativeConfig, its dict or JSON; None: off
     speculative_config: SpeculativeConfig | dict | str | None = None
+    # free each projection's loaded weight as soon as its op holds the copy it reads, so that loading
+    # peaks near one copy of the weights (the workers); LLM keeps them (`prepare()` may run again)
+    release_load_copies: bool = False
 
 
 def return_freed_memory() -> None:
@@ -94,8 +97,13 @@ class LLMEngine:
         device = torch.device(config.device) if config.device else default_device()
         source = gguf_source(self.model_dir)
         dtype = auto_dtype(config.quantization, source, device) if config.dtype == "auto" else config.dtype
-        self.model, self.model_config = load_model(self.model_dir, dtype, device)
+        self.model, self.model_config = load_model(self.model_dir, dtype, device, prepare=False)
+        # projections about to be quantized get no bf16 pack first (it would be made and dropped)
+        quantizing = asks_for_quantized(config.quantization, source) and device.type == "cpu"
+        self.model.prepare(pack_projections=not quantizing, release_originals=config.release_load_copies)
         self.quantization = quantize_model(self.model, config.quantization, gguf_source=source)
+        if quantizing and self.quantization == "none":  # no quantized kernel here: serve the dtype, packed
+            self.model.prepare(release_originals=config.release_load_copies)
         if self.quantization != "none":
             # KV computed with other weights is another model's: prefix hashes (and the block store's
             # keys) must not match across quantizations

@@ -255,14 +255,20 @@ class LlamaModel(nn.Module):
         return slots
 
     def prepare(self, fast_linears: bool = True, native_kernels: bool = True,
-                batch_invariant: bool | str | None = None) -> None:
+                batch_invariant: bool | str | None = None, pack_projections: bool = True,
+                release_originals: bool = False) -> None:
         """After the weights are loaded: pick the fastest matmul per projection (`baton.engine.linear`) and,
         for bf16 on the CPU, the native paged-attention kernel (`baton.engine.kernels`; built on first
         use). batch_invariant (default: `BATON_BATCH_INVARIANT`, "auto"; True = "full", False = "off"):
         one matmul kernel per projection for every row count and, with "full", prefill attention
         through the decode kernel, so that a row's numbers (and greedy tokens) do not depend on the
         batch, the chunking, or whether a token was computed in prefill or decode; "matmul": the
-        matmuls only; "off": the fastest kernel per row count, measured here.
+        matmuls only; "off": the fastest kernel per row count, measured here. pack_projections=False
+        leaves every projection a plain nn.Linear (the engine quantizes them next: a pack would be
+        made only to be dropped). release_originals: free each projection's nn.Linear weight as soon
+        as its native pack is made, so that packing peaks at one projection above one copy (the
+        workers; `prepare()` cannot run again afterwards); other ops' originals are freed by
+        `release_load_copies`.
 
         The native layer kernels (fused norms, fused decode attention, the layer plan) are installed
         only for a plain Llama layer (`ModelConfig.native_unsupported()` empty); the matmul choice
@@ -280,10 +286,10 @@ class LlamaModel(nn.Module):
         if mode not in BATCH_INVARIANT_MODES:
             raise ValueError(f"batch_invariant must be full, matmul or off, not {batch_invariant!r}")
         linears = [linear for _, _, linear in slots]
-        if not fast_linears:
+        if not fast_linears or not pack_projections:
             ops: list[LinearOp] = list(linears)
-        elif mode != "off":
-            ops = native_for_all_rows(linears, kernel)  # one pack per weight, no oneDNN pack made
+        elif mode != "off":  # one pack per weight, no oneDNN pack made
+            ops = native_for_all_rows(linears, kernel, self.drop_projection_weight if release_originals else None)
         else:
             ops = tune_row_split([make_linear_op(linear) for linear in linears], kernel)
         for (owner, name, _), op in zip(slots, ops):

@@ -64,7 +64,7 @@ def quantize_q4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
     return q.reshape(n, k), d, m
 
 
-def _asks_for_quantized(quantization: str, gguf_source: Path | None) -> bool:
+def asks_for_quantized(quantization: str, gguf_source: Path | None) -> bool:
     """Whether `quantization` asks for quantized projections: int8 / int4, or auto on a GGUF's model."""
     return quantization != "none" and (quantization != "auto" or gguf_source is not None)
 
@@ -77,7 +77,7 @@ def auto_dtype(quantization: str, gguf_source: Path | None, device: torch.device
     AMD EPYC (Zen 3, no bf16 instructions, 2 threads), the default model's Q4_1 blocks: 64 decode
     tokens at batch 1 in 733 ms (bf16) against 1470 ms (fp32), a 512-token prefill 1164 against
     1151 ms. Otherwise "auto" (`baton.engine.loader.resolve_dtype`: bf16 only with bf16 instructions)."""
-    if not _asks_for_quantized(quantization, gguf_source) or device.type != "cpu":
+    if not asks_for_quantized(quantization, gguf_source) or device.type != "cpu":
         return "auto"
     if kernels is None:
         from baton.engine import kernels as native
@@ -93,7 +93,7 @@ def quantize_model(model: nn.Module, quantization: str, kernels: Any = None,
     directory was converted from). `kernels`: the native module (None: `baton.engine.kernels.load()`)."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, not {quantization!r}")
-    if not _asks_for_quantized(quantization, gguf_source):
+    if not asks_for_quantized(quantization, gguf_source):
         return "none"
     if model.embed_tokens.weight.device.type != "cpu":
         if quantization == "auto":

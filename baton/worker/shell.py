@@ -49,6 +49,7 @@ def build_engine(args: argparse.Namespace) -> LLMEngine:
         kv_connector=True, quantization=getattr(args, "quantization", "auto"),
         kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
         speculative_config=getattr(args, "speculative_config", None),  # decode workers only
+        release_load_copies=True,
     ))
     freed = engine.model.release_load_copies()
     return_freed_memory()
