@@ -23,7 +23,7 @@ batch) produces other tokens than were already sent, and the gateway must fail i
 (`resume_mismatch`). Choosing the kernel per row count breaks that: oneDNN and the native kernel
 round differently, and oneDNN itself changes its kernel (and its reduction order) with M (measured
 on an Intel Xeon with AMX: rows of an M = 40 call differ from the same rows alone). So in this mode every
-bf16 projection runs the native kernel for every row count (`use_native_for_all_rows`), whose
+bf16 projection runs the native kernel for every row count (`native_for_all_rows`), whose
 per-row arithmetic does not depend on M (`kernels/gemv.cpp`: AMX where the CPU has it, else
 AVX512-BF16), prefill and decode alike; no timing decides anything, so two workers on the same
 kind of CPU compute the same numbers. This is vLLM's batch-invariant mode and SGLang's
@@ -183,21 +183,14 @@ class RowSplitLinear:
         return self.large(x)
 
 
-def drop_load_copies(op: LinearOp) -> int:
-    """Free what `op` will never read again: the unpacked original a PackedLinear keeps for
-    RowSplitLinear's pack, and the oneDNN pack of a RowSplitLinear that runs the native kernel for
-    every row count (batch-invariant mode). Returns the bytes it let go (the nn.Linear's own weight
-    is the caller's: `LlamaModel.release_load_copies`)."""
+def drop_load_copies(op: LinearOp) -> None:
+    """Let go of the unpacked original a PackedLinear keeps for RowSplitLinear's pack (the
+    nn.Linear's own tensor: `LlamaModel.release_load_copies` frees it, or a tied embedding keeps it).
+    Nothing else an op holds is a spare copy: the batch-invariant mode never makes a oneDNN pack, and
+    the tuned split reads both of its packs."""
     large = op.large if isinstance(op, RowSplitLinear) else op if isinstance(op, PackedLinear) else None
-    if large is None:
-        return 0
-    freed = 0
-    if isinstance(op, RowSplitLinear) and op.max_native_rows >= ALL_ROWS and large.packed is not None:
-        # a split turned into "every row count" after its oneDNN pack was made (re-prepared)
-        freed += large.packed.numel() * large.packed.element_size()
-        large.packed = None  # never called: every row count takes op.native
-    large.weight = None  # the nn.Linear's tensor: freed with it, or kept by it (a tied embedding)
-    return freed
+    if large is not None:
+        large.weight = None
 
 
 TUNE_ROWS = (1, 2, 4, 8, 16)

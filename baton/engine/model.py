@@ -317,8 +317,8 @@ class LlamaModel(nn.Module):
 
     def release_load_copies(self) -> int:
         """After `prepare()` (and any quantization): free every copy of a projection's weight that
-        its op never reads, so that each weight lives once (bf16 on AMX: the native pack only; with
-        the tuned split: the native and oneDNN packs; a prepacked op alone: its pack). The nn.Linear
+        its op never reads, so that each weight lives once (bf16 with the native kernel: its pack only;
+        with the tuned split: the native and oneDNN packs; a prepacked op alone: its pack). The nn.Linear
         weights are gone afterwards, so `prepare()` cannot run again (the workers call this; `LLM`
         does not). Returns the bytes freed."""
         freed = 0
@@ -326,9 +326,10 @@ class LlamaModel(nn.Module):
             op = getattr(owner, name)
             if op is linear or linear.weight.numel() == 0:
                 continue  # a plain nn.Linear (its weight is the op), or already released (quantized)
-            freed += drop_load_copies(op) + self.drop_projection_weight(linear)
+            drop_load_copies(op)
+            freed += self.drop_projection_weight(linear)
         freed += self._embed_from_head()
-        if self.layers_plan is not None:  # it held the oneDNN packs just dropped
+        if self.layers_plan is not None:  # rebuilt over what the ops hold now
             self.layers_plan = LayersPlan.build(self, self.layers_plan.kernel)
         return freed
 
