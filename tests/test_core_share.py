@@ -30,9 +30,9 @@ def _lent(lender: Lender) -> None:
 
 def test_a_new_ledger_lends_nothing(ledger_path):
     borrower = Borrower(Ledger(ledger_path), 0)
-    assert borrower.acquire(last_step_seconds=0.001) == 0
+    assert borrower.acquire(last_ungated_seconds=0.001) == 0
     Lender(Ledger(ledger_path), 0, threads=1)  # a prefill worker that has not been idle yet
-    assert borrower.acquire(last_step_seconds=0.001) == 0
+    assert borrower.acquire(last_ungated_seconds=0.001) == 0
 
 
 def test_an_idle_prefill_workers_threads_go_to_the_decode_step_and_come_back(ledger_path):

@@ -17,6 +17,7 @@ import torch
 
 from baton.engine.attention import AttentionMetadata
 from baton.engine.linear import ALL_ROWS, PackedLinear, QuantizedLinear, RowSplitLinear
+from baton.engine.thread_gate import ThreadGate, no_gate_args
 
 logger = logging.getLogger("baton.engine.layers_plan")
 
@@ -86,14 +87,22 @@ class LayersPlan:
             return False
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
-            meta: AttentionMetadata) -> torch.Tensor:
+            meta: AttentionMetadata, gate: ThreadGate | None = None) -> torch.Tensor:
         # x: [B, H] embeddings (the residual stream, updated in place); cos, sin: [B, 1, d];
-        # kv_cache: [L, 2, kv_heads, slots, d] -> [B, H], the final norm's output
+        # kv_cache: [L, 2, kv_heads, slots, d] -> [B, H], the final norm's output.
+        # gate: lent threads, given back between layers when their owner asks (thread_gate.py)
         group = meta.decode_groups[0]
-        return self.kernel.decode_layers(x, self.norms, self.eps, self.weights, self.out_features,
-                                         self.max_native_rows, kv_cache, cos, sin, meta.slot_mapping,
-                                         group.block_ids.view(group.count, -1), group.context_lens,
-                                         self.num_heads, meta.block_size, self.scale)
+        if gate is not None:
+            gate.enter()
+        try:
+            return self.kernel.decode_layers(x, self.norms, self.eps, self.weights, self.out_features,
+                                             self.max_native_rows, kv_cache, cos, sin, meta.slot_mapping,
+                                             group.block_ids.view(group.count, -1), group.context_lens,
+                                             self.num_heads, meta.block_size, self.scale,
+                                             *(gate.native_args() if gate is not None else no_gate_args()))
+        finally:
+            if gate is not None:
+                gate.leave()
 
 
 def _max_native_rows(op: Any) -> int:

@@ -41,6 +41,7 @@ from baton.engine.spec_draft import DraftModel, check_same_tokenizer
 from baton.engine.window_blocks import freeable_window
 from baton.engine.structured import StructuredOutput
 from baton.engine.sequence import Sequence
+from baton.engine.thread_gate import ThreadGate
 from baton.common.sampling_params import SamplingParams
 
 logger = logging.getLogger("baton.engine.llm_engine")
@@ -162,6 +163,11 @@ class LLMEngine:
                     drafter.config.num_layers, drafter.config.hidden_size,
                     parse_speculative_config(self.config.speculative_config).num_speculative_tokens)
         return drafter
+
+    def set_thread_gate(self, gate: ThreadGate | None) -> None:
+        """Let the decode layers give lent threads back mid-step (baton/engine/thread_gate.py): the
+        worker arms `gate` for the steps that borrow. None: steps are never interrupted."""
+        self.model.thread_gate = gate
 
     @property
     def eos_token_ids(self) -> list[int]:

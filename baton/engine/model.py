@@ -34,6 +34,7 @@ from torch import nn
 from baton.engine.attention import AttentionMetadata, TorchAttention, windowed
 from baton.engine.config import ModelConfig
 from baton.engine.layers_plan import LayersPlan
+from baton.engine.thread_gate import ThreadGate
 from baton.engine.moe import SparseMoE, activation
 from baton.engine.rope import apply_rope, rope_inv_freq, rope_table
 
@@ -223,6 +224,7 @@ class LlamaModel(nn.Module):
         set_op(self, "head", self.lm_head)
         self.fused_norm: Any = None  # the native add + RMSNorm (bf16 on the CPU; see prepare)
         self.layers_plan: LayersPlan | None = None  # all layers in one native call (see LayersPlan)
+        self.thread_gate: ThreadGate | None = None  # lent threads given back between layers (the plan's)
         self.rope_tables: dict[bool, tuple[torch.Tensor, torch.Tensor]] = {}  # local? -> cos, sin [P, r]
         self.has_window = any(layer.self_attn.sliding for layer in self.layers)
         self.has_local_rope = any(layer.self_attn.local_rope for layer in self.layers)
@@ -382,7 +384,8 @@ class LlamaModel(nn.Module):
         cos, sin = self.rope(positions, max_position)
         plan = self.layers_plan
         if plan is not None and not meta.prefills and len(meta.decode_groups) == 1:
-            return self._with_hidden(plan.run(x, cos, sin, kv_cache, meta), logits_indices, hidden_indices)
+            return self._with_hidden(plan.run(x, cos, sin, kv_cache, meta, self.thread_gate), logits_indices,
+                                     hidden_indices)
         if self.fused_norm is not None:
             return self._forward_fused(x, cos, sin, kv_cache, meta, logits_indices, hidden_indices)
         config = self.config

@@ -15,6 +15,13 @@ its running step uses, a bit mask).
 A zeroed file means no one lends. Workers started any other way (compose, several machines) have
 no ledger and keep their own threads. Prefill worker i's threads go to decode worker i mod D.
 
+A step that borrows carries a thread gate (baton/engine/thread_gate.py) over this ledger: between
+its decode layers it looks at its lenders' state words, and once one is reclaiming it finishes on
+its own threads and clears its record, so a reclaim waits one layer (or the step's part outside the
+layers: embedding, LM head, sampling), not the whole step. So a step may borrow when that ungated
+part was short (`MAX_BORROWING_STEP_S`), however long its layers are: at 16 and 64 clients the
+prefill worker idles much of the time too, and its core now decodes then.
+
 Ordering: the borrower publishes the lenders it will use and then re-reads that they still lend;
 the lender publishes "busy" and then reads the borrower's record (Dekker's handshake). x86 may
 complete a load before an earlier store to another address, so each side puts a full fence
@@ -33,18 +40,21 @@ import threading
 import time
 from pathlib import Path
 
+import torch
+
+from baton.engine.thread_gate import ThreadGate
+
 MAGIC = b"BATONCS1"
 _HEADER = struct.Struct("<8sii")  # magic, prefill workers, decode workers
 _LENDER = struct.Struct("<iid")  # state, threads, since (time.monotonic: one clock for the machine)
 _BORROWER = struct.Struct("<Q")  # bit i: the running step uses prefill worker i's threads
 
-# A decode step longer than this does not borrow: a reclaiming prefill worker waits for the step
-# that runs on its core to end, so this bounds what lending can add to a prompt's TTFT. The default
-# model's step on Zen 3 is ~17 ms on one thread at one client (spikes past 20 ms on a busy machine:
-# 20 ms often never started borrowing) and ~35 ms at four (30 ms let four clients borrow, for no
-# gain: docs/performance.md); at 16 and more clients steps are longer and the prefill worker is
-# rarely idle: those loads keep the plain split.
-MAX_BORROWING_STEP_S = 0.025
+# A step whose part outside the gated layers (see above) took longer than this, on as many threads
+# as it would borrow, does not borrow: a reclaiming prefill worker waits for that part of the step
+# that runs on its core, so this bounds what lending can add to a prompt's TTFT. The default model's
+# whole step on Zen 3 is ~17 ms on one thread at one client; its ungated part at 64 clients (LM head
+# and sampling of 64 rows) ~40 ms on two threads (docs/performance.md).
+MAX_BORROWING_STEP_S = 0.050
 # A lender must have been idle this long before its cores are used: back-to-back prompts
 # (a gap of a loop turn) do not make the two workers trade cores every step.
 LEND_AFTER_S = 0.020
@@ -103,6 +113,7 @@ class Ledger:
     def __init__(self, path: str | os.PathLike[str]) -> None:
         with open(path, "r+b") as f:
             self._map = mmap.mmap(f.fileno(), 0)
+        self._words: torch.Tensor | None = None
         magic, self.prefill_workers, self.decode_workers = _HEADER.unpack_from(self._map, 0)
         if magic != MAGIC:
             self._map.close()
@@ -134,7 +145,23 @@ class Ledger:
     def write_borrowed(self, j: int, mask: int) -> None:
         _BORROWER.pack_into(self._map, self._borrower_offset(j), mask)
 
+    def lender_state_word(self, i: int) -> int:
+        """The int32 index of prefill worker i's state (what a thread gate watches)."""
+        return self._lender_offset(i) // 4
+
+    def borrowed_words(self, j: int) -> list[int]:
+        """The int32 indices of decode worker j's record (what a gate clears when it gives back)."""
+        offset = self._borrower_offset(j) // 4
+        return [offset, offset + 1]
+
+    def words(self) -> torch.Tensor:
+        """The ledger as int32 words, sharing its memory (a thread gate reads and writes them)."""
+        if self._words is None:
+            self._words = torch.frombuffer(self._map, dtype=torch.int32)
+        return self._words
+
     def close(self) -> None:
+        self._words = None  # the tensor exports the map's buffer: drop it first
         self._map.close()
 
 
@@ -182,6 +209,7 @@ class Borrower:
     def __init__(self, ledger: Ledger, slot: int) -> None:
         self.ledger, self.slot = ledger, slot
         self.lenders = [i for i in range(ledger.prefill_workers) if i % ledger.decode_workers == slot]
+        self.borrowing: dict[int, int] = {}  # lender -> threads, of the step that runs now
         ledger.write_borrowed(slot, 0)  # a restarted worker clears its predecessor's record
 
     def _lending(self, now: float) -> dict[int, int]:
@@ -192,37 +220,43 @@ class Borrower:
                 lending[i] = threads
         return lending
 
-    def acquire(self, last_step_seconds: float) -> int:
-        """Extra threads the next step may run (0: none lent, or the last step was too long to
-        make a lender wait for one)."""
-        if last_step_seconds > MAX_BORROWING_STEP_S:
-            return 0
+    def acquire(self, last_ungated_seconds: float, last_ungated_threads: int = 0, own_threads: int = 1) -> int:
+        """Extra threads the next step may run (0: none lent, or the last step's part outside its
+        gated layers, run on `last_ungated_threads` threads (0: unknown), would take too long on
+        `own_threads` + the lent ones: a lender may have to wait for that part). The lenders this
+        step uses are `self.borrowing` until `release`."""
+        self.borrowing = {}
         lending = self._lending(time.monotonic())
         if not lending:
+            return 0
+        if last_ungated_threads:  # scaled to the threads the step would run on
+            last_ungated_seconds *= last_ungated_threads / (own_threads + sum(lending.values()))
+        if last_ungated_seconds > MAX_BORROWING_STEP_S:
             return 0
         self.ledger.write_borrowed(self.slot, sum(1 << i for i in lending))
         _fence()
         still = {i: t for i, t in lending.items() if self.ledger.lender(i)[0] is LenderState.LENDING}
         if len(still) != len(lending):
             self.ledger.write_borrowed(self.slot, sum(1 << i for i in still))
+        self.borrowing = still
         return sum(still.values())
 
     def release(self) -> None:
+        self.borrowing = {}
         self.ledger.write_borrowed(self.slot, 0)
 
-
-_step_thread = threading.local()
+    def gate(self) -> ThreadGate:
+        """A thread gate over this ledger (armed per step by `StepCores`)."""
+        return ThreadGate(self.ledger.words(), open_value=int(LenderState.LENDING))
 
 
 def run_with_threads(fn, *args, threads: int | None):  # type: ignore[no-untyped-def]
     """Run `fn(*args)` (in the engine's step thread) on `threads` torch threads (None: as they are).
-    torch's thread count is per calling thread under OpenMP, and an executor thread that has not
-    run a step yet starts from the process default: so set it here, whenever it differs."""
-    if threads is not None and getattr(_step_thread, "threads", None) != threads:
-        import torch
-
+    torch's thread count is per calling thread under OpenMP, an executor thread that has not run a
+    step yet starts from the process default, and a step whose gate gave lent threads back ends on
+    fewer: so read it, and set it whenever it differs."""
+    if threads is not None and torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
-        _step_thread.threads = threads
     return fn(*args)
 
 
@@ -234,7 +268,11 @@ class StepCores:
         self.threads = threads
         self.lender = Lender(ledger, slot, threads) if ledger is not None and kind == "prefill" else None
         self.borrower = Borrower(ledger, slot) if ledger is not None and kind == "decode" else None
+        # the decode layers give lent threads back mid-step through it (the shell hands it to the engine)
+        self.gate = self.borrower.gate() if self.borrower is not None else None
         self.last_step_seconds = 0.0
+        self.last_ungated_seconds = 0.0  # of the last step: outside its gated layers
+        self.last_ungated_threads = 0  # the threads that part ran on
         self.last_step_borrowed = 0  # threads the last step borrowed
         self.reclaim_seconds = 0.0  # waited in all, for the metrics
 
@@ -248,13 +286,25 @@ class StepCores:
             self.reclaim_seconds += await self.lender.reclaim()
             return None
         if self.borrower is not None:
-            self.last_step_borrowed = self.borrower.acquire(self.last_step_seconds)
-            return self.threads + self.last_step_borrowed
+            assert self.gate is not None
+            borrowed = self.borrower.acquire(self.last_ungated_seconds, self.last_ungated_threads, self.threads)
+            self.last_step_borrowed = borrowed
+            if borrowed:
+                ledger = self.borrower.ledger
+                self.gate.arm(watch=[ledger.lender_state_word(i) for i in self.borrower.borrowing],
+                              release=ledger.borrowed_words(self.borrower.slot), threads=self.threads)
+            else:
+                self.gate.disarm()
+            return self.threads + borrowed
         return None
 
     def after_step(self, seconds: float) -> None:
         self.last_step_seconds = seconds
         if self.borrower is not None:
+            assert self.gate is not None
+            self.last_ungated_seconds = max(0.0, seconds - self.gate.gated_seconds)
+            self.last_ungated_threads = self.gate.tail_threads or self.threads + self.last_step_borrowed
+            self.gate.disarm()
             self.borrower.release()
 
     def idle(self) -> None:

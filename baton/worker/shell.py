@@ -96,6 +96,7 @@ class WorkerShell:
         self.cores = StepCores.from_args(self.kind, getattr(args, "core_share", None),
                                          getattr(args, "core_share_slot", 0),
                                          args.threads or torch.get_num_threads())
+        self.engine.set_thread_gate(self.cores.gate)  # lent threads given back between layers
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, registry: CollectorRegistry = REGISTRY) -> WorkerShell:

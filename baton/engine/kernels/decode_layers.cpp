@@ -15,6 +15,13 @@
 // layer qkv, o, gate_up, down, each as its gemv_pack (or an empty tensor where max_native_rows is 0)
 // and its oneDNN-packed weight, 8 per layer; out_features and max_native_rows: per projection kind;
 // kv_cache [L, 2, KVH, S, D]; the rest as rope_write_decode. Returns the final norm's output [T, H].
+//
+// gate_words (int32, empty: no gate), gate_watch, gate_release, gate_threads: threads lent for this
+// step by another process (baton/engine/thread_gate.py). Before each layer, if a watched word is no
+// longer 1 (its owner wants its cores back), the rest of the call runs on gate_threads threads and
+// the release words are set to 0, so that the owner waits for one layer, not the whole step. Between
+// layers no parallel region runs: once the words are cleared nothing of this call uses the lent
+// cores. The thread count never changes what a row computes (every kernel splits outputs, not sums).
 #include <ATen/core/dispatch/Dispatcher.h>
 
 // oneDNN's prepacked bf16 matmul (what PackedLinear calls through torch.ops), called from C++.
@@ -32,7 +39,9 @@ torch::Tensor decode_layers(torch::Tensor x, std::vector<torch::Tensor> norms, d
                             std::vector<torch::Tensor> weights, std::vector<int64_t> out_features,
                             std::vector<int64_t> max_native_rows, torch::Tensor kv_cache, torch::Tensor cos,
                             torch::Tensor sin_signed, torch::Tensor slot_mapping, torch::Tensor block_ids,
-                            torch::Tensor context_lens, int64_t num_heads, int64_t block_size, double scale) {
+                            torch::Tensor context_lens, int64_t num_heads, int64_t block_size, double scale,
+                            torch::Tensor gate_words, std::vector<int64_t> gate_watch,
+                            std::vector<int64_t> gate_release, int64_t gate_threads) {
   const int64_t L = static_cast<int64_t>(weights.size()) / 8;
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == 8 * L && static_cast<int64_t>(norms.size()) == 2 * L + 1,
               "8 weights per layer (4 projections x native and oneDNN), 2L + 1 norms");
@@ -46,8 +55,29 @@ torch::Tensor decode_layers(torch::Tensor x, std::vector<torch::Tensor> norms, d
     if (rows <= max_native_rows[kind]) return gemv(in, native, no_bias, out_features[kind], false);
     return onednn_linear(in, weights[8 * layer + 2 * kind + 1]);
   };
+  bool gated = gate_words.numel() > 0 && !gate_watch.empty();
+  int32_t* words = nullptr;
+  if (gated) {
+    TORCH_CHECK(gate_words.scalar_type() == at::kInt && gate_words.is_contiguous() && gate_threads >= 1,
+                "gate_words must be contiguous int32 and gate_threads >= 1");
+    words = gate_words.data_ptr<int32_t>();
+    for (int64_t w : gate_watch) TORCH_CHECK(0 <= w && w < gate_words.numel(), "gate word out of range");
+    for (int64_t w : gate_release) TORCH_CHECK(0 <= w && w < gate_words.numel(), "gate word out of range");
+  }
+  auto look = [&]() {  // between parallel regions only
+    if (!gated) return;
+    for (int64_t w : gate_watch) {
+      if (__atomic_load_n(words + w, __ATOMIC_SEQ_CST) != 1) {
+        at::set_num_threads(static_cast<int>(gate_threads));
+        for (int64_t r : gate_release) __atomic_store_n(words + r, 0, __ATOMIC_SEQ_CST);
+        gated = false;
+        return;
+      }
+    }
+  };
   torch::Tensor h = add_rms_norm(x, no_bias, norms[0], eps);
   for (int64_t i = 0; i < L; ++i) {
+    look();
     const torch::Tensor attn = rope_write_decode(project(h, i, 0), cos, sin_signed, kv_cache[i], slot_mapping,
                                                  block_ids, context_lens, num_heads, block_size, scale);
     h = add_rms_norm(x, project(attn, i, 1), norms[2 * i + 1], eps);
