@@ -21,7 +21,7 @@
 // longer 1 (its owner wants its cores back), the rest of the call runs on gate_threads threads and
 // the release words are set to 0, so that the owner waits for one layer, not the whole step. Between
 // layers no parallel region runs: once the words are cleared nothing of this call uses the lent
-// cores. The thread count never changes what a row computes (every kernel splits outputs, not sums).
+// cores. The thread count never changes what a row computes (every native kernel splits outputs, not sums).
 #include <ATen/core/dispatch/Dispatcher.h>
 
 // oneDNN's prepacked bf16 matmul (what PackedLinear calls through torch.ops), called from C++.
