@@ -37,7 +37,7 @@ whether the engine asked for them at all (`kernels.load()` calls are counted).
 
 Run on an NVIDIA H200 (torch 2.11.0+cu130, transformers 5.17.0; 2026-12-04): every float32 path of
 every family PASS (60/60); bf16 NEAR for the dense families, DIFF for the MoE ones (qwen3_moe,
-mixtral: docs/performance.md, "The GPU path").
+mixtral: bf16 flips expert choices in transformers' own bf16 as much: docs/performance.md, "The GPU path").
 """
 
 from __future__ import annotations
