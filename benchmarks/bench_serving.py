@@ -2,7 +2,7 @@
 
 For each tree (this checkout, and with --baseline a worktree of another commit), start `baton serve`
 with its defaults on a free port, run `baton bench serve` at each concurrency (streaming
-completions, prompts 50-200 tokens, exactly 128 output tokens, ignore_eos, greedy), stop the server,
+completions, prompts 50-200 tokens, exactly 128 output tokens (--output-len), ignore_eos, greedy), stop the server,
 and print one table with the ratios. Both servers are up at once and at each concurrency level the
 bench runs against one then the other (with --rounds N, N passes, the order reversed every other
 pass, the median reported: benchmarks/ab_serve.py); the machine's load average is printed before
@@ -111,11 +111,12 @@ def stop_server(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def bench(port: int, concurrency: int, num_prompts: int, out_dir: Path, tag: str, seed: int = 0) -> dict:
+def bench(port: int, concurrency: int, num_prompts: int, out_dir: Path, tag: str, seed: int = 0,
+          output_len: int = 128) -> dict:
     name = f"{tag}-c{concurrency}.json"
     cmd = [sys.executable, "-m", "baton.cli.cli", "bench", "serve", "--base-url", f"http://127.0.0.1:{port}",
            "--num-prompts", str(num_prompts), "--max-concurrency", str(concurrency), "--request-rate", "inf",
-           "--random-input-len", "125", "--random-range-ratio", "0.6", "--random-output-len", "128",
+           "--random-input-len", "125", "--random-range-ratio", "0.6", "--random-output-len", str(output_len),
            "--random-output-range-ratio", "0", "--ignore-eos", "--percentile-metrics", "ttft,tpot,itl,e2el",
            "--metric-percentiles", "50,99", "--save-result", "--result-dir", str(out_dir),
            "--result-filename", name, "--disable-tqdm", "--seed", str(concurrency + 1000 * seed)]
@@ -168,6 +169,7 @@ def main() -> int:
     parser.add_argument("--result-dir", type=Path, default=Path(tempfile.mkdtemp(prefix="bench-serving-")))
     parser.add_argument("--llama-server", type=Path, default=None, help="llama.cpp's llama-server binary: the baseline")
     parser.add_argument("--gguf", type=Path, default=None, help="the GGUF llama-server serves (default: the default model's)")
+    parser.add_argument("--output-len", type=int, default=128, help="output tokens per request (exactly, ignore_eos)")
     args = parser.parse_args()
     if args.baseline is not None and args.llama_server is not None:
         parser.error("one baseline: --baseline or --llama-server")
@@ -185,7 +187,8 @@ def main() -> int:
     print(f"CPU: {cpu_model()}; {loadavg()}", flush=True)
     results = measure(targets, levels, args.rounds,
                       run=lambda port, c, round_, label: bench(port, c, max(6, int(args.prompts_per_level * c)),
-                                                               args.result_dir, label, seed=round_),
+                                                               args.result_dir, label, seed=round_,
+                                                               output_len=args.output_len),
                       describe=describe, stop=stop_server)
     print(f"\nafter: {loadavg()}\n")
     tags = [t.tag for t in targets]

@@ -321,6 +321,21 @@ def line(status: str, family: str, dtype: str, path: str, text: str) -> None:
     say(f"{status:<5} {family:<12} {dtype:<8} {path:<8} {text}")
 
 
+def timed_run(family: str, path: str, model_dir: Path, dtype: str, prompts: list[list[int]], n: int,
+              engines: dict) -> tuple | None:
+    """`run_path` and its seconds; None (recorded as an ERROR line and a failure, with the
+    traceback printed) where the path raised: the other paths still run."""
+    try:
+        t0 = time.perf_counter()
+        tokens, logprobs, note, problem = run_path(path, model_dir, dtype, prompts, n, engines)
+        return tokens, logprobs, note, problem, time.perf_counter() - t0
+    except Exception as exc:  # noqa: BLE001
+        FAILURES.append(f"{family} {dtype} {path}: {type(exc).__name__}: {exc}")
+        line("ERROR", family, dtype, path, f"{type(exc).__name__}: {exc}")
+        traceback.print_exc()
+        return None
+
+
 def check_fp32(family: str, model_dir: Path, ref: Reference, prompts: list[list[int]], paths: list[str]) -> None:
     n = ARGS.new_tokens
     want = [ref.greedy(p, n) for p in prompts]
@@ -330,15 +345,10 @@ def check_fp32(family: str, model_dir: Path, ref: Reference, prompts: list[list[
         WARNINGS.append(f"{family}: the reference repeats itself ({distinct} distinct tokens): weak oracle")
     engines: dict = {}
     for path in paths:
-        try:
-            t0 = time.perf_counter()
-            tokens, logprobs, note, problem = run_path(path, model_dir, "float32", prompts, n, engines)
-            secs = time.perf_counter() - t0
-        except Exception as exc:  # noqa: BLE001
-            FAILURES.append(f"{family} float32 {path}: {type(exc).__name__}: {exc}")
-            line("ERROR", family, "float32", path, f"{type(exc).__name__}: {exc}")
-            traceback.print_exc()
+        run = timed_run(family, path, model_dir, "float32", prompts, n, engines)
+        if run is None:
             continue
+        tokens, logprobs, note, problem, secs = run
         same, total = agreement(tokens, want_tokens)
         lp_diff = max((abs(a - b) for got, w in zip(logprobs, want) for a, b in zip(got, w[1])), default=0.0)
         text = ", ".join(x for x in (f"tokens {same}/{total} match ({len(prompts)} prompts x {n})",
@@ -358,15 +368,10 @@ def check_bf16(family: str, model_dir: Path, ref16: Reference, ref32: Reference 
     want = [ref16.greedy(p, n)[0] for p in prompts]
     engines: dict = {}
     for path in paths:
-        try:
-            t0 = time.perf_counter()
-            tokens, _, note, problem = run_path(path, model_dir, "bfloat16", prompts, n, engines)
-            secs = time.perf_counter() - t0
-        except Exception as exc:  # noqa: BLE001
-            FAILURES.append(f"{family} bfloat16 {path}: {type(exc).__name__}: {exc}")
-            line("ERROR", family, "bfloat16", path, f"{type(exc).__name__}: {exc}")
-            traceback.print_exc()
+        run = timed_run(family, path, model_dir, "bfloat16", prompts, n, engines)
+        if run is None:
             continue
+        tokens, _, note, problem, secs = run
         same, total = agreement(tokens, want)
         prefix, identical = common_prefix(tokens, want)
         text = (f"vs hf bf16: {identical}/{len(prompts)} prompts identical, {prefix}/{total} tokens before "

@@ -113,6 +113,28 @@ def test_the_kernel_equals_its_integer_reference_and_the_dequantized_matmul(nati
     assert op(x.float()).dtype == torch.float32
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("offset", [0, 128])
+def test_activations_are_quantized_exactly_as_the_reference_says(native, dtype, offset):
+    """The vectorised per-block quantization (s = amax / 127, p = round-half-even(x * (1 / s))) gives
+    the bytes and scales of the same fp32 operations bit for bit, ties and all-zero blocks included."""
+    torch.manual_seed(7)
+    x = torch.randn(9, 96) * torch.logspace(-3, 3, 9).unsqueeze(-1)
+    x[2, 32:64] = 0.0  # an all-zero block: scale 0, bytes = offset
+    x[5, :32] = torch.tensor([127.0] + [k + 0.5 for k in range(-15, 16)])  # s = 1: p = x, 31 ties
+    x = x.to(dtype)
+    xq, xs, xsum = native.quantize_activations(x, offset)
+    blocks = x.float().reshape(9, 3, 32)
+    s = blocks.abs().amax(-1) / torch.tensor(127.0)
+    inv = torch.where(s > 0, torch.tensor(1.0) / s, torch.zeros_like(s))
+    p = torch.round(blocks * inv.unsqueeze(-1)).to(torch.int32)  # torch.round: half to even
+    assert torch.equal(xs, s)
+    assert torch.equal(xq, (p + offset).to(torch.uint8).reshape(9, 96))
+    assert torch.equal(xsum, s * p.sum(-1).float())
+    assert torch.equal(xq[2, 32:64], torch.full((32,), offset, dtype=torch.uint8))
+    assert xq[5, 1:32].tolist() == [(round(k + 0.5) + offset) % 256 for k in range(-15, 16)]  # half to even
+
+
 @pytest.mark.parametrize("scheme", ["q8_0", "q4"])
 def test_a_rows_result_does_not_depend_on_the_batch(native, scheme):
     torch.manual_seed(1)

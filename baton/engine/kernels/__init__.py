@@ -50,8 +50,8 @@ _DIR = Path(__file__).parent
 # each includes vec.h; decode_layers.cpp calls the others, so it comes last (one translation unit)
 _SOURCES = ("paged_attention.cpp", "pointwise.cpp", "gemv.cpp", "qgemv.cpp", "decode_layers.cpp")
 _FUNCTIONS = ("paged_decode", "rope_write_decode", "greedy_pick", "add_rms_norm", "silu_mul", "gemv", "gemv_pack",
-              "gemv_available", "gemv_kernel", "q8_pack", "q4_pack", "qgemv", "q8_available", "qgemv_isa", "decode_layers", "onednn_linear",
-              "parallel_threads")
+              "gemv_available", "gemv_kernel", "q8_pack", "q4_pack", "qgemv", "quantize_activations", "q8_available",
+              "qgemv_isa", "decode_layers", "onednn_linear", "parallel_threads")
 _lock = threading.Lock()
 _loaded: dict[str, ModuleType | None] = {}
 
