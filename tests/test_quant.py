@@ -133,6 +133,18 @@ def test_activations_are_quantized_exactly_as_the_reference_says(native, dtype, 
     assert torch.equal(xsum, s * p.sum(-1).float())
     assert torch.equal(xq[2, 32:64], torch.full((32,), offset, dtype=torch.uint8))
     assert xq[5, 1:32].tolist() == [(round(k + 0.5) + offset) % 256 for k in range(-15, 16)]  # half to even
+    # a NaN in a block (either half of it) leaves its scale and other values as if it were absent
+    for lane in (3, 20):
+        poisoned = x.clone()
+        poisoned[0, lane] = float("nan")
+        pq, ps, _ = native.quantize_activations(poisoned, offset)
+        finite = blocks[0, 0].clone()
+        finite[lane] = 0.0
+        s0 = finite.abs().max() / torch.tensor(127.0)
+        assert ps[0, 0].item() == s0.item()
+        keep = [i for i in range(32) if i != lane]
+        assert pq[0, keep].tolist() == [int(v) % 256 for v in (torch.round(finite * (1.0 / s0)).int() + offset)[keep]]
+        assert torch.equal(pq[:, 32:], xq[:, 32:]) and torch.equal(pq[1:], xq[1:])
 
 
 @pytest.mark.parametrize("scheme", ["q8_0", "q4"])

@@ -308,8 +308,8 @@ template <typename T>
 inline bool quantize_block_simd(const T* src, int offset, uint8_t* dst, float* scale, float* psum) {
   __m512 v0, v1;
   load_block(src, v0, v1);
+  if (_mm512_cmp_ps_mask(v0, v1, _CMP_UNORD_Q) != 0) return false;  // a NaN in either (max would hide it)
   const __m512 a = _mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1));
-  if (_mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q) != 0) return false;
   const float s = _mm512_reduce_max_ps(a) / 127.f;
   const float inv = s > 0.f ? 1.f / s : 0.f;
   *scale = s;
@@ -334,12 +334,13 @@ template <typename T>
 inline bool quantize_block_simd(const T* src, int offset, uint8_t* dst, float* scale, float* psum) {
   __m256 v[4];
   const __m256 sign = _mm256_set1_ps(-0.f);
-  __m256 a = _mm256_setzero_ps();
+  __m256 a = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
   for (int i = 0; i < 4; ++i) {
     v[i] = load_8(src + 8 * i);
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(v[i], v[i], _CMP_UNORD_Q));  // max would hide a NaN
     a = _mm256_max_ps(_mm256_andnot_ps(sign, v[i]), a);
   }
-  if (_mm256_movemask_ps(_mm256_cmp_ps(a, a, _CMP_UNORD_Q)) != 0) return false;
+  if (_mm256_movemask_ps(nan) != 0) return false;
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
   m = _mm_max_ps(m, _mm_movehl_ps(m, m));
   m = _mm_max_ss(m, _mm_movehdup_ps(m));
