@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
-from typing import Any, Callable
 
 import torch
 
@@ -27,16 +25,6 @@ from benchmarks.bench_engine import cpu_model, loadavg  # noqa: E402
 SHAPES = [("q|k|v", 960, 576), ("o", 576, 576), ("gate|up", 3072, 576), ("down", 576, 1536), ("head", 49152, 576)]
 
 
-def best_seconds(fn: Callable[[], Any], repeats: int) -> float:
-    fn()  # warm: first call at this shape
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=1)
@@ -46,7 +34,7 @@ def main() -> int:
     args = parser.parse_args()
 
     from baton.engine import kernels
-    from baton.engine.linear import QuantizedLinear, RowSplitLinear
+    from baton.engine.linear import QuantizedLinear, RowSplitLinear, best_seconds
     from baton.engine.quant import quantize_q4, quantize_q8_0
 
     native = kernels.load()

@@ -555,10 +555,6 @@ NativeKernel pick_native_kernel(int64_t D, int64_t G) {
 // accumulators in registers, a few columns of the head at a time (G x CW ymm): each pass reads
 // its columns of every V row (a 64-byte line of a 128-dim row), so no byte is read twice.
 
-inline __m256 load_bf16x8(const c10::BFloat16* p) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-}
 
 // exp(x) for x <= 0 (softmax inputs after the max is subtracted): 2^n * 2^f, |f| <= 1/2, 2^f by the
 // degree-6 polynomial of exp_avx512; n clamped at -126 (exp(-87) is 0 next to the max's 1).

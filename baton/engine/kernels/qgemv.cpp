@@ -299,9 +299,8 @@ inline void load_block(const float* src, __m512& v0, __m512& v1) {
   v1 = _mm512_loadu_ps(src + 16);
 }
 inline void load_block(const c10::BFloat16* src, __m512& v0, __m512& v1) {
-  const __m256i* words = reinterpret_cast<const __m256i*>(src);
-  v0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(words)), 16));
-  v1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(words + 1)), 16));
+  v0 = load_bf16x16(src);
+  v1 = load_bf16x16(src + 16);
 }
 
 template <typename T>
@@ -325,10 +324,7 @@ inline bool quantize_block_simd(const T* src, int offset, uint8_t* dst, float* s
 }
 #elif defined(BATON_QGEMV_AVX2)
 inline __m256 load_8(const float* src) { return _mm256_loadu_ps(src); }
-inline __m256 load_8(const c10::BFloat16* src) {
-  const __m128i words = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(words), 16));
-}
+inline __m256 load_8(const c10::BFloat16* src) { return load_bf16x8(src); }
 
 template <typename T>
 inline bool quantize_block_simd(const T* src, int offset, uint8_t* dst, float* scale, float* psum) {

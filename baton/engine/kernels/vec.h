@@ -57,6 +57,14 @@ inline float to_float(c10::BFloat16 x) {
   return out;
 }
 
+#if defined(__AVX2__)
+// 8 bf16 values -> 8 fp32 (a bf16 is the upper half of an fp32).
+inline __m256 load_bf16x8(const c10::BFloat16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+#endif
+
 #if defined(__AVX512F__)
 // fp32 -> bf16 rounded to nearest even, as torch converts (NaN is not expected here).
 inline __m256i to_bf16x16(__m512 y) {
