@@ -13,13 +13,13 @@ lag of the consumer group: one pipelined round trip) into the `baton:stream_*` g
 else it reads is already in memory (admission state, worker heartbeats refreshed by the cluster
 task), so serving the page costs no Redis call at all.
 
-With an API key configured, both endpoints require it exactly as /stats does.
+With an API key configured, both endpoints require it (gateway.auth), as the key's header or, from a
+browser, the session cookie that the login form sets (gateway.dashboard_login, POST /dashboard/login).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
 from collections import deque
@@ -36,7 +36,7 @@ from baton.common.redis_client import REDIS_FAILURES
 from gateway.admission import Admission
 from gateway.cluster import Cluster
 from gateway.config import Settings
-from gateway.errors import ApiError
+from gateway.dashboard_login import LOGIN_PATH, login
 from gateway.metrics import GatewayMetrics, percentiles
 
 log = logging.getLogger(__name__)
@@ -293,18 +293,6 @@ def _text(value: Any) -> str:
 
 # ---- routes ----
 
-def _check_key(request: Request) -> None:
-    """The same rule as /stats: with an API key configured, `Authorization: Bearer <key>`."""
-    key = request.app.state.services.settings.api_key
-    if not key:
-        return
-    provided = request.headers.get("authorization", "").encode("latin-1", "replace")
-    if hmac.compare_digest(provided, f"Bearer {key}".encode()):
-        return
-    message = ("missing API key: send `Authorization: Bearer <key>`" if not provided else "invalid API key")
-    raise ApiError(401, message, kind="authentication", headers={"WWW-Authenticate": "Bearer"})
-
-
 _page_cache: bytes | None = None
 
 
@@ -316,12 +304,10 @@ def page() -> bytes:
 
 
 async def dashboard(request: Request) -> Response:
-    _check_key(request)
     return HTMLResponse(page(), headers={"Cache-Control": "no-cache"})
 
 
 async def dashboard_data(request: Request) -> Response:
-    _check_key(request)
     monitor: Monitor = request.app.state.monitor
     return JSONResponse(monitor.data(), headers={"Cache-Control": "no-store"})
 
@@ -329,4 +315,5 @@ async def dashboard_data(request: Request) -> Response:
 routes = [
     Route("/dashboard", dashboard, methods=["GET"]),
     Route("/dashboard/data", dashboard_data, methods=["GET"]),
+    Route(LOGIN_PATH, login, methods=["POST"]),
 ]

@@ -7,8 +7,13 @@ the series stay few: a path no route serves is counted as `unmatched`. The durat
 request's arrival to its last body byte, a stream's whole length included; a request whose
 handler raised counts as the 500 the client got.
 
+Every label is bounded whatever a client sends: `method` is one of the standard methods or `other`
+(2000 requests with distinct made-up methods once added 2000 series), `endpoint` a route template or
+`unmatched` (a flood of random paths adds one series), `status` what this server answered.
+
 A plain ASGI middleware just inside the request-id one, so a refused Host or API key is counted
-under its route too. The metrics object is the app's (`app.state.services`, built in the lifespan).
+under its route too (an operator sees the 401s); bounded labels make that safe against a flood.
+The metrics object is the app's (`app.state.services`, built in the lifespan).
 """
 
 from __future__ import annotations
@@ -19,6 +24,13 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 UNMATCHED = "unmatched"
+OTHER_METHOD = "other"
+STANDARD_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "TRACE", "CONNECT"})
+
+
+def method_label(method: str) -> str:
+    """The method as a label value: a standard one as is, anything else (any case, any length) `other`."""
+    return method if method in STANDARD_METHODS else OTHER_METHOD
 
 
 def endpoint_of(scope: Scope) -> str:
@@ -56,5 +68,5 @@ class HttpMetricsMiddleware:
         finally:
             services = getattr(scope["app"].state, "services", None)
             if services is not None:
-                services.metrics.http_request(endpoint_of(scope), scope["method"], status,
+                services.metrics.http_request(endpoint_of(scope), method_label(scope["method"]), status,
                                               time.monotonic() - started)

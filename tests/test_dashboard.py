@@ -238,7 +238,7 @@ def test_page_without_data_says_so(tmp_path):
     assert element_text(dom, "tokens-per-second") == "–"
 
 
-# ---- the API key: the same rule as /stats ----
+# ---- the API key: headers as everywhere, and a login form for a browser ----
 
 
 def test_api_key_protects_page_and_data(default_model_dir, redis_url):
@@ -256,10 +256,57 @@ def test_api_key_protects_page_and_data(default_model_dir, redis_url):
             assert r.status_code == 401 and r.json()["error"] == "invalid API key", path
             r = httpx.get(server.url + path, headers={"Authorization": "Bearer s3cret"})
             assert r.status_code == 200, path
-        spec = httpx.get(server.url + "/openapi.json").json()
-        assert spec["paths"]["/dashboard/data"]["get"]["security"] == [{"bearer": []}]
+        spec = httpx.get(server.url + "/openapi.json", headers={"x-api-key": "s3cret"}).json()
+        assert {"bearer": []} in spec["paths"]["/dashboard/data"]["get"]["security"]
+        _browser_login(server.url, "s3cret")
     finally:
         server.stop()
+
+
+def _browser_login(base_url: str, key: str) -> None:
+    """What a browser does with a keyed gateway: the page answers a form, the form posts the key,
+    the session cookie then opens the page and its data, and nothing else."""
+    browser = {"Accept": "text/html,application/xhtml+xml,*/*;q=0.8"}
+    r = httpx.get(base_url + "/dashboard", headers=browser)
+    assert r.status_code == 401 and r.headers["content-type"].startswith("text/html")
+    assert re.search(r'<form id="login" method="post" action="dashboard/login">', r.text)
+    assert 'name="key" type="password"' in r.text and "set-cookie" not in r.headers
+    for wrong in ({"key": "nope"}, {}, {"key": ""}):
+        r = httpx.post(base_url + "/dashboard/login", data=wrong)
+        assert r.status_code == 401 and "set-cookie" not in r.headers, wrong
+        assert 'action="login"' in r.text and 'id="login-error"' in r.text
+    with httpx.Client(base_url=base_url, follow_redirects=False) as client:
+        r = client.post("/dashboard/login", data={"key": key})
+        assert r.status_code == 303 and r.headers["location"] == "../dashboard"
+        cookie = r.headers["set-cookie"]
+        assert re.search(r"HttpOnly", cookie, re.I) and re.search(r"SameSite=strict", cookie, re.I)
+        assert "Path=/;" in cookie + ";" and key not in cookie  # the cookie is not the key
+        back = r.url.join(r.headers["location"])  # relative: works behind a path prefix
+        assert back.path == "/dashboard"
+        r = client.get(back, headers=browser)
+        assert r.status_code == 200 and 'fetch("dashboard/data"' in r.text
+        r = client.get("/dashboard/data")
+        assert r.status_code == 200 and r.json()["model"]
+        # Only the dashboard's own GETs: the cookie opens nothing else (CSRF), not even /stats.
+        assert client.get("/stats").status_code == 401
+        assert client.get("/openapi.json").status_code == 401
+        assert client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]}
+                           ).status_code == 401
+        assert client.delete("/v1/responses/resp_1").status_code == 401
+    tampered = cookie.split(";", 1)[0][:-1] + ("0" if not cookie.split(";", 1)[0].endswith("0") else "1")
+    r = httpx.get(base_url + "/dashboard/data", headers={"Cookie": tampered})
+    assert r.status_code == 401
+
+
+def test_session_cookies_expire_and_belong_to_their_key():
+    from gateway.dashboard_login import session_token, session_valid
+
+    now = 1_000_000
+    assert session_valid("k", session_token("k", now + 60), now=now)
+    assert not session_valid("k", session_token("k", now - 1), now=now)  # expired
+    assert not session_valid("other", session_token("k", now + 60), now=now)  # the key changed
+    for garbage in ("", "k", f"{now + 60}", f"{now + 60}.", "x.y", "9" * 40 + ".ab"):
+        assert not session_valid("k", garbage, now=now), garbage
 
 
 # ---- the monitor, piece by piece ----

@@ -177,7 +177,8 @@ def test_api_key(default_model_dir, gw_redis_url, gw_tokenizer, gw_worker):
             assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", path
             r = httpx.post(server.url + path, json=body, headers={"Authorization": "Bearer s3cret"})
             assert r.status_code == 200, path
-        assert httpx.get(server.url + "/version").status_code == 200  # open, like /info
+        assert httpx.get(server.url + "/version").status_code == 200  # open: probes need no key
+        assert httpx.get(server.url + "/info").status_code == 401  # deny by default (tests/test_auth.py)
         r = httpx.post(server.url + "/generate", json={"inputs": "x"}, headers={"Authorization": "Bearer s3cret"})
         assert r.status_code == 200
         assert httpx.get(server.url + "/stats", headers={"Authorization": "Bearer s3cret"}).status_code == 200
