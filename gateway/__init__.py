@@ -24,5 +24,7 @@ Map of the package (one responsibility per module):
     routes_misc     /health, /info, /stats, /metrics, /v1/models, /openapi.json
     openapi         the hand-written OpenAPI document
     hosts           the Host header check (DNS rebinding)
-    auth, errors, metrics
+    auth            the API key, deny by default: every route but the probes (/health, /metrics, ...)
+    dashboard_login the dashboard's login form and session cookie (a browser sends no header)
+    errors, metrics
 """

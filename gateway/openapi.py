@@ -9,7 +9,9 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from gateway.auth import COOKIE_ROUTES, is_open
 from gateway.config import Settings
+from gateway.dashboard_login import COOKIE_NAME, LOGIN_PATH
 from gateway.openapi_embeddings import EMBEDDINGS_SCHEMAS, embeddings_paths
 from gateway.openapi_responses import RESPONSES_SCHEMAS, responses_paths
 from gateway.openapi_schemas import _INT, SCHEMAS, _ref
@@ -175,9 +177,18 @@ def openapi_spec(settings: Settings) -> dict[str, Any]:
             "200": {"description": "Prometheus text format.",
                     "content": {"text/plain": {"schema": {"type": "string"}}}}})},
         "/openapi.json": {"get": op("This document", {"200": _json({"type": "object"}, "OpenAPI 3 document.")})},
+        LOGIN_PATH: {"post": op("Dashboard login (a browser's way in when an API key is configured)", {
+            "303": {"description": "The key was right: a session cookie for the dashboard's GETs "
+                                   "(HttpOnly, SameSite=Strict), and back to /dashboard."},
+            "401": {"description": "Wrong or no key: the login form again, no cookie.",
+                    "content": {"text/html": {"schema": {"type": "string"}}}}},
+            {"required": True, "content": {"application/x-www-form-urlencoded": {"schema": {
+                "type": "object", "required": ["key"], "properties": {"key": {"type": "string"}}}}}})},
     }
     paths.update(responses_paths(op, _json, _openai_errors(), _IGNORED_HEADER))
     paths.update(embeddings_paths(op, _json, _openai_errors(), _tgi_errors(), _IGNORED_HEADER))
+    if settings.api_key:
+        _mark_security(paths)
     return {
         "openapi": "3.1.0",
         "info": {"title": "Baton gateway", "version": "0.1.0",
@@ -186,8 +197,23 @@ def openapi_spec(settings: Settings) -> dict[str, Any]:
                                 f"max_total_tokens={settings.max_total_tokens}."},
         "paths": paths,
         "components": {"schemas": _schemas(settings),
-                       "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+                       "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"},
+                                           "x_api_key": {"type": "apiKey", "in": "header", "name": "x-api-key"},
+                                           "dashboard_session": {"type": "apiKey", "in": "cookie",
+                                                                 "name": COOKIE_NAME}}},
     }
+
+
+def _mark_security(paths: dict[str, Any]) -> None:
+    """Every operation gateway.auth does not leave open needs the key (deny by default): marked here by
+    the same rule, so the document cannot miss a route."""
+    for path, operations in paths.items():
+        for method, operation in operations.items():
+            if is_open(path, method.upper()):
+                continue
+            operation["security"] = [{"bearer": []}, {"x_api_key": []}]
+            if path in COOKIE_ROUTES and method == "get":
+                operation["security"].append({"dashboard_session": []})
 
 
 def _schemas(settings: Settings) -> dict[str, Any]:
