@@ -2,6 +2,8 @@
 
     reference                  (inside the image) transformers' greedy float32 output for the check's
                                prompts, as JSON on stdout: the oracle every served text must equal
+                               (the stack runs --dtype float32, which serves the default model from
+                               its GGUF's dequantized weights: the same weights as MODEL_DIR's)
     wait-ready URL SECONDS     until GET /ready answers 200
     parity URL REF             a streamed chat and a streamed completion equal the reference
     spread URL REF N           N concurrent streams; every decode worker's finished counter grows

@@ -3,7 +3,9 @@
 # check it (scripts/container_check.py does the HTTP side):
 #   a  compose up (redis, gateway, 1 prefill + 1 decode worker, Prometheus): a streamed chat and a
 #      streamed completion through the gateway's port equal transformers' greedy float32 output,
-#      and every container's healthcheck passes
+#      and every container's healthcheck passes. The workers run --dtype float32, which serves the
+#      default model from its GGUF's dequantized weights (the reference's), not its Q4_1 blocks
+#      (baton/engine/quant.py: resolve_weights); the workers' "weights:" log line is checked
 #   b  --scale decode_worker=2: both decode workers serve (their counters in the gateway's /stats)
 #   c  SIGKILL of a decode container under 8 streams: all complete with the reference text, the
 #      container comes back by its restart policy, nothing is held afterwards
@@ -253,16 +255,23 @@ healthchecks() {  # every running container of the project passes its own health
 say "a: compose up (${services[*]}), float32"
 t0=$SECONDS
 compose up -d --no-build "${services[@]}" >"$TMP/up.log" 2>&1 || { tail -20 "$TMP/up.log" >&2; }
-if helper wait-ready "$URL" 300 && helper parity "$URL" "$TMP/ref.json"; then
+ready=0; parity=0
+helper wait-ready "$URL" 300 && ready=1 && helper parity "$URL" "$TMP/ref.json" && parity=1
+# What each worker serves, in its own words (the engine's start-up line): float32 parity needs the
+# GGUF's dequantized weights, and a stack serving the blocks would differ at near ties.
+compose logs prefill_worker decode_worker >"$TMP/a-workers.log" 2>&1 || true
+weights="$(grep -o 'weights: [^(;]*' "$TMP/a-workers.log" | sort | uniq -c | sed 's/^ *//' | paste -sd ';' -)"
+other_weights="$(grep 'weights: ' "$TMP/a-workers.log" | grep -vc 'weights: float32, dequantized from')"
+if [ $parity = 1 ] && [ "${other_weights:-0}" = 0 ]; then
   sleep 3  # a Prometheus scrape, the workers' heartbeats
   if healthchecks; then
-    record "a: compose up, parity" pass "ready in $((SECONDS - t0)) s; streamed chat + completion = transformers float32; healthchecks pass$prom_note"
+    record "a: compose up, parity" pass "ready in $((SECONDS - t0)) s; streamed chat + completion = transformers float32 (workers: ${weights:-?}); healthchecks pass$prom_note"
   else
     record "a: compose up, parity" fail "parity ok, a healthcheck fails$prom_note"
   fi
 else
   compose logs --tail 30 >&2 2>&1 || true
-  record "a: compose up, parity" fail "not ready or output differs$prom_note"
+  record "a: compose up, parity" fail "ready=$ready, parity=$parity, workers: ${weights:-no weights line}$prom_note"
 fi
 
 say "b: --scale decode_worker=2"

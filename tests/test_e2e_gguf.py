@@ -19,7 +19,7 @@ pytestmark = pytest.mark.real_model
 
 @pytest.fixture(scope="module")
 def cluster(default_gguf_model_dir):
-    with Cluster(default_gguf_model_dir, prefill=1, decode=1) as c:
+    with Cluster(default_gguf_model_dir, prefill=1, decode=1, dtype="auto") as c:  # float32 would dequantize
         yield c
 
 

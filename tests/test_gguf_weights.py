@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from baton.common.gguf_key import gguf_content_key
 from baton.common.model_files import GGUF_SOURCE_FILE, gguf_source
 from baton.engine.gguf_weights import _check, unpack_q4, unpack_q8_0
 from baton.engine.linear import dequantize_q4, dequantize_q8_0
@@ -63,7 +64,8 @@ def test_a_converted_directory_knows_its_gguf_while_the_file_is_unchanged(tmp_pa
     converted = tmp_path / "converted"
     converted.mkdir()
     assert gguf_source(converted) is None  # not converted from a GGUF
-    (converted / GGUF_SOURCE_FILE).write_text(json.dumps({"path": str(source), "size": 64}))
+    record = {"path": str(source), "size": 64, "key": gguf_content_key(source)}
+    (converted / GGUF_SOURCE_FILE).write_text(json.dumps(record))
     assert gguf_source(converted) == source
     source.write_bytes(b"GGUF" + bytes(100))  # replaced by another file: its blocks are not these weights
     assert gguf_source(converted) is None

@@ -136,3 +136,15 @@ def test_the_gguf_blocks_served_as_they_are_follow_the_reference_but_at_near_tie
         margin = (logits[ref[i]] - logits[mine[i]]).item()
         assert margin < 0.5, (PROMPTS[prompt_ids.index(ids)], i, margin)  # a near-tie, not a wrong token
     assert agreed >= NEW_TOKENS * len(prompt_ids) // 3, agreed
+
+
+def test_float32_on_the_gguf_is_transformers_float32(default_gguf_model_dir, prompt_ids, reference, caplog):
+    """`--dtype float32` asks for transformers' float32 numbers (the container check compares with
+    them): with `--quantization auto` the default model is then served from its GGUF's dequantized
+    weights, not its Q4_1 blocks (which leave the reference at near ties: the test above), and the
+    start-up line says which weights run. Any other dtype keeps the blocks (the test above)."""
+    with caplog.at_level("INFO", logger="baton.engine.llm_engine"):
+        llm = LLM(model=str(default_gguf_model_dir), dtype="float32")
+    assert llm.engine.quantization == "none"
+    assert "weights: float32, dequantized from SmolLM2-135M-Instruct.Q4_1.gguf (--dtype float32" in caplog.text
+    assert tokens_of(llm.generate(prompt_ids[:3], greedy())) == reference[:3]

@@ -123,3 +123,27 @@ def test_a_draft_with_another_tokenizer_is_refused(tiny_model_dir, other_draft, 
         draft_llm(tiny_model_dir, odd)
     with pytest.raises(FileNotFoundError, match="not a model directory"):
         draft_llm(tiny_model_dir, tmp_path / "missing")
+
+
+def test_the_drafts_kv_cache_counts_in_the_kv_budget(tiny_model_dir, prompts):
+    """--kv-cache-memory bounds the target's and the draft's KV together (a container sized by the
+    flag held both): with an int8 target cache and a float32 draft of the same shape, the draft's
+    blocks are over 3x the target's, so the budget buys far fewer blocks than without the draft,
+    the heartbeat (whose blocks x block size is the gateway's token budget) says so, and greedy
+    output is still the plain run's."""
+    budget = 1 << 20
+    plain = LLM(model=str(tiny_model_dir), dtype="float32", kv_cache_dtype="int8", kv_cache_memory=budget)
+    off = tokens_of(plain.generate(prompts, greedy()))
+    llm = draft_llm(tiny_model_dir, tiny_model_dir, num_kv_blocks=None, kv_cache_dtype="int8", kv_cache_memory=budget)
+    engine = llm.engine
+    target_bytes = engine.runner.kv_cache.numel() * engine.runner.kv_cache.element_size()
+    draft_cache = engine.drafter.runner.kv_cache
+    draft_bytes = draft_cache.numel() * draft_cache.element_size()
+    assert draft_bytes > 3 * target_bytes
+    assert target_bytes + draft_bytes <= budget
+    beat = engine.stats().heartbeat()
+    assert beat["kv_cache_bytes"] == target_bytes + draft_bytes
+    assert beat["num_kv_blocks_total"] < plain.engine.stats().num_kv_blocks_total // 3
+    assert tokens_of(llm.generate(prompts, greedy())) == off
+    assert acceptance(llm) > 0.5  # the draft's float32 KV and the target's int8 mostly agree
+    assert_pool_all_free(llm)

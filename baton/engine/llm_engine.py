@@ -33,7 +33,7 @@ from baton.engine.kv_types import KVLoad, LoadedKV, RemoteKV
 from baton.engine.outputs import EngineOutput, EngineStats, KVHandoff
 from baton.engine.pooling import Pooling
 from baton.engine.kv_quant import is_quantized, resolve_kv_cache_dtype
-from baton.engine.quant import asks_for_quantized, auto_dtype, quantize_model
+from baton.engine.quant import asks_for_quantized, describe_weights, quantize_model, resolve_weights
 from baton.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, StepOutput
 from baton.engine.spec_config import SpeculativeConfig, parse_speculative_config
 from baton.engine.spec_decode import verify_rows
@@ -97,12 +97,12 @@ class LLMEngine:
                                     "resolve a model name with baton.common.model_files.resolve_model first")
         device = torch.device(config.device) if config.device else default_device()
         source = gguf_source(self.model_dir)
-        dtype = auto_dtype(config.quantization, source, device) if config.dtype == "auto" else config.dtype
+        dtype, quantization = resolve_weights(config.dtype, config.quantization, source, device)
         self.model, self.model_config = load_model(self.model_dir, dtype, device, prepare=False)
         # projections about to be quantized get no bf16 pack first (it would be made and dropped)
-        quantizing = asks_for_quantized(config.quantization, source) and device.type == "cpu"
+        quantizing = asks_for_quantized(quantization, source) and device.type == "cpu"
         self.model.prepare(pack_projections=not quantizing, release_originals=config.release_load_copies)
-        self.quantization = quantize_model(self.model, config.quantization, gguf_source=source)
+        self.quantization = quantize_model(self.model, quantization, gguf_source=source)
         if quantizing and self.quantization == "none":  # no quantized kernel here: serve the dtype, packed
             self.model.prepare(release_originals=config.release_load_copies)
         if self.quantization != "none":
@@ -111,6 +111,7 @@ class LLMEngine:
             self.model_config = dataclasses.replace(
                 self.model_config, model_id=f"{self.model_config.model_id}+{self.quantization}")
         self.dtype = next(self.model.parameters()).dtype
+        logger.info("%s", describe_weights(self.quantization, self.dtype, config.dtype, config.quantization, source))
         self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         if is_quantized(self.kv_dtype):
             self.model.use_kv_dtype(self.kv_dtype)
@@ -119,8 +120,17 @@ class LLMEngine:
             self.model_config = dataclasses.replace(
                 self.model_config, model_id=f"{self.model_config.model_id}+kv_{str(self.kv_dtype).removeprefix('torch.')}")
         return_freed_memory()
+        speculative = parse_speculative_config(config.speculative_config)
+        self.drafter = (self._load_drafter(Path(speculative.model), device)
+                        if speculative is not None and speculative.method == "draft_model" else None)
+        # the draft's cache holds one block per target block (indexed by the target's ids), so both
+        # come out of the one budget: a container sized by --kv-cache-memory holds both
         block_bytes = kv_bytes_per_block(self.model_config, config.block_size, self.kv_dtype)
-        num_blocks = config.num_kv_blocks or max(2, config.kv_cache_memory // block_bytes)
+        draft_block_bytes = self.drafter.block_bytes if self.drafter is not None else 0
+        num_blocks = config.num_kv_blocks or max(2, config.kv_cache_memory // (block_bytes + draft_block_bytes))
+        self.kv_cache_bytes = num_blocks * (block_bytes + draft_block_bytes)
+        if self.drafter is not None:
+            self.drafter.allocate(num_blocks)
         max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.pool = BlockPool(num_blocks, config.block_size)
         # an all-window model (Mistral) frees the blocks behind its window (baton.engine.window_blocks)
@@ -128,9 +138,6 @@ class LLMEngine:
                                           window=freeable_window(self.model_config))
         self.connector = (KVConnectorScheduler(config.block_size, self.model_config.model_id)
                           if config.kv_connector else None)
-        speculative = parse_speculative_config(config.speculative_config)
-        self.drafter = (self._load_drafter(Path(speculative.model), device, num_blocks)
-                        if speculative is not None and speculative.method == "draft_model" else None)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.scheduler_policy,
                             max_model_len),
@@ -143,21 +150,22 @@ class LLMEngine:
         self.last_num_batched_tokens = 0
         self._kv_loads: list[KVLoad] = []
         self._requests: dict[str, Sequence] = {}  # unfinished, by id
-        logger.info("engine ready: %s (%s%s, %s), %d KV blocks of %d tokens%s, policy %s",
+        logger.info("engine ready: %s (%s%s, %s), %d KV blocks of %d tokens%s (%.0f MiB%s), policy %s",
                     self.model_dir.name, self.dtype,
                     "" if self.quantization == "none" else f", {self.quantization} weights",
                     device, num_blocks, config.block_size,
                     f" ({config.kv_cache_dtype})" if is_quantized(self.kv_dtype) else "",
+                    self.kv_cache_bytes / 2**20, " with the draft's" if self.drafter is not None else "",
                     config.scheduler_policy)
 
-    def _load_drafter(self, draft_dir: Path, device: torch.device, num_blocks: int) -> DraftModel:
+    def _load_drafter(self, draft_dir: Path, device: torch.device) -> DraftModel:
         """The draft model of a draft_model config (a directory: callers resolve names), in the
-        target's dtype, its KV cache indexed by the target's block ids (baton.engine.spec_draft)."""
+        target's dtype; its KV cache, indexed by the target's block ids (baton.engine.spec_draft),
+        is allocated once the block count is known."""
         if not (draft_dir / "config.json").is_file():
             raise FileNotFoundError(f"speculative_config.model {draft_dir} is not a model directory (no config.json)")
         check_same_tokenizer(self.model_dir, draft_dir)
-        drafter = DraftModel(draft_dir, self.dtype, device, num_blocks, self.config.block_size,
-                             self.model_config.vocab_size)
+        drafter = DraftModel(draft_dir, self.dtype, device, self.config.block_size, self.model_config.vocab_size)
         return_freed_memory()
         logger.info("draft model %s: %d layers, hidden %d, proposing %s tokens a step", draft_dir.name,
                     drafter.config.num_layers, drafter.config.hidden_size,
@@ -397,7 +405,7 @@ class LLMEngine:
             kv_cache_usage=pool.usage(), block_size=pool.block_size, max_num_seqs=scheduler.config.max_num_seqs,
             policy=scheduler.config.policy,
             num_free_seqs=scheduler.config.max_num_seqs - scheduler.num_admitted - len(scheduler.waiting),
-            num_batched_tokens=self.last_num_batched_tokens, **self._spec_stats())
+            num_batched_tokens=self.last_num_batched_tokens, kv_cache_bytes=self.kv_cache_bytes, **self._spec_stats())
 
     def _spec_stats(self) -> dict:
         speculator = self.scheduler.speculator

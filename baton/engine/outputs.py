@@ -61,6 +61,8 @@ class EngineStats:
     policy: str
     num_free_seqs: int  # how many more requests it takes before it would queue them
     num_batched_tokens: int  # tokens the last step computed
+    # bytes of every KV cache the blocks index (the target's and a draft model's): within the budget
+    kv_cache_bytes: int = 0
     # speculative decoding (all 0 when off): verify rows, proposals verified, proposals accepted,
     # and per proposal position i the verify rows whose proposal i was accepted
     spec_num_drafts: int = 0
@@ -79,4 +81,4 @@ class EngineStats:
                 "num_requests_loading_kv": self.num_requests_loading_kv, "num_preemptions": self.num_preemptions,
                 "num_kv_blocks_total": self.num_kv_blocks_total, "num_kv_blocks_used": self.num_kv_blocks_used,
                 "kv_cache_usage": self.kv_cache_usage, "block_size": self.block_size,
-                "max_num_seqs": self.max_num_seqs, "policy": self.policy}
+                "max_num_seqs": self.max_num_seqs, "policy": self.policy, "kv_cache_bytes": self.kv_cache_bytes}

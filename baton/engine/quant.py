@@ -8,7 +8,8 @@ quantized per block, as llama.cpp multiplies them).
 its op by a `QuantizedLinear`, freeing the bf16/fp32 weight it replaced, so that each weight lives
 once in memory, quantized. "auto" (the default) serves a model converted from a GGUF in the GGUF's own
 quantization (`baton.engine.gguf_weights`) and any other model as it is; "none" keeps the model's
-dtype (a GGUF then runs dequantized, in --dtype). The token embedding stays in the model's dtype (a lookup reads one row
+dtype (a GGUF then runs dequantized, in --dtype). `resolve_weights` is where --dtype and
+--quantization become what loads (`--dtype float32` with auto: the GGUF's dequantized weights). The token embedding stays in the model's dtype (a lookup reads one row
 per token; it is the LM head's weight too when the two are tied, and the head's quantized copy is
 then the only other one).
 
@@ -84,6 +85,43 @@ def auto_dtype(quantization: str, gguf_source: Path | None, device: torch.device
 
         kernels = native.load()
     return "bfloat16" if kernels is not None and kernels.q8_available() else "auto"
+
+
+def resolve_weights(dtype: str, quantization: str, gguf_source: Path | None, device: torch.device,
+                    kernels: Any = None) -> tuple[str, str]:
+    """The one decision of what the weights load as, from --dtype and --quantization: (the dtype to
+    load, the quantization to ask `quantize_model` for).
+
+    `--dtype float32` asks for float32 numbers, transformers' (the parity tests' dtype, the container
+    check's), so with `--quantization auto` a model converted from a GGUF is served from its
+    dequantized weights ("none"): the file's own blocks multiply activations quantized per block of
+    32, which leaves transformers' greedy tokens at near ties. An explicit int8 / int4 still quantizes;
+    any other dtype (auto included) keeps the GGUF's blocks. `--dtype auto`: `auto_dtype`'s choice."""
+    if dtype == "float32" and quantization == "auto" and gguf_source is not None:
+        return dtype, "none"
+    return (auto_dtype(quantization, gguf_source, device, kernels) if dtype == "auto" else dtype), quantization
+
+
+def describe_weights(scheme: str, dtype: torch.dtype, requested_dtype: str, quantization: str,
+                     gguf_source: Path | None) -> str:
+    """The start-up line naming the weights that run: `scheme` is what `quantize_model` returned."""
+    name = str(dtype).removeprefix("torch.")
+    if scheme == "gguf":
+        assert gguf_source is not None
+        return (f"weights: the quantized blocks of {gguf_source.name}, as the file ships them (--quantization auto), "
+                f"activations in {name}; --dtype float32 or --quantization none serves its dequantized weights")
+    if scheme in ("int8", "int4"):
+        blocks = "Q8_0" if scheme == "int8" else "Q4_1"
+        return f"weights: {scheme} ({blocks} blocks of 32), quantized at load; activations in {name}"
+    if gguf_source is None:
+        return f"weights: {name}"
+    if quantization == "none":
+        why = "--quantization none"
+    elif requested_dtype == "float32":
+        why = "--dtype float32 asks for float32 numbers; --dtype auto or bfloat16 serves the file's own blocks"
+    else:
+        why = "no native kernel multiplies its blocks here: a CPU without AVX512-VNNI or AVX2, or another device"
+    return f"weights: {name}, dequantized from {gguf_source.name} ({why})"
 
 
 def quantize_model(model: nn.Module, quantization: str, kernels: Any = None,

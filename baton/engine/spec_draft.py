@@ -5,6 +5,8 @@ Rules:
 - Its KV lives in its own cache, indexed by the target's block ids: a row's draft KV for position p
   sits in the slot the target's block table gives p. So the draft needs no block accounting of its
   own, and the slots of the proposals are the ones the target reserves to verify them.
+  Its cache has as many blocks as the target's and counts in the same `kv_cache_memory` budget
+  (the engine divides it by the target's plus the draft's bytes per block).
 - Proposals need not be right, only likely (the target verifies every one), so the draft's KV may
   be stale anywhere it does not know to be valid: each row keeps a cursor (how many leading
   positions hold its draft KV, and the block ids they were written under). Before proposing, the
@@ -27,7 +29,7 @@ import torch
 
 from baton.engine.block_manager import blocks_for
 from baton.engine.loader import load_model
-from baton.engine.model_runner import ModelRunner
+from baton.engine.model_runner import ModelRunner, kv_bytes_per_block
 from baton.engine.sequence import Sequence
 
 CATCH_UP_TOKENS = 512  # draft prefill per step, all rows together: bounds the step a handoff adds
@@ -80,14 +82,32 @@ def check_same_tokenizer(target_dir: Path, draft_dir: Path) -> None:
 
 
 class DraftModel:
-    def __init__(self, model_dir: Path, dtype: torch.dtype, device: torch.device, num_blocks: int,
-                 block_size: int, target_vocab_size: int) -> None:
+    """Loaded first, its cache allocated later (`allocate`): the engine sizes the target's and the
+    draft's KV together from one budget, which needs the draft's bytes per block."""
+
+    def __init__(self, model_dir: Path, dtype: torch.dtype, device: torch.device, block_size: int,
+                 target_vocab_size: int) -> None:
         self.model, self.config = load_model(model_dir, dtype, device)
         self.model.release_load_copies()
-        self.runner = ModelRunner(self.model, self.config, num_blocks, block_size)
+        self.dtype = next(self.model.parameters()).dtype  # its cache's dtype too (ModelRunner's default)
+        self._runner: ModelRunner | None = None
         self.block_size = block_size
         self.vocab = min(target_vocab_size, self.config.vocab_size)  # proposals are target ids
         self.num_forwards = 0
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block of the draft's KV cache (it holds one per target block)."""
+        return kv_bytes_per_block(self.config, self.block_size, self.dtype)
+
+    def allocate(self, num_blocks: int) -> None:
+        """Make the draft's KV cache: `num_blocks`, the target's count (it is indexed by its ids)."""
+        self._runner = ModelRunner(self.model, self.config, num_blocks, self.block_size)
+
+    @property
+    def runner(self) -> ModelRunner:
+        assert self._runner is not None, "DraftModel.allocate must run before the draft proposes"
+        return self._runner
 
     def _valid(self, seq: Sequence, cursor: DraftCursor) -> int:
         """Leading positions of `seq` whose draft KV is in the cache now (or need not be: blocks
