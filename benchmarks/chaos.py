@@ -16,7 +16,10 @@ and SIGTERM of a worker, SIGSTOP/SIGCONT of the gateway for a few seconds, kill 
 restarts it), a client that reads slowly, oversized and malformed requests (each must get a 4xx),
 and issue 20's hostile requests (best_of on a streaming route, a seed near 2**64 with n, best_of's
 usage, streamed required tool calls with n, prompts x n with echo and 20 logprobs, a 1 MiB /tokenize
-with token strings, an invalid schema: each must get its own answer, never a hang or a 500).
+with token strings, an invalid schema: each must get its own answer, never a hang or a 500), and
+issue 38's (benchmarks/chaos_floods.py): requests without the API key (the server runs with one),
+embedding floods of up to 512 inputs and stored-response floods against a 1 MiB
+--responses-max-bytes.
 Afterwards the cluster must hold nothing: budget, running requests, pending stream entries and KV
 blocks in use all back to zero.
 """
@@ -43,6 +46,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from baton.cli.redis_server import free_port  # noqa: E402
+from benchmarks.chaos_floods import FloodTally, flood, report_rows  # noqa: E402
 
 PROMPTS = ["The history of the printing press", "東京の天気について教えてください。",
            "Une recette simple de crêpes :", "def fibonacci(n):", "Explain photosynthesis to a child.",
@@ -290,10 +294,12 @@ async def inject(serve_pid: int, tally: Tally, rng: random.Random, stop_at: floa
             await asyncio.sleep(every_s)
 
 
-async def load(base_url: str, jobs: list[Job], refs: dict[tuple, list[int]], tally: Tally, concurrency: int,
-               stop_at: float, rng: random.Random, hang_s: float) -> int:
+async def load(base_url: str, jobs: list[Job], refs: dict[tuple, list[int]], tally: Tally, floods: FloodTally,
+               concurrency: int, stop_at: float, rng: random.Random, hang_s: float) -> int:
     sent = 0
-    async with httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(hang_s, connect=10)) as client:
+    timeout = httpx.Timeout(hang_s, connect=10)
+    async with httpx.AsyncClient(base_url=base_url, timeout=timeout, headers=KEY_HEADERS) as client, \
+            httpx.AsyncClient(base_url=base_url, timeout=timeout) as keyless_client:
         async def worker() -> None:
             nonlocal sent
             while time.monotonic() < stop_at:
@@ -305,6 +311,9 @@ async def load(base_url: str, jobs: list[Job], refs: dict[tuple, list[int]], tal
                 if draw < 0.10:
                     await hostile(client, tally, rng, hang_s)
                     continue
+                if draw < 0.16:
+                    await flood(keyless_client, KEY_HEADERS, floods, rng, hang_s)
+                    continue
                 job = rng.choice(jobs)
                 await run_job(client, job, refs[(job.prompt, job.max_tokens, job.seed)], tally, hang_s)
 
@@ -312,8 +321,12 @@ async def load(base_url: str, jobs: list[Job], refs: dict[tuple, list[int]], tal
     return sent
 
 
+API_KEY = "chaos-" + os.urandom(8).hex()
+KEY_HEADERS = {"authorization": f"Bearer {API_KEY}"}
+
+
 def held(base_url: str, redis_url: str | None) -> dict[str, object]:
-    stats = httpx.get(base_url + "/stats", timeout=10).json()
+    stats = httpx.get(base_url + "/stats", timeout=10, headers=KEY_HEADERS).json()
     workers = stats.get("workers", {})
     return {
         "budget in use (tokens)": stats["token_budget"]["in_use"],
@@ -373,15 +386,17 @@ def main() -> None:
     cmd = [str(Path(sys.executable).parent / "baton"), "serve", "--model", str(model), "--port", str(port),
            "--prefill-workers", "2", "--decode-workers", "2", "--dtype", args.dtype,
            "--max-batch-total-tokens", str(budget), "--max-total-tokens", "256", "--max-input-tokens", "128",
-           "--max-queue-wait", "5"]
-    serve = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    tally = Tally()
+           "--max-queue-wait", "5", "--responses-max-bytes", "1MiB"]
+    # The key through the environment, as a user should pass it (argv is visible to every user).
+    serve = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                             env={**os.environ, "BATON_API_KEY": API_KEY})
+    tally, floods = Tally(), FloodTally()
     try:
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             try:
                 if httpx.get(base_url + "/health", timeout=2).status_code == 200 and \
-                        httpx.get(base_url + "/stats", timeout=2).json()["token_budget"]["total"] > 0:
+                        httpx.get(base_url + "/stats", timeout=2, headers=KEY_HEADERS).json()["token_budget"]["total"] > 0:
                     break
             except (httpx.HTTPError, ValueError, KeyError):
                 pass
@@ -394,7 +409,8 @@ def main() -> None:
 
         async def soak() -> int:
             injector = asyncio.create_task(inject(serve.pid, tally, rng, stop_at, args.fault_every))
-            sent = await load(base_url, jobs, refs, tally, args.concurrency, stop_at, rng, args.hang_timeout)
+            sent = await load(base_url, jobs, refs, tally, floods, args.concurrency, stop_at, rng,
+                              args.hang_timeout)
             await injector
             return sent
 
@@ -423,16 +439,20 @@ def main() -> None:
     print(f"| hung | {tally.outcomes['hung']} |")
     print(f"| wrong output | {tally.outcomes['wrong']} |")
     print(f"| resume_mismatch (a takeover regenerated other tokens) | {resume_mismatches(tally)} |")
+    for label, value in report_rows(floods):
+        print(f"| {label} | {value} |")
     for key, value in after.items():
         print(f"| afterwards: {key} | {value} |")
     print()
     print("errors by kind: " + ", ".join(f"{k}: {v}" for k, v in sorted(tally.errors.items(), key=lambda kv: -kv[1])))
     if tally.hostile_unexpected:
         print("hostile, answered otherwise: " + "; ".join(tally.hostile_unexpected[:5]))
+    if floods.unexpected:
+        print("floods, answered otherwise: " + "; ".join(floods.unexpected[:5]))
     if tally.wrong_examples:
         print("wrong: " + "; ".join(tally.wrong_examples[:5]))
     bad = (tally.outcomes["hung"] or tally.outcomes["wrong"] or tally.bad_input_not_4xx or resume_mismatches(tally)
-           or tally.hostile_unexpected
+           or tally.hostile_unexpected or floods.unexpected or floods.hung
            or after.get("budget in use (tokens)") or after.get("KV blocks in use") or after.get("stream entries pending"))
     sys.exit(1 if bad else 0)
 

@@ -12,6 +12,7 @@ os.environ.setdefault("PROMETHEUS_DISABLE_CREATED_SERIES", "True")
 from baton.common.env_flags import apply_env
 from baton.common.logs import FORMATS, setup_logging, uvicorn_log_config
 from baton.common.tracing import setup_tracing
+from baton.worker.args import parse_bytes
 from gateway.config import Settings
 from gateway.parsers.reasoning import NAMES as REASONING_PARSERS
 from gateway.parsers.tool_calls import NAMES as TOOL_CALL_PARSERS
@@ -75,12 +76,19 @@ def parse_args(argv: list[str] | None = None) -> Settings:
     p.add_argument("--responses-ttl", type=int, default=3600,
                    help="seconds a stored /v1/responses answer (store: true) is kept in Redis for "
                         "previous_response_id and GET /v1/responses/{id}; 0 stores none (default 3600)")
+    p.add_argument("--responses-max-bytes", type=parse_bytes, default=parse_bytes("64MiB"), metavar="SIZE",
+                   help="bytes the stored /v1/responses answers of every gateway of this Redis may take "
+                        "together (e.g. 256MiB); past it the oldest are dropped, and one larger than all "
+                        "of it is answered with store: false (default 64MiB)")
     p.add_argument("--pooling", default=None, choices=["last", "mean", "cls"],
                    help="how /v1/embeddings and /embed pool the prompt's hidden states (default: the "
                         "checkpoint's sentence-transformers config, else last)")
     p.add_argument("--normalize", action="store_true", help="L2-normalize embeddings (default: as the "
                    "checkpoint's sentence-transformers modules say, else normalized)")
     p.add_argument("--no-normalize", action="store_true", help="return embeddings unnormalized")
+    p.add_argument("--max-embedding-tokens", type=int, default=65536,
+                   help="input tokens of the embeddings requests admitted at once, in their own lane apart "
+                        "from the token budget; also the most one request may have (default 65536)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--log-format", default=os.environ.get("BATON_LOG_FORMAT", "text"), choices=list(FORMATS),
                    help="text lines or one JSON object per line (default: $BATON_LOG_FORMAT, else text)")
@@ -111,8 +119,9 @@ def parse_args(argv: list[str] | None = None) -> Settings:
         max_stop_token_ids=args.max_stop_token_ids, header_read_timeout=args.header_read_timeout,
         body_read_timeout=args.body_read_timeout, stream_write_timeout=args.stream_write_timeout,
         strict_api=args.strict_api, log_format=args.log_format, shutdown_grace=args.shutdown_grace,
-        responses_ttl=args.responses_ttl,
+        responses_ttl=args.responses_ttl, responses_max_bytes=args.responses_max_bytes,
         pooling=args.pooling, normalize=_normalize_flag(args.normalize, args.no_normalize),
+        max_embedding_tokens=args.max_embedding_tokens,
     )
     if args.gateway_id:
         settings.gateway_id = args.gateway_id

@@ -12,6 +12,12 @@ admits against 1/N of it, so N gateways together never admit more than the clust
 Redis round trip per request and nothing to leak when a gateway dies (its share returns to the
 others at their next heartbeat read). A load balancer that spreads requests evenly uses the whole
 budget; a request larger than one share can never be admitted by one gateway and is refused.
+
+Embeddings requests (`pooling` tickets) hold no decode KV: they are admitted in a lane of their own,
+costing their inputs' tokens (what the prefill workers compute) against `max_embedding_tokens` (per
+gateway), with their own FIFO and concurrency count. A flood of them never takes the decode budget
+or a place in the queue that chat requests wait in; past the lane's room they wait (at most as many
+tokens again), then get 429 at once (issue 38: 16 requests of 2048 inputs timed chats out).
 """
 
 from __future__ import annotations
@@ -67,6 +73,7 @@ class Ticket:
     span: Any = None
     admission_span: Any = None
     rejected: str = ""  # why it was answered with an error before admission, if it was
+    pooling: bool = False  # an embeddings request: admitted in the embeddings lane
     # Sends the Done message to the admission task (set by `Admission.submit`).
     on_release: Callable[[Ticket], None] | None = field(default=None, repr=False)
     released: bool = False  # the holder's side: release() was called
@@ -123,13 +130,18 @@ class Admission:
         self._derived_total = 0  # from decode heartbeats; used when no fixed budget is set
         self._derived_largest = 0  # the biggest single decode worker's capacity, in tokens
         self._gateways = 1  # live gateways sharing the budget (this one included)
+        # the embeddings lane: its FIFO, requests admitted and their input tokens
+        self._pool_waiting: deque[Ticket] = deque()
+        self._pool_running = 0
+        self._pool_in_use = 0
 
     # ---- the handler-facing API: messages only ----
 
-    def submit(self, cost: int, status: int) -> Ticket:
+    def submit(self, cost: int, status: int, pooling: bool = False) -> Ticket:
         """A ticket for `cost` tokens, queued for admission; release it on every exit path (it is a
-        context manager: `with admission.submit(...) as ticket:`)."""
-        ticket = Ticket(cost=cost, status=status, on_release=self._release)
+        context manager: `with admission.submit(...) as ticket:`). `pooling`: an embeddings
+        request, admitted in its own lane."""
+        ticket = Ticket(cost=cost, status=status, on_release=self._release, pooling=pooling)
         if tracing.enabled():
             ticket.span = tracing.start_span("request", attributes={
                 "baton.gateway_id": self._settings.gateway_id, "baton.cost_tokens": cost,
@@ -186,6 +198,8 @@ class Admission:
                 "gateways": self._gateways,
             },
             "requests": {"running": self._running, "waiting": len(self._waiting)},
+            "embeddings": {"tokens_total": self._settings.max_embedding_tokens, "tokens_in_use": self._pool_in_use,
+                           "running": self._pool_running, "waiting": len(self._pool_waiting)},
         }
 
     # ---- the owner task ----
@@ -208,6 +222,9 @@ class Admission:
             self._gateways = command.gateways
 
     def _on_submit(self, t: Ticket) -> None:
+        if t.pooling:
+            self._on_submit_pooling(t)
+            return
         s = self._settings
         if self._running + len(self._waiting) >= s.max_concurrent_requests:
             self._reject(t, "concurrency", overloaded(
@@ -237,13 +254,40 @@ class Admission:
         t.move(TicketState.WAITING)
         self._waiting.append(t)
 
+    def _on_submit_pooling(self, t: Ticket) -> None:
+        """The embeddings lane: the same rules as the decode budget's, against its own room."""
+        s = self._settings
+        total = s.max_embedding_tokens
+        if self._pool_running + len(self._pool_waiting) >= s.max_concurrent_requests:
+            self._reject(t, "concurrency", overloaded(
+                f"server overloaded: {s.max_concurrent_requests} embeddings requests already in flight "
+                f"(max_concurrent_requests={s.max_concurrent_requests}); retry later", s.retry_after_s))
+        elif t.cost > total:
+            self._reject(t, "exceeds_budget", validation_error(
+                f"the inputs have {t.cost} tokens in all; an embeddings request may have at most "
+                f"max_embedding_tokens={total}: send fewer or shorter inputs", status=t.status))
+        elif not self._pool_waiting and t.cost <= total - self._pool_in_use:
+            self._grant(t)
+        elif sum(w.cost for w in self._pool_waiting) + t.cost > total:
+            # Embeddings queued past this would only wait out max_queue_wait: say so at once.
+            self._reject(t, "queue_full", overloaded(
+                f"server overloaded: the embeddings requests waiting for room already hold "
+                f"max_embedding_tokens={total} tokens; retry later", s.retry_after_s))
+        else:
+            t.move(TicketState.WAITING)
+            self._pool_waiting.append(t)
+
     def _on_done(self, t: Ticket) -> None:
         if t.state is TicketState.DONE:
             return  # a second done(): the first released it
         if t.state is TicketState.WAITING:
-            self._waiting.remove(t)  # gave up (timeout, client gone) before admission
+            # gave up (timeout, client gone) before admission
+            (self._pool_waiting if t.pooling else self._waiting).remove(t)
             tracing.end_span(t.admission_span, "gave up waiting for token budget")
             t.rejected = "gave up waiting"
+        elif t.state is TicketState.RUNNING and t.pooling:
+            self._pool_running -= 1
+            self._pool_in_use -= t.cost
         elif t.state is TicketState.RUNNING:
             self._running -= 1
             self._in_use -= t.cost
@@ -259,11 +303,18 @@ class Admission:
         total = self.total
         while self._waiting and self._waiting[0].cost <= total - self._in_use:
             self._grant(self._waiting.popleft())
+        pool_total = self._settings.max_embedding_tokens
+        while self._pool_waiting and self._pool_waiting[0].cost <= pool_total - self._pool_in_use:
+            self._grant(self._pool_waiting.popleft())
 
     def _grant(self, t: Ticket) -> None:
         t.move(TicketState.RUNNING)
-        self._running += 1
-        self._in_use += t.cost
+        if t.pooling:
+            self._pool_running += 1
+            self._pool_in_use += t.cost
+        else:
+            self._running += 1
+            self._in_use += t.cost
         self._metrics.queue_time.observe(time.monotonic() - t.submitted_at)
         tracing.end_span(t.admission_span)
         if not t.decision.done():
@@ -278,7 +329,7 @@ class Admission:
 
     def _publish(self) -> None:
         m = self._metrics
-        m.num_requests_running.set(self._running)
-        m.num_requests_waiting.set(len(self._waiting))
+        m.num_requests_running.set(self._running + self._pool_running)
+        m.num_requests_waiting.set(len(self._waiting) + len(self._pool_waiting))
         m.token_budget_in_use.set(self._in_use)
         m.token_budget_total.set(self.total)

@@ -41,6 +41,7 @@ from gateway.http_metrics import HttpMetricsMiddleware
 from gateway.metrics import GatewayMetrics
 from gateway.request_ids import RequestIdMiddleware
 from gateway.request_scope import ReleaseOnExitMiddleware
+from gateway.response_store import ResponseStore
 from gateway.router import TokenRouter
 from gateway.services import Services
 from gateway.tokenizer import PromptTokenizer
@@ -129,6 +130,9 @@ async def redis_runtime(app: Starlette, settings: Settings, tokenizer: PromptTok
              asyncio.create_task(router.run(), name="token-reader"),
              asyncio.create_task(cluster.run(), name="cluster"),
              asyncio.create_task(monitor.run(), name="monitor")]
+    responses = ResponseStore(client, settings.responses_ttl, settings.responses_max_bytes, settings.retry_after_s)
+    if responses.enabled:  # expired stored responses leave Redis even when none is saved
+        tasks.append(asyncio.create_task(responses.sweep_forever(), name="response-sweeper"))
     for task in tasks:
         task.add_done_callback(_crash_logger)
     svc.tasks = tasks

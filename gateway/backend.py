@@ -22,10 +22,10 @@ from typing import Protocol
 import redis.asyncio as aioredis
 
 from baton.common.protocol import (
+    CANCEL_RETENTION_S,
     CANCEL_STREAM,
     PAYLOAD_FIELD,
     PREFILL_STREAM,
-    STREAM_MAXLEN,
     Cancel,
     PrefillRequest,
     TokenEvent,
@@ -54,24 +54,50 @@ class Backend(Protocol):
         ...
 
 
+# KEYS: the cancel stream. ARGV: retention in ms, the payload field, then one payload per cancel.
+# Adds them, then trims the cancels older than the retention, measured from the id Redis just gave
+# (Redis' clock: a gateway whose clock runs ahead must not trim fresh cancels).
+_ADD_CANCELS = """
+local id
+for i = 3, #ARGV do
+  id = redis.call('XADD', KEYS[1], '*', ARGV[2], ARGV[i])
+end
+local ms = tonumber(string.match(id, '^(%d+)'))
+redis.call('XTRIM', KEYS[1], 'MINID', math.max(0, ms - tonumber(ARGV[1])))
+return #ARGV - 2
+"""
+
+
 class RedisBackend:
-    """The workers' Redis streams: prefills to `baton:prefill`, cancels to `baton:cancel`."""
+    """The workers' Redis streams: prefills to `{baton}:prefill`, cancels to `{baton}:cancel`.
+
+    Prefill requests are never trimmed (no MAXLEN: one deleted the oldest unread requests of a
+    backlog past 10k); the workers trim what they acknowledged. Cancels are a broadcast without a
+    consumer group, trimmed by age: a worker's reader blocks on the stream and takes each cancel
+    within milliseconds, and a worker that starts reads from the stream's end, so only a reader
+    stalled for CANCEL_RETENTION_S could miss one; its loop would have missed its heartbeats (5 s)
+    long before, and peers claimed its requests. A missed cancel costs compute, never an answer:
+    the gateway drops the tokens of a request it ended.
+    """
 
     def __init__(self, client: aioredis.Redis) -> None:
         self._redis = client
 
     async def send_prefill(self, requests: Sequence[PrefillRequest]) -> None:
-        await self._xadd_all(PREFILL_STREAM, requests)
-
-    async def send_cancels(self, cancels: Sequence[Cancel]) -> None:
-        await self._xadd_all(CANCEL_STREAM, cancels)
-
-    async def _xadd_all(self, stream: str, messages: Sequence[PrefillRequest | Cancel]) -> None:
         pipe = self._redis.pipeline(transaction=False)
-        for message in messages:
-            pipe.xadd(stream, {PAYLOAD_FIELD: encode(message)}, maxlen=STREAM_MAXLEN, approximate=True)
+        for request in requests:
+            pipe.xadd(PREFILL_STREAM, {PAYLOAD_FIELD: encode(request)})
         try:
             await pipe.execute()
+        except REDIS_FAILURES as exc:
+            raise BackendUnavailable(exc) from exc
+
+    async def send_cancels(self, cancels: Sequence[Cancel]) -> None:
+        if not cancels:
+            return
+        try:
+            await self._redis.eval(_ADD_CANCELS, 1, CANCEL_STREAM, CANCEL_RETENTION_S * 1000, PAYLOAD_FIELD,
+                                   *(encode(cancel) for cancel in cancels))
         except REDIS_FAILURES as exc:
             raise BackendUnavailable(exc) from exc
 

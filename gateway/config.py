@@ -70,6 +70,9 @@ class Settings:
     # None: what the checkpoint's sentence-transformers files say, else last + normalized.
     pooling: str | None = None
     normalize: bool | None = None
+    # Input tokens of the embeddings requests this gateway admits at once (their own lane, apart
+    # from the decode budget: gateway.admission); also the most one request may have.
+    max_embedding_tokens: int = 65536
     log_level: str = "info"
     log_format: str = "text"  # or "json" (baton.common.logs)
     # SIGTERM: seconds requests in flight get to finish (uvicorn's graceful shutdown) before they are
@@ -78,6 +81,10 @@ class Settings:
     # Seconds a stored Responses answer (`store: true`) is kept in Redis for `previous_response_id`
     # and GET /v1/responses/{id}; 0 stores nothing (then previous_response_id is refused by name).
     responses_ttl: int = 3600
+    # Bytes all stored Responses answers may take in Redis together (their JSON, plus 200 each),
+    # shared by the gateways of one Redis: past it the soonest to expire are dropped; one larger
+    # than all of it is answered with `store: false` (gateway.response_store).
+    responses_max_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
         self.model_dir = Path(self.model_dir)
@@ -98,6 +105,8 @@ class Settings:
             raise ValueError("--max-concurrent-requests must be >= 1")
         if self.max_queue_size < 0:
             raise ValueError("--max-queue-size must be >= 0")
+        if self.max_embedding_tokens < 1:
+            raise ValueError("--max-embedding-tokens must be >= 1")
         if self.max_queue_wait <= 0:
             raise ValueError("--max-queue-wait must be > 0")
         if self.max_body_bytes < 1024:
@@ -106,6 +115,8 @@ class Settings:
             raise ValueError("--shutdown-grace must be >= 0")
         if self.responses_ttl < 0:
             raise ValueError("--responses-ttl must be >= 0")
+        if self.responses_max_bytes < 1:
+            raise ValueError("--responses-max-bytes must be >= 1")
         if self.event_timeout <= 0:
             raise ValueError("--event-timeout must be > 0")
         if self.max_stop_token_ids < 0 or self.max_chat_messages < 1:

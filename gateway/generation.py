@@ -27,7 +27,7 @@ from starlette.requests import Request
 
 from baton.common import tracing
 from baton.common.finish_reason import FinishReason
-from baton.common.protocol import Cancel, PrefillRequest, TokenEvent, unpack_embedding
+from baton.common.protocol import Cancel, PrefillRequest, TokenEvent
 from baton.common.sampling_params import SamplingParams
 from gateway.admission import Ticket
 from gateway.backend import BackendUnavailable
@@ -124,10 +124,9 @@ class Generation:
         self.spec = spec
         self.prompt_ids = prompt_ids
         self.sampling = sampling  # what goes on the wire: the request's, with this one's length and seed
-        # An embedding job (gateway.routes_embeddings): a prefill alone, costing its prompt tokens;
-        # its one event brings the pooled vector (raw, not normalized) instead of tokens.
+        # An embeddings job (gateway.embedding_job): a prefill alone, admitted in the embeddings
+        # lane; its events bring pooled vectors instead of tokens.
         self.pooling = pooling
-        self.embedding: list[float] | None = None
         self.max_new_tokens = 0 if pooling else sampling.max_tokens
         self.request_id = uuid.uuid4().hex
         self.choice = choice  # which of the request's generations this is (OpenAI's choice index)
@@ -179,7 +178,8 @@ class Generation:
             raise unavailable(f"redis is unreachable ({svc.cluster.redis_error}); cannot serve requests",
                               svc.settings.retry_after_s)
         self._transition(State.QUEUED)
-        self._ticket = svc.admission.submit(self.cost if cost is None else cost, self._api_status)
+        self._ticket = svc.admission.submit(self.cost if cost is None else cost, self._api_status,
+                                            pooling=bool(self.pooling))
         decision = self._ticket.decision
         waiters: set[asyncio.Future[Any]] = {decision, watcher}
         await asyncio.wait(waiters, timeout=svc.settings.max_queue_wait, return_when=asyncio.FIRST_COMPLETED)
@@ -283,8 +283,6 @@ class Generation:
         tops = event.top_logprobs[skip:]
         if event.index == 0:
             self.num_cached_tokens = event.num_cached_tokens
-            if event.embedding:
-                self.embedding = unpack_embedding(event.embedding)
             if event.prompt_logprobs and self.prompt_logprobs is None:
                 self.prompt_logprobs = event.prompt_logprobs
         if not ids and event.finish_reason is None:

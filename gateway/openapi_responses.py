@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from gateway.openapi_schemas import _ref
+from gateway.openapi_schemas import CACHE_SALT, _ref
 
 _STR = {"type": "string"}
 _NULLABLE_STR = {"type": ["string", "null"]}
@@ -60,11 +60,13 @@ RESPONSES_SCHEMAS: dict[str, Any] = {
         "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
         "stream": {"type": "boolean", "default": False},
         "store": {"type": "boolean", "default": True, "description": "Keep the response (and its conversation) "
-                  "for --responses-ttl seconds (0: nothing is kept, and the response says store: false)."},
+                  "for --responses-ttl seconds (0: nothing is kept, and the response says store: false), within "
+                  "--responses-max-bytes for all (past it the oldest are dropped; one larger than all of it is "
+                  "answered with store: false)."},
         "previous_response_id": {**_NULLABLE_STR, "description": "Continue a stored response's conversation: "
                                  "404 if unknown or expired, 400 when storing is disabled."},
         "metadata": {"type": "object", "additionalProperties": _STR, "maxProperties": 16},
-        "user": _STR, "truncation": {"type": "string", "enum": ["disabled"]},
+        "user": _STR, "truncation": {"type": "string", "enum": ["disabled"]}, "cache_salt": CACHE_SALT,
         "reasoning": {"type": "object", "properties": {"effort": _NULLABLE_STR, "summary": _NULLABLE_STR}}}},
     "ResponsesOutputItem": {"type": "object", "description": "`message` {id msg_..., role, status, content: "
                             "[{type: output_text, text, annotations}]}, `function_call` {id fc_..., call_id, name, "
@@ -103,8 +105,8 @@ def responses_paths(op: Callable[..., dict[str, Any]], json_response: Callable[[
     error = _ref("OpenAIError")
     by_id = {
         "400": json_response(error, "`response_id` is no response id (`resp_...`)."),
-        "404": json_response(error, "No such stored response (never stored, expired, deleted, or "
-                                    "--responses-ttl 0)."),
+        "404": json_response(error, "No such stored response (never stored, expired, deleted, dropped "
+                                    "past --responses-max-bytes, or --responses-ttl 0)."),
         "503": json_response(error, "Redis unreachable.")}
     by_id_param = {"parameters": [{"name": "response_id", "in": "path", "required": True, "schema": _STR}]}
     return {

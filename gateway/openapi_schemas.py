@@ -19,6 +19,11 @@ _STR_LIST = {"type": "array", "items": {"type": "string"}}
 _NUM = {"type": "number"}
 _INT = {"type": "integer"}
 _BOOL = {"type": "boolean"}
+# vLLM's field, on every generation request
+CACHE_SALT = {"type": "string", "minLength": 1, "maxLength": 1024, "description": "vLLM extra: the prefix cache "
+              "shares this request's blocks only with requests of the same salt (else cached_tokens and timing "
+              "tell whether someone sent the same prefix). Use a secret, random value per tenant, e.g. 32 random "
+              "bytes in base64; absent: the shared, unsalted cache."}
 
 SCHEMAS: dict[str, Any] = {
     "TgiParameters": {
@@ -53,6 +58,7 @@ SCHEMAS: dict[str, Any] = {
             "best_of": {**_INT, "minimum": 1, "maximum": 4, "description": "Sampled candidates (needs sampling, "
                         "not streamed); the one with the highest total logprob is answered, the others in "
                         "details.best_of_sequences."},
+            "cache_salt": CACHE_SALT,
         },
     },
     "TgiRequest": {
@@ -128,7 +134,7 @@ SCHEMAS: dict[str, Any] = {
                                    "json": {"type": ["object", "string"]}, "regex": {"type": "string"},
                                    "choice": _STR_LIST, "grammar": {"type": "string"}, "json_object": _BOOL}},
         "stop_token_ids": {"type": "array", "items": {**_INT, "minimum": 0}, "maxItems": 128},
-        "user": {"type": "string"}}},
+        "cache_salt": CACHE_SALT, "user": {"type": "string"}}},
     "CompletionRequest": {"allOf": [_ref("OpenAICommon"), {"type": "object", "required": ["prompt"], "properties": {
         "prompt": {"oneOf": [{"type": "string", "minLength": 1}, {"type": "array", "items": _INT, "minItems": 1},
                              {"type": "array", "minItems": 1, "maxItems": 64, "items": {"oneOf": [
@@ -285,7 +291,8 @@ SCHEMAS: dict[str, Any] = {
         "x-baton-ignored-fields (400 with --strict-api).", "properties": {
             "max_tokens": {**_INT, "minimum": 1}, "stream": _BOOL, "stop_sequences": {**_STR_LIST, "maxItems": 16},
             "temperature": {**_NUM, "minimum": 0, "maximum": 1}, "top_p": {**_NUM, "exclusiveMinimum": 0, "maximum": 1},
-            "top_k": {**_INT, "minimum": 0}, "metadata": {"type": "object", "description": "Accepted, unused."}}}]},
+            "top_k": {**_INT, "minimum": 0}, "metadata": {"type": "object", "description": "Accepted, unused."},
+            "cache_salt": CACHE_SALT}}]},
     "MessagesResponse": {"type": "object", "required": ["id", "type", "role", "model", "content", "stop_reason",
                                                         "usage"], "properties": {
         "id": {"type": "string"}, "type": {"type": "string", "enum": ["message"]},

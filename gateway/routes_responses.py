@@ -36,7 +36,8 @@ Save = Callable[[dict[str, Any]], Awaitable[None]]
 
 def _store(request: Request) -> ResponseStore:
     svc = services(request)
-    return ResponseStore(svc.redis, svc.settings.responses_ttl, svc.settings.retry_after_s)
+    return ResponseStore(svc.redis, svc.settings.responses_ttl, svc.settings.responses_max_bytes,
+                         svc.settings.retry_after_s)
 
 
 async def _read(request: Request, store: ResponseStore) -> tuple[ResponsesRequest, list[dict[str, Any]]]:
@@ -72,8 +73,9 @@ async def create_response(request: Request) -> Response:
     conversation = history + req.input_messages  # what a follow-up continues (no instructions)
 
     async def save(response: dict[str, Any]) -> None:
-        if req.store and store.enabled:
-            await store.save(response, conversation + [builder.chat_message()])
+        if req.store and store.enabled and not await store.save(response, conversation + [builder.chat_message()]):
+            # larger than --responses-max-bytes on its own: answered, not stored, and it says so
+            response["store"] = builder.response["store"] = False
 
     headers = ignored_fields_header(req.ignored)
     if req.stream:

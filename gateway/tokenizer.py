@@ -9,6 +9,7 @@ heartbeat TTL gets the gateway declared dead and its requests dropped).
 from __future__ import annotations
 
 import asyncio
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -39,9 +40,28 @@ class PromptTokenizer:
         # Each token's text alone, as logprobs show it: asked for up to 21 times per generated
         # token (the token and its top 20), so decoded once per id (at most the vocabulary).
         self._token_texts: dict[int, str] = {}
+        # The longest token's spelling in the vocabulary (a byte-level token spells each byte with
+        # one character, so no token covers more characters of a text than this): a text longer
+        # than n times this has more than n tokens, which a request's size is checked against
+        # before anything is tokenized (gateway.validation_embeddings).
+        self.max_token_chars = max(1, max(map(len, self.hf.get_vocab()), default=1))
 
     def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.hf(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+    def encode_texts(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """Many texts in one call: the fast tokenizer encodes a batch in Rust (without the GIL, on
+        its own threads), much faster than one call each. Blocking: see `texts_ids`."""
+        return list(self.hf(texts, add_special_tokens=add_special_tokens)["input_ids"])
+
+    async def texts_ids(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """`encode_texts` off the event loop, one such batch at a time per gateway: a batch of up
+        to a body's worth of text holds a core for about a second, and four at once on 2 cores kept
+        the loop from turning for 0.4 s (one at a time: 0.05 s)."""
+        if sum(map(len, texts)) <= _INLINE_CHARS:
+            return self.encode_texts(texts, add_special_tokens)
+        async with _one_batch_at_a_time():
+            return await asyncio.to_thread(self.encode_texts, texts, add_special_tokens)
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                     add_special_tokens: bool = False, tools: list[dict[str, Any]] | None = None,
@@ -95,6 +115,18 @@ class PromptTokenizer:
         except Exception as exc:  # jinja raises for messages the template refuses
             raise validation_error(f"the chat template rejected the messages: {exc}",
                                    param="messages", status=status) from None
+
+
+_batch_gates: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = weakref.WeakKeyDictionary()
+
+
+def _one_batch_at_a_time() -> asyncio.Semaphore:
+    """This event loop's gate for batch tokenizing (one per loop: a semaphore is bound to one)."""
+    loop = asyncio.get_running_loop()
+    gate = _batch_gates.get(loop)
+    if gate is None:
+        gate = _batch_gates[loop] = asyncio.Semaphore(1)
+    return gate
 
 
 async def maybe_in_thread(size: int, fn: Callable[..., T], *args: Any) -> T:

@@ -21,6 +21,7 @@ from urllib.parse import quote
 
 from starlette.requests import ClientDisconnect, Request
 
+from baton.common.sampling_params import MAX_CACHE_SALT_CHARS
 from gateway.config import Settings
 from gateway.errors import ApiError, validation_error
 
@@ -248,6 +249,15 @@ class Fields:
             return None
         if not isinstance(value, str):
             raise self.fail(key, f"must be a string, got {_type_name(value)}")
+        return value
+
+    def cache_salt(self, key: str = "cache_salt") -> str | None:
+        """vLLM's `cache_salt`: a non-empty string of bounded length, or absent (no salt)."""
+        value = self.string(key)
+        if value is not None and not value:
+            raise self.fail(key, "must be a non-empty string")
+        if value is not None and len(value) > MAX_CACHE_SALT_CHARS:
+            raise self.fail(key, f"has {len(value)} characters; at most {MAX_CACHE_SALT_CHARS} are allowed")
         return value
 
     def unsupported_unless(self, key: str, allowed: tuple[Any, ...]) -> None:

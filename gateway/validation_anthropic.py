@@ -42,7 +42,7 @@ MAX_BLOCKS = validation_openai.MAX_CONTENT_PARTS
 
 MESSAGES_FIELDS = {"model", "max_tokens", "messages", "system", "tools", "tool_choice", "stop_sequences",
                    "temperature", "top_p", "top_k", "stream", "metadata", "thinking", "output_config",
-                   "cache_control"}
+                   "cache_control", "cache_salt"}
 COUNT_FIELDS = {"model", "messages", "system", "tools", "tool_choice", "thinking", "output_config",
                 "cache_control"}
 # `cache_control` is a caching hint the request and every block may carry (Claude Code sends it):
@@ -92,6 +92,7 @@ def to_chat(body: dict[str, Any], settings: Settings, count_only: bool = False) 
     chat["temperature"] = f.number("temperature", ge=0.0, le=1.0)
     chat["top_p"] = f.number("top_p", gt=0.0, le=1.0)
     chat["top_k"] = f.integer("top_k", lo=0)
+    chat["cache_salt"] = f.cache_salt()  # vLLM's extra (chat's): blocks shared only under this salt
     metadata = f.get("metadata")
     if metadata is not None and not isinstance(metadata, dict):
         raise f.fail("metadata", "must be an object")

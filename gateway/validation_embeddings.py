@@ -130,3 +130,34 @@ def fit(ids: list[int], spec: EmbeddingSpec, settings: Settings, where: str, sta
         raise validation_error(f"`{where}` has {len(ids)} tokens; at most max_input_tokens="
                                f"{settings.max_input_tokens} (or set {hint})", param=where, status=status)
     return ids
+
+
+def check_characters(spec: EmbeddingSpec, settings: Settings, max_token_chars: int, status: int) -> None:
+    """Before anything is tokenized: refuse inputs whose characters alone prove them too long. No
+    token covers more than `max_token_chars` characters (the vocabulary's longest spelling), so a
+    text of c characters has at least ceil(c / max_token_chars) tokens: an input past
+    max_input_tokens (unless the request truncates), or a request past max_embedding_tokens in all,
+    is answered here, and the tokenizer never sees it."""
+    name = "input" if status == OPENAI_STATUS else "inputs"
+    many = len(spec.inputs) > 1
+    least_tokens = 0
+    for i, item in enumerate(spec.inputs):
+        if isinstance(item, str):
+            tokens = -(-len(item) // max_token_chars)
+            if spec.keep is None and tokens > settings.max_input_tokens:
+                where = f"{name}[{i}]" if many else name
+                hint = "truncate_prompt_tokens" if status == OPENAI_STATUS else "truncate: true"
+                raise validation_error(
+                    f"`{where}` has {len(item)} characters: more than max_input_tokens={settings.max_input_tokens} "
+                    f"tokens can hold (no token of this model spells more than {max_token_chars} characters); "
+                    f"send a shorter text (or set {hint})", param=where, status=status)
+        else:
+            tokens = len(item)
+        least_tokens += tokens if spec.keep is None else min(tokens, spec.keep)
+    if least_tokens > settings.max_embedding_tokens:
+        chars = sum(len(item) for item in spec.inputs if isinstance(item, str))
+        raise validation_error(
+            f"`{name}` holds at least {least_tokens} tokens in all ({chars} characters; no token of this model "
+            f"spells more than {max_token_chars}); an embeddings request may have at most "
+            f"max_embedding_tokens={settings.max_embedding_tokens}: send fewer or shorter inputs",
+            param=name, status=status)

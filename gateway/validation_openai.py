@@ -51,7 +51,7 @@ COMMON_FIELDS = {
     # vLLM extras
     "top_k", "min_p", "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids",
     "use_beam_search", "prompt_logprobs", "guided_json", "guided_regex", "guided_choice",
-    "guided_grammar", "structured_outputs",
+    "guided_grammar", "structured_outputs", "cache_salt",
 }
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of", "add_special_tokens"}
 CHAT_FIELDS = COMMON_FIELDS | {
@@ -236,6 +236,7 @@ def _common(f: Fields, settings: Settings, vocab_size: int, default_max: int, ig
         logit_bias=_logit_bias(f, vocab_size),
         min_tokens=min_tokens or 0,
         prompt_logprobs=f.integer("prompt_logprobs", lo=0, hi=MAX_LOGPROBS),  # vLLM's extra
+        cache_salt=f.cache_salt(),  # vLLM's extra: this request's blocks are shared only under its salt
     )
     sampling["structured"] = openai_structured(f)  # response_format, guided_*, structured_outputs
     if sampling["temperature"] == 0.0:  # greedy: the warpers have nothing to act on

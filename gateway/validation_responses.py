@@ -37,7 +37,7 @@ FIELDS = {
     "max_output_tokens", "temperature", "top_p", "stream", "stream_options", "store",
     "previous_response_id", "metadata", "user", "truncation", "reasoning", "include",
     "prompt_cache_key", "safety_identifier", "background", "service_tier", "max_tool_calls",
-    "top_logprobs", "conversation", "prompt",
+    "top_logprobs", "conversation", "prompt", "cache_salt",
 }
 NEUTRAL: dict[str, tuple[Any, ...]] = {
     "truncation": ("disabled",),
@@ -106,6 +106,9 @@ def parse_responses(body: dict[str, Any], settings: Settings) -> ResponsesReques
     reasoning = _reasoning(f)
     stream = f.boolean("stream", False)
     chat: dict[str, Any] = {"stream": stream}
+    salt = f.cache_salt()  # vLLM's extra (chat's): the prefix cache shares blocks only under this salt
+    if salt is not None:
+        chat["cache_salt"] = salt
     for key in ("model", "temperature", "top_p", "parallel_tool_calls", "user"):
         if f.get(key) is not None:
             chat[key] = f.get(key)

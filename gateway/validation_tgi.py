@@ -28,6 +28,7 @@ PARAMETER_FIELDS = {
     "adapter_id", "best_of", "decoder_input_details", "details", "do_sample", "frequency_penalty",
     "grammar", "max_new_tokens", "repetition_penalty", "return_full_text", "seed", "stop",
     "temperature", "top_k", "top_n_tokens", "top_p", "truncate", "typical_p", "watermark",
+    "cache_salt",  # vLLM's, not TGI's: the prefix cache shares this request's blocks only under its salt
 }
 # Known TGI parameters we do not implement, with the values that mean "off".
 NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
@@ -81,7 +82,8 @@ def parse_tgi(body: dict[str, Any], settings: Settings, streaming: bool) -> Gene
     warped = ((temperature is not None and temperature != 1.0) or (top_p is not None and top_p < 1.0)
               or top_k is not None or (typical_p is not None and typical_p < 1.0))
     greedy = not (do_sample or warped) or temperature == 0.0
-    sampling: dict[str, Any] = {"repetition_penalty": repetition_penalty if repetition_penalty is not None else 1.0}
+    sampling: dict[str, Any] = {"repetition_penalty": repetition_penalty if repetition_penalty is not None else 1.0,
+                                "cache_salt": p.cache_salt()}
     if greedy:
         # Greedy: the warpers have nothing to act on and the seed is moot (none is reported).
         sampling.update(temperature=0.0, top_p=1.0, top_k=-1, seed=None)

@@ -1,12 +1,15 @@
 """The prefill worker's core: prompts in; first tokens, blocks, handoffs and acks out (no I/O; see
 `worker.py`).
 
-A request finishes here by handoff (an embedding request, `pooling`, here, with its vector): it is added to the engine with `remote_decode`, so the engine
+A request finishes here by handoff: it is added to the engine with `remote_decode`, so the engine
 ends it after the first token and encodes its prompt's blocks (those the store may not hold yet,
 and the partial last block) into the output's `handoff.save` before freeing them. `on_step` turns that into one set of effects
 that the shell writes in one MULTI/EXEC, in this order: first token, blocks, handoff, ack. A worker
 dying mid-write leaves either all of it or none, never a handoff without its ack (which would
 decode twice) nor one before its blocks.
+
+An embeddings request (`pooling`) finishes here, with its vectors: a batch of inputs in one message,
+fed to the engine before each step (`feed`) behind the generation prompts (prefill_worker/pooling.py).
 """
 
 from __future__ import annotations
@@ -21,10 +24,14 @@ from baton.common.logs import request_extra
 from baton.common.tracing import RequestSpans
 from baton.engine.kv_types import RemoteKV
 from baton.engine.outputs import EngineOutput
-from baton.engine.pooling import Pooling
 from baton.worker.core import Effects, WorkerCore
+from prefill_worker.pooling import PoolingBatches
 
 logger = logging.getLogger("baton.prefill")
+
+
+def default_pooling_step_tokens(max_num_batched_tokens: int) -> int:
+    return max(1, max_num_batched_tokens // 8)
 
 
 class PrefillCore(WorkerCore[protocol.PrefillRequest]):
@@ -34,27 +41,45 @@ class PrefillCore(WorkerCore[protocol.PrefillRequest]):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        # request id -> (stream message id, request, admission time)
+        # request id -> (stream message id, request, admission time): the generation prompts
         self.in_flight: dict[str, tuple[bytes, protocol.PrefillRequest, float]] = {}
+        # Embeddings input tokens per step (--pooling-step-tokens): a chat prompt that arrives while
+        # such a step runs waits for it, so it is kept short (an eighth of the step's budget, 64
+        # tokens by default: about a chat prompt's own prefill).
+        self.pooling_step_tokens = default_pooling_step_tokens(self.engine.config.max_num_batched_tokens)
         self.num_prefix_hit_tokens = 0
         self.spans = RequestSpans()  # tracing: each request's "prefill" span (no-op when off)
+        self.pooling = PoolingBatches(self.engine, self.worker_id, self.metrics, self.spans)  # embeddings batches
 
     def is_in_flight(self, request_id: str) -> bool:
-        return request_id in self.in_flight
+        return request_id in self.in_flight or request_id in self.pooling
+
+    def request_ids(self) -> list[str]:
+        """Every request this worker holds: generation prompts and embeddings batches."""
+        return [*self.in_flight, *self.pooling.batches]
+
+    def feed(self) -> Effects:
+        """Before each step: embeddings inputs into the engine, `pooling_step_tokens` of them, or
+        while it holds generation prompts none but the one that keeps the batches moving (the
+        prompts go first, alone: a chat prompt waits at most for the short embeddings step that
+        was running when it came)."""
+        room = 0 if self.in_flight else self.pooling_step_tokens
+        return self.pooling.feed(room, self.engine.config.max_num_seqs - len(self.in_flight))
 
     def admit(self, message_id: bytes, request: protocol.PrefillRequest, stored_hashes: list[str],
               block_hashes: list[str] | None = None) -> Effects:
         """Add an opened request; `stored_hashes` are its prompt's leading block ids that a probe
         found in the store (the scheduler loads those beyond the local prefix cache), and
         `block_hashes` all its full blocks' ids if the caller computed them already."""
+        if request.pooling:
+            # An embeddings batch: its inputs go to the engine as `feed` finds room, each run and
+            # pooled here (no handoff, no stored KV loads), its blocks freed once it is computed.
+            return self.pooling.add(message_id, request)
         try:
-            # An embedding request (pooling) is run and pooled here: no handoff, no stored KV loads
-            # (the shell probes none for it), its blocks freed as soon as its prompt is computed.
-            pooling = Pooling(request.pooling) if request.pooling else None
             self.engine.add_request(
                 request.request_id, request.prompt_token_ids, request.sampling, arrival_time=request.arrival_time,
-                remote_kv=RemoteKV(tuple(stored_hashes)) if stored_hashes else None, remote_decode=pooling is None,
-                block_hashes=block_hashes, pooling=pooling)
+                remote_kv=RemoteKV(tuple(stored_hashes)) if stored_hashes else None, remote_decode=True,
+                block_hashes=block_hashes)
         except (ValueError, TypeError) as exc:
             return self.fail(message_id, request, str(exc))
         self.in_flight[request.request_id] = (message_id, request, time.time())
@@ -66,6 +91,11 @@ class PrefillCore(WorkerCore[protocol.PrefillRequest]):
         return Effects()
 
     def cancel(self, request_id: str, reason: str = "cancelled") -> Effects:
+        batch = self.pooling.drop(request_id)
+        if batch is not None:
+            self.metrics.finished(FinishReason.CANCELLED)
+            logger.info("dropped embeddings batch %s (%s)", request_id, reason, extra=request_extra(request_id))
+            return Effects(acks=[batch.message_id])
         entry = self.in_flight.pop(request_id, None)
         if entry is None:
             return Effects()
@@ -76,12 +106,16 @@ class PrefillCore(WorkerCore[protocol.PrefillRequest]):
         return Effects(acks=[entry[0]])
 
     def gateway_of(self, request_id: str) -> str:
-        return self.in_flight[request_id][1].gateway_id
+        batch = self.pooling.batches.get(request_id)
+        return batch.request.gateway_id if batch is not None else self.in_flight[request_id][1].gateway_id
 
     def on_step(self, outputs: list[EngineOutput]) -> Effects:
         effects = Effects()
         bs = self.engine.block_size
         for out in outputs:
+            if self.pooling.owns(out.request_id):
+                self.pooling.on_output(out, effects)
+                continue
             entry = self.in_flight.pop(out.request_id, None)
             if entry is None:
                 continue
@@ -102,9 +136,8 @@ class PrefillCore(WorkerCore[protocol.PrefillRequest]):
                 finish_reason=None if handoff else out.finish_reason,
                 error=(out.error or "the request failed") if failed else None,
                 num_prompt_tokens=num_prompt, num_cached_tokens=out.num_cached_tokens, worker_id=self.worker_id,
-                top_logprobs=list(out.new_top_logprobs), prompt_logprobs=list(out.prompt_logprobs or []),
-                embedding=protocol.pack_embedding(out.embedding) if out.embedding is not None else b""))
-            if handoff is None:  # EOS as the first token, max_tokens=1, an embedding, an error: no handoff
+                top_logprobs=list(out.new_top_logprobs), prompt_logprobs=list(out.prompt_logprobs or [])))
+            if handoff is None:  # EOS as the first token, max_tokens=1, an error: no handoff
                 self.metrics.finished(out.finish_reason or FinishReason.STOP)
             else:
                 save = handoff.save

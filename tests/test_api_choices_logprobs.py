@@ -1,7 +1,7 @@
 """OpenAI n / best_of / batched prompts, logprobs / top_logprobs / echo / prompt_logprobs, cached
-tokens in the usage, and TGI's top_n_tokens / decoder_input_details / best_of: through a real
-gateway, prefill and decode worker (float32, tiny model) and checked against transformers' float32
-log-softmax over the same tokens."""
+tokens in the usage (cache_salt keeping them apart), and TGI's top_n_tokens / decoder_input_details /
+best_of: through a real gateway, prefill and decode worker (float32, tiny model) and checked against
+transformers' float32 log-softmax over the same tokens."""
 
 from __future__ import annotations
 
@@ -133,6 +133,25 @@ def test_n_choices_share_one_prefill_and_differ_by_seed(cluster):
     assert texts == [c["text"] for c in choices]
     # the cached prompt shows in the usage of a repeat
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 32
+    cluster.wait_idle()
+
+
+def test_cache_salt_shows_cached_tokens_only_to_the_same_salt(cluster):
+    """The prefix cache is everyone's: a repeat's cached_tokens (and its speed) tells a client that
+    someone sent that prefix before. With vLLM's cache_salt, blocks are shared only under one salt;
+    the answer is the same either way."""
+    body = {"prompt": prompt_of(50, 38), "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+
+    def answer(salt: str | None) -> tuple[str, int]:
+        out = post(cluster, "/v1/completions", {**body, "cache_salt": salt} if salt is not None else body)
+        return out["choices"][0]["text"], out["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    text, cached = answer("tenant-a")
+    assert cached == 0
+    assert answer("tenant-a") == (text, 48)  # 3 full blocks of 16, from tenant-a's own first request
+    assert answer("tenant-b") == (text, 0)  # another salt: nothing to guess from
+    assert answer(None) == (text, 0)  # nor from the shared, unsalted cache
+    assert answer(None) == (text, 48)  # which shares as before
     cluster.wait_idle()
 
 

@@ -344,7 +344,7 @@ SAMPLES = {"model": MODEL, "input": "x", "instructions": "Be brief.", "tools": [
            "parallel_tool_calls": False, "text": {"format": {"type": "json_object"}, "verbosity": "low"},
            "max_output_tokens": 8, "temperature": 0.5, "top_p": 0.9, "stream": False, "store": False,
            "previous_response_id": None, "metadata": {"k": "v"}, "user": "u", "truncation": "disabled",
-           "reasoning": {"effort": "low", "summary": None}}
+           "reasoning": {"effort": "low", "summary": None}, "cache_salt": "tenant-a"}
 
 
 def test_openapi_documents_the_routes_and_every_field_is_accepted(gw_server, gw_worker):

@@ -277,3 +277,19 @@ def test_hash_blocks_chains_full_blocks_and_ignores_the_partial_tail():
     # A change in the first block changes every later id.
     changed = hash_blocks([0] + tokens[1:], 16, MODEL)
     assert changed[0] != h0 and changed[1] != h1
+
+
+def test_a_cache_salt_hashes_the_whole_chain_apart_and_unsalted_ids_stay_the_same():
+    tokens = list(range(1000, 1040))
+    plain = hash_blocks(tokens, 16, MODEL)
+    # The ids of before cache_salt existed (blocks already in a store stay valid).
+    assert plain == ["56822fc7c37dfadc1ad3babdbc9ee250", "174bf77ac2871cd48661ca9d3964945a"]
+    assert hash_blocks(tokens, 16, MODEL, cache_salt=None) == plain
+    alice = hash_blocks(tokens, 16, MODEL, cache_salt="alice-secret")
+    bob = hash_blocks(tokens, 16, MODEL, cache_salt="bob-secret")
+    # Salted, no block of the prompt is shared with the unsalted chain or with another salt's...
+    assert not set(alice) & set(plain) and not set(alice) & set(bob) and not set(bob) & set(plain)
+    # ...and the same salt shares all of them, chained as any other (the salt rides on the parent).
+    assert hash_blocks(tokens, 16, MODEL, cache_salt="alice-secret") == alice
+    assert hash_blocks(tokens[16:32], 16, MODEL, parent_hash=alice[0], cache_salt="alice-secret") == alice[1:]
+    assert alice[0] == hash_block(None, tokens[:16], MODEL, "alice-secret")

@@ -247,9 +247,11 @@ def default_reference(default_model_dir):
 
 
 def budget_in_use(cluster) -> int:
+    """The token budget and the embeddings lane in use (embeddings are admitted in the lane)."""
     import httpx
 
-    return httpx.get(cluster.base_url + "/stats", timeout=5).json()["token_budget"]["in_use"]
+    stats = httpx.get(cluster.base_url + "/stats", timeout=5).json()
+    return stats["token_budget"]["in_use"] + stats["embeddings"]["tokens_in_use"]
 
 
 def wait_budget_free(cluster, timeout: float = 20.0) -> bool:
@@ -374,6 +376,92 @@ def test_client_leaving_releases_the_budget_and_generation_still_works(cluster, 
     assert wait_budget_free(cluster)
 
 
+def prefill_entries_added(cluster) -> int:
+    from baton.common.protocol import PREFILL_STREAM
+
+    info = cluster.client.xinfo_stream(PREFILL_STREAM)
+    return int(info.get("entries-added", info.get(b"entries-added")))
+
+
+def test_300_inputs_are_one_stream_entry_with_the_vectors_of_300_requests(cluster, client, default_reference):
+    """Issue 38: each input was its own prefill job (one XADD each); now a request is one job, and
+    batching changes no vector."""
+    _, tokenizer = default_reference
+    name = cluster.model_dir.name
+    texts = [f"{i} {('fox', 'river', 'lamp')[i % 3]}" for i in range(300)]  # 2-4 tokens each: a short test
+    before = prefill_entries_added(cluster)
+    batch = client.embeddings.create(model=name, input=texts, encoding_format="float")
+    assert prefill_entries_added(cluster) == before + 1
+    assert [d.index for d in batch.data] == list(range(300))
+    assert batch.usage.prompt_tokens == sum(len(tokenizer.encode(t)) for t in texts)
+    for i in (0, 1, 150, 299):
+        one = client.embeddings.create(model=name, input=texts[i], encoding_format="float")
+        assert torch.allclose(torch.tensor(one.data[0].embedding), torch.tensor(batch.data[i].embedding), atol=1e-4), i
+    assert wait_budget_free(cluster)
+
+
+async def test_a_chat_sent_during_a_big_batch_gets_its_first_token_before_the_batch_ends(cluster):
+    """Issue 38: a chat queued behind 2048 prefill jobs waited for all of them. Now the worker reads
+    past the batch and runs the chat's prompt between two short embeddings steps. The batch is then
+    abandoned by its client: the worker drops it and its budget comes back."""
+    import asyncio
+
+    import httpx
+
+    texts = [f"{i} the quick brown fox jumps over the lazy dog again and again" for i in range(2048)]
+    async with httpx.AsyncClient(base_url=cluster.base_url, timeout=120) as http:
+        batch = asyncio.create_task(http.post("/v1/embeddings", json={"input": texts, "encoding_format": "base64"}))
+        for _ in range(100):  # until the worker has it (the gateway admitted it; the worker reads at once)
+            await asyncio.sleep(0.1)
+            if (await http.get("/stats")).json()["embeddings"]["running"] == 1:
+                break
+        await asyncio.sleep(0.5)
+        body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "stream": True}
+        first_token_while_batch_ran = None
+        async with http.stream("POST", "/v1/chat/completions", json=body) as reply:
+            assert reply.status_code == 200
+            async for line in reply.aiter_lines():
+                if first_token_while_batch_ran is None and '"content":"' in line.replace(" ", ""):
+                    first_token_while_batch_ran = not batch.done()
+        assert first_token_while_batch_ran, "the chat's first token came only after the embeddings batch"
+        batch.cancel()  # the client leaves: the gateway cancels the batch at the worker
+    assert wait_budget_free(cluster)
+    for _ in range(100):
+        if cluster.client.xpending("{baton}:prefill", "prefill")["pending"] == 0:
+            break
+        await asyncio.sleep(0.1)
+    assert cluster.client.xpending("{baton}:prefill", "prefill")["pending"] == 0
+
+
+async def test_the_loop_answers_while_big_embed_requests_are_tokenized(cluster):
+    """Issue 38: 8 /embed requests of 2048 inputs x ~470 characters held the gateway's loop 3.3 s
+    (each input tokenized inline before any check). Now they are tokenized off the loop in one
+    batch call each (and answered 422: far past max_embedding_tokens), while /health answers."""
+    import asyncio
+    import time
+
+    import httpx
+
+    texts = [(f"{i} " + "lorem ipsum dolor sit amet, consectetur adipiscing elit " * 9)[:470] for i in range(2048)]
+    async with httpx.AsyncClient(base_url=cluster.base_url, timeout=120) as http:
+        latencies: list[float] = []
+
+        async def probe() -> None:
+            while True:
+                started = time.perf_counter()
+                assert (await http.get("/health")).status_code == 200
+                latencies.append(time.perf_counter() - started)
+                await asyncio.sleep(0.02)
+
+        prober = asyncio.create_task(probe())
+        replies = await asyncio.gather(*[http.post("/embed", json={"inputs": texts}) for _ in range(4)])
+        prober.cancel()
+    for reply in replies:
+        assert reply.status_code == 422 and "max_embedding_tokens" in reply.json()["error"], reply.text
+    # (inline, the loop answered one /health in the whole run; off the loop, ~0.1 s at most on 2 busy cores)
+    assert len(latencies) >= 10 and max(latencies) < 1.0, (len(latencies), sorted(latencies)[-5:])
+
+
 def test_openapi_documents_embeddings_and_every_field_is_accepted(cluster):
     import httpx
 
@@ -430,6 +518,7 @@ def test_prefill_core_publishes_the_vector_and_hands_nothing_off(tiny_model_dir,
         opened = core.open(fields_of(message), deliveries, set())
         assert opened.outcome is Opening.ADMIT and opened.message.pooling == "mean"
         assert not core.admit(b"1-0", opened.message, [])
+        assert not core.feed()  # the batch's one input goes to the engine (its message stays unacked)
         effects, _ = drive(core, store)
         [event] = events_of(effects)
         assert event.finish_reason == "stop" and event.token_ids == [] and event.num_prompt_tokens == len(ids)
@@ -438,7 +527,7 @@ def test_prefill_core_publishes_the_vector_and_hands_nothing_off(tiny_model_dir,
         assert_pool_free(core)
     cancelled = core.admit(b"2-0", protocol.PrefillRequest("e2", "gw", ids, SamplingParams(max_tokens=1), 0.0,
                                                            pooling="cls"), [])
-    assert not cancelled and core.cancel("e2").acks == [b"2-0"]
+    assert not cancelled and not core.feed() and core.cancel("e2").acks == [b"2-0"]
     assert_pool_free(core)
 
 

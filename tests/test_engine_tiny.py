@@ -10,6 +10,7 @@ logits are far from ties: broken attention or positions would change its tokens.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -184,6 +185,25 @@ def test_a_prompt_sharing_a_cached_prefix_matches_transformers(mixing_model_dir,
     [out] = llm.generate(branch, greedy())
     assert out.num_cached_tokens == 32
     assert out.outputs[0].token_ids == hf_greedy(mixing_model_dir, branch)
+    assert_pool_all_free(llm)
+
+
+def test_a_cache_salt_shares_the_prefix_cache_only_with_the_same_salt(mixing_model_dir, prompts):
+    """vLLM's cache_salt: a request finds cached blocks only from requests of its own salt (the
+    output is the same either way); unsalted requests share as before."""
+    llm = make_llm(mixing_model_dir)
+    prompt = prompts[4]  # 70 tokens: 4 full blocks of 16
+
+    def run(salt: str | None) -> tuple[list[int], int]:
+        [out] = llm.generate(prompt, dataclasses.replace(greedy(), cache_salt=salt))
+        return out.outputs[0].token_ids, out.num_cached_tokens
+
+    expected = hf_greedy(mixing_model_dir, prompt)
+    assert run(None) == (expected, 0)
+    assert run("tenant-a") == (expected, 0)  # the unsalted blocks are not its
+    assert run("tenant-a") == (expected, 64)
+    assert run("tenant-b") == (expected, 0)
+    assert run(None) == (expected, 64)  # nor are the salted ones the unsalted requests'
     assert_pool_all_free(llm)
 
 

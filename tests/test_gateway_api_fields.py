@@ -98,6 +98,58 @@ def test_greedy_openai_request_drops_min_p(gw_server, gw_worker):
     assert s.temperature == 0.0 and s.min_p == 0.0 and s.presence_penalty == 1.0  # penalties still apply
 
 
+# ---- vLLM's cache_salt, on every generation endpoint ----
+
+SALTED = [  # path, a body without the salt, where the salt goes
+    ("/v1/completions", {"prompt": "x", "max_tokens": 2}, None),
+    ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 2}, None),
+    ("/v1/responses", {"input": "x", "max_output_tokens": 2, "store": False}, None),
+    ("/v1/messages", {"model": "SmolLM2-135M-Instruct", "messages": CHAT, "max_tokens": 2}, None),
+    ("/generate", {"inputs": "x", "parameters": {"max_new_tokens": 2}}, "parameters"),
+    ("/generate_stream", {"inputs": "x", "parameters": {"max_new_tokens": 2}}, "parameters"),
+    ("/", {"inputs": "x", "parameters": {"max_new_tokens": 2}}, "parameters"),
+]
+
+
+def _salted(body: dict, where: str | None, salt: object) -> dict:
+    if where is None:
+        return {**body, "cache_salt": salt}
+    return {**body, where: {**body[where], "cache_salt": salt}}
+
+
+@pytest.mark.parametrize("path,body,where", SALTED, ids=[p for p, _b, _w in SALTED])
+def test_cache_salt_reaches_the_workers_from_every_endpoint(gw_server, gw_worker, path, body, where):
+    salt = f"tenant-{uuid.uuid4().hex}"
+    r = httpx.post(gw_server.url + path, json=_salted(body, where, salt))
+    assert r.status_code == 200 and HEADER not in r.headers, r.text
+    assert gw_worker.requests[-1].sampling.cache_salt == salt
+    r = httpx.post(gw_server.url + path, json=body)  # unsalted: the shared cache, as before
+    assert r.status_code == 200, r.text
+    assert gw_worker.requests[-1].sampling.cache_salt is None
+
+
+@pytest.mark.parametrize("path,body,where", SALTED, ids=[p for p, _b, _w in SALTED])
+@pytest.mark.parametrize("salt,fragment", [("", "non-empty"), (7, "string"), ("s" * 1025, "at most 1024")],
+                         ids=["empty", "number", "too-long"])
+def test_a_bad_cache_salt_is_a_4xx_in_the_apis_style(gw_server, gw_worker, path, body, where, salt, fragment):
+    before = len(gw_worker.requests)
+    r = httpx.post(gw_server.url + path, json=_salted(body, where, salt))
+    error = r.json()
+    if path == "/v1/messages":
+        assert r.status_code == 400 and error["type"] == "error", r.text
+        assert error["error"]["type"] == "invalid_request_error" and "cache_salt" in error["error"]["message"]
+        message = error["error"]["message"]
+    elif path.startswith("/v1/"):
+        assert r.status_code == 400 and error["error"]["param"] == "cache_salt", r.text
+        message = error["error"]["message"]
+    else:
+        assert r.status_code == 422 and error["error_type"] == "validation", r.text
+        message = error["error"]
+        assert "`parameters.cache_salt`" in message
+    assert fragment in message, message
+    assert len(gw_worker.requests) == before  # nothing reached a worker
+
+
 # ---- TGI's do_sample ----
 
 TGI_SAMPLING = [  # parameters, sampled?
@@ -389,6 +441,7 @@ SAMPLES = {
     "guided_grammar": 'start: "a"', "structured_outputs": {"regex": "[0-9]"},
     "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
     "tool_choice": {"type": "function", "function": {"name": "f"}}, "parallel_tool_calls": False,
+    "cache_salt": "tenant-a",
 }
 # One output constraint per request: sent together, all but the first of these are left out.
 EXCLUSIVE = ["guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs", "tool_choice"]

@@ -172,10 +172,12 @@ class EchoWorker:
         if self.mode == "error":
             await self._publish(r, stream, TokenEvent(req.request_id, 0, [], [], "error", "boom: worker failed"))
             return
-        if req.pooling:  # an embedding request: one event with a vector the prompt determines
-            await self._publish(r, stream, TokenEvent(
-                req.request_id, 0, [], [], "stop", num_prompt_tokens=len(req.prompt_token_ids), worker_id="echo",
-                embedding=pack_embedding(self._embedding(req.prompt_token_ids))))
+        if req.pooling:  # an embeddings batch: per input, an event with a vector its tokens determine
+            for index, input_ids in enumerate(req.inputs):
+                await self._publish(r, stream, TokenEvent(
+                    req.request_id, index, [], [], "stop" if index == len(req.inputs) - 1 else None,
+                    num_prompt_tokens=len(input_ids), worker_id="echo",
+                    embedding=pack_embedding(self._embedding(input_ids))))
             return
         i = 0
         while i < len(ids):

@@ -5,7 +5,10 @@ anywhere), and malformed calls coming back as text."""
 from __future__ import annotations
 
 import json
+import os
 import random
+import sys
+from typing import Any
 
 import pytest
 
@@ -184,3 +187,76 @@ def test_structured_output_allows_a_thought_before_the_json(name, default_model_
     assert accepts('{"a": 2}') == (name == "qwen3")
     assert accepts('the prompt opened it</think>{"a": 3}') == (name == "deepseek_r1")
     assert reasoning.think_first({"kind": "regex", "spec": "[0-9]+"}, name) is None
+
+
+# ---- linear work: a long call in small chunks is read once, not again on every chunk ----
+
+def _dense(k: int) -> str:
+    return json.dumps({"items": [{"k": i} for i in range(k)]})  # brackets and quotes all along
+
+
+LONG_STREAMS = {  # case -> (parser, the answer for a size k, the calls its parse holds)
+    "llama3_json": ("llama3_json", lambda k: '{"name": "f", "parameters": ' + _dense(k) + "}", 1),
+    "mistral": ("mistral", lambda k: '[TOOL_CALLS][{"name": "f", "arguments": ' + _dense(k) + "}]", 1),
+    "mistral_args": ("mistral", lambda k: "[TOOL_CALLS]f[ARGS]" + _dense(k), 1),
+    "mistral_blanks": ("mistral", lambda k: "[TOOL_CALLS]" + " " * (12 * k) + "f[ARGS]{}", 1),
+    "hermes": ("hermes", lambda k: '<tool_call>{"name": "f", "arguments": ' + _dense(k) + "}</tool_call>", 1),
+    "pythonic": ("pythonic", lambda k: "[f(items=" + json.dumps(list(range(k))) + ")]", 1),
+    "deepseek_r1": ("deepseek_r1", lambda k: "a" + " " * (12 * k) + "b</think>answer", None),
+}
+
+
+def _parser_lines(run: Any) -> int:
+    """How many lines of gateway/parsers/ Python `run()` executes: the parsers' work, counted (a
+    wall-clock bound would be flaky on a busy machine)."""
+    here = os.path.dirname(tool_calls.__file__)
+    count = 0
+
+    def local(frame: Any, event: str, arg: Any) -> Any:
+        nonlocal count
+        count += event == "line"
+        return local
+
+    def calls(frame: Any, event: str, arg: Any) -> Any:
+        return local if frame.f_code.co_filename.startswith(here) else None
+
+    previous = sys.gettrace()
+    sys.settrace(calls)
+    try:
+        run()
+    finally:
+        sys.settrace(previous)
+    return count
+
+
+@pytest.mark.parametrize("case", LONG_STREAMS)
+def test_streamed_parse_work_grows_linearly(case):
+    """Twice the answer in 4-character chunks costs about twice the work (rescanning all that was
+    held on every chunk cost four times: 4000 chunks took 1.5 s per stream)."""
+    name, answer, num_calls = LONG_STREAMS[case]
+
+    def streamed(k: int) -> int:
+        text = answer(k)
+        chunks = [text[i:i + 4] for i in range(0, len(text), 4)]
+        out: list[Any] = []
+
+        def run() -> None:
+            if name in reasoning.NAMES:
+                parser = reasoning.make(name)
+                out.extend([*map(parser.feed, chunks), parser.finish()])
+            else:
+                parser = tool_calls.make(name, frozenset({"f"}))
+                parsed = Parsed()
+                for chunk in chunks:
+                    parsed.add(parser.feed(chunk))
+                out.append(parsed.add(parser.finish()))
+
+        lines = _parser_lines(run)
+        if name in reasoning.NAMES:
+            assert ("".join(r for r, _c in out), "".join(c for _r, c in out)) == ("a" + " " * (12 * k) + "b", "answer")
+        else:
+            assert len(out[0].calls) == num_calls and out[0].content == "", out[0]
+        return lines
+
+    small, large = streamed(60), streamed(120)
+    assert large <= 2.3 * small, (small, large)

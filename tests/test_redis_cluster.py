@@ -129,16 +129,59 @@ def test_streams_match_the_reference_on_a_cluster(system, reference):
 
 
 def test_the_dashboard_samples_the_streams_on_a_cluster(system):
-    """The gateways' stream backlog gauges (XLEN, XINFO GROUPS in one pipeline) work on a cluster:
-    the decode stream holds the 6 handoffs of the test above."""
+    """The gateways' stream backlog gauges (XLEN, XINFO GROUPS in one pipeline) work on a cluster
+    (a gauge has a value only once sampled), and the decode workers trimmed the 6 handoffs of the
+    test above once acknowledged (issue 38: a work stream holds what is not yet done)."""
     deadline = time.monotonic() + 10
     while True:  # sampled every 2 s
-        lines = [line for line in httpx.get(system.base_urls[1] + "/metrics", timeout=5).text.splitlines()
-                 if line.startswith("baton:stream_length{") and 'stream="decode"' in line]
-        if lines and float(lines[0].split()[-1]) >= 6:
+        values = {line.split("{")[0]: float(line.split()[-1])
+                  for line in httpx.get(system.base_urls[1] + "/metrics", timeout=5).text.splitlines()
+                  if line.startswith("baton:stream_") and 'stream="decode"' in line}
+        if values == {"baton:stream_length": 0, "baton:stream_pending": 0, "baton:stream_lag": 0}:
             break
-        assert time.monotonic() < deadline, lines
+        assert time.monotonic() < deadline, values
         time.sleep(0.5)
+
+
+def test_work_streams_are_trimmed_and_responses_stored_on_a_cluster(servers):
+    """Issue 38's storage commands on a cluster: trimming what a group acknowledged (XINFO GROUPS,
+    XPENDING, XTRIM MINID on the `{baton}` slot), the cancels' script, and the stored responses'
+    scripts (on their own `{baton:responses}` slot, the keys of the responses they drop included)."""
+    from baton.common.protocol import CANCEL_STREAM, PIPELINE_TAG, Cancel
+    from baton.worker.runtime import ensure_group, trim_acknowledged
+    from gateway.backend import RedisBackend
+    from gateway.errors import ApiError
+    from gateway.response_store import ResponseStore
+
+    async def scenario() -> None:
+        client = redis_client.connect(servers.url)
+        try:
+            stream = PIPELINE_TAG + ":test-trim"
+            await ensure_group(client, stream, "g")
+            for i in range(20):
+                await client.xadd(stream, {"m": str(i)})
+            [(_, entries)] = await client.xreadgroup("g", "c", {stream: ">"}, count=20)
+            await client.xack(stream, "g", *(message_id for message_id, _ in entries[:15]))
+            assert await trim_acknowledged(client, stream) == 15 and await client.xlen(stream) == 5
+            await client.delete(stream)
+
+            before = await client.xlen(CANCEL_STREAM)
+            await RedisBackend(client).send_cancels([Cancel("no-such-request", "gw-test")])  # a no-op to the workers
+            assert await client.xlen(CANCEL_STREAM) == before + 1
+
+            store = ResponseStore(client, 60, 3000, 1)  # room for two of these
+            for i in range(4):
+                assert await store.save({"id": f"resp_cluster{i}", "text": "x" * 1000}, [])
+            for i in range(2):
+                with pytest.raises(ApiError):
+                    await store.load(f"resp_cluster{i}", "response_id")
+            assert (await store.load("resp_cluster3", "response_id"))["response"]["text"] == "x" * 1000
+            assert await store.delete("resp_cluster2") and await store.delete("resp_cluster3")
+            assert await store.sweep() == 0
+        finally:
+            await client.aclose()
+
+    asyncio.run(scenario())
 
 
 def test_kv_blocks_spread_over_the_masters(system, servers):

@@ -273,6 +273,25 @@ def test_new_parameters_are_validated(bad):
         SamplingParams(**bad)
 
 
+def test_cache_salt_rides_the_wire_and_older_messages_decode_unsalted():
+    import dataclasses
+
+    import msgpack
+
+    from baton.common.protocol import MalformedMessage, PrefillRequest, decode, encode
+
+    salted = PrefillRequest("r1", "g1", [1, 2, 3], SamplingParams(cache_salt="tenant-a"), 0.0)
+    assert decode(encode(salted), PrefillRequest).sampling.cache_salt == "tenant-a"
+    payload = msgpack.unpackb(encode(salted))
+    del payload["sampling"]["cache_salt"]  # as a gateway from before cache_salt sent it
+    assert decode(msgpack.packb(payload), PrefillRequest).sampling.cache_salt is None
+    for bad in ("", 7, "s" * 1025):
+        payload["sampling"]["cache_salt"] = bad
+        with pytest.raises(MalformedMessage, match="cache_salt"):
+            decode(msgpack.packb(payload), PrefillRequest)
+    assert dataclasses.replace(SamplingParams(cache_salt="x"), max_tokens=3).cache_salt == "x"  # siblings keep it
+
+
 def test_min_tokens_keeps_eos_and_stop_tokens_out_until_reached():
     from baton.engine.sampling import suppress_early_stops
 

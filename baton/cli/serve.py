@@ -56,6 +56,8 @@ GATEWAY_FLAGS: list[tuple[str, type, str]] = [
     ("--reasoning-parser", str, "deepseek_r1 | qwen3: split a thinking model's <think> block into reasoning_content"),
     ("--tool-call-parser", str, "hermes | llama3_json | mistral | pythonic (default: from the chat template)"),
     ("--responses-ttl", int, "seconds stored /v1/responses answers are kept (0: none; default 3600)"),
+    ("--responses-max-bytes", str, "bytes all stored /v1/responses answers may take, e.g. 256MiB (the oldest "
+                                   "are dropped past it; default 64MiB)"),
     ("--pooling", str, "embeddings: last, mean or cls (default: the checkpoint's sentence-transformers config, else last)"),
 ]
 # Environment variables that carry secrets to the children (never argv: `ps` shows argv to all).

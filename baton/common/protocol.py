@@ -22,7 +22,8 @@ from baton.common.sampling_params import SamplingParams
 # 2: one SamplingParams type; a handoff's partial_block_key is the store key
 # 3: token events carry top/prompt logprobs, requests the client's request id
 # 4: embeddings: a prefill request may ask for pooling, its one token event carries the vector
-SCHEMA_VERSION = 4
+# 5: an embeddings request is one prefill request carrying all its inputs (`inputs`)
+SCHEMA_VERSION = 5
 
 # How an embedding request pools its prompt's hidden states (baton.engine.pooling.Pooling's values)
 POOLING_NAMES = ("last", "mean", "cls")
@@ -38,8 +39,15 @@ DECODE_STREAM = PIPELINE_TAG + ":decode"
 DECODE_GROUP = "decode"
 CANCEL_STREAM = PIPELINE_TAG + ":cancel"
 DEAD_LETTER_STREAM = PIPELINE_TAG + ":dead"
-# Approximate MAXLEN for XADD: bounds Redis memory under sustained load.
+# Approximate MAXLEN of the streams that may keep a bounded tail: a gateway's token stream (its
+# gateway reads it as it comes) and the dead letters (parked for an operator; nothing consumes them).
+# Never on the work streams (prefill, decode): a MAXLEN there deleted the oldest entries read or
+# not, so a backlog past it lost requests. Their acknowledged entries are trimmed instead
+# (baton.worker.runtime.trim_acknowledged), and admission at the gateway bounds what is unacked.
 STREAM_MAXLEN = 10_000
+# The cancel stream is a broadcast read with XREAD from each worker's last id, no group to say
+# what was read: it is trimmed by age (gateway.backend), keeping this many seconds of cancels.
+CANCEL_RETENTION_S = 300
 # Field name of the single payload field of every stream entry.
 PAYLOAD_FIELD = b"m"
 
@@ -94,6 +102,10 @@ class PrefillRequest:
     # An embedding request: "" (generation) or one of POOLING_NAMES. The prefill worker runs the
     # prompt, publishes one token event with the pooled vector (no token, no handoff) and frees its KV.
     pooling: str = ""
+    # An embeddings batch (with `pooling`; prompt_token_ids is then empty): every input's token ids.
+    # One stream entry for the whole HTTP request; the worker feeds its inputs to the engine a short
+    # step at a time and publishes each vector in a token event whose `index` is the input's place.
+    inputs: list[list[int]] = field(default_factory=list)
 
 
 def pack_embedding(vector: Any) -> bytes:
@@ -158,7 +170,8 @@ class TokenEvent:
     top_logprobs: list[list[list[float]]] = field(default_factory=list)
     # on the first event, per prompt token: None (the first) or [logprob, [[id, logprob], ...]].
     prompt_logprobs: list[Any] = field(default_factory=list)
-    # An embedding request's last (only) event: the pooled vector, not normalized (pack_embedding)
+    # An embedding request's last (only) event: the pooled vector, not normalized (pack_embedding);
+    # of an embeddings batch (PrefillRequest.inputs), one event per input, `index` its place
     embedding: bytes = b""
 
 
@@ -280,6 +293,9 @@ def _check_types(message: Any) -> None:
             raise MalformedMessage(f"{name} must be a list")
         elif name == "block_hashes" and (not isinstance(value, list) or not all(isinstance(h, str) for h in value)):
             raise MalformedMessage("block_hashes must be a list of strings")
+        elif name == "inputs" and (not isinstance(value, list) or not all(
+                isinstance(ids, list) and all(isinstance(t, int) for t in ids) for ids in value)):
+            raise MalformedMessage("inputs must be a list of lists of ints")
         elif name == "pooling" and value not in ("", *POOLING_NAMES):
             raise MalformedMessage(f"pooling must be one of {POOLING_NAMES} or empty")
         elif name == "embedding" and (not isinstance(value, bytes) or len(value) % 4):

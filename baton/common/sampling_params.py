@@ -10,6 +10,7 @@ from baton.common.structured import check_shape
 
 GREEDY_TEMPERATURE = 1e-5  # below this, sampling is greedy
 MAX_LOGPROBS = 20  # OpenAI's cap on top_logprobs (vLLM's default max_logprobs is 20 too)
+MAX_CACHE_SALT_CHARS = 1024  # a salt needs ~43 (256 random bits, base64); it rides on every message
 
 
 @dataclass
@@ -39,6 +40,10 @@ class SamplingParams:
     min_tokens: int = 0
     # Structured output: {"kind": ..., "spec": ...} the output must match (see baton.common.structured)
     structured: dict | None = None
+    # vLLM's cache_salt: mixed into the first block's id (kvstore.hashing), so the prefix cache
+    # shares this request's blocks only with requests of the same salt. Not sampling, but it rides
+    # here to reach every engine that hashes the request's blocks (prefill, handoff, decode).
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if self.n != 1:
@@ -66,6 +71,10 @@ class SamplingParams:
                 raise ValueError(f"{name} must be null or an integer in [0, {MAX_LOGPROBS}], got {value!r}")
         if self.structured is not None:
             check_shape(self.structured)
+        if self.cache_salt is not None and not (isinstance(self.cache_salt, str) and 0 < len(self.cache_salt)
+                                                <= MAX_CACHE_SALT_CHARS):
+            raise ValueError(f"cache_salt must be null or a non-empty string of at most {MAX_CACHE_SALT_CHARS} "
+                             "characters")
         if self.seed is None:
             # A request without a seed still gets one, fixed at creation: its stream of random
             # draws then survives preemption and a move to another worker unchanged.

@@ -93,11 +93,13 @@ class Sequence:
         self.logprobs.append(logprob)
 
     def block_hashes(self, block_size: int, model_id: str) -> list[str]:
-        """Chained ids of every full block of the tokens so far (extended incrementally)."""
+        """Chained ids of every full block of the tokens so far (extended incrementally), salted by
+        the request's cache_salt: only requests with the same salt share its blocks."""
         hashes = self._block_hashes
         parent = hashes[-1] if hashes else None
         for index in range(len(hashes), self.num_tokens // block_size):
-            parent = hash_block(parent, self.token_ids[index * block_size:(index + 1) * block_size], model_id)
+            parent = hash_block(parent, self.token_ids[index * block_size:(index + 1) * block_size], model_id,
+                                self.sampling_params.cache_salt)
             hashes.append(parent)
         return hashes
 

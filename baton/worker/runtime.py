@@ -103,6 +103,44 @@ async def remove_dead_consumers(redis: Redis, stream: str, group: str, kind: str
     return removed
 
 
+def _stream_id(value: bytes | str) -> tuple[int, int]:
+    ms, _, seq = (value.decode() if isinstance(value, bytes) else value).partition("-")
+    return int(ms), int(seq or 0)
+
+
+async def trim_acknowledged(redis: Redis, stream: str) -> int:
+    """Delete the entries of a work stream that every consumer group has acknowledged; returns how
+    many went. The work streams have no MAXLEN (it deleted unread work past 10k entries), so this
+    is what keeps them from growing forever: what stays is what is not yet done.
+
+    The bound, per group, is its oldest pending entry (delivered, not acked), or with none the id
+    just after its last-delivered one (everything up to it was delivered and acked); entries below
+    the lowest bound of all groups are acknowledged by all. The groups are read before their
+    pending entries: an entry delivered in between is newer than the last-delivered id read, so it
+    is kept. A stream without a group keeps everything (nothing has read it). XTRIM MINID leaves
+    the groups' lag exact (XDEL would make Redis report it unknown), so `baton:stream_lag` stays
+    right. Safe from any number of workers at once: a bound, once computed, stays safe (an acked
+    entry is never pending again).
+    """
+    try:
+        groups = await redis.xinfo_groups(stream)
+    except ResponseError:  # no such stream yet
+        return 0
+    bound: tuple[int, int] | None = None
+    for group in groups:
+        info = {k.decode() if isinstance(k, bytes) else k: v for k, v in group.items()}
+        last_ms, last_seq = _stream_id(info["last-delivered-id"])
+        group_bound = (last_ms, last_seq + 1)
+        if int(info["pending"]):
+            oldest = (await redis.xpending(stream, info["name"]))["min"]
+            if oldest is not None:
+                group_bound = min(group_bound, _stream_id(oldest))
+        bound = group_bound if bound is None else min(bound, group_bound)
+    if bound is None or bound <= (0, 1):
+        return 0
+    return int(await redis.xtrim(stream, minid=f"{bound[0]}-{bound[1]}", approximate=False))
+
+
 class CancelWatcher:
     """Reads the broadcast cancel stream; remembers recently cancelled request ids (bounded)."""
 

@@ -31,7 +31,8 @@ from baton.worker.health import LoopWatch, serve_metrics
 from baton.worker.metrics import WorkerMetrics
 from baton.common.redis_client import REDIS_RETRYABLE
 from baton.worker.runtime import (CancelWatcher, GatewayWatch, claim_from_dead, connect,
-                                  default_worker_id, ensure_group, heartbeat_loop, install_signal_handlers, remove_dead_consumers)
+                                  default_worker_id, ensure_group, heartbeat_loop, install_signal_handlers, remove_dead_consumers,
+                                  trim_acknowledged)
 from baton.worker.kv_transfer import StoreKVTransfer
 from baton.worker.writer import write_effects
 from kvstore.redis_backend import RedisBlockStore
@@ -118,6 +119,11 @@ class WorkerShell:
     def num_in_flight(self) -> int:
         raise NotImplementedError
 
+    def has_work(self) -> bool:
+        """Whether anything is left to compute (a drain runs until not): what the engine holds,
+        and what a prefill worker holds back to feed it (embeddings batches)."""
+        return self.engine.has_unfinished()
+
     def background_tasks(self) -> list[Coroutine[Any, Any, None]]:
         """Coroutines that run beside the loop until exit (after `flush`)."""
         return []
@@ -162,7 +168,7 @@ class WorkerShell:
         deadline = self.drain_deadline = time.monotonic() + self.args.drain_timeout
         self.watch.draining = True
         logger.info("draining %d requests (at most %.0fs)", self.num_in_flight(), self.args.drain_timeout)
-        while self.engine.has_unfinished() and time.monotonic() < deadline:
+        while self.has_work() and time.monotonic() < deadline:
             self.watch.turn()
             try:
                 await self.iteration(accept_new=False)
@@ -205,8 +211,9 @@ class WorkerShell:
         return None
 
     async def claim(self) -> list[tuple[bytes, dict, int]]:
-        """Messages of dead peers, claimed at most once a second (and, twice a minute, dead
-        consumers that hold nothing are removed from the group)."""
+        """Messages of dead peers, claimed at most once a second, when the stream's acknowledged
+        entries are trimmed too (and, twice a minute, dead consumers that hold nothing are removed
+        from the group)."""
         now = time.monotonic()
         if now - self.last_consumer_cleanup > 30.0:
             self.last_consumer_cleanup = now
@@ -214,6 +221,7 @@ class WorkerShell:
         if now - self.last_claim < 1.0:
             return []
         self.last_claim = now
+        await trim_acknowledged(self.redis, self.stream)
         return await claim_from_dead(self.redis, self.stream, self.group, self.worker_id, self.kind,
                                      self.args.claim_idle_ms)
 

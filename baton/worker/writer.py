@@ -34,13 +34,14 @@ def queue_stream_ops(pipe: Any, effects: Effects, stream: str, group: str) -> No
     """What must happen once, together: dead letters, handoffs and the acks of the messages they
     came from. All on the pipeline streams' hash tag, so one MULTI/EXEC even on a Redis Cluster."""
     for message_id, fields, error in effects.dead_letters:
+        # a bounded tail: undecodable messages parked for an operator, not work anyone will do
         pipe.xadd(protocol.DEAD_LETTER_STREAM,
                   {b"stream": stream, b"id": message_id, b"error": error[:500],
                    protocol.PAYLOAD_FIELD: fields.get(protocol.PAYLOAD_FIELD, b"")},
                   maxlen=protocol.STREAM_MAXLEN, approximate=True)
     for handoff in effects.handoffs:
-        pipe.xadd(protocol.DECODE_STREAM, {protocol.PAYLOAD_FIELD: protocol.encode(handoff)},
-                  maxlen=protocol.STREAM_MAXLEN, approximate=True)
+        # No MAXLEN: a handoff is work; decode workers trim what they acknowledged (runtime.trim_acknowledged)
+        pipe.xadd(protocol.DECODE_STREAM, {protocol.PAYLOAD_FIELD: protocol.encode(handoff)})
     ids = [m for m, _, _ in effects.dead_letters] + effects.acks
     if ids:
         pipe.xack(stream, group, *ids)

@@ -46,8 +46,17 @@ class ThinkParser:
         self.held = ""
         self.found = False  # a think block was seen (even an empty one)
         self._said_reasoning = False  # some reasoning was returned: its later blanks are its own
+        # Blanks that came while only blanks were held (before the output's start is decided, or
+        # where the thought may end): kept in pieces, not held and scanned again on every chunk.
+        self._blanks: list[str] = []
 
     def feed(self, text: str) -> tuple[str, str]:
+        if self.held and self.held.isspace() and text.isspace():  # nothing to decide before more comes
+            self._blanks.append(text)
+            return "", ""
+        if self._blanks:
+            text = "".join(self._blanks) + text
+            self._blanks.clear()
         reasoning: list[str] = []
         content: list[str] = []
         self.held += text
@@ -95,7 +104,8 @@ class ThinkParser:
         return said, "".join(content)
 
     def finish(self) -> tuple[str, str]:
-        held, self.held = self.held, ""
+        held, self.held = self.held + "".join(self._blanks), ""
+        self._blanks.clear()
         if self.state == "start":
             if self.open_required:
                 return "", held

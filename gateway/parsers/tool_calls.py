@@ -18,7 +18,9 @@ text that may open a call (a marker cut across chunks, `<tool_c`) is held until 
 given out once it is complete and valid. A call that does not parse (bad JSON, no name, arguments not
 an object) comes back as the text it was, never an error. Content is trimmed of the blanks at its
 start, its end and around calls (held until something follows them), so the parse of the whole
-answer equals the concatenation of the parse of its pieces, however it was cut.
+answer equals the concatenation of the parse of its pieces, however it was cut. Parsing is linear
+in the answer's length: while a parser waits for one thing (a JSON call to close, a closing tag), new
+text is checked against that alone (gateway.parsers.scan), not parsed again with all that was held.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.parsers.reasoning import partial_suffix
+from gateway.parsers.scan import BLANKS, NEVER, JsonScan, MarkerWait, Wait
 
 NAMES = ("hermes", "llama3_json", "mistral", "pythonic")
 _NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
@@ -74,36 +77,12 @@ def _json(text: str) -> Any:
         return None
 
 
-def json_end(text: str, start: int = 0) -> int | None:
-    """The end of the JSON object or array that opens at `text[start]` (string-aware), or None
-    while it is not closed yet."""
-    depth, in_string, escaped = 0, False, False
-    for i in range(start, len(text)):
-        c = text[i]
-        if in_string:
-            if escaped:
-                escaped = False
-            elif c == "\\":
-                escaped = True
-            elif c == '"':
-                in_string = False
-        elif c == '"':
-            in_string = True
-        elif c in "[{":
-            depth += 1
-        elif c in "]}":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-    return None
-
-
 class _Content:
     """Content trimmed at its start, its end and around calls: trailing blanks wait for more."""
 
     def __init__(self) -> None:
         self.started = False
-        self.blanks = ""
+        self.blanks: list[str] = []  # in pieces: a long run of blanks is not copied once per chunk
 
     def text(self, piece: str) -> str:
         if not self.started:
@@ -111,14 +90,17 @@ class _Content:
             if not piece:
                 return ""
             self.started = True
-        piece = self.blanks + piece
         body = piece.rstrip()
-        self.blanks = piece[len(body):]
-        return body
+        if not body:
+            self.blanks.append(piece)
+            return ""
+        said = "".join(self.blanks) + body
+        self.blanks = [piece[len(body):]]
+        return said
 
     def call(self) -> None:
         """A call came: the blanks before it go, and those after it too."""
-        self.started, self.blanks = False, ""
+        self.started, self.blanks = False, []
 
 
 class ToolParser:
@@ -128,16 +110,33 @@ class ToolParser:
         self.tool_names = tool_names
         self.held = ""
         self.out = _Content()
+        # What the held text waits for, when one thing alone can change its parse (set by `_step`
+        # as it returns undecided): text that does not bring it is kept in `pending`, unparsed.
+        self.wait: Wait | None = None
+        self.pending: list[str] = []
 
     def feed(self, text: str) -> Parsed:
-        self.held += text
+        if self.wait is not None and not self.wait.done(text):
+            self.pending.append(text)
+            return Parsed()
+        self._take(text)
         parsed = Parsed()
         self._step(parsed, final=False)
         return parsed
 
+    def _take(self, text: str = "") -> None:
+        """Hold the pending text and `text`, to parse them again."""
+        if self.pending:
+            text = "".join(self.pending) + text
+            self.pending.clear()
+        self.held += text
+        self.wait = None
+
     def finish(self) -> Parsed:
+        self._take()
         parsed = Parsed()
         self._step(parsed, final=True)
+        self.wait = None
         if self.held:  # an unfinished call that does not read: the text as it was
             parsed.content += self.out.text(self.held)
             self.held = ""
@@ -171,6 +170,7 @@ class _Tagged(ToolParser):
             self.held = self.held[at:]
             end = self.held.find(self.CLOSE, len(self.OPEN))
             if end < 0 and not final:
+                self.wait = MarkerWait(self.CLOSE, self.held[len(self.OPEN):])
                 return
             body = self.held[len(self.OPEN):end if end >= 0 else len(self.held)]
             whole = self.held[:end + len(self.CLOSE)] if end >= 0 else self.held
@@ -201,20 +201,25 @@ class _Leading(ToolParser):
                 if not self._text(parsed, final):
                     return
                 continue
-            lead = len(self.held) - len(self.held.lstrip())
-            outcome = self._at_call(self.held[lead:], final)
+            # Blanks here go whatever comes: nothing was said since the answer's start or the last
+            # call (so content would trim them), or they come before a call. Dropped now, a long
+            # run of them is not held and stripped again on every chunk.
+            self.held = self.held.lstrip()
+            if not self.held:
+                return
+            outcome = self._at_call(self.held, final)
             if outcome is None:  # not decided yet
                 if final:  # an unfinished call: text
-                    self.text_only, self.rejected = True, lead
+                    self.text_only, self.rejected = True, 0
                     continue
                 return
             if outcome is False:
-                self.text_only, self.rejected = True, lead
+                self.text_only, self.rejected = True, 0
                 continue
             used, calls = outcome
             for call in calls:
                 self._emit_call(parsed, call)
-            self.held = self.held[lead + used:]
+            self.held = self.held[used:]
 
     def _text(self, parsed: Parsed, final: bool) -> bool:
         """Content: all of it (True: a call may start again at what is held now)."""
@@ -224,21 +229,29 @@ class _Leading(ToolParser):
 
     def _at_call(self, text: str, final: bool) -> tuple[int, list[Call]] | bool | None:
         """At the start of `text`: (characters used, the calls read), False (no call here: the rest
-        is content), or None (cannot tell yet)."""
+        is content), or None (cannot tell yet; then `self.wait` may say what alone can decide it)."""
         raise NotImplementedError
 
+    def _json_end(self, text: str) -> int | None:
+        """The end of the JSON value opening `text`; while it is open, only its end can decide the
+        call (every caller checked the rest already), so that is what the parser waits for."""
+        scan = JsonScan()
+        end = scan.feed(text)
+        if end is None:
+            self.wait = scan
+        return end
 
-def _json_calls_at(text: str, keys: tuple[str, ...]) -> tuple[int, list[Call]] | bool | None:
-    """A JSON object (one call) or array (of calls) opening `text`."""
-    end = json_end(text)
-    if end is None:
-        return None
-    value = _json(text[:end])
-    items = value if isinstance(value, list) else [value]
-    calls = [_call_of(item, keys) for item in items]
-    if not items or any(c is None for c in calls):
-        return False
-    return end, [c for c in calls if c is not None]
+    def _json_calls_at(self, text: str, keys: tuple[str, ...]) -> tuple[int, list[Call]] | bool | None:
+        """A JSON object (one call) or array (of calls) opening `text`."""
+        end = self._json_end(text)
+        if end is None:
+            return None
+        value = _json(text[:end])
+        items = value if isinstance(value, list) else [value]
+        calls = [_call_of(item, keys) for item in items]
+        if not items or any(c is None for c in calls):
+            return False
+        return end, [c for c in calls if c is not None]
 
 
 class Llama3Json(_Leading):
@@ -253,12 +266,13 @@ class Llama3Json(_Leading):
             pos += _blanks(text, pos)
         rest = text[pos:]
         if not rest:
+            self.wait = BLANKS  # after `;` or the tag: only a non-blank decides
             return (pos, []) if final and pos else None
         if not final and self.TAG.startswith(rest):
             return None
         if not rest.startswith("{"):
             return False
-        outcome = _json_calls_at(rest, ("parameters", "arguments"))
+        outcome = self._json_calls_at(rest, ("parameters", "arguments"))
         return (pos + outcome[0], outcome[1]) if isinstance(outcome, tuple) else outcome
 
 
@@ -280,13 +294,17 @@ class Mistral(_Leading):
         body = rest.lstrip()
         used += len(rest) - len(body)
         if not body:
+            self.wait = BLANKS
             return None if not final else False
         if body[0] == "[":
-            if len(body) > 1 and not body[1:].lstrip():
+            if body == "[":
+                return None if not final else False
+            if not body[1:].lstrip():
+                self.wait = BLANKS
                 return None
-            if not body[1:].lstrip().startswith("{") and not (len(body) == 1 and not final):
+            if not body[1:].lstrip().startswith("{"):
                 return False
-            outcome = _json_calls_at(body, ("arguments",))
+            outcome = self._json_calls_at(body, ("arguments",))
             return (used + outcome[0], outcome[1]) if isinstance(outcome, tuple) else outcome
         name = _NAME.match(body)
         if name is None:
@@ -305,10 +323,11 @@ class Mistral(_Leading):
         args = body[args_at:].lstrip()
         args_at = len(body) - len(args)
         if not args:
+            self.wait = BLANKS
             return None
         if args[0] != "{":
             return False
-        end = json_end(args)
+        end = self._json_end(args)
         if end is None:
             return None
         call = _call_of({"name": name.group(0), "arguments": _json(args[:end])})
@@ -344,7 +363,13 @@ class Pythonic(ToolParser):
         if not self.text_only:
             body = self.held.lstrip()
             if not final:
-                if not body or body.startswith(("[", self.WRAP[0])) or self.WRAP[0].startswith(body):
+                if not body:
+                    self.wait = BLANKS
+                    return
+                if body.startswith(("[", self.WRAP[0])):
+                    self.wait = NEVER  # read at the end: until then, pieces are only kept
+                    return
+                if self.WRAP[0].startswith(body):
                     return
                 self.text_only = True
             else:
