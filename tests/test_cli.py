@@ -113,7 +113,8 @@ def test_child_command_lines_pass_flags_through():
                        "--num-kv-blocks", "512", "--scheduler-policy", "max-utilization",
                        "--max-num-batched-tokens", "256", "--block-size", "16",
                        "--worker-metrics-port", "9100", "--decode-workers", "2",
-                       "--log-format", "json", "--shutdown-grace", "12")
+                       "--log-format", "json", "--shutdown-grace", "12",
+                       "--max-embedding-tokens", "4096", "--pooling-step-tokens", "32")
     plan = ThreadPlan([2], [1, 1], cpus=4)
     specs = build_child_specs(args, Path("/m"), "redis://127.0.0.1:1/0", plan, python="py")
     assert [s.name for s in specs] == ["prefill_worker[0]", "decode_worker[0]", "decode_worker[1]", "gateway"]
@@ -137,6 +138,8 @@ def test_child_command_lines_pass_flags_through():
     assert flag(gw, "--max-queue-wait") == "2.5"
     assert "--threads" not in gw and "--max-input-tokens" not in gw
     assert float(flag(gw, "--shutdown-grace")) == 12 and "--shutdown-grace" not in pre
+    assert flag(gw, "--max-embedding-tokens") == "4096" and "--max-embedding-tokens" not in pre
+    assert flag(pre, "--pooling-step-tokens") == "32" and "--pooling-step-tokens" not in dec0
     for argv in (pre, dec0, dec1, gw):
         assert flag(argv, "--model") == "/m"
         assert flag(argv, "--log-format") == "json"  # every process logs the same way

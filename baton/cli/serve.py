@@ -59,11 +59,15 @@ GATEWAY_FLAGS: list[tuple[str, type, str]] = [
     ("--responses-max-bytes", str, "bytes all stored /v1/responses answers may take, e.g. 256MiB (the oldest "
                                    "are dropped past it; default 64MiB)"),
     ("--pooling", str, "embeddings: last, mean or cls (default: the checkpoint's sentence-transformers config, else last)"),
+    ("--max-embedding-tokens", int, "embeddings: input tokens admitted at once, in their own lane beside the "
+                                    "generation budget (default 65536; also the largest request)"),
 ]
 # Environment variables that carry secrets to the children (never argv: `ps` shows argv to all).
 REDIS_URL_ENV = "REDIS_URL"
 PREFILL_FLAGS: list[tuple[str, type, str]] = [
     ("--max-num-batched-tokens", int, "prefill worker: token budget per iteration (chunked prefill)"),
+    ("--pooling-step-tokens", int, "prefill worker: embeddings input tokens per step beside chat prompts "
+                                   "(default: --max-num-batched-tokens / 8)"),
 ]
 DECODE_FLAGS: list[tuple[str, type, str]] = [
     ("--num-kv-blocks", int, "decode worker: KV blocks in its pool"),
