@@ -18,7 +18,7 @@ and issue 20's hostile requests (best_of on a streaming route, a seed near 2**64
 usage, streamed required tool calls with n, prompts x n with echo and 20 logprobs, a 1 MiB /tokenize
 with token strings, an invalid schema: each must get its own answer, never a hang or a 500), and
 issue 38's (benchmarks/chaos_floods.py): requests without the API key (the server runs with one),
-embedding floods of up to 512 inputs and stored-response floods against a 1 MiB
+embedding floods of up to 512 inputs and stored-response floods against a 16 KiB
 --responses-max-bytes.
 Afterwards the cluster must hold nothing: budget, running requests, pending stream entries and KV
 blocks in use all back to zero.
@@ -386,7 +386,7 @@ def main() -> None:
     cmd = [str(Path(sys.executable).parent / "baton"), "serve", "--model", str(model), "--port", str(port),
            "--prefill-workers", "2", "--decode-workers", "2", "--dtype", args.dtype,
            "--max-batch-total-tokens", str(budget), "--max-total-tokens", "256", "--max-input-tokens", "128",
-           "--max-queue-wait", "5", "--responses-max-bytes", "1MiB"]
+           "--max-queue-wait", "5", "--responses-max-bytes", "16KiB"]
     # The key through the environment, as a user should pass it (argv is visible to every user).
     serve = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                              env={**os.environ, "BATON_API_KEY": API_KEY})

@@ -6,7 +6,7 @@ and stored-response floods. Each must get its own clear answer, never a hang, a 
   is a clear answer too);
 - embed_flood: one /v1/embeddings request of 64-512 inputs: 200 with one vector per input, in order,
   or a clear 429/503 (overload, a fault under way); never a timeout;
-- responses_flood: /v1/responses with `store: true` and ~40 KB of instructions, against a small
+- responses_flood: /v1/responses with `store: true` and a short prompt (chaos.py admits 128 input tokens), against a 16 KiB
   --responses-max-bytes: 200, and the stored answer is either read back by its id or was dropped
   (404) to make room for newer ones; never a 500.
 """
@@ -95,7 +95,7 @@ async def _embed_flood(client: httpx.AsyncClient, key_headers: dict[str, str], t
 
 async def _responses_flood(client: httpx.AsyncClient, key_headers: dict[str, str], tally: FloodTally,
                            rng: random.Random) -> None:
-    body = {"input": "Say hi.", "instructions": "Be brief. " * 4000, "store": True, "max_output_tokens": 4}
+    body = {"input": "Say hi.", "instructions": "Be brief. " * 20, "store": True, "max_output_tokens": 4}
     r = await client.post("/v1/responses", json=body, headers=key_headers)
     if r.status_code in (429, 503):
         tally.clear("responses_flood", r.status_code)
