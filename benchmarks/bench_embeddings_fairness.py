@@ -31,9 +31,11 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
 
+T = TypeVar("T")
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -76,14 +78,20 @@ def embedding_body(rng: random.Random, inputs: int, words: int) -> dict:
     return {"input": texts, "encoding_format": "base64"}
 
 
-async def embed(client: httpx.AsyncClient, body: dict, tally: Tally, timeout: float) -> None:
+async def answered(tally: Tally, request: Awaitable[T]) -> T | None:
+    """The request's result, or None with its transport failure recorded (timeout or connection)."""
     try:
-        reply = await client.post("/v1/embeddings", json=body, timeout=timeout)
+        return await request
     except httpx.TimeoutException:
         tally.record(-1, "no answer within the client timeout")
-        return
     except httpx.HTTPError as exc:
         tally.record(0, f"{type(exc).__name__}: {exc}")
+    return None
+
+
+async def embed(client: httpx.AsyncClient, body: dict, tally: Tally, timeout: float) -> None:
+    reply = await answered(tally, client.post("/v1/embeddings", json=body, timeout=timeout))
+    if reply is None:
         return
     if reply.status_code == 200:
         tally.outcomes["ok"] += 1
@@ -95,11 +103,12 @@ async def embed(client: httpx.AsyncClient, body: dict, tally: Tally, timeout: fl
 async def chat(client: httpx.AsyncClient, question: str, tally: Tally, timeout: float) -> None:
     body = {"messages": [{"role": "user", "content": question}], "max_tokens": 8, "stream": True}
     started = time.perf_counter()
-    try:
+
+    async def stream() -> tuple[bool, float | None]:  # (ended well, time to the first content)
         async with client.stream("POST", "/v1/chat/completions", json=body, timeout=timeout) as reply:
             if reply.status_code != 200:
                 tally.record(reply.status_code, (await reply.aread()).decode(errors="replace"))
-                return
+                return False, None
             first: float | None = None
             async for line in reply.aiter_lines():
                 if not line.startswith("data:") or line.strip() == "data: [DONE]":
@@ -107,19 +116,18 @@ async def chat(client: httpx.AsyncClient, question: str, tally: Tally, timeout: 
                 event = json.loads(line[5:])
                 if "error" in event:
                     tally.record(500, json.dumps(event["error"]))
-                    return
+                    return False, None
                 delta = (event.get("choices") or [{}])[0].get("delta") or {}
                 if first is None and delta.get("content"):
                     first = time.perf_counter() - started
-    except httpx.TimeoutException:
-        tally.record(-1, "no answer within the client timeout")
-        return
-    except httpx.HTTPError as exc:
-        tally.record(0, f"{type(exc).__name__}: {exc}")
+            return True, first
+
+    outcome = await answered(tally, stream())
+    if outcome is None or not outcome[0]:
         return
     tally.outcomes["ok"] += 1
-    if first is not None:
-        tally.ttfts.append(first)
+    if outcome[1] is not None:
+        tally.ttfts.append(outcome[1])
 
 
 async def open_loop(rate: float, duration: float, start: Callable[[], Awaitable[None]]) -> list[asyncio.Task]:
