@@ -74,7 +74,7 @@ RUN baton model fetch
 ENV HF_HUB_OFFLINE=1
 # Build the native kernels now for this build host's CPU (a container on another CPU builds its own
 # at first start, into the same cache).
-RUN python -m baton.engine.kernels
+RUN python -m baton.model.kernels
 EXPOSE 8000 9100
 # Ready (not just alive): Redis reachable and at least one prefill and one decode worker live.
 # compose.yaml replaces this for the workers (their /health on the metrics port).

@@ -44,7 +44,7 @@ import torch
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from baton.engine.config import ModelConfig  # noqa: E402
+from baton.model.config import ModelConfig  # noqa: E402
 from baton.common.sampling_params import SamplingParams  # noqa: E402
 
 MIN_TOKEN_ID = 100  # random prompts avoid the special tokens at the start of the vocabulary
@@ -417,7 +417,7 @@ def label_native_kernels(model) -> Callable[[], None]:
     regions named `native::<kernel>`, for the profile only; returns the function that undoes it."""
     from torch.profiler import record_function
 
-    from baton.engine import kernels
+    from baton.model import kernels
 
     module = kernels.loaded()
     if module is None:
@@ -456,7 +456,7 @@ def profile_decode(engine, batch: int, context: int, steps: int, seed: int) -> N
     db = DecodeBatch(engine, batch, context, 2 * steps + 8, seed)
     for _ in range(2):
         db.step()
-    runner, model = engine.runner, engine.runner.model
+    runner, model = engine.runtime.runner, engine.runtime.runner.model
     original_sample = engine_module.sample
 
     # (a) timers around the parts of engine.step (instance attributes shadow the methods meanwhile)
@@ -606,7 +606,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\ndecode steps and floors on {torch.get_num_threads()} thread(s), CPU: {cpu_model()}")
         read_bw, best_bw, copy_bw = measure_bandwidth()
         flops, best_flops = measure_matmul(dtype)  # the compute floor at the worker's thread count
-        weights = weight_bytes_per_step(engine.model)
+        weights = weight_bytes_per_step(engine.runtime.model)
         kv_tok = kv_bytes_per_token(config, dtype)
         print(f"\nmachine (medians; best in brackets): memory read {read_bw / 1e9:.1f} GB/s [{best_bw / 1e9:.1f}] "
               f"(sum of 1 GiB fp32), copy {copy_bw / 1e9:.1f} GB/s (read+write); {args.dtype} matmul 2048^3 "

@@ -24,7 +24,7 @@ SHAPES = {(576, 576): 60, (192, 576): 60, (1536, 576): 60, (576, 1536): 30}  # [
 
 
 def best_ms(fn, repeats: int = 3) -> float:
-    from baton.engine.linear import best_seconds
+    from baton.model.linear import best_seconds
 
     return best_seconds(fn, repeats) * 1e3
 
@@ -60,7 +60,7 @@ def modes(rounds: int) -> None:
     results: dict[str, dict[str, list[float]]] = {}
     for rnd in range(rounds):
         for mode in ("off", "full", "matmul"):
-            engine.model.prepare(batch_invariant=mode)
+            engine.runtime.model.prepare(batch_invariant=mode)
             timings = results.setdefault(mode, {})
             for batch, seconds in measure_decode_steps(engine, (1, 16, 64), 256, 10, rnd).items():
                 timings.setdefault(f"decode batch {batch}", []).extend(seconds)
@@ -86,7 +86,7 @@ def main() -> int:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from bench_engine import cpu_model
 
-    from baton.engine import kernels
+    from baton.model import kernels
 
     native = kernels.load()
     if native is None or not native.gemv_available():

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from baton import LLM, SamplingParams  # noqa: E402
-from baton.engine.model_runner import kv_bytes_per_block  # noqa: E402
+from baton.model.model_runner import kv_bytes_per_block  # noqa: E402
 from benchmarks.bench_engine import DecodeBatch, cpu_model  # noqa: E402
 
 FORMATS = ("auto", "int8", "fp8")

@@ -31,8 +31,8 @@ args = argparse.Namespace(model=resolve_model(sys.argv[1] or None), dtype="bfloa
                           num_kv_blocks=16, kv_cache_memory=0, max_num_seqs=16, max_num_batched_tokens=512,
                           threads=1, quantization=sys.argv[2])
 engine = build_engine(args)
-from baton.engine.plan_report import held_bytes
-held = held_bytes(engine.model)  # every weight in whatever forms it is held, each storage once
+from baton.model.plan_report import held_bytes
+held = held_bytes(engine.runtime.model)  # every weight in whatever forms it is held, each storage once
 print(json.dumps({"rss_mb": rss_mb() - base, "peak_mb": rss_mb("VmHWM") - base, "scheme": engine.quantization, "weights_mb": held / 1e6}))
 """
 

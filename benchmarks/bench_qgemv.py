@@ -33,9 +33,9 @@ def main() -> int:
     parser.add_argument("--activations", action="store_true", help="also time the activation quantization alone")
     args = parser.parse_args()
 
-    from baton.engine import kernels
-    from baton.engine.linear import QuantizedLinear, RowSplitLinear, best_seconds
-    from baton.engine.quant import quantize_q4, quantize_q8_0
+    from baton.model import kernels
+    from baton.model.linear import QuantizedLinear, RowSplitLinear, best_seconds
+    from baton.model.quant import quantize_q4, quantize_q8_0
 
     native = kernels.load()
     if native is None or not native.q8_available():

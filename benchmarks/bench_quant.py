@@ -28,7 +28,7 @@ from benchmarks.bench_engine import (cpu_model, loadavg, measure_bandwidth, meas
 
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes a decode step reads for the projections and the head (their current ops)."""
-    from baton.engine.linear import QuantizedLinear
+    from baton.model.linear import QuantizedLinear
 
     total = 0
     for owner, name, linear in model.projection_slots():
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> None:
                       num_kv_blocks=max(batches) * (args.context // 16 + args.repeats // 16 + 8) + 8)
             name = f"{quantization}={llm.engine.quantization}" if quantization == "auto" else quantization
             steps = measure_decode_steps(llm.engine, batches, args.context, args.repeats, seed=0)
-            rows[name] = ({b: statistics.median(t) for b, t in steps.items()}, weight_bytes(llm.engine.model))
+            rows[name] = ({b: statistics.median(t) for b, t in steps.items()}, weight_bytes(llm.engine.runtime.model))
             if args.prefill:
                 prefill[name] = statistics.median(measure_prefill(llm.engine, args.prefill, 5, seed=1))
             del llm

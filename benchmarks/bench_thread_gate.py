@@ -1,4 +1,4 @@
-"""What the thread gate (baton/engine/thread_gate.py) costs a decode step that keeps its lent threads.
+"""What the thread gate (baton/model/thread_gate.py) costs a decode step that keeps its lent threads.
 
 A borrowing decode step looks at its lender's state before each layer (decode_layers.cpp) and twice
 from Python. This times the default model's decode step (its GGUF's own blocks, bf16, context 256)
@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from baton.common.model_files import resolve_model
-    from baton.engine.thread_gate import ThreadGate
+    from baton.model.thread_gate import ThreadGate
     from baton.llm import LLM
     from baton.worker import core_share
     from baton.worker.core_share import Ledger, LenderState, run_with_threads

@@ -28,7 +28,7 @@ def encode_block(token_ids: Sequence[int], kv: torch.Tensor) -> bytes:
 
 
 # The dtypes a block may hold (what a worker computes in, or a quantized cache's format: see
-# baton.engine.kv_quant); anything else is no KV of ours.
+# baton.model.kv_quant); anything else is no KV of ours.
 KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
              "int8": torch.int8, "float8_e4m3fn": torch.float8_e4m3fn}
 # A quantized cache's row: head_dim one-byte codes, then an fp32 scale in this many bytes.

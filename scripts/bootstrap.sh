@@ -100,7 +100,7 @@ fi
 # 5. Native CPU kernels (paged decode attention, greedy pick), built once per machine; where no
 #    compiler is available Baton runs their torch fallback.
 if [ "${BATON_NATIVE_KERNELS:-1}" != 0 ]; then
-  say "$("$PY" -m baton.engine.kernels 2>/dev/null | tail -n 1)"
+  say "$("$PY" -m baton.model.kernels 2>/dev/null | tail -n 1)"
 fi
 
 # 6. The default model ---------------------------------------------------------------------------

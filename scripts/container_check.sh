@@ -5,7 +5,7 @@
 #      streamed completion through the gateway's port equal transformers' greedy float32 output,
 #      and every container's healthcheck passes. The workers run --dtype float32, which serves the
 #      default model from its GGUF's dequantized weights (the reference's), not its Q4_1 blocks
-#      (baton/engine/quant.py: resolve_weights); the workers' "weights:" log line is checked
+#      (baton/model/quant.py: resolve_weights); the workers' "weights:" log line is checked
 #   b  --scale decode_worker=2: both decode workers serve (their counters in the gateway's /stats)
 #   c  SIGKILL of a decode container under 8 streams: all complete with the reference text, the
 #      container comes back by its restart policy, nothing is held afterwards

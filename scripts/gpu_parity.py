@@ -28,7 +28,7 @@ transformers' reference runs with its default attention implementation, except e
 model soft-caps attention scores (Gemma 2): SDPA cannot soft-cap, and transformers 5.17 (unlike
 5.25) picks SDPA for Gemma 2, silently dropping the cap (--hf-attn overrides).
 
-On CUDA the native CPU kernels (baton/engine/kernels, built with a C++ compiler on first use) are
+On CUDA the native CPU kernels (baton/model/kernels, built with a C++ compiler on first use) are
 never needed; BATON_NATIVE_KERNELS=0 is set so that no build can start, and the script reports
 whether the engine asked for them at all (`kernels.load()` calls are counted).
 
@@ -107,8 +107,8 @@ import transformers  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig  # noqa: E402
 
 from baton.common.sampling_params import SamplingParams  # noqa: E402
-from baton.engine import kernels as native_kernels  # noqa: E402
-from baton.engine.families import FAMILIES as ENGINE_FAMILIES  # noqa: E402
+from baton.model import kernels as native_kernels  # noqa: E402
+from baton.model.families import FAMILIES as ENGINE_FAMILIES  # noqa: E402
 from baton.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
 from baton.engine.window_blocks import freeable_window  # noqa: E402
 from tests.test_families import FAMILIES as TEST_FAMILIES, VOCAB, build_family  # noqa: E402
@@ -431,7 +431,7 @@ def bench(family: str, model_dir: Path, dtype: str) -> None:
             secs = time.perf_counter() - t0
             results.append((batch, generated / secs, 1000 * secs / max(steps, 1)))
         text = ", ".join(f"batch {b}: {tps:,.0f} tok/s ({ms:.2f} ms/step)" for b, tps, ms in results[1:])
-        say(f"BENCH {family:<12} {dtype:<8} decode  {text}  [{engine.model.describe()}; prompt "
+        say(f"BENCH {family:<12} {dtype:<8} decode  {text}  [{engine.runtime.model.describe()}; prompt "
             f"{ARGS.bench_prompt}, {tokens} tokens/request]")
     except Exception as exc:  # noqa: BLE001
         FAILURES.append(f"{family} bench: {type(exc).__name__}: {exc}")
@@ -441,10 +441,10 @@ def bench(family: str, model_dir: Path, dtype: str) -> None:
 
 def device_report(model_dir: Path, dtype: str) -> str:
     engine = make_engine(model_dir, dtype, num_kv_blocks=8)
-    where = {p.device.type for p in engine.model.parameters()} | {engine.runner.kv_cache.device.type}
+    where = {p.device.type for p in engine.runtime.model.parameters()} | {engine.runtime.runner.kv_cache.device.type}
     if where != {DEVICE_TYPE}:
         raise RuntimeError(f"engine tensors on {sorted(where)}, not {DEVICE_TYPE}")
-    return engine.model.describe()
+    return engine.runtime.model.describe()
 
 
 # ---------------------------------------------------------------------------------------- main

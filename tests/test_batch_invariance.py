@@ -40,7 +40,7 @@ def invariant_mode():
 
 @pytest.fixture(scope="module")
 def llm(default_model_dir, one_torch_thread):
-    from baton.engine import kernels
+    from baton.model import kernels
 
     llm = LLM(model=str(default_model_dir), dtype="bfloat16", enable_prefix_caching=False)
     native = kernels.loaded()
@@ -127,7 +127,7 @@ def test_the_native_matmul_computes_each_row_alike_for_every_row_count(choice):
     """The kernel behind every bf16 projection in this mode: a row's output is bit-identical whatever
     the number of rows in the call (1 to 513: every tiling and tail) and the row's place in it; both
     paths (AMX, used where the CPU has it, and AVX512-BF16)."""
-    from baton.engine import kernels
+    from baton.model import kernels
 
     native = kernels.load()
     if native is None or not native.gemv_available():
@@ -178,14 +178,14 @@ def test_every_bf16_projection_takes_one_kernel_for_every_row_count_unless_turne
     """The mode's wiring: by default no projection (layers, lm_head) switches kernel with the row
     count, nor does the all-layers native call, and prefill attends through the decode kernel;
     BATON_BATCH_INVARIANT=matmul keeps the first only, =0 restores the tuned split and SDPA."""
-    from baton.engine import kernels
-    from baton.engine.linear import ALL_ROWS, RowSplitLinear
+    from baton.model import kernels
+    from baton.model.linear import ALL_ROWS, RowSplitLinear
 
     native = kernels.load()
     if native is None or not native.gemv_available():
         pytest.skip("the native matmul needs AVX512-BF16")
     tiny = LLM(model=str(tiny_model_dir), dtype="bfloat16", num_kv_blocks=16)  # full (the module's mode)
-    model = tiny.engine.model
+    model = tiny.engine.runtime.model
     ops = [op for layer in model.layers for op in (layer.self_attn.qkv, layer.self_attn.o, layer.mlp.gate_up,
                                                   layer.mlp.down)] + [model.head]
     assert all(isinstance(op, RowSplitLinear) and op.max_native_rows == ALL_ROWS for op in ops)
@@ -209,7 +209,7 @@ def test_every_bf16_projection_takes_one_kernel_for_every_row_count_unless_turne
 
 @pytest.mark.parametrize("kernel,mode", [("amx", "full"), ("avx512bf16", "full"), ("none", "off")])
 def test_the_default_is_invariant_wherever_the_native_matmul_runs(monkeypatch, kernel, mode):
-    from baton.engine.linear import batch_invariant_mode
+    from baton.model.linear import batch_invariant_mode
 
     class Kernels:
         @staticmethod

@@ -168,7 +168,7 @@ def test_greedy_matches_transformers(family, family_dir, prompts):
     assert len({t for r in expected for t in r}) >= 8  # not one repeated token: the model is fit for parity
     # batched, prompts of different lengths
     llm = LLM(model=str(model_dir), dtype="float32", num_kv_blocks=128)
-    assert llm.engine.model.path == "torch"
+    assert llm.engine.runtime.model.path == "torch"
     outputs = llm.generate(prompts, greedy())
     assert tokens_of(outputs) == expected
     # and the same numbers: what greedy cannot see (final soft-capping, logits scaling) shows here
@@ -205,11 +205,11 @@ def test_the_window_matters(family_dir, prompts):
 @pytest.mark.parametrize("family", NON_LLAMA)
 def test_bf16_runs_on_the_torch_path(family, family_dir, prompts):
     llm = LLM(model=str(family_dir(family)), dtype="bfloat16", num_kv_blocks=128, max_num_batched_tokens=32)
-    model = llm.engine.model
+    model = llm.engine.runtime.model
     plain = not model.config.native_unsupported()  # qwen2 (bias only): the native kernels run it
     assert model.path == ("native" if plain and model.fused_norm is not None else "torch"), model.describe()
     if not plain:
-        assert model.fused_norm is None and model.layers_plan is None and llm.engine.runner.pads_decode
+        assert model.fused_norm is None and model.layers_plan is None and llm.engine.runtime.runner.pads_decode
         assert "torch path" in model.describe()
     outputs = tokens_of(llm.generate(prompts, greedy()))
     assert all(len(t) == N and all(0 <= x < VOCAB for x in t) for t in outputs)
@@ -261,7 +261,7 @@ def test_qwen3_weights_under_a_llama_config_are_refused(family_dir, tmp_path):
 
 
 def test_an_unknown_model_type_names_the_supported_ones(family_dir, tmp_path):
-    from baton.engine.config import ModelConfig
+    from baton.model.config import ModelConfig
 
     bad = tmp_path / "unknown"
     bad.mkdir()
@@ -292,8 +292,8 @@ def test_rope_frequencies_equal_transformers(case, tmp_path):
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from baton.engine.config import ModelConfig
-    from baton.engine.rope import rope_inv_freq, rope_table
+    from baton.model.config import ModelConfig
+    from baton.model.rope import rope_inv_freq, rope_table
 
     params = {"rope_theta": 10000.0, **ROPE_CASES[case]}
     hf_config = LlamaConfig(**{**SMALL, "max_position_embeddings": 512}, rope_parameters=params)
@@ -319,11 +319,11 @@ def test_rope_frequencies_equal_transformers(case, tmp_path):
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
 def test_int8_weights_run_on_the_torch_path_and_leave_moe_experts_alone(family, family_dir, prompts):
     """--quantization int8 on a family outside the native path: every dense projection is int8, the
-    experts stay in bf16 (run by baton.engine.moe), and generation works."""
-    from baton.engine.linear import QuantizedLinear
+    experts stay in bf16 (run by baton.model.moe), and generation works."""
+    from baton.model.linear import QuantizedLinear
 
     llm = LLM(model=str(family_dir(family)), dtype="bfloat16", num_kv_blocks=128, quantization="int8")
-    model = llm.engine.model
+    model = llm.engine.runtime.model
     assert all(isinstance(getattr(owner, name), QuantizedLinear) for owner, name, _ in model.projection_slots())
     experts = [p for n, p in model.named_parameters() if "experts" in n]
     assert (family == "qwen3_moe") == bool(experts) and all(p.dtype == torch.bfloat16 and p.numel() for p in experts)

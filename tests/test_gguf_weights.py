@@ -13,8 +13,8 @@ import torch
 
 from baton.common.gguf_key import gguf_content_key
 from baton.common.model_files import GGUF_SOURCE_FILE, gguf_source
-from baton.engine.gguf_weights import _check, unpack_q4, unpack_q8_0
-from baton.engine.linear import dequantize_q4, dequantize_q8_0
+from baton.model.gguf_weights import _check, unpack_q4, unpack_q8_0
+from baton.model.linear import dequantize_q4, dequantize_q8_0
 
 
 def random_blocks(type_name: str, n: int, k: int, seed: int) -> np.ndarray:
@@ -77,7 +77,7 @@ def test_auto_serves_a_gguf_dequantized_where_no_native_kernel_multiplies_its_bl
     """Without AVX512-VNNI or AVX2 the blocks would be dequantized per call: auto keeps the loaded weights."""
     from types import SimpleNamespace
 
-    from baton.engine.quant import quantize_model
+    from baton.model.quant import quantize_model
 
     class NoVNNI:
         @staticmethod
@@ -94,7 +94,7 @@ def test_auto_serves_a_gguf_dequantized_where_no_native_kernel_multiplies_its_bl
 def test_auto_dtype_is_bf16_wherever_the_native_kernel_serves_quantized_weights(tmp_path):
     """On a CPU without bf16 instructions (AVX2) `--dtype auto` would load fp32, the torch path; with
     quantized weights the native bf16 layer path runs them twice as fast, so auto loads bf16 there."""
-    from baton.engine.quant import auto_dtype
+    from baton.model.quant import auto_dtype
 
     class Kernels:
         def __init__(self, available: bool) -> None:

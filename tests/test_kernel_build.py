@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from baton.engine import kernels
+from baton.model import kernels
 
 needs_compiler = pytest.mark.skipif(kernels._compiler() is None, reason="no C++ compiler here")
 
@@ -32,7 +32,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("add", &add); }
 BUILD = """
 import logging, sys
 logging.basicConfig(level="INFO", format="%(levelname)s %(message)s")
-from baton.engine import kernels
+from baton.model import kernels
 ext = kernels.Extension(name=sys.argv[1], cpp_sources=(sys.argv[2],), extra_cflags=("-O0",), implicit_headers=False)
 module = kernels.build(ext, timeout_s=float(sys.argv[3]))
 print("RESULT", None if module is None else module.add(2, 3), flush=True)
@@ -200,7 +200,7 @@ def test_a_builder_that_never_finishes_is_waited_for_only_so_long(tmp_path, monk
     with open(build_dir / "baton.lock", "w") as held:  # a separate open file: flock excludes it as another process
         fcntl.flock(held, fcntl.LOCK_EX)
         started = time.monotonic()
-        with caplog.at_level(logging.INFO, logger="baton.engine.kernels"):
+        with caplog.at_level(logging.INFO, logger="baton.model.kernels"):
             assert kernels.build(ext, timeout_s=0.5) is None
         assert time.monotonic() - started < 10
     assert "BATON_KERNEL_BUILD_TIMEOUT" in caplog.text and "the torch path runs" in caplog.text
@@ -213,7 +213,7 @@ def test_the_build_timeout_comes_from_the_environment(monkeypatch, caplog):
     monkeypatch.setenv("BATON_KERNEL_BUILD_TIMEOUT", "30")
     assert kernels.build_timeout() == 30.0
     monkeypatch.setenv("BATON_KERNEL_BUILD_TIMEOUT", "soon")
-    with caplog.at_level(logging.WARNING, logger="baton.engine.kernels"):
+    with caplog.at_level(logging.WARNING, logger="baton.model.kernels"):
         assert kernels.build_timeout() == kernels.DEFAULT_BUILD_TIMEOUT_S
     assert "BATON_KERNEL_BUILD_TIMEOUT='soon'" in caplog.text
 
@@ -224,7 +224,7 @@ def test_the_real_kernels_build_past_a_stale_lock():
     """`load()` itself, in the shared cache: a stale torch lock planted as a dead builder leaves it
     (under the flock, so that no live build here is disturbed) does not stop the kernels loading."""
     script = """
-from baton.engine import kernels
+from baton.model import kernels
 ext = kernels.kernels_extension()
 build_dir = kernels.build_directory(ext)
 build_dir.mkdir(parents=True, exist_ok=True)
@@ -242,6 +242,6 @@ print("RESULT", module is not None and hasattr(module, "paged_decode"), (build_d
 def test_no_compiler_means_the_torch_path(monkeypatch, caplog):
     monkeypatch.setattr(shutil, "which", lambda name: None)
     ext = kernels.Extension(name=NAME, cpp_sources=(TINY_SOURCE,), implicit_headers=False)
-    with caplog.at_level(logging.WARNING, logger="baton.engine.kernels"):
+    with caplog.at_level(logging.WARNING, logger="baton.model.kernels"):
         assert kernels.build(ext) is None
     assert "no C++ compiler" in caplog.text

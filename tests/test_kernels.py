@@ -7,8 +7,8 @@ import os
 import pytest
 import torch
 
-from baton.engine import kernels
-from baton.engine.attention import DecodeGroup, TorchAttention
+from baton.model import kernels
+from baton.model.attention import DecodeGroup, TorchAttention
 from baton.engine.sampling import greedy_pick
 
 native = kernels.load()
@@ -117,10 +117,10 @@ def test_bf16_model_with_native_kernels_matches_its_torch_path(tiny_model_dir):
     prompts = [[5 + i for i in range(n)] for n in (3, 17, 40, 70)]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     fast = LLM(model=str(tiny_model_dir), dtype="bfloat16", num_threads=1)
-    assert fast.engine.model.fused_norm is not None and not fast.engine.runner.pads_decode
+    assert fast.engine.runtime.model.fused_norm is not None and not fast.engine.runtime.runner.pads_decode
     slow = LLM(model=str(tiny_model_dir), dtype="bfloat16", num_threads=1)
-    slow.engine.model.prepare(fast_linears=False, native_kernels=False)
-    assert slow.engine.model.fused_norm is None and slow.engine.runner.pads_decode
+    slow.engine.runtime.model.prepare(fast_linears=False, native_kernels=False)
+    assert slow.engine.runtime.model.fused_norm is None and slow.engine.runtime.runner.pads_decode
     fast_out = fast.generate(prompts, params)
     slow_out = slow.generate(prompts, params)
     agree = sum(a == b for f, s in zip(fast_out, slow_out)
@@ -166,7 +166,7 @@ def test_native_gemv_equals_f_linear(rows, out_features, in_features, with_bias)
 
 @needs_gemv
 def test_row_split_linear_routes_few_rows_to_the_native_kernel_and_more_to_onednn():
-    from baton.engine.linear import PackedLinear, RowSplitLinear, tune_row_split
+    from baton.model.linear import PackedLinear, RowSplitLinear, tune_row_split
 
     torch.manual_seed(0)
     layers = [torch.nn.Linear(576, 960, bias=False).to(torch.bfloat16) for _ in range(3)]
@@ -189,7 +189,7 @@ def test_row_split_linear_routes_few_rows_to_the_native_kernel_and_more_to_onedn
 
 @needs_native
 def test_fused_rope_kv_write_decode_equals_the_separate_ops():
-    from baton.engine.attention import AttentionMetadata
+    from baton.model.attention import AttentionMetadata
 
     heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
     lengths = [1, 17, 200]
@@ -205,7 +205,7 @@ def test_fused_rope_kv_write_decode_equals_the_separate_ops():
                           for i, n in enumerate(lengths)])
     meta = AttentionMetadata(slots, [group], [], block_size)
 
-    from baton.engine.model import apply_rope
+    from baton.model.model import apply_rope
 
     separate = TorchAttention(heads, kv_heads, head_dim)
     separate.use_native_kernel(native)
@@ -226,15 +226,15 @@ def test_all_layers_in_one_native_call_equal_the_python_layer_loop(tiny_model_di
     """A decode-only step runs every layer as one native call (LayersPlan): the same kernels in the
     same order as the Python loop (the native few-row matmul up to its row count, oneDNN above), so
     the same tokens and bit-identical log-probabilities."""
-    from baton.engine.linear import PackedLinear, RowSplitLinear
-    from baton.engine.layers_plan import LayersPlan
-    from baton.engine.model import set_op
+    from baton.model.linear import PackedLinear, RowSplitLinear
+    from baton.model.layers_plan import LayersPlan
+    from baton.model.model import set_op
     from baton.llm import LLM
     from baton.common.sampling_params import SamplingParams
 
     monkeypatch.setenv("BATON_BATCH_INVARIANT", "off")  # the tuned split: oneDNN packs beside the native ones
     llm = LLM(model=str(tiny_model_dir), dtype="bfloat16", num_kv_blocks=64)
-    model = llm.engine.model
+    model = llm.engine.runtime.model
     # the tuning may keep oneDNN for these tiny shapes on this CPU: route up to 3 rows natively by hand
     for layer in model.layers:
         for owner, name in ((layer.self_attn, "qkv"), (layer.self_attn, "o"), (layer.mlp, "gate_up"),
@@ -269,15 +269,15 @@ def test_released_load_copies_leave_one_copy_and_the_same_tokens(tiny_model_dir,
     """The workers free every copy of a weight its op never reads (issue 22: one copy): the
     nn.Linear weights (the batch-invariant mode never makes a oneDNN pack); the tokens, and the
     all-layers decode call, stay as they were."""
-    from baton.engine.linear import ALL_ROWS, PackedLinear, RowSplitLinear
-    from baton.engine.plan_report import held_bytes, report
+    from baton.model.linear import ALL_ROWS, PackedLinear, RowSplitLinear
+    from baton.model.plan_report import held_bytes, report
     from baton.llm import LLM
     from baton.common.sampling_params import SamplingParams
 
     monkeypatch.setenv("BATON_BATCH_INVARIANT", invariant)
     # no prefix cache: the second pass must compute what the first did, not reuse its KV
     llm = LLM(model=str(tiny_model_dir), dtype="bfloat16", num_threads=1, enable_prefix_caching=False)
-    model = llm.engine.model
+    model = llm.engine.runtime.model
     prompts = [[5 + i for i in range(n)] for n in (3, 17, 40)]
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=0)
     before = [o.outputs[0] for o in llm.generate(prompts, params)]
@@ -332,11 +332,11 @@ def test_a_worker_engine_loads_without_a_second_copy_of_any_weight(tiny_model_di
                   enable_prefix_caching=False)
     lean = LLMEngine(EngineConfig(**config, release_load_copies=True))
     lean_packs = list(packed)
-    model = lean.model
+    model = lean.runtime.model
     slots = model.projection_slots()
     assert all(linear.weight.numel() == 0 for _, _, linear in slots if linear is not model.lm_head)
     kept = LLMEngine(EngineConfig(**config))
-    shapes = [tuple(linear.weight.shape) for _, _, linear in kept.model.projection_slots()]
+    shapes = [tuple(linear.weight.shape) for _, _, linear in kept.runtime.model.projection_slots()]
     assert lean_packs == ([] if quantization == "int8" else shapes)  # one native pack per projection, or none
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 

@@ -1,4 +1,4 @@
-"""`--kv-cache-dtype int8 | fp8`: a quantized KV cache (baton.engine.kv_quant).
+"""`--kv-cache-dtype int8 | fp8`: a quantized KV cache (baton.model.kv_quant).
 
 What a user relies on: the cache holds about half the bytes of bf16 (so ~1.9x the blocks in the
 same memory, and a handoff moves half the bytes), the text barely moves (perplexity of a fixed text
@@ -13,7 +13,7 @@ import httpx
 import pytest
 import torch
 
-from baton.engine.kv_quant import convert_rows, dequantize_rows, quantize_rows, resolve_kv_cache_dtype
+from baton.model.kv_quant import convert_rows, dequantize_rows, quantize_rows, resolve_kv_cache_dtype
 from kvstore.codec import decode_block, encode_block, logical_shape
 from tests.test_quant import TEXT, _perplexity
 
@@ -99,7 +99,7 @@ def test_a_quantized_cache_keeps_perplexity_close_in_half_the_memory(cache_engin
     # the same memory holds ~1.9x the blocks (68 bytes a head row instead of bf16's 128)
     ratio = llm.engine.pool.num_blocks / reference.engine.pool.num_blocks
     assert 1.85 < ratio < 1.9, ratio
-    assert "int8 KV cache" in llm.engine.model.describe() or "float8_e4m3fn KV cache" in llm.engine.model.describe()
+    assert "int8 KV cache" in llm.engine.runtime.model.describe() or "float8_e4m3fn KV cache" in llm.engine.runtime.model.describe()
     # and nothing is left behind: every block is free again
     assert llm.engine.pool.num_used_blocks == 0
 
@@ -159,7 +159,7 @@ def _metrics(port: int) -> dict[str, float]:
 
 @pytest.fixture(scope="module")
 def kernel():
-    from baton.engine import kernels
+    from baton.model import kernels
 
     module = kernels.load()
     if module is None:
@@ -218,14 +218,14 @@ def test_a_bf16_engine_decodes_through_the_native_kernels_over_an_int8_cache(cac
     from baton import SamplingParams
 
     llm, reference = cache_engines["int8"], cache_engines["auto"]
-    attn = llm.engine.model.layers[0].self_attn
+    attn = llm.engine.runtime.model.layers[0].self_attn
     if attn.backend.paged_kernel is None:
         pytest.skip("the native kernels are not built here")
     if not attn.backend.paged_kernel.gemv_available():
         # a bf16 model's all-layers call needs the native bf16 matmul (AVX512-BF16); AVX2 CPUs
         # (Zen 3) run its projections through torch, so no plan is built there
         pytest.skip("no native bf16 matmul on this CPU")
-    assert attn.backend.kv_dtype == torch.int8 and llm.engine.model.layers_plan is not None
+    assert attn.backend.kv_dtype == torch.int8 and llm.engine.runtime.model.layers_plan is not None
     params = SamplingParams(max_tokens=8, temperature=0)
     prompt = "The capital of France is"
     got = llm.generate(prompt, params)[0].outputs[0].token_ids
@@ -252,7 +252,7 @@ def test_every_fp8_code_reads_as_its_value(kernel):
 def test_the_torch_decode_over_codes_is_attention_over_their_values(dtype):
     """Where no native kernel is built, decode multiplies the codes and scales the scores and the
     probabilities: the same attention as over the dequantized values (fp32 SDPA)."""
-    from baton.engine.attention import DecodeGroup, TorchAttention
+    from baton.model.attention import DecodeGroup, TorchAttention
 
     torch.manual_seed(2)
     heads, kv_heads, d, block_size = 6, 2, 64, 16

@@ -33,7 +33,7 @@ REJECTED = "baton:worker_kv_blocks_rejected_total"
 
 
 def _layout(model_dir) -> list[int]:
-    from baton.engine.config import ModelConfig
+    from baton.model.config import ModelConfig
 
     config = ModelConfig.from_dir(model_dir)
     return [config.num_layers, 2, BLOCK_SIZE, config.num_kv_heads, config.head_dim]
@@ -142,7 +142,7 @@ def reference_llm(tiny_model_dir):
 @pytest.mark.parametrize("kind", ["shape", "dtype", "bytes"])
 def test_a_malformed_block_in_the_store_is_a_counted_miss(workers, reference_llm, tiny_model_dir, kind):
     from baton import SamplingParams
-    from baton.engine.config import ModelConfig
+    from baton.model.config import ModelConfig
     from kvstore.hashing import hash_blocks
 
     client, procs, ports, logs = workers

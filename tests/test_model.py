@@ -7,10 +7,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from baton.engine.attention import DecodeGroup, TorchAttention, group_by_context
-from baton.engine.config import ModelConfig
-from baton.engine.linear import PackedLinear, make_linear_op, packing_supported
-from baton.engine.model import apply_rope, rope_inv_freq, rope_table
+from baton.model.attention import DecodeGroup, TorchAttention, group_by_context
+from baton.model.config import ModelConfig
+from baton.model.linear import PackedLinear, make_linear_op, packing_supported
+from baton.model.model import apply_rope, rope_inv_freq, rope_table
 
 BLOCK = 4
 

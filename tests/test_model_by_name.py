@@ -207,7 +207,7 @@ def test_serve_resolves_a_repo_id_once_and_gives_every_child_the_snapshot(fake_s
 def test_float16_greedy_decode_runs_and_matches_float32(tiny_model_dir):
     llm = LLM(model=str(tiny_model_dir), dtype="float16", num_kv_blocks=64)
     assert llm.engine.dtype == torch.float16
-    assert all(p.dtype == torch.float16 for p in llm.engine.model.parameters())
+    assert all(p.dtype == torch.float16 for p in llm.engine.runtime.model.parameters())
     [out] = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     # The tiny model's top logits are far apart (conftest), so half precision picks the same tokens.
     assert out.outputs[0].token_ids == greedy_tokens(tiny_model_dir, "float32", max_tokens=8)

@@ -116,10 +116,10 @@ def test_the_gguf_blocks_served_as_they_are_follow_the_reference_but_at_near_tie
     tokens may leave the reference only where its top two logits are close."""
     from transformers import AutoModelForCausalLM
 
-    from baton.engine.linear import QuantizedLinear
+    from baton.model.linear import QuantizedLinear
 
     llm = LLM(model=str(default_gguf_model_dir), dtype="bfloat16")
-    model = llm.engine.model
+    model = llm.engine.runtime.model
     ops = [getattr(owner, name) for owner, name, _ in model.projection_slots()]
     assert all(isinstance(op, QuantizedLinear) for op in ops)
     assert [op.scheme for op in ops[:-1]] == ["q4"] * (len(ops) - 1) and ops[-1].scheme == "q8_0"  # its Q8_0 embedding

@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from baton.engine import kernels
-from baton.engine.linear import QuantizedLinear, dequantize_q4, dequantize_q8_0
-from baton.engine.quant import quantize_q4, quantize_q8_0
+from baton.model import kernels
+from baton.model.linear import QuantizedLinear, dequantize_q4, dequantize_q8_0
+from baton.model.quant import quantize_q4, quantize_q8_0
 
 # A fixed text of ~500 tokens: perplexity over a few dozen tokens moves by percents with noise alone.
 TEXT = """The history of the city begins with a small fishing village on the bank of a wide river. Over
@@ -219,7 +219,7 @@ def test_quantized_weights_keep_perplexity_close_and_live_once(native, bf16_refe
     assert llm.engine.quantization == quantization
     value = _perplexity(llm, ids)
     assert abs(value / reference - 1) < bound, (reference, value)
-    model = llm.engine.model
+    model = llm.engine.runtime.model
     ops = [getattr(owner, name) for owner, name, _ in model.projection_slots()]
     assert all(isinstance(op, QuantizedLinear) and op.native for op in ops)
     assert ops[-1].scheme == "q8_0"  # the LM head in 8 bits, also with 4-bit layers
@@ -247,7 +247,7 @@ def test_a_decode_step_runs_all_quantized_layers_in_one_native_call_with_the_pyt
 
     model_dir = default_gguf_model_dir if quantization == "auto" else default_model_dir
     llm = LLM(model=str(model_dir), dtype="bfloat16", enable_prefix_caching=False, quantization=quantization)
-    model = llm.engine.model
+    model = llm.engine.runtime.model
     assert model.layers_plan is not None
     params = SamplingParams(max_tokens=12, temperature=0, logprobs=0)
     prompts = ["The capital of France is", "Écris un poème sur la mer", "数学は"]

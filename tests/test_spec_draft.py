@@ -136,8 +136,8 @@ def test_the_drafts_kv_cache_counts_in_the_kv_budget(tiny_model_dir, prompts):
     off = tokens_of(plain.generate(prompts, greedy()))
     llm = draft_llm(tiny_model_dir, tiny_model_dir, num_kv_blocks=None, kv_cache_dtype="int8", kv_cache_memory=budget)
     engine = llm.engine
-    target_bytes = engine.runner.kv_cache.numel() * engine.runner.kv_cache.element_size()
-    draft_cache = engine.drafter.runner.kv_cache
+    target_bytes = engine.runtime.runner.kv_cache.numel() * engine.runtime.runner.kv_cache.element_size()
+    draft_cache = engine.drafter.runtime.runner.kv_cache
     draft_bytes = draft_cache.numel() * draft_cache.element_size()
     assert draft_bytes > 3 * target_bytes
     assert target_bytes + draft_bytes <= budget

@@ -1,4 +1,4 @@
-"""Lent threads given back between decode layers (baton/engine/thread_gate.py, decode_layers.cpp):
+"""Lent threads given back between decode layers (baton/model/thread_gate.py, decode_layers.cpp):
 a decode step that borrowed a prefill worker's core lets it go at the next layer once the prefill
 worker asks for it, with the same tokens, and a long step may borrow when only its ungated part is
 short. The gate's words are a real core-share ledger file, mapped as the workers map it."""
@@ -10,8 +10,8 @@ import time
 import pytest
 import torch
 
-from baton.engine.layers_plan import LayersPlan
-from baton.engine.thread_gate import ThreadGate
+from baton.model.layers_plan import LayersPlan
+from baton.model.thread_gate import ThreadGate
 from baton.worker import core_share
 from baton.worker.core_share import (LEND_AFTER_S, MAX_BORROWING_STEP_S, Borrower, Ledger, LenderState,
                                      StepCores, run_with_threads)
@@ -26,7 +26,7 @@ def ledger(tmp_path):
 def planned_llm(tiny_model_dir):
     """The tiny model with its projections quantized: the all-layers native call runs its decode
     steps on every CPU with the integer kernel (AVX2 or AVX512-VNNI)."""
-    from baton.engine import kernels
+    from baton.model import kernels
     from baton.llm import LLM
 
     native = kernels.load()
@@ -34,7 +34,7 @@ def planned_llm(tiny_model_dir):
         pytest.skip("no native integer kernel on this CPU")
     llm = LLM(model=str(tiny_model_dir), dtype="bfloat16", quantization="int8", num_kv_blocks=64,
               enable_prefix_caching=False)
-    if llm.engine.model.layers_plan is None:
+    if llm.engine.runtime.model.layers_plan is None:
         pytest.skip("the all-layers decode call is not built on this CPU")
     return llm
 
@@ -90,7 +90,7 @@ def _run_gated(llm, gate: ThreadGate, arm) -> tuple[list[list[int]], list[tuple[
     """Greedy tokens of PROMPTS on 2 threads with `gate` installed, and for each all-layers call
     the thread count and the release words it left."""
     before = torch.get_num_threads()
-    model = llm.engine.model
+    model = llm.engine.runtime.model
     seen: list[tuple[int, list[int]]] = []
     plan = _spy_on_layers(model, seen, gate)
     try:

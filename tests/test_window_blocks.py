@@ -19,7 +19,7 @@ from baton import LLM, SamplingParams
 from baton.common.finish_reason import FinishReason
 from baton.engine.block_manager import BlockManager, blocks_for
 from baton.engine.block_pool import BlockPool
-from baton.engine.config import ModelConfig
+from baton.model.config import ModelConfig
 from baton.engine.pooling import Pooling
 from baton.engine.scheduler import SchedulerOutput
 from baton.engine.sequence import Sequence, SequenceStatus

@@ -151,7 +151,7 @@ def test_seeded_sampling_is_reproducible_across_processes(pipeline, reference_ll
 
 
 def test_shared_prefix_blocks_are_fetched_not_recomputed(pipeline, tiny_model_dir):
-    from baton.engine.config import ModelConfig
+    from baton.model.config import ModelConfig
     from kvstore.hashing import hash_blocks
 
     client, _ = pipeline

@@ -66,7 +66,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from types import SimpleNamespace
 
     from baton.common.model_files import resolve_model
-    from baton.engine.plan_report import report
     from baton.worker.shell import build_engine
 
     logging.basicConfig(level="WARNING", format="%(message)s")
@@ -75,7 +74,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                                   threads=None, quantization=args.quantization,
                                   kv_cache_dtype=args.kv_cache_dtype)
     engine = build_engine(worker_args)
-    print(report(engine.model, engine.quantization), flush=True)
+    print(engine.runtime.plan_report(), flush=True)
     return 0
 
 

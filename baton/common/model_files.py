@@ -6,7 +6,7 @@ registry everywhere we run), unzip the `.gguf` into the cache (`gguf/`), and let
 dequantize it into a plain Hugging Face directory (config.json, model.safetensors, tokenizer, chat
 template) in a local cache. Every later command that needs a model and is given none uses that
 directory. A directory converted from a GGUF names its source in `GGUF_SOURCE_FILE`, so that the
-engine can serve the GGUF's own quantized blocks (`--quantization auto`, baton.engine.gguf_weights)
+engine can serve the GGUF's own quantized blocks (`--quantization auto`, baton.model.gguf_weights)
 and the dequantized copy only supplies what is not a projection (norms, embeddings, config). The
 record holds the file's content key (baton.common.gguf_key: its header, with the tokenizer and every
 tensor's layout, and the ends of every tensor's data): another file at that path, of any size, is

@@ -14,26 +14,21 @@ import logging
 import os
 import time
 from collections.abc import Iterable, Sequence as Seq
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from baton.common.finish_reason import FinishReason
-from baton.common.model_files import gguf_source
 from baton.engine.block_manager import BlockManager
-from baton.engine.loader import default_device, load_model
 from baton.engine.logprobs import token_logprobs
-from baton.engine.model_runner import ModelRunner, PromptRows, kv_bytes_per_block
+from baton.model.runtime import PromptRows, RuntimeConfig, ThreadGate, load_runtime, return_freed_memory
 from baton.engine.block_pool import BlockPool
 from baton.engine.sampling import sample, suppress_early_stops
 from baton.engine.kv_connector import KVConnectorScheduler
 from baton.engine.kv_types import KVLoad, LoadedKV, RemoteKV
 from baton.engine.outputs import EngineOutput, EngineStats, KVHandoff
 from baton.engine.pooling import Pooling
-from baton.engine.kv_quant import is_quantized, resolve_kv_cache_dtype
-from baton.engine.quant import asks_for_quantized, describe_weights, quantize_model, resolve_weights
 from baton.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, StepOutput
 from baton.engine.spec_config import SpeculativeConfig, parse_speculative_config
 from baton.engine.spec_decode import verify_rows
@@ -41,7 +36,6 @@ from baton.engine.spec_draft import DraftModel, check_same_tokenizer
 from baton.engine.window_blocks import freeable_window
 from baton.engine.structured import StructuredOutput
 from baton.engine.sequence import Sequence
-from baton.engine.thread_gate import ThreadGate
 from baton.common.sampling_params import SamplingParams
 
 logger = logging.getLogger("baton.engine.llm_engine")
@@ -62,28 +56,13 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     num_threads: int | None = None
     kv_connector: bool = False  # load from and save to a block store (the workers)
-    quantization: str = "auto"  # auto, none, int8, int4: the projections' weights (baton.engine.quant)
-    kv_cache_dtype: str = "auto"  # auto (the model's dtype), int8, fp8: the KV cache (baton.engine.kv_quant)
+    quantization: str = "auto"  # auto, none, int8, int4: the projections' weights (baton.model.quant)
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype), int8, fp8: the KV cache (baton.model.kv_quant)
     # speculative decoding (baton.engine.spec_decode): a SpeculativeConfig, its dict or JSON; None: off
     speculative_config: SpeculativeConfig | dict | str | None = None
     # free each projection's loaded weight as soon as its op holds the copy it reads, so that loading
     # peaks near one copy of the weights (the workers); LLM keeps them (`prepare()` may run again)
     release_load_copies: bool = False
-
-
-def return_freed_memory() -> None:
-    """Hand the heap's free pages back to the OS. Loading leaves hundreds of MB of freed transients
-    (the checkpoint's fp32 tensors, the weights that packing or quantization replaced) in glibc's
-    heap, where RSS still counts them: measured on the default model, 705 -> 345 MB RSS with its
-    GGUF's blocks, 978 -> 491 MB in bf16 (with `release_load_copies`)."""
-    import ctypes
-    import gc
-
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to trim this way
-        pass
 
 
 class LLMEngine:
@@ -95,37 +74,19 @@ class LLMEngine:
         if not (self.model_dir / "config.json").is_file():
             raise FileNotFoundError(f"{self.model_dir} is not a model directory (no config.json); "
                                     "resolve a model name with baton.common.model_files.resolve_model first")
-        device = torch.device(config.device) if config.device else default_device()
-        source = gguf_source(self.model_dir)
-        dtype, quantization = resolve_weights(config.dtype, config.quantization, source, device)
-        self.model, self.model_config = load_model(self.model_dir, dtype, device, prepare=False)
-        # projections about to be quantized get no bf16 pack first (it would be made and dropped)
-        quantizing = asks_for_quantized(quantization, source) and device.type == "cpu"
-        self.model.prepare(pack_projections=not quantizing, release_originals=config.release_load_copies)
-        self.quantization = quantize_model(self.model, quantization, gguf_source=source)
-        if quantizing and self.quantization == "none":  # no quantized kernel here: serve the dtype, packed
-            self.model.prepare(release_originals=config.release_load_copies)
-        if self.quantization != "none":
-            # KV computed with other weights is another model's: prefix hashes (and the block store's
-            # keys) must not match across quantizations
-            self.model_config = dataclasses.replace(
-                self.model_config, model_id=f"{self.model_config.model_id}+{self.quantization}")
-        self.dtype = next(self.model.parameters()).dtype
-        logger.info("%s", describe_weights(self.quantization, self.dtype, config.dtype, config.quantization, source))
-        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
-        if is_quantized(self.kv_dtype):
-            self.model.use_kv_dtype(self.kv_dtype)
-            # a quantized cache's blocks are other numbers than the model's own: prefix hashes (and
-            # the store's keys) must not match across cache formats
-            self.model_config = dataclasses.replace(
-                self.model_config, model_id=f"{self.model_config.model_id}+kv_{str(self.kv_dtype).removeprefix('torch.')}")
-        return_freed_memory()
+        self.runtime = load_runtime(RuntimeConfig(
+            self.model_dir, config.dtype, config.device, config.quantization, config.kv_cache_dtype,
+            config.release_load_copies))
+        device = self.runtime.device
+        self.model_config = self.runtime.config
+        self.quantization, self.dtype, self.kv_dtype = self.runtime.quantization, self.runtime.dtype, self.runtime.kv_dtype
+        logger.info("%s", self.runtime.description)
         speculative = parse_speculative_config(config.speculative_config)
         self.drafter = (self._load_drafter(Path(speculative.model), device)
                         if speculative is not None and speculative.method == "draft_model" else None)
         # the draft's cache holds one block per target block (indexed by the target's ids), so both
         # come out of the one budget: a container sized by --kv-cache-memory holds both
-        block_bytes = kv_bytes_per_block(self.model_config, config.block_size, self.kv_dtype)
+        block_bytes = self.runtime.block_bytes(config.block_size)
         draft_block_bytes = self.drafter.block_bytes if self.drafter is not None else 0
         num_blocks = config.num_kv_blocks or max(2, config.kv_cache_memory // (block_bytes + draft_block_bytes))
         self.kv_cache_bytes = num_blocks * (block_bytes + draft_block_bytes)
@@ -143,7 +104,7 @@ class LLMEngine:
                             max_model_len),
             self.block_manager, self.model_config.eos_token_ids, self.connector, speculative, self.drafter,
         )
-        self.runner = ModelRunner(self.model, self.model_config, num_blocks, config.block_size, self.kv_dtype)
+        self.runtime.allocate(num_blocks, config.block_size)
         self.structured = StructuredOutput(self.model_dir, self.model_config.vocab_size, self.eos_token_ids)
         self.num_steps = 0
         self.num_generated_tokens = 0
@@ -154,7 +115,7 @@ class LLMEngine:
                     self.model_dir.name, self.dtype,
                     "" if self.quantization == "none" else f", {self.quantization} weights",
                     device, num_blocks, config.block_size,
-                    f" ({config.kv_cache_dtype})" if is_quantized(self.kv_dtype) else "",
+                    f" ({config.kv_cache_dtype})" if self.kv_dtype != self.dtype else "",
                     self.kv_cache_bytes / 2**20, " with the draft's" if self.drafter is not None else "",
                     config.scheduler_policy)
 
@@ -173,9 +134,9 @@ class LLMEngine:
         return drafter
 
     def set_thread_gate(self, gate: ThreadGate | None) -> None:
-        """Let the decode layers give lent threads back mid-step (baton/engine/thread_gate.py): the
+        """Let the decode layers give lent threads back mid-step (baton/model/thread_gate.py): the
         worker arms `gate` for the steps that borrow. None: steps are never interrupted."""
-        self.model.thread_gate = gate
+        self.runtime.set_thread_gate(gate)
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -192,7 +153,7 @@ class LLMEngine:
     @property
     def block_shape(self) -> list[int]:
         """One KV block's shape: [layers, 2, block_size, kv_heads, head_dim]."""
-        return list(self.runner.block_shape)
+        return list(self.runtime.block_shape)
 
     def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams, *,
                     output_token_ids: Seq[int] = (), arrival_time: float | None = None,
@@ -260,7 +221,7 @@ class LLMEngine:
         speculator = self.scheduler.speculator
         if speculator is not None:
             speculator.start_step()
-        result = self.runner.execute(plan.scheduled)
+        result = self.runtime.execute(plan.scheduled)
         sample_seqs, all_logits, prompt_rows = result.sample_seqs, result.logits, result.prompt_rows
         if result.hidden is not None:
             offset = 0
@@ -316,7 +277,7 @@ class LLMEngine:
         handoff = None
         if reason is FinishReason.HANDOFF:
             assert self.connector is not None, "remote_decode needs a KV connector"
-            save = self.connector.build_save(seq, seq.num_prompt_tokens, self.runner.read_block)
+            save = self.connector.build_save(seq, seq.num_prompt_tokens, self.runtime.read_block)
             self.scheduler.free_finished(seq)
             handoff = KVHandoff(tuple(seq.output_token_ids), seq.first_token_time or time.time(), save)
         if reason is not None:
@@ -392,7 +353,7 @@ class LLMEngine:
                 continue
             first = seq.num_computed_tokens // self.block_size
             for offset, kv in enumerate(result.kv):
-                self.runner.write_block(seq.block_table[first + offset], kv)
+                self.runtime.write_block(seq.block_table[first + offset], kv)
             self.scheduler.finish_kv_load(result.request_id, result.num_tokens)
 
     def stats(self) -> EngineStats:

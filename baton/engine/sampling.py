@@ -6,7 +6,7 @@ import hashlib
 
 import torch
 
-from baton.engine import kernels as native_kernels
+from baton.model.runtime import greedy_pick
 from baton.common.sampling_params import SamplingParams
 
 
@@ -25,19 +25,6 @@ def apply_repetition_penalty(logits: torch.Tensor, token_ids: list[int], penalty
     ids = torch.tensor(sorted(set(token_ids)), dtype=torch.long, device=logits.device)
     scores = logits[ids]
     logits[ids] = torch.where(scores > 0, scores / penalty, scores * penalty)
-
-
-def greedy_pick(logits: torch.Tensor) -> tuple[list[int], list[float]]:
-    """argmax per row (first index on ties) and its log-probability. logits: [S, V] fp32."""
-    kernels = native_kernels.loaded()
-    if kernels is not None and logits.device.type == "cpu":
-        tokens, logprobs = kernels.greedy_pick(logits)
-    else:
-        tokens = logits.argmax(dim=-1)
-        # log p(token) = logit - logsumexp(logits): one reduction per row instead of a full
-        # [S, V] log_softmax followed by a gather
-        logprobs = logits.gather(1, tokens.unsqueeze(1)).squeeze(1) - torch.logsumexp(logits, dim=-1)
-    return tokens.tolist(), logprobs.tolist()
 
 
 def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -28,8 +28,7 @@ from pathlib import Path
 import torch
 
 from baton.engine.block_manager import blocks_for
-from baton.engine.loader import load_model
-from baton.engine.model_runner import ModelRunner, kv_bytes_per_block
+from baton.model.runtime import RuntimeConfig, load_runtime
 from baton.engine.sequence import Sequence
 
 CATCH_UP_TOKENS = 512  # draft prefill per step, all rows together: bounds the step a handoff adds
@@ -87,10 +86,11 @@ class DraftModel:
 
     def __init__(self, model_dir: Path, dtype: torch.dtype, device: torch.device, block_size: int,
                  target_vocab_size: int) -> None:
-        self.model, self.config = load_model(model_dir, dtype, device)
-        self.model.release_load_copies()
-        self.dtype = next(self.model.parameters()).dtype  # its cache's dtype too (ModelRunner's default)
-        self._runner: ModelRunner | None = None
+        # the draft's own weights as they are (no quantization), each held once; its cache in its dtype
+        self.runtime = load_runtime(RuntimeConfig(model_dir, str(dtype).removeprefix("torch."), str(device),
+                                                  quantization="none", release_load_copies=True))
+        self.config = self.runtime.config
+        self.dtype = self.runtime.dtype
         self.block_size = block_size
         self.vocab = min(target_vocab_size, self.config.vocab_size)  # proposals are target ids
         self.num_forwards = 0
@@ -98,16 +98,11 @@ class DraftModel:
     @property
     def block_bytes(self) -> int:
         """Bytes of one block of the draft's KV cache (it holds one per target block)."""
-        return kv_bytes_per_block(self.config, self.block_size, self.dtype)
+        return self.runtime.block_bytes(self.block_size)
 
     def allocate(self, num_blocks: int) -> None:
         """Make the draft's KV cache: `num_blocks`, the target's count (it is indexed by its ids)."""
-        self._runner = ModelRunner(self.model, self.config, num_blocks, self.block_size)
-
-    @property
-    def runner(self) -> ModelRunner:
-        assert self._runner is not None, "DraftModel.allocate must run before the draft proposes"
-        return self._runner
+        self.runtime.allocate(num_blocks, self.block_size)
 
     def _valid(self, seq: Sequence, cursor: DraftCursor) -> int:
         """Leading positions of `seq` whose draft KV is in the cache now (or need not be: blocks
@@ -143,7 +138,7 @@ class DraftModel:
         for step in range(max((k for _, k in rows), default=0)):
             if step:
                 scheduled = [(view, 1) for (_, view), (_, k) in zip(views, rows) if k > step]
-            result = self.runner.execute(scheduled)
+            result = self.runtime.execute(scheduled)
             self.num_forwards += 1
             picks = result.logits[:len(result.sample_seqs), :self.vocab].argmax(dim=-1).tolist()
             chosen = {id(view): token for view, token in zip(result.sample_seqs, picks)}
@@ -154,7 +149,7 @@ class DraftModel:
                     view.token_ids.append(token)
                     proposals[i].append(token)
         if not rows and partial:
-            self.runner.execute(partial)
+            self.runtime.execute(partial)
             self.num_forwards += 1
         for (seq, view), (_, k) in zip(views, rows):
             # computed: every real token and the first k - 1 proposals (the last one was never run)

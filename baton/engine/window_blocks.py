@@ -1,7 +1,7 @@
 """Which KV blocks of a sliding-window model no query will read again (so they can be freed).
 
 A window layer attends key j from the query at position i when i - window < j <= i (transformers'
-rule, see baton.engine.attention). A request's next query sits at position `num_computed_tokens`
+rule, see baton.model.attention). A request's next query sits at position `num_computed_tokens`
 and every later one further right, so key j is dead for good once j <= num_computed_tokens - window,
 i.e. j < num_computed_tokens + 1 - window. A block is dead when its last position is: the leading
 `(num_computed_tokens + 1 - window) // block_size` blocks.
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 
-from baton.engine.config import ModelConfig
+from baton.model.runtime import ModelConfig
 from baton.engine.sequence import Sequence
 
 NULL_BLOCK = 0  # the pool's reserved block: a released entry of a block table

@@ -12,15 +12,15 @@ if TYPE_CHECKING:
     from baton.worker.shell import WorkerShell
 
 
-# What baton.engine.loader.resolve_dtype loads weights as (auto: bf16 where it is fast, else fp32).
+# What baton.model.loader.resolve_dtype loads weights as (auto: bf16 where it is fast, else fp32).
 DTYPE_CHOICES = ["auto", "float32", "bfloat16", "float16"]
-# baton.engine.quant.QUANTIZATIONS (not imported here: parsing flags must not load torch)
+# baton.model.quant.QUANTIZATIONS (not imported here: parsing flags must not load torch)
 QUANTIZATION_CHOICES = ["auto", "none", "int8", "int4"]
 QUANTIZATION_HELP = ("weights: auto (the default: a model converted from a GGUF keeps its own quantization, "
                      "Q8_0 / Q4_0 / Q4_1 / Q4_K as they are and other types requantized to Q8_0; any other model "
                      "in --dtype), none (in --dtype; a GGUF dequantized), int8 (Q8_0 blocks of 32) or int4 (Q4_1 "
                      "blocks of 32), both quantized at load")
-# baton.engine.kv_quant.KV_CACHE_DTYPES (not imported here: parsing flags must not load torch)
+# baton.model.kv_quant.KV_CACHE_DTYPES (not imported here: parsing flags must not load torch)
 KV_CACHE_DTYPE_CHOICES = ["auto", "int8", "fp8", "fp8_e4m3"]
 KV_CACHE_DTYPE_HELP = ("the KV cache: auto (the model's dtype), int8 or fp8 (= fp8_e4m3): one byte a value and an fp32 "
                        "scale per token and head, about half of bf16's memory and handoff bytes")

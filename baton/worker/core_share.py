@@ -15,7 +15,7 @@ its running step uses, a bit mask).
 A zeroed file means no one lends. Workers started any other way (compose, several machines) have
 no ledger and keep their own threads. Prefill worker i's threads go to decode worker i mod D.
 
-A step that borrows carries a thread gate (baton/engine/thread_gate.py) over this ledger: between
+A step that borrows carries a thread gate (baton/model/thread_gate.py) over this ledger: between
 its decode layers it looks at its lenders' state words, and once one is reclaiming it finishes on
 its own threads and clears its record, so a reclaim waits one layer (or the step's part outside the
 layers: embedding, LM head, sampling), not the whole step. So a step may borrow when that ungated
@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from baton.engine.thread_gate import ThreadGate
+from baton.model.runtime import ThreadGate
 
 MAGIC = b"BATONCS1"
 _HEADER = struct.Struct("<8sii")  # magic, prefill workers, decode workers

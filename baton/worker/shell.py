@@ -22,7 +22,7 @@ from prometheus_client import REGISTRY, CollectorRegistry
 from redis.exceptions import ResponseError
 
 from baton.engine.kv_types import KVLoad, LoadedKV
-from baton.engine.llm_engine import EngineConfig, LLMEngine, return_freed_memory
+from baton.engine.llm_engine import EngineConfig, LLMEngine
 from baton.engine.outputs import EngineOutput, EngineStats
 from baton.common.logs import request_extra
 from baton.worker.core import Effects, Opening, WorkerCore
@@ -41,8 +41,8 @@ logger = logging.getLogger("baton.worker")
 
 
 def build_engine(args: argparse.Namespace) -> LLMEngine:
-    """The worker's engine, holding each weight once (`LlamaModel.release_load_copies`)."""
-    engine = LLMEngine(EngineConfig(
+    """The worker's engine, holding each weight once (`RuntimeConfig.release_load_copies`)."""
+    return LLMEngine(EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks, kv_cache_memory=args.kv_cache_memory,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -52,10 +52,6 @@ def build_engine(args: argparse.Namespace) -> LLMEngine:
         speculative_config=getattr(args, "speculative_config", None),  # decode workers only
         release_load_copies=True,
     ))
-    freed = engine.model.release_load_copies()
-    return_freed_memory()
-    logger.info("one copy of each weight: %.0f MB of load-time copies freed", freed / 1e6)
-    return engine
 
 
 class WorkerShell:

@@ -1,4 +1,4 @@
-"""Model families as small declarative specs, read by one model (`baton.engine.model`).
+"""Model families as small declarative specs, read by one model (`baton.model.model`).
 
 Rules of this file:
 - A `FamilySpec` says what a family's *architecture* is (which norms and where, q/k norm, biases,

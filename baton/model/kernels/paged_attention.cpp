@@ -51,7 +51,7 @@ inline void for_each_row(const T* head, const int64_t* table, int64_t L, int64_t
 
 
 
-// A quantized cache (`--kv-cache-dtype int8 | fp8`, baton/engine/kv_quant.py): each row is D
+// A quantized cache (`--kv-cache-dtype int8 | fp8`, baton/model/kv_quant.py): each row is D
 // one-byte codes, then its fp32 scale (kKVScaleBytes), RW = D + 4 elements a row. The value of
 // code c is value(c) * scale; int8's codes are integers, e4m3's are converted by bits: its
 // exponent and mantissa shifted into an fp32's, times 2^120 (the bias difference, 127 - 7), which

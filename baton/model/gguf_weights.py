@@ -31,10 +31,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from baton.engine.linear import QuantizedLinear
-from baton.engine.model import MLP, set_op
+from baton.model.linear import QuantizedLinear
+from baton.model.model import MLP, set_op
+from baton.model.q_blocks import quantize_q8_0
 
-logger = logging.getLogger("baton.engine.gguf_weights")
+logger = logging.getLogger("baton.model.gguf_weights")
 
 DENSE_TYPES = ("F32", "F16", "BF16")
 FOUR_BIT_TYPES = ("Q4_0", "Q4_1", "Q4_K")
@@ -195,8 +196,6 @@ def load_gguf_projections(model: nn.Module, gguf_path: Path, kernels: Any) -> di
             unpacked4 = [unpack_q4(source.rows(t), source.type_name(t), *source.shape(t)) for t in tensors]
             scheme, parts = "q4", tuple(torch.cat(ps) for ps in zip(*unpacked4))
         else:
-            from baton.engine.quant import quantize_q8_0
-
             weight = torch.cat([source.dequantized(t) for t in tensors])
             scheme, parts = "q8_0", quantize_q8_0(weight)
             requantized["/".join(sorted(set(types)))] += 1

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from baton.engine.config import ModelConfig
+from baton.model.config import ModelConfig
 
 
 def rotary_dim(config: ModelConfig) -> int:

@@ -17,7 +17,7 @@
 // kv_cache [L, 2, KVH, S, D]; the rest as rope_write_decode. Returns the final norm's output [T, H].
 //
 // gate_words (int32, empty: no gate), gate_watch, gate_release, gate_threads: threads lent for this
-// step by another process (baton/engine/thread_gate.py). Before each layer, if a watched word is no
+// step by another process (baton/model/thread_gate.py). Before each layer, if a watched word is no
 // longer 1 (its owner wants its cores back), the rest of the call runs on gate_threads threads and
 // the release words are set to 0, so that the owner waits for one layer, not the whole step. Between
 // layers no parallel region runs: once the words are cleared nothing of this call uses the lent

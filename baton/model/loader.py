@@ -1,4 +1,4 @@
-"""Load Hugging Face safetensors weights into the model (`baton.engine.model`), by the family's names.
+"""Load Hugging Face safetensors weights into the model (`baton.model.model`), by the family's names.
 
 Rules: every parameter of the model has a recipe (`_recipes`): the checkpoint tensors it is made
 of, concatenated (q|k|v and gate|up, fused as the model runs them) or stacked (MoE experts), with
@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from baton.engine.config import ModelConfig
-from baton.engine.families import family_spec
-from baton.engine.model import MLP, LlamaModel
+from baton.model.config import ModelConfig
+from baton.model.families import family_spec
+from baton.model.model import MLP, LlamaModel
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:

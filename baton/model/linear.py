@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-logger = logging.getLogger("baton.engine.linear")
+logger = logging.getLogger("baton.model.linear")
 
 LinearOp = Callable[[torch.Tensor], torch.Tensor]  # [..., in] -> [..., out]
 
@@ -54,10 +54,12 @@ ALL_ROWS = 1 << 40  # max_native_rows of a projection that takes the native kern
 
 
 BATCH_INVARIANT_MODES = ("full", "matmul", "off")
+# what BATON_BATCH_INVARIANT (and RuntimeConfig.batch_invariant) may say
+BATCH_INVARIANT_SPELLINGS = ("auto", "", "full", "matmul", "off", "1", "true", "yes", "on", "0", "false", "no")
 _auto_said: set[str] = set()
 
 
-def batch_invariant_mode(kernels: Any = None) -> str:
+def batch_invariant_mode(kernels: Any = None, requested: str | None = None) -> str:
     """`BATON_BATCH_INVARIANT`: "full" (also 1/true/yes/on): every projection computes a row the
     same whatever the row count, and prefill queries attend as decode steps do (see
     `TorchAttention.use_native_kernel`); "matmul": the projections only (prefill attention keeps
@@ -68,7 +70,9 @@ def batch_invariant_mode(kernels: Any = None) -> str:
     (no AVX512-BF16: oneDNN or F.linear is the only kernel), said once in the log. Without AMX the
     native kernel runs as fast as oneDNN's AVX512-BF16 kernel at every row count (1-512 rows, both
     on vdpbf16ps; docs/performance.md), so the invariant mode costs decode nothing there either."""
-    raw = os.environ.get("BATON_BATCH_INVARIANT", "auto").strip().lower() or "auto"
+    if requested is None:  # a caller with no config of its own (the runtime reads it into RuntimeConfig)
+        requested = os.environ.get("BATON_BATCH_INVARIANT", "auto")
+    raw = requested.strip().lower() or "auto"
     if raw in ("1", "true", "yes", "on", "full"):
         return "full"
     if raw in ("0", "false", "no", "off"):
@@ -304,8 +308,8 @@ def _agrees(op: LinearOp, reference: LinearOp, in_features: int, dtype: torch.dt
     return bool(torch.allclose(got, expected, rtol=1e-2, atol=1e-2 * float(expected.abs().max()) + 1e-3))
 
 
-# ---- quantized weights (int8 Q8_0; 4-bit Q4_0/Q4_1/Q4_K as d * q + m): made by baton.engine.quant and
-# baton.engine.gguf_weights, multiplied by kernels/qgemv.cpp
+# ---- quantized weights (int8 Q8_0; 4-bit Q4_0/Q4_1/Q4_K as d * q + m): made by baton.model.quant and
+# baton.model.gguf_weights, multiplied by kernels/qgemv.cpp
 
 Q8_BLOCK = 32  # weights per scale (GGUF's QK8_0, and the 4-bit formats' block)
 _STRIP = 32  # outputs per strip of a native quantized pack (kernels/qgemv.cpp kQStrip)

@@ -25,7 +25,7 @@ once per step and the window layers get that metadata, so every step kind (prefi
 decode) is covered by the same code. Soft-capping (Gemma 2) needs the scores between the matmuls,
 so capped layers run the reference's eager attention (`_eager`) instead of SDPA.
 
-A quantized cache (`--kv-cache-dtype int8|fp8`, `baton.engine.kv_quant`): rows are written as
+A quantized cache (`--kv-cache-dtype int8|fp8`, `baton.model.kv_quant`): rows are written as
 codes and a scale; the native kernels read and write them in place (`kernels/paged_attention.cpp`),
 and the torch path gathers them as bytes (decode multiplies the codes, prefill dequantizes).
 """
@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from baton.engine.kv_quant import as_bytes, dequantize_rows, is_quantized, quantize_rows, split_rows
+from baton.model.kv_quant import as_bytes, dequantize_rows, is_quantized, quantize_rows, split_rows
 
 
 @dataclass
@@ -82,7 +82,7 @@ class AttentionMetadata:
 
 class TorchAttention:
     """Paged attention in plain torch ops (CPU and CUDA); bf16 CPU decode through the native
-    in-place kernel (`baton.engine.kernels`) when one was built."""
+    in-place kernel (`baton.model.kernels`) when one was built."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None,
                  softcap: float | None = None) -> None:

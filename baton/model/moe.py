@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from baton.engine.config import ModelConfig
+from baton.model.config import ModelConfig
 
 
 def activation(name: str):  # -> Callable[[Tensor], Tensor]

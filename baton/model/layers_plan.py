@@ -15,11 +15,11 @@ from typing import Any
 
 import torch
 
-from baton.engine.attention import AttentionMetadata
-from baton.engine.linear import ALL_ROWS, PackedLinear, QuantizedLinear, RowSplitLinear
-from baton.engine.thread_gate import ThreadGate, no_gate_args
+from baton.model.attention import AttentionMetadata
+from baton.model.linear import ALL_ROWS, PackedLinear, QuantizedLinear, RowSplitLinear
+from baton.model.thread_gate import ThreadGate, no_gate_args
 
-logger = logging.getLogger("baton.engine.layers_plan")
+logger = logging.getLogger("baton.model.layers_plan")
 
 
 @dataclass
@@ -41,11 +41,11 @@ class LayersPlan:
 
     @staticmethod
     def build(model: torch.nn.Module, kernel: Any) -> LayersPlan | None:
-        # model: a baton.engine.model.LlamaModel (not imported: that module imports this one)
+        # model: a baton.model.model.LlamaModel (not imported: that module imports this one)
         if kernel is None or not hasattr(kernel, "decode_layers") or not model.layers:
             return None
         if not all(hasattr(layer.mlp, "gate_up") for layer in model.layers):
-            return None  # MoE layers: their experts run in baton.engine.moe
+            return None  # MoE layers: their experts run in baton.model.moe
         ops = [[layer.self_attn.qkv, layer.self_attn.o, layer.mlp.gate_up, layer.mlp.down] for layer in model.layers]
         kinds = (PackedLinear, RowSplitLinear, QuantizedLinear)
         if not all(isinstance(op, kinds) and op.bias is None for row in ops for op in row):

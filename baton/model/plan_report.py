@@ -1,11 +1,11 @@
 """What a prepared model will run, per step kind and per projection: the plan `prepare()` chose.
 
-`prepare()` decides once (`baton.engine.model.LlamaModel.prepare`): each projection's op (a
+`prepare()` decides once (`baton.model.model.LlamaModel.prepare`): each projection's op (a
 oneDNN pack, the native few-row kernel up to some row count, quantized blocks, or plain torch), the
 layer path (the native layer kernels or the torch ops around the matmuls), and for decode-only steps
 whether one native call runs every layer (`LayersPlan`). The forward only reads those choices; this
 module reads the same objects and says them in words, with the bytes each weight holds, so that
-"one copy of each weight" can be checked by eye (`python -m baton.engine.kernels --model M`).
+"one copy of each weight" can be checked by eye (`python -m baton.model.kernels --model M`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from baton.engine.linear import ALL_ROWS, PackedLinear, QuantizedLinear, RowSplitLinear
+from baton.model.linear import ALL_ROWS, PackedLinear, QuantizedLinear, RowSplitLinear
 
 
 @dataclass(frozen=True)

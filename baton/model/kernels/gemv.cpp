@@ -10,7 +10,7 @@
 // activation rows at a time (MT x 4 accumulators in registers). The outputs come out of the
 // accumulators as they are: no horizontal reductions. In the batch-invariant mode (the default) the
 // model uses it for every projection and row count; with BATON_BATCH_INVARIANT=0 only per weight
-// shape and row count where it measured faster than oneDNN (`baton.engine.linear`).
+// shape and row count where it measured faster than oneDNN (`baton.model.linear`).
 //
 // Packed weight: [ceil(N/64), K/2, 64, 2] bf16 (N padded with zero rows; K must be even).
 // x [..., K] bf16 -> [..., N] bf16 (rounded to nearest even, as torch) or fp32.

@@ -1,23 +1,62 @@
-"""Turns a `SchedulerOutput` into tensors, runs the model over the paged KV cache, returns logits."""
+"""Turns a step's scheduled rows into tensors, runs the model over the paged KV cache, returns logits.
+
+It reads a row through `ScheduledRow`, the part of the engine's request a forward pass needs, so the
+model layer never imports the engine's `Sequence` (the engine passes its own requests; the drafter
+passes its views of them)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 
-from baton.engine.config import ModelConfig
-from baton.engine.attention import AttentionMetadata, DecodeGroup, PrefillSpan, group_by_context
-from baton.engine.kv_quant import as_bytes, convert_rows, row_width
-from baton.engine.model import LlamaModel
-from baton.engine.sequence import Sequence
+from baton.model.config import ModelConfig
+from baton.model.attention import AttentionMetadata, DecodeGroup, PrefillSpan, group_by_context
+from baton.model.kv_quant import as_bytes, convert_rows, row_width
+from baton.model.model import LlamaModel
+
+
+class RowPooling(Protocol):
+    """A pooling request's state as the runner reads it: which positions of a chunk are pooled."""
+
+    def positions(self, start: int, end: int) -> range: ...
+
+
+class RowParams(Protocol):
+    prompt_logprobs: int | None
+
+
+class ScheduledRow(Protocol):
+    """What `ModelRunner.execute` reads of a scheduled request (the engine's `Sequence` is one)."""
+
+    token_ids: Seq[int]
+    num_computed_tokens: int
+    block_table: Seq[int]
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def num_prompt_tokens(self) -> int: ...
+
+    @property
+    def spec_token_ids(self) -> Seq[int]: ...
+
+    @property
+    def pool(self) -> RowPooling | None: ...
+
+    @property
+    def sampling_params(self) -> Any: ...
+
 
 
 @dataclass
 class PromptRows:
     """Logits rows of positions [start, start + count) of a request's prompt (for prompt logprobs)."""
 
-    seq: Sequence
+    seq: ScheduledRow
     start: int
     count: int
 
@@ -26,7 +65,7 @@ class PromptRows:
 class PoolRows:
     """How many hidden-state rows of a pooling request this step returns (its chunk's pooled ones)."""
 
-    seq: Sequence
+    seq: ScheduledRow
     count: int
 
 
@@ -35,7 +74,7 @@ class _QueryRow:
     """One decode-kernel query of a step: a request's token at `position` (sampled: a plain decode
     row, whose logits are sampled; else a verified position of a speculating request)."""
 
-    seq: Sequence
+    seq: ScheduledRow
     position: int
     token: int
     sampled: bool
@@ -45,14 +84,14 @@ class _QueryRow:
 class StepResult:
     """What one step of the model gave: see `ModelRunner.execute`."""
 
-    sample_seqs: list[Sequence]
+    sample_seqs: list[ScheduledRow]
     logits: torch.Tensor  # [S + V + P, vocab]
     prompt_rows: list[PromptRows]
     pool_rows: list[PoolRows]
     hidden: torch.Tensor | None  # [sum of pool_rows counts, hidden] fp32, None without pooling rows
     # speculating rows (baton.engine.spec_decode), each with 1 + len(spec_token_ids) logits rows
     # after the S sampled ones (V rows in all), one per verified position
-    verify_seqs: list[Sequence] = field(default_factory=list)
+    verify_seqs: list[ScheduledRow] = field(default_factory=list)
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -70,9 +109,9 @@ class ModelRunner:
         param = next(model.parameters())
         self.device = param.device
         self.dtype = param.dtype
-        self.kv_dtype = kv_dtype or self.dtype  # int8 / fp8: quantized rows (baton.engine.kv_quant)
+        self.kv_dtype = kv_dtype or self.dtype  # int8 / fp8: quantized rows (baton.model.kv_quant)
         # [layers, k/v, kv_heads, slots, head_dim (+ 4 scale bytes when quantized)]; slot = block *
-        # block_size + offset (head-major: see baton.engine.attention)
+        # block_size + offset (head-major: see baton.model.attention)
         self.kv_cache = torch.zeros(
             config.num_layers, 2, config.num_kv_heads, num_blocks * block_size,
             row_width(config.head_dim, self.kv_dtype), dtype=torch.uint8 if self.kv_dtype.itemsize == 1 else self.kv_dtype,
@@ -95,7 +134,7 @@ class ModelRunner:
         # the native kernel reads only each request's own blocks: one group, no padding cost
         return [(0, len(context_lens))] if context_lens else []
 
-    def execute(self, scheduled: list[tuple[Sequence, int]]) -> StepResult:
+    def execute(self, scheduled: list[tuple[ScheduledRow, int]]) -> StepResult:
         """Run one step. Returns the requests that get a new token, the logits [S + P, vocab] (S rows
         for them, then P rows of prompt positions whose logprobs were asked for), which request
         and positions those P rows are (in order), and for pooling requests the final-norm hidden

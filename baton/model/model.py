@@ -1,20 +1,20 @@
 """One decoder for every supported family, in plain torch, with attention over a paged KV cache.
 
-The family is data, not code: `ModelConfig` carries what the family spec (`baton.engine.families`)
+The family is data, not code: `ModelConfig` carries what the family spec (`baton.model.families`)
 and the checkpoint's config.json resolve to (norm kind and placement, q/k norm, biases, activation,
 rotary per layer, window layers, soft-capping, multipliers, MoE), and the modules below read those
 fields. Nothing here branches on a model_type.
 
 Selective batching (Orca): embeddings, norms, projections and the MLP run over every token of the
 step flattened to `[T, H]`, whatever request it belongs to; only attention is split, each request
-attending over its own KV blocks (`baton.engine.attention`).
+attending over its own KV blocks (`baton.model.attention`).
 
 Two numeric paths share this code. float32 computes exactly as the reference (transformers) does:
 it is the parity path of the tests. bf16 is the CPU fast path, written for the fewest ops per layer
 (a decode step at batch 1 is ~30 layers x ~30 ops, and each op costs microseconds of dispatch):
 fused RMSNorm, RoPE once over the q|k slice from a precomputed table, matmuls through prepacked
-weights (`baton.engine.linear`), in-place residual adds. A decode-only step (the decode worker's every
-step) runs all layers as one native call (`baton.engine.layers_plan`), the same kernels in the same
+weights (`baton.model.linear`), in-place residual adds. A decode-only step (the decode worker's every
+step) runs all layers as one native call (`baton.model.layers_plan`), the same kernels in the same
 order.
 
 That native path (fused norms, fused decode, the layer plan) does only the plain Llama layer
@@ -31,16 +31,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from baton.engine.attention import AttentionMetadata, TorchAttention, windowed
-from baton.engine.config import ModelConfig
-from baton.engine.layers_plan import LayersPlan
-from baton.engine.thread_gate import ThreadGate
-from baton.engine.moe import SparseMoE, activation
-from baton.engine.rope import apply_rope, rope_inv_freq, rope_table
+from baton.model.attention import AttentionMetadata, TorchAttention, windowed
+from baton.model.config import ModelConfig
+from baton.model.layers_plan import LayersPlan
+from baton.model.thread_gate import ThreadGate
+from baton.model.moe import SparseMoE, activation
+from baton.model.rope import apply_rope, rope_inv_freq, rope_table
 
 __all__ = ["LlamaModel", "DecoderLayer", "Attention", "MLP", "RMSNorm", "set_op", "apply_rope", "rope_inv_freq",
-           "rope_table"]  # the rope functions are re-exported (their home is baton.engine.rope)
-from baton.engine.linear import (BATCH_INVARIANT_MODES, LinearOp, QuantizedLinear, RowSplitLinear,
+           "rope_table"]  # the rope functions are re-exported (their home is baton.model.rope)
+from baton.model.linear import (BATCH_INVARIANT_MODES, BATCH_INVARIANT_SPELLINGS, LinearOp, QuantizedLinear, RowSplitLinear,
                                  batch_invariant_mode, drop_load_copies, make_linear_op, tune_row_split,
                                  native_for_all_rows)
 
@@ -239,14 +239,14 @@ class LlamaModel(nn.Module):
         return f"{self.config.model_type}: {self.path} path{why}{cache}"
 
     def use_kv_dtype(self, dtype: torch.dtype) -> None:
-        """Attend over a KV cache of `dtype` (int8, fp8: quantized rows, `baton.engine.kv_quant`;
+        """Attend over a KV cache of `dtype` (int8, fp8: quantized rows, `baton.model.kv_quant`;
         the native kernels and the torch path both read and write them)."""
         for layer in self.layers:
             layer.self_attn.backend.use_kv_dtype(dtype)
 
     def projection_slots(self) -> list[tuple[nn.Module, str, nn.Linear]]:
         """(owner, op attribute, the nn.Linear behind it) for every dense projection the forward
-        calls through an op (MoE experts and routers are not: they run in `baton.engine.moe`)."""
+        calls through an op (MoE experts and routers are not: they run in `baton.model.moe`)."""
         slots: list[tuple[nn.Module, str, nn.Linear]] = []
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -259,8 +259,8 @@ class LlamaModel(nn.Module):
     def prepare(self, fast_linears: bool = True, native_kernels: bool = True,
                 batch_invariant: bool | str | None = None, pack_projections: bool = True,
                 release_originals: bool = False) -> None:
-        """After the weights are loaded: pick the fastest matmul per projection (`baton.engine.linear`) and,
-        for bf16 on the CPU, the native paged-attention kernel (`baton.engine.kernels`; built on first
+        """After the weights are loaded: pick the fastest matmul per projection (`baton.model.linear`) and,
+        for bf16 on the CPU, the native paged-attention kernel (`baton.model.kernels`; built on first
         use). batch_invariant (default: `BATON_BATCH_INVARIANT`, "auto"; True = "full", False = "off"):
         one matmul kernel per projection for every row count and, with "full", prefill attention
         through the decode kernel, so that a row's numbers (and greedy tokens) do not depend on the
@@ -279,12 +279,16 @@ class LlamaModel(nn.Module):
         param = self.embed_tokens.weight
         kernel = None
         if native_kernels and param.dtype == torch.bfloat16 and param.device.type == "cpu":
-            from baton.engine import kernels
+            from baton.model import kernels
 
             kernel = kernels.load()
         slots = self.projection_slots()
-        mode = batch_invariant_mode(kernel) if batch_invariant is None else \
-            {True: "full", False: "off"}.get(batch_invariant, batch_invariant)  # type: ignore[call-overload]
+        if isinstance(batch_invariant, bool):
+            mode = "full" if batch_invariant else "off"
+        elif batch_invariant is None or batch_invariant.strip().lower() in BATCH_INVARIANT_SPELLINGS:
+            mode = batch_invariant_mode(kernel, batch_invariant)
+        else:
+            mode = batch_invariant
         if mode not in BATCH_INVARIANT_MODES:
             raise ValueError(f"batch_invariant must be full, matmul or off, not {batch_invariant!r}")
         linears = [linear for _, _, linear in slots]

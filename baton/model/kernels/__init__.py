@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
-logger = logging.getLogger("baton.engine.kernels")
+logger = logging.getLogger("baton.model.kernels")
 
 _DIR = Path(__file__).parent
 # each includes vec.h; decode_layers.cpp calls the others, so it comes last (one translation unit)
@@ -284,7 +284,7 @@ def build(ext: Extension, timeout_s: float | None = None) -> ModuleType | None:
 
 
 def main() -> int:
-    """`python -m baton.engine.kernels`: build (or find) the kernels now and say which path will run."""
+    """`python -m baton.model.kernels`: build (or find) the kernels now and say which path will run."""
     logging.basicConfig(level="INFO", format="%(message)s")
     module = load()
     if module is None:

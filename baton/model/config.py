@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from baton.engine.families import ACTIVATIONS, ROPE_TYPES, FamilySpec, family_spec
+from baton.model.families import ACTIVATIONS, ROPE_TYPES, FamilySpec, family_spec
 
 
 @dataclass
@@ -38,7 +38,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     # Identifies the weights in KV block hashes: the same tokens under another model are other KV.
     model_id: str = ""
-    # --- what the family spec adds (see baton.engine.families) ---
+    # --- what the family spec adds (see baton.model.families) ---
     model_type: str = "llama"
     norm_kind: str = "rms"  # rms | gemma ((1 + w) weights)
     norm_placement: str = "pre"  # pre | sandwich | post

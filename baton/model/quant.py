@@ -7,7 +7,7 @@ quantized per block, as llama.cpp multiplies them).
 (q|k|v, o, gate|up, down; MoE experts stay in the model's dtype) and the LM head at load and replace
 its op by a `QuantizedLinear`, freeing the bf16/fp32 weight it replaced, so that each weight lives
 once in memory, quantized. "auto" (the default) serves a model converted from a GGUF in the GGUF's own
-quantization (`baton.engine.gguf_weights`) and any other model as it is; "none" keeps the model's
+quantization (`baton.model.gguf_weights`) and any other model as it is; "none" keeps the model's
 dtype (a GGUF then runs dequantized, in --dtype). `resolve_weights` is where --dtype and
 --quantization become what loads (`--dtype float32` with auto: the GGUF's dequantized weights). The token embedding stays in the model's dtype (a lookup reads one row
 per token; it is the LM head's weight too when the two are tied, and the head's quantized copy is
@@ -27,42 +27,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from baton.engine.layers_plan import LayersPlan
-from baton.engine.linear import Q8_BLOCK, QuantizedLinear
-from baton.engine.model import set_op
+from baton.model.layers_plan import LayersPlan
+from baton.model.linear import QuantizedLinear
+from baton.model.model import set_op
+from baton.model.q_blocks import quantize_q4, quantize_q8_0
 
-logger = logging.getLogger("baton.engine.quant")
+logger = logging.getLogger("baton.model.quant")
 
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
-
-
-def quantize_q8_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [N, K] (K % 32 == 0) -> (q [N, K] int8 in [-127, 127], d [N, K/32] fp32), w ~ d * q per
-    block of 32 (round to nearest: llama.cpp's Q8_0 reference quantization)."""
-    n, k = weight.shape
-    if k % Q8_BLOCK:
-        raise ValueError(f"int8 needs the input size to be a multiple of {Q8_BLOCK}, not {k}")
-    blocks = weight.detach().float().reshape(n, k // Q8_BLOCK, Q8_BLOCK)
-    d = blocks.abs().amax(-1) / 127.0
-    inverse = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
-    q = (blocks * inverse.unsqueeze(-1)).round().clamp(-127, 127).to(torch.int8)
-    return q.reshape(n, k), d
-
-
-def quantize_q4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """w [N, K] (K % 32 == 0) -> (q [N, K] uint8 in 0..15, d, m [N, K/32] fp32), w ~ d * q + m per
-    block of 32 (llama.cpp's Q4_1 reference: m the block's minimum, d its range / 15; d and m are
-    rounded to fp16 first, as they are stored, and q against those)."""
-    n, k = weight.shape
-    if k % Q8_BLOCK:
-        raise ValueError(f"int4 needs the input size to be a multiple of {Q8_BLOCK}, not {k}")
-    blocks = weight.detach().float().reshape(n, k // Q8_BLOCK, Q8_BLOCK)
-    low, high = blocks.amin(-1), blocks.amax(-1)
-    d = ((high - low) / 15.0).to(torch.float16).float()
-    m = low.to(torch.float16).float()
-    inverse = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
-    q = ((blocks - m.unsqueeze(-1)) * inverse.unsqueeze(-1)).round().clamp(0, 15).to(torch.uint8)
-    return q.reshape(n, k), d, m
 
 
 def asks_for_quantized(quantization: str, gguf_source: Path | None) -> bool:
@@ -77,11 +49,11 @@ def auto_dtype(quantization: str, gguf_source: Path | None, device: torch.device
     kernel, the all-layers decode call), where fp32 is the torch parity path. Measured on an AVX2
     AMD EPYC (Zen 3, no bf16 instructions, 2 threads), the default model's Q4_1 blocks: 64 decode
     tokens at batch 1 in 733 ms (bf16) against 1470 ms (fp32), a 512-token prefill 1164 against
-    1151 ms. Otherwise "auto" (`baton.engine.loader.resolve_dtype`: bf16 only with bf16 instructions)."""
+    1151 ms. Otherwise "auto" (`baton.model.loader.resolve_dtype`: bf16 only with bf16 instructions)."""
     if not asks_for_quantized(quantization, gguf_source) or device.type != "cpu":
         return "auto"
     if kernels is None:
-        from baton.engine import kernels as native
+        from baton.model import kernels as native
 
         kernels = native.load()
     return "bfloat16" if kernels is not None and kernels.q8_available() else "auto"
@@ -128,7 +100,7 @@ def quantize_model(model: nn.Module, quantization: str, kernels: Any = None,
                    gguf_source: Path | None = None) -> str:
     """Quantize `model`'s projections in place (after `prepare()`) and return the scheme that now
     serves them: "none", "int8", "int4" or "gguf" (auto with `gguf_source`, the GGUF file the model
-    directory was converted from). `kernels`: the native module (None: `baton.engine.kernels.load()`)."""
+    directory was converted from). `kernels`: the native module (None: `baton.model.kernels.load()`)."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, not {quantization!r}")
     if not asks_for_quantized(quantization, gguf_source):
@@ -138,7 +110,7 @@ def quantize_model(model: nn.Module, quantization: str, kernels: Any = None,
             return "none"  # the kernels are CPU ones: a GGUF on another device runs dequantized
         raise ValueError(f"--quantization {quantization} runs on the CPU only")
     if kernels is None:
-        from baton.engine import kernels as native
+        from baton.model import kernels as native
 
         kernels = native.load()
     if quantization == "auto":
@@ -154,7 +126,7 @@ def quantize_model(model: nn.Module, quantization: str, kernels: Any = None,
                        "each projection dequantizes its weight per call, which is slow")
     if quantization == "gguf":
         assert gguf_source is not None
-        from baton.engine.gguf_weights import load_gguf_projections
+        from baton.model.gguf_weights import load_gguf_projections
 
         try:
             load_gguf_projections(model, gguf_source, kernels)

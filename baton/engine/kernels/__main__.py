@@ -1,5 +1,0 @@
-import sys
-
-from baton.engine.kernels import main
-
-sys.exit(main())

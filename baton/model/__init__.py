@@ -1,0 +1,1 @@
+"""The model layer: numerics (weights, attention, linear ops, kernels). The engine above schedules."""

@@ -1,0 +1,5 @@
+import sys
+
+from baton.model.kernels import main
+
+sys.exit(main())
