@@ -8,6 +8,7 @@ Map of the package (one responsibility per module):
     services        the long-lived parts shared by handlers
     spec            GenerationSpec: prompt + SamplingParams + API view + choices
     validation*     body reading (size, UTF-8, JSON) and per-API field checks -> GenerationSpec
+    sampling_defaults  the model's generation_config.json sampling defaults (--generation-config)
     tokenizer       the model's tokenizer; prompt limits (max_input_tokens, max_total_tokens)
     admission       the one task that owns the token budget and the FIFO wait queue
     router          the one task that reads this gateway's token stream and routes events

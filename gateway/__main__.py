@@ -16,6 +16,7 @@ from baton.worker.args import parse_bytes
 from gateway.config import Settings
 from gateway.parsers.reasoning import NAMES as REASONING_PARSERS
 from gateway.parsers.tool_calls import NAMES as TOOL_CALL_PARSERS
+from gateway.sampling_defaults import GENERATION_CONFIG_MODES
 
 
 def parse_args(argv: list[str] | None = None) -> Settings:
@@ -33,6 +34,15 @@ def parse_args(argv: list[str] | None = None) -> Settings:
     p.add_argument("--tool-call-parser", default=None, choices=list(TOOL_CALL_PARSERS),
                    help="the format tool_choice auto reads calls in (default: the one the chat template "
                         "calls for, else hermes when it renders tools)")
+    # vLLM needs this flag for tool_choice "auto"; Baton always parses tool calls, so vLLM command lines
+    # that pass it work unchanged
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="accepted for vLLM compatibility; no effect: tool_choice auto is always on (the tool-call "
+                        "parser comes from --tool-call-parser or the chat template)")
+    p.add_argument("--generation-config", default="auto", choices=list(GENERATION_CONFIG_MODES),
+                   help="auto: the model's generation_config.json sets the default temperature, top_p, top_k, "
+                        "min_p and repetition_penalty of requests that leave them unset (vLLM's default); "
+                        "vllm: ignore them, the APIs' own defaults apply (default auto)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
     p.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"),
@@ -40,9 +50,12 @@ def parse_args(argv: list[str] | None = None) -> Settings:
                         "Cluster, Sentinel and managed Redis') (default: $REDIS_URL, else redis://127.0.0.1:6379/0)")
     p.add_argument("--max-concurrent-requests", type=int, default=128,
                    help="requests in flight (running + waiting) past which the answer is 429 (default 128)")
-    p.add_argument("--max-input-tokens", type=int, default=1024, help="longest prompt, in tokens (default 1024)")
-    p.add_argument("--max-total-tokens", type=int, default=2048,
-                   help="longest prompt + max new tokens (default 2048)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="the context: longest prompt + max new tokens (default: the model's, from its config.json)")
+    p.add_argument("--max-total-tokens", type=int, default=None,
+                   help="TGI's name for --max-model-len (give one of them)")
+    p.add_argument("--max-input-tokens", type=int, default=None,
+                   help="longest prompt, in tokens (default: the context - 1)")
     p.add_argument("--max-batch-total-tokens", type=int, default=None,
                    help="token budget (default: KV capacity of the live decode workers)")
     p.add_argument("--max-queue-size", type=int, default=256,
@@ -51,8 +64,8 @@ def parse_args(argv: list[str] | None = None) -> Settings:
                    help="seconds a request may wait for budget before a 503 (default 30)")
     p.add_argument("--api-key", default=os.environ.get("BATON_API_KEY") or None,
                    help="require `Authorization: Bearer KEY` (default: $BATON_API_KEY; none: open)")
-    p.add_argument("--max-body-bytes", type=int, default=1 << 20,
-                   help="largest request body; larger gets 413 (default 1 MiB)")
+    p.add_argument("--max-body-bytes", type=int, default=32 << 20,
+                   help="largest request body; larger gets 413 (default 32 MiB: agents send MBs of context)")
     p.add_argument("--gateway-id", default=None, help="names the token stream and heartbeat (default: random)")
     p.add_argument("--event-timeout", type=float, default=120.0,
                    help="end a request with an error after this many seconds without a token event")
@@ -107,11 +120,13 @@ def parse_args(argv: list[str] | None = None) -> Settings:
     settings = Settings(
         model_dir=model_dir, chat_template=chat_template,
         reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
+        generation_config=args.generation_config,
         # A Hub model is served as its repo id by default (its directory is a commit hash).
         served_model_names=tuple(args.served_model_name or [model_display_name(args.model, model_dir)]),
         host=args.host, port=args.port,
         redis_url=args.redis_url, max_concurrent_requests=args.max_concurrent_requests,
-        max_input_tokens=args.max_input_tokens, max_total_tokens=args.max_total_tokens,
+        max_model_len=args.max_model_len, max_input_tokens=args.max_input_tokens,
+        max_total_tokens=args.max_total_tokens,
         max_batch_total_tokens=args.max_batch_total_tokens, max_queue_size=args.max_queue_size,
         max_queue_wait=args.max_queue_wait, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
         event_timeout=args.event_timeout, log_level=args.log_level,
@@ -172,7 +187,11 @@ def main(argv: list[str] | None = None) -> int:
     if warning:  # `baton serve` passes its children's stderr on: its users see this line too
         logging.getLogger("gateway").warning(warning)
 
-    app = create_app(settings)
+    try:
+        app = create_app(settings)
+    except ValueError as exc:  # e.g. a generation_config.json no request could follow: a message, not a traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     uvicorn.run(app, host=settings.host, port=settings.port, loop="uvloop", log_level=level,
                 http=http_protocol(settings), timeout_keep_alive=settings.keep_alive_timeout,
                 timeout_graceful_shutdown=settings.shutdown_grace,

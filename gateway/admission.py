@@ -218,6 +218,13 @@ class Admission:
         elif isinstance(command, Done):
             self._on_done(command.ticket)
         else:
+            if 0 < command.largest_worker_tokens < self._settings.max_total_tokens and \
+                    command.largest_worker_tokens != self._derived_largest:
+                # said at once, not at the first long request: the fix is a flag at start-up
+                log.warning("the largest decode worker holds %d tokens of KV, less than the context (%d): "
+                            "requests longer than that are refused; give the decode workers more "
+                            "(--kv-cache-memory) or lower --max-model-len", command.largest_worker_tokens,
+                            self._settings.max_total_tokens)
             self._derived_total, self._derived_largest = command.total_tokens, command.largest_worker_tokens
             self._gateways = command.gateways
 

@@ -30,6 +30,7 @@ from gateway import dashboard, routes_misc, routes_openai, routes_tgi, routes_to
 from gateway import routes_anthropic
 from gateway import routes_responses
 from gateway import pooling_config, routes_embeddings
+from gateway import sampling_defaults
 from gateway.admission import Admission
 from gateway.auth import ApiKeyMiddleware
 from gateway.backend import InMemoryBackend, RedisBackend
@@ -70,6 +71,7 @@ Runtime = Callable[[Starlette, Settings, PromptTokenizer], AbstractAsyncContextM
 def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None,
                runtime: Runtime | None = None) -> Starlette:
     settings.validate()
+    sampling_defaults.announce(settings)  # a generation_config.json no request could follow stops us here
     tokenizer = tokenizer or PromptTokenizer(settings.model_dir, settings.chat_template)
     _warn_if_embeddings_cannot_pool(settings)
     run = runtime or redis_runtime
@@ -136,8 +138,10 @@ async def redis_runtime(app: Starlette, settings: Settings, tokenizer: PromptTok
     for task in tasks:
         task.add_done_callback(_crash_logger)
     svc.tasks = tasks
-    log.info("gateway %s serving %s (redis %s)", settings.gateway_id, settings.model_name,
-             redact_url(settings.redis_url))
+    log.info("gateway %s serving %s (redis %s); context %d tokens (%s), prompts up to %d", settings.gateway_id,
+             settings.model_name, redact_url(settings.redis_url), settings.max_total_tokens,
+             "the model's" if settings.max_total_tokens == settings.model_context else
+             ("--max-model-len" if settings.model_context else "the model declares none"), settings.max_input_tokens)
     try:
         yield
     finally:

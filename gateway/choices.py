@@ -43,7 +43,7 @@ async def start_choices(request: Request, status: int, parse: Callable[[dict[str
         spec = await asyncio.to_thread(parse, body)
         n = spec.choices.n
         for p, one in enumerate(spec.per_prompt()):
-            prompt_ids = await svc.tokenizer.prompt_ids(one, status)
+            prompt_ids = await svc.tokenizer.prompt_ids(one, status, svc.settings)  # refused by characters if need be
             prompt_ids, max_new_tokens = apply_limits(one, prompt_ids, svc.settings, status)
             choices = [Generation(svc, one, prompt_ids, sampling_for(one.sampling, max_new_tokens, j), arrival,
                                   status, choice=p * n + j, sibling=j) for j in range(n)]

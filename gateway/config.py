@@ -6,6 +6,11 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from baton.common.context_length import model_context_length
+
+# the context when neither the flags nor the model's config.json say one
+FALLBACK_CONTEXT = 2048
+
 
 def _random_gateway_id() -> str:
     # Short but unique enough: it names this process's token stream and heartbeat key.
@@ -26,18 +31,29 @@ class Settings:
     # split; the tool-call parser the chat template calls for (gateway.tools.choose_parser).
     reasoning_parser: str | None = None
     tool_call_parser: str | None = None
+    # vLLM's --generation-config: "auto" makes the model's generation_config.json sampling keys the
+    # requests' defaults, "vllm" ignores them (gateway.sampling_defaults).
+    generation_config: str = "auto"
     host: str = "127.0.0.1"
     port: int = 8000
     redis_url: str = "redis://127.0.0.1:6379/0"
     max_concurrent_requests: int = 128
-    max_input_tokens: int = 1024
-    max_total_tokens: int = 2048
+    # The context: prompt + generated tokens, vLLM's --max-model-len (TGI's --max-total-tokens, the
+    # same limit; give one or both equal). None: the model's own (baton.common.context_length), so a
+    # model of 32k positions takes 32k-token requests. Resolved in __post_init__ (then never None).
+    max_model_len: int | None = None
+    max_total_tokens: int | None = None
+    # The longest prompt; None: max_total_tokens - 1 (a prompt may use all the context but one token).
+    max_input_tokens: int | None = None
     # None: derived from live decode heartbeats (sum of num_kv_blocks_total * block_size).
     max_batch_total_tokens: int | None = None
     max_queue_size: int = 256
     max_queue_wait: float = 30.0  # seconds a request may wait for budget before a 503
     api_key: str | None = None
-    max_body_bytes: int = 1 << 20
+    # Agent clients (Claude Code, Codex) send MBs of context: read and parsed so that the event loop
+    # keeps serving (gateway.validation.read_json_body), a prompt its characters prove too long refused
+    # before tokenizing (PromptTokenizer.prompt_ids).
+    max_body_bytes: int = 32 << 20
     gateway_id: str = field(default_factory=_random_gateway_id)
     # An admitted request that hears nothing from the workers for this long is ended with an error,
     # so a lost message can never leave a client (and its budget) hanging forever.
@@ -85,19 +101,40 @@ class Settings:
     # shared by the gateways of one Redis: past it the soonest to expire are dropped; one larger
     # than all of it is answered with `store: false` (gateway.response_store).
     responses_max_bytes: int = 64 << 20
+    # set by __post_init__: the context the model's config.json declares (None: it declares none)
+    model_context: int | None = field(init=False, default=None)
+    _conflicting_lengths: bool = field(init=False, default=False, repr=False)
 
     def __post_init__(self) -> None:
         self.model_dir = Path(self.model_dir)
         names = [n for n in self.served_model_names if n] or [self.model_name or self.model_dir.name]
         self.served_model_names = tuple(dict.fromkeys(names))  # duplicates dropped, order kept
         self.model_name = self.served_model_names[0]
+        self.model_context = model_context_length(self.model_dir)  # what the model's config declares
+        total = self.max_total_tokens or self.max_model_len
+        if total is None:  # the model's, within a fixed budget when one is set (one request must fit it)
+            total = self.model_context or FALLBACK_CONTEXT
+            if self.max_batch_total_tokens is not None:
+                total = min(total, self.max_batch_total_tokens)
+        self._conflicting_lengths = bool(self.max_total_tokens and self.max_model_len
+                                         and self.max_total_tokens != self.max_model_len)
+        self.max_total_tokens = self.max_model_len = total
+        if self.max_input_tokens is None:
+            self.max_input_tokens = max(1, total - 1)
 
     def validate(self) -> None:
         """Refuse settings that would make some valid-looking request impossible to serve."""
+        assert self.max_input_tokens is not None and self.max_total_tokens is not None  # __post_init__
+        if self._conflicting_lengths:
+            raise ValueError("--max-model-len and --max-total-tokens name the same limit: give one of them")
+        if self.model_context is not None and self.max_total_tokens > self.model_context:
+            raise ValueError(f"--max-model-len {self.max_total_tokens} is longer than the model's context "
+                             f"({self.model_context} tokens, from its config.json): positions past it were never "
+                             f"trained; give at most {self.model_context}")
         if self.max_input_tokens < 1:
             raise ValueError("--max-input-tokens must be >= 1")
         if self.max_total_tokens <= self.max_input_tokens:
-            raise ValueError("--max-total-tokens must be greater than --max-input-tokens")
+            raise ValueError("--max-total-tokens (the context, --max-model-len) must be greater than --max-input-tokens")
         if self.max_batch_total_tokens is not None and self.max_batch_total_tokens < self.max_total_tokens:
             # Like TGI: a request of max_total_tokens must fit the batch budget on its own.
             raise ValueError("--max-batch-total-tokens must be >= --max-total-tokens")

@@ -8,6 +8,7 @@ the API family the path belongs to.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from starlette.requests import Request
@@ -44,6 +45,8 @@ class ApiError(Exception):
         kind: str = "validation",
         param: str | None = None,
         headers: dict[str, str] | None = None,
+        code: str | None = None,
+        context: ContextOverflow | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -51,10 +54,54 @@ class ApiError(Exception):
         self.kind = kind
         self.param = param
         self.headers = headers or {}
+        self.code = code  # OpenAI's machine-readable `code` (else the status)
+        self.context = context  # a request past the context: each API words it its own way
+
+
+@dataclass(frozen=True)
+class ContextOverflow:
+    """A request longer than the context: its prompt tokens, the tokens it asks to generate (0 when
+    the prompt alone is too long) and the limit it passed."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    limit: int
+    prompt_limit: int  # the longest prompt (--max-input-tokens)
+
+    def openai_message(self) -> str:
+        # the sentence the openai, LangChain and LiteLLM clients recognise as "context too long"
+        if self.completion_tokens == 0:
+            return (f"This model's maximum context length is {self.limit} tokens and prompts may have at most "
+                    f"{self.prompt_limit}. However, your prompt has {self.prompt_tokens} tokens. "
+                    "Please reduce the length of the prompt.")
+        return (f"This model's maximum context length is {self.limit} tokens. However, you requested "
+                f"{self.prompt_tokens + self.completion_tokens} tokens ({self.prompt_tokens} in the prompt, "
+                f"{self.completion_tokens} in the completion). Please reduce the length of the prompt or "
+                "the completion.")
+
+    def anthropic_message(self) -> str:
+        if self.completion_tokens == 0:
+            return f"prompt is too long: {self.prompt_tokens} tokens > {self.prompt_limit} maximum"
+        return (f"input length and `max_tokens` exceed context limit: {self.prompt_tokens} + "
+                f"{self.completion_tokens} > {self.limit}, decrease input length or `max_tokens` and try again")
+
+    def tgi_message(self) -> str:
+        if self.completion_tokens == 0:
+            return (f"Input validation error: `inputs` must have less than {self.prompt_limit + 1} tokens. "
+                    f"Given: {self.prompt_tokens}")
+        return (f"Input validation error: `inputs` tokens + `max_new_tokens` must be <= {self.limit}. "
+                f"Given: {self.prompt_tokens} `inputs` tokens and {self.completion_tokens} `max_new_tokens`")
 
 
 def validation_error(message: str, *, param: str | None = None, status: int = 422) -> ApiError:
     return ApiError(status, message, kind="validation", param=param)
+
+
+def context_length_exceeded(overflow: ContextOverflow, *, param: str | None, status: int) -> ApiError:
+    """A request past the context: OpenAI's `context_length_exceeded` (its clients match the code
+    and the "maximum context length" sentence), Anthropic's and TGI's own wording on their routes."""
+    return ApiError(status, overflow.openai_message(), kind="validation", param=param,
+                    code="context_length_exceeded", context=overflow)
 
 
 def overloaded(message: str, retry_after_s: int) -> ApiError:
@@ -87,14 +134,16 @@ def api_style(path: str) -> ApiStyle:
 
 def error_body(err: ApiError, style: ApiStyle) -> dict[str, Any]:
     if style == "tgi":
-        return {"error": err.message, "error_type": err.kind}
+        return {"error": err.context.tgi_message() if err.context else err.message, "error_type": err.kind}
     if style == "anthropic":
         kind = _ANTHROPIC_TYPES.get(err.status, "invalid_request_error" if err.status < 500 else "api_error")
+        if err.context is not None:
+            return {"type": "error", "error": {"type": kind, "message": err.context.anthropic_message()}}
         # No `param` in Anthropic's body: its messages lead with the field ("max_tokens: ...").
         named = not err.param or f"`{err.param}`" in err.message
         return {"type": "error", "error": {"type": kind, "message": err.message if named
                                            else f"{err.param}: {err.message}"}}
-    code: int | str | None = err.status
+    code: int | str | None = err.code or err.status
     if err.kind == "authentication":
         code = "invalid_api_key"
     return {

@@ -21,6 +21,15 @@ and aiperf's /metrics scraping work with little change. As rendered (prometheus_
     baton:stream_length{stream}, baton:stream_pending{stream}, baton:stream_lag{stream}
         backlog of `{baton}:prefill` / `{baton}:decode` (XLEN; delivered but not acked; not yet
         delivered to the consumer group), sampled every 2 s by the dashboard monitor
+    baton:kv_cache_usage_perc{worker}                                 gauge (0-1, as vLLM's)
+    baton:decode_num_requests_running{worker}, baton:decode_num_requests_waiting{worker}   gauges
+    baton:num_preemptions_total{worker}                               counter
+        each live decode worker's engine, from its heartbeat (`DecodeWorkerCollector`), so one
+        scrape of the gateway shows the cluster; a worker's series go with its heartbeat
+
+The decode workers' running / waiting are `decode_*`: `baton:num_requests_running` here already
+means this gateway's admitted requests. With several gateways each reports every decode worker:
+aggregate those series with max by (worker), not sum.
 
 Besides the Prometheus objects the gateway keeps plain numbers for /stats and /dashboard: counts
 by reason, the total of generated tokens, and the recent TTFT / ITL samples (a bounded window) from
@@ -31,9 +40,11 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                     7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
@@ -94,6 +105,65 @@ def percentiles(values: Iterable[float], qs: Iterable[float]) -> list[float | No
         rank = max(1, min(n, int(-(-q * n // 1))))  # ceil(q * n), clamped to [1, n]
         out.append(ordered[rank - 1])
     return out
+
+
+def _count(value: Any) -> int | None:
+    # Heartbeats are another process's msgpack: a missing or foreign field is no series, not an error.
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def kv_cache_usage(beat: dict[str, Any]) -> float | None:
+    """A decode heartbeat's KV usage (0-1): the engine's own figure, else used / total blocks."""
+    usage = beat.get("kv_cache_usage")
+    if isinstance(usage, (int, float)) and not isinstance(usage, bool) and 0 <= usage <= 1:
+        return float(usage)
+    used, total = _count(beat.get("num_kv_blocks_used")), _count(beat.get("num_kv_blocks_total"))
+    return used / total if used is not None and total else None
+
+
+class DecodeWorkerCollector:
+    """The live decode workers' engine state as series labelled by `worker`, built at each scrape
+    from the heartbeats last read (gateway.cluster): a worker whose heartbeat expired is simply not
+    among them, so its series vanish and the label set stays bounded by the live workers."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.heartbeats: Sequence[dict[str, Any]] = ()  # set by GatewayMetrics.render
+
+    def describe(self) -> Iterator[Metric]:
+        # the names, so the registry refuses a Gauge or Counter that would clash with them
+        return self._families(())
+
+    def collect(self) -> Iterator[Metric]:
+        return self._families(self.heartbeats)
+
+    def _families(self, heartbeats: Sequence[dict[str, Any]]) -> Iterator[Metric]:
+        labels = ["model_name", "worker"]
+        usage = GaugeMetricFamily("baton:kv_cache_usage_perc",
+                                  "Fraction of a decode worker's KV blocks in use (0-1), from its heartbeat.",
+                                  labels=labels)
+        running = GaugeMetricFamily("baton:decode_num_requests_running",
+                                    "Requests in a decode worker's engine batch (or loading their KV), "
+                                    "from its heartbeat.", labels=labels)
+        waiting = GaugeMetricFamily("baton:decode_num_requests_waiting",
+                                    "Requests queued inside a decode worker's engine, from its heartbeat.",
+                                    labels=labels)
+        # Cumulative in the worker's engine; a restarted worker has a new id, so each series only grows.
+        preemptions = CounterMetricFamily("baton:num_preemptions",
+                                          "Preemptions in a decode worker's engine, from its heartbeat.",
+                                          labels=labels)
+        for beat in heartbeats:
+            series = [self.model_name, str(beat.get("worker_id", ""))]
+            if (value := kv_cache_usage(beat)) is not None:
+                usage.add_metric(series, value)
+            in_batch, loading = _count(beat.get("num_requests_running")), _count(beat.get("num_requests_loading_kv"))
+            if in_batch is not None:
+                running.add_metric(series, in_batch + (loading or 0))  # as the worker's own gauge counts
+            if (queued := _count(beat.get("num_requests_waiting"))) is not None:
+                waiting.add_metric(series, queued)
+            if (count := _count(beat.get("num_preemptions"))) is not None:
+                preemptions.add_metric(series, count)
+        yield from (usage, running, waiting, preemptions)
 
 
 class GatewayMetrics:
@@ -159,6 +229,8 @@ class GatewayMetrics:
         self._stream_lag = Gauge(
             "baton:stream_lag", "Entries not yet delivered to the stream's consumer group (its lag).",
             stream_labels, registry=r)
+        self.decode_workers = DecodeWorkerCollector(model_name)
+        r.register(self.decode_workers)
         for reason in FINISHED_REASONS:
             self._success.labels(model_name, reason)
         for reason in REJECTION_REASONS:
@@ -195,5 +267,7 @@ class GatewayMetrics:
             if value is not None:
                 gauge.labels(self.model_name, stream).set(value)
 
-    def render(self) -> bytes:
+    def render(self, decode_heartbeats: Sequence[dict[str, Any]] = ()) -> bytes:
+        """The /metrics page; `decode_heartbeats`: the live decode workers' (Cluster.workers["decode"])."""
+        self.decode_workers.heartbeats = decode_heartbeats
         return generate_latest(self.registry)

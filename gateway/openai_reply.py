@@ -8,6 +8,8 @@ streamed deltas of it, so every parser (tool calls, reasoning) is applied in one
 With a reasoning parser (`--reasoning-parser`, gateway.parsers.reasoning) the output is split first:
 `message.reasoning_content` (only when there was reasoning) and streamed `delta.reasoning_content`
 pieces, then the tool-call parsing (gateway.tools) reads the answer after the think block only.
+The same text is also under `reasoning`, the name current vLLM uses, so clients written against
+either spelling read it.
 """
 
 from __future__ import annotations
@@ -87,7 +89,7 @@ class OpenAIReply:
                                    else (None, gen.text))
                 message, finish = assistant_message(self.api.tool_calling, answer, finish)  # tool_calls
                 if thought is not None:
-                    message["reasoning_content"] = thought
+                    message["reasoning_content"] = message["reasoning"] = thought
                 choices.append({"index": gen.choice, "message": message, "logprobs": logprobs, "finish_reason": finish})
             else:
                 parts = [self._echo_logprobs(gen)] if self.api.echo else []
@@ -138,7 +140,7 @@ class OpenAIReply:
             if self._tool_streams:
                 delta, finish = self._tool_streams[id(gen)].rewrite(delta, finish)
             if thought:
-                delta["reasoning_content"] = thought
+                delta["reasoning_content"] = delta["reasoning"] = thought
             logprobs = chat_logprobs(self.tokenizer, tokens) if wants_logprobs and tokens else None
             choice = {"index": gen.choice, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             body = {**self.head("chat.completion.chunk"), "choices": [choice]}

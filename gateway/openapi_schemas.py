@@ -209,7 +209,9 @@ SCHEMAS: dict[str, Any] = {
                 "role": {"type": "string"}, "content": {"type": ["string", "null"]},
                 "tool_calls": {"type": "array", "items": _ref("ToolCall")},
                 "reasoning_content": {"type": "string", "description": "With --reasoning-parser: the think "
-                                      "block's text (absent when there was none)."}}},
+                                      "block's text (absent when there was none)."},
+                "reasoning": {"type": "string", "description": "The same text as reasoning_content, under "
+                              "the name current vLLM uses."}}},
             "finish_reason": {"type": "string", "enum": ["stop", "length", "tool_calls"]}}}}}},
     "DashboardData": {"type": "object", "required": ["time", "now", "series", "workers"], "properties": {
         "time": {**_NUM, "description": "Server time (Unix seconds)."},

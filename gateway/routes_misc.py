@@ -24,6 +24,7 @@ from starlette.routing import Route
 
 from baton.common.redis_client import REDIS_FAILURES
 from baton.common.urls import redact_url
+from gateway import sampling_defaults
 from gateway.openapi import openapi_spec
 from gateway.respond import services
 from gateway.services import Services
@@ -106,7 +107,7 @@ async def ready(request: Request) -> Response:
 
 
 async def info(request: Request) -> Response:
-    """TGI's /info shape (clients read model_id and the limits from it)."""
+    """TGI's /info shape (clients read model_id and the limits from it), and the sampling defaults."""
     s = services(request).settings
     return JSONResponse({
         "model_id": s.model_name,
@@ -130,6 +131,9 @@ async def info(request: Request) -> Response:
         "max_queue_wait_s": s.max_queue_wait,
         "max_client_batch_size": 1,
         "validation_workers": 1,
+        # The model's generation_config.json sampling defaults that requests leaving those fields
+        # unset get ({} with --generation-config vllm, or when it sets none): gateway.sampling_defaults.
+        "sampling_defaults": sampling_defaults.for_settings(s).as_dict(),
     })
 
 
@@ -154,7 +158,9 @@ async def stats(request: Request) -> Response:
 async def metrics(request: Request) -> Response:
     from prometheus_client import CONTENT_TYPE_LATEST
 
-    return Response(services(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    svc = services(request)
+    # the decode workers' engine state too, so one scrape of the gateway shows the cluster
+    return Response(svc.metrics.render(svc.cluster.workers.get("decode", [])), media_type=CONTENT_TYPE_LATEST)
 
 
 async def models(request: Request) -> Response:

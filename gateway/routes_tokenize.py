@@ -10,6 +10,10 @@ Errors are OpenAI-shaped (400), and `model`, when given, must be a served name (
 
 from __future__ import annotations
 
+import asyncio
+import json
+from typing import Any
+
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -25,6 +29,9 @@ TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "add_gen
 DETOKENIZE_FIELDS = {"model", "tokens"}
 # A detokenize body holds at most max_body_bytes of ids anyway; this keeps one call's work bounded.
 MAX_DETOKENIZE_IDS = 1 << 17
+# A body of many MB tokenizes to millions of ids: past this many, the answer is encoded in a thread
+# a slice at a time (one json.dumps of them all would hold the GIL, so the event loop, for a second).
+_INLINE_IDS = 1 << 16
 
 
 async def tokenize(request: Request) -> Response:
@@ -57,7 +64,27 @@ async def tokenize(request: Request) -> Response:
     headers = ignored_fields_header(ignored)
     answer = {"count": len(ids), "max_model_len": svc.settings.max_total_tokens, "tokens": ids,
               "token_strs": await maybe_in_thread(len(ids), tok.token_strs, ids) if return_strs else None}
-    return JSONResponse(answer, headers=headers)
+    if len(ids) <= _INLINE_IDS:
+        return JSONResponse(answer, headers=headers)
+    return Response(await asyncio.to_thread(_encode_in_slices, answer), media_type="application/json",
+                    headers=headers)
+
+
+def _encode_in_slices(answer: dict[str, Any]) -> bytes:
+    """`answer` as JSONResponse writes it, its lists encoded _INLINE_IDS items per json.dumps."""
+    def array(items: list[Any]) -> bytes:
+        slices = (_compact(items[i:i + _INLINE_IDS])[1:-1] for i in range(0, len(items), _INLINE_IDS))
+        return b"[" + b",".join(slices) + b"]"
+
+    lists = {key: answer.pop(key) for key in ("tokens", "token_strs")}
+    parts = [_compact(answer)[:-1]]
+    for key, items in lists.items():
+        parts.append(b"," + _compact(key) + b":" + (array(items) if items is not None else b"null"))
+    return b"".join(parts) + b"}"
+
+
+def _compact(value: Any) -> bytes:
+    return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8")
 
 
 async def detokenize(request: Request) -> Response:

@@ -9,7 +9,6 @@ heartbeat TTL gets the gateway declared dead and its requests dropped).
 from __future__ import annotations
 
 import asyncio
-import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -17,9 +16,10 @@ from typing import Any, TypeVar
 from transformers import AutoTokenizer
 
 from gateway.config import Settings
-from gateway.errors import validation_error
+from gateway.errors import ApiError, ContextOverflow, context_length_exceeded, validation_error
 from gateway.tools import choose_parser, for_template
 from gateway.spec import GenerationSpec
+from gateway.loop_gate import LoopGate
 
 T = TypeVar("T")
 # Below this many characters (or token ids) tokenizing inline is cheaper than a thread hop.
@@ -65,12 +65,14 @@ class PromptTokenizer:
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                     add_special_tokens: bool = False, tools: list[dict[str, Any]] | None = None,
-                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                    template_kwargs: dict[str, Any] | None = None, max_chars: int | None = None) -> list[int]:
         # tools and tool calls go to the template (see gateway.tools.for_template); template_kwargs
         # are the request's chat_template_kwargs (checked: none clashes with these parameters)
         text = self.hf.apply_chat_template(for_template(messages, self.hf.chat_template), tools=tools or None,
                                            add_generation_prompt=add_generation_prompt, tokenize=False,
                                            **(template_kwargs or {}))
+        if max_chars is not None and len(text) > max_chars:  # the rendered text, whatever the template dropped
+            raise PromptTooLong(len(text))
         # The template already wrote the special tokens; by default do not add a BOS again.
         return list(self.hf(text, add_special_tokens=add_special_tokens)["input_ids"])
 
@@ -87,46 +89,72 @@ class PromptTokenizer:
             text = self._token_texts[token_id] = self.backend.decode([token_id], skip_special_tokens=False)
         return text
 
-    async def prompt_ids(self, spec: GenerationSpec, status: int) -> list[int]:
-        """The prompt's token ids (chat: through the chat template)."""
+    async def prompt_ids(self, spec: GenerationSpec, status: int, settings: Settings | None = None) -> list[int]:
+        """The prompt's token ids (chat: through the chat template). With `settings`, a text whose
+        characters alone prove it longer than max_input_tokens is refused before it is tokenized
+        (`refuse_by_characters`): a body of many MB would hold a core and memory for nothing."""
         prompt = spec.prompt
         if isinstance(prompt.input, list):
             return list(prompt.input)
-        if prompt.messages is not None:
-            if not self.has_chat_template:
-                raise validation_error("this model has no chat template; use /v1/completions", status=status)
-            calling = spec.api.tool_calling
-            if calling is not None:  # "auto": the flag's tool-call parser, else the template's
-                choose_parser(calling, self.hf.chat_template)
-            return await self.chat_ids(prompt.messages, status, True, False,
-                                       calling.tools if calling is not None else None, prompt.chat_template_kwargs)
-        assert isinstance(prompt.input, str)
-        return await maybe_in_thread(len(prompt.input), self.encode_text, prompt.input, prompt.add_special_tokens)
+        # TGI's truncate keeps the prompt's last tokens: any length is then served
+        max_chars = self.max_token_chars * settings.max_input_tokens if settings and prompt.truncate is None else None
+        try:
+            if prompt.messages is not None:
+                if not self.has_chat_template:
+                    raise validation_error("this model has no chat template; use /v1/completions", status=status)
+                calling = spec.api.tool_calling
+                if calling is not None:  # "auto": the flag's tool-call parser, else the template's
+                    choose_parser(calling, self.hf.chat_template)
+                return await self.chat_ids(prompt.messages, status, True, False,
+                                           calling.tools if calling is not None else None, prompt.chat_template_kwargs,
+                                           max_chars)
+            assert isinstance(prompt.input, str)
+            if max_chars is not None and len(prompt.input) > max_chars:
+                raise PromptTooLong(len(prompt.input))
+            return await maybe_in_thread(len(prompt.input), self.encode_text, prompt.input, prompt.add_special_tokens)
+        except PromptTooLong as exc:
+            assert settings is not None
+            raise self.refuse_by_characters(exc.chars, settings, "messages" if prompt.messages is not None
+                                            else "prompt", status) from None
+
+    def refuse_by_characters(self, chars: int, settings: Settings, param: str, status: int) -> ApiError:
+        """context_length_exceeded for a text of `chars` characters: no token of this model spells
+        more than max_token_chars of them, so it has at least chars / max_token_chars tokens."""
+        assert settings.max_input_tokens is not None and settings.max_total_tokens is not None
+        least = -(-chars // self.max_token_chars)
+        overflow = ContextOverflow(least, 0, settings.max_total_tokens, settings.max_input_tokens)
+        message = (f"This model's maximum context length is {overflow.limit} tokens and prompts may have at most "
+                   f"{overflow.prompt_limit}. However, your prompt has at least {least} tokens ({chars} characters; "
+                   f"no token of this model spells more than {self.max_token_chars}). Please reduce the length "
+                   "of the prompt.")
+        return ApiError(status, message, kind="validation", param=param, code="context_length_exceeded",
+                        context=overflow)
 
     async def chat_ids(self, messages: list[dict[str, Any]], status: int, add_generation_prompt: bool = True,
                        add_special_tokens: bool = False, tools: list[dict[str, Any]] | None = None,
-                       template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                       template_kwargs: dict[str, Any] | None = None, max_chars: int | None = None) -> list[int]:
         """`encode_chat` off the event loop, a template's refusal as a 4xx naming `messages`."""
         try:
             # Always off the loop: the template's cost grows with the number of messages, so even a
             # body of empty messages is not cheap (the count is capped in validation).
             return await asyncio.to_thread(self.encode_chat, messages, add_generation_prompt, add_special_tokens,
-                                           tools, template_kwargs)
+                                           tools, template_kwargs, max_chars)
+        except PromptTooLong:
+            raise
         except Exception as exc:  # jinja raises for messages the template refuses
             raise validation_error(f"the chat template rejected the messages: {exc}",
                                    param="messages", status=status) from None
 
 
-_batch_gates: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = weakref.WeakKeyDictionary()
+class PromptTooLong(Exception):
+    """A prompt text with more characters than max_input_tokens tokens can spell (see prompt_ids)."""
+
+    def __init__(self, chars: int) -> None:
+        super().__init__(chars)
+        self.chars = chars
 
 
-def _one_batch_at_a_time() -> asyncio.Semaphore:
-    """This event loop's gate for batch tokenizing (one per loop: a semaphore is bound to one)."""
-    loop = asyncio.get_running_loop()
-    gate = _batch_gates.get(loop)
-    if gate is None:
-        gate = _batch_gates[loop] = asyncio.Semaphore(1)
-    return gate
+_one_batch_at_a_time = LoopGate()  # this event loop's gate (gateway.loop_gate)
 
 
 async def maybe_in_thread(size: int, fn: Callable[..., T], *args: Any) -> T:
@@ -144,16 +172,14 @@ def apply_limits(spec: GenerationSpec, prompt_ids: list[int], settings: Settings
     n = len(prompt_ids)
     if n == 0:
         raise validation_error("the prompt is empty after tokenization", status=status)
-    if n > settings.max_input_tokens:
-        raise validation_error(
-            f"the prompt has {n} tokens; it must have at most max_input_tokens={settings.max_input_tokens}",
-            status=status)
-    room = settings.max_total_tokens - n
+    limit, prompt_limit = settings.max_total_tokens, settings.max_input_tokens
+    if n > prompt_limit:
+        raise context_length_exceeded(ContextOverflow(n, 0, limit, prompt_limit), param="messages" if spec.prompt.messages is not None else "prompt",
+                                      status=status)
+    room = limit - n
     if spec.max_new_tokens is None:
         return prompt_ids, max(1, min(spec.default_max_new_tokens, room))
-    if n + spec.max_new_tokens > settings.max_total_tokens:
-        raise validation_error(
-            f"prompt tokens + max new tokens must be <= max_total_tokens={settings.max_total_tokens}; "
-            f"given {n} prompt tokens and {spec.max_new_tokens} max new tokens",
-            param="max_tokens", status=status)
+    if n + spec.max_new_tokens > limit:
+        raise context_length_exceeded(ContextOverflow(n, spec.max_new_tokens, limit, prompt_limit),
+                                      param="max_tokens", status=status)
     return prompt_ids, spec.max_new_tokens

@@ -347,4 +347,5 @@ def renamed(exc: ApiError) -> ApiError:
     for pattern, name in _CHAT_PARAMS:
         message = pattern.sub(name, message)
         param = pattern.sub(name, param) if param else param
-    return ApiError(exc.status, message, kind=exc.kind, param=param, headers=exc.headers)
+    return ApiError(exc.status, message, kind=exc.kind, param=param, headers=exc.headers, code=exc.code,
+                    context=exc.context)

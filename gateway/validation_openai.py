@@ -1,7 +1,8 @@
 """OpenAI request bodies (`/v1/completions`, `/v1/chat/completions`) -> GenerationSpec (gateway.spec).
 
-OpenAI semantics: temperature defaults to 1.0 (sampling) and 0 means greedy; `n` choices (and
-completions' `best_of`, batched prompts) up to MAX_CHOICES per prompt; `logprobs` (completions: the
+OpenAI semantics: temperature defaults to 1.0 (sampling) and 0 means greedy (a sampling field the
+request leaves unset takes the model's generation_config.json default: gateway.sampling_defaults);
+`n` choices (and completions' `best_of`, batched prompts) up to MAX_CHOICES per prompt; `logprobs` (completions: the
 top-k count; chat: a flag with `top_logprobs`), completions' `echo` and vLLM's `prompt_logprobs`;
 `max_tokens` defaults to 16 for completions and to the room left (capped at 1024) for chat;
 `max_completion_tokens` (what aiperf sends) wins over `max_tokens`. `presence_penalty`,
@@ -21,8 +22,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from gateway import sampling_defaults
 from gateway.config import Settings
-from gateway.errors import ApiError, validation_error
+from gateway.errors import ApiError, ContextOverflow, context_length_exceeded, validation_error
 from baton.common.sampling_params import MAX_LOGPROBS
 from baton.common.structured import InvalidStructure, compiled_grammar
 from gateway.parsers.reasoning import think_first
@@ -105,7 +107,7 @@ def parse_completion(body: dict[str, Any], settings: Settings, vocab_size: int) 
     for key, neutral in COMPLETION_NEUTRAL.items():
         f.unsupported_unless(key, neutral)
     common = _common(f, settings, vocab_size, COMPLETIONS_DEFAULT_MAX_TOKENS, ignored)
-    prompts = _prompts(body.get("prompt"), vocab_size, settings.max_input_tokens)
+    prompts = _prompts(body.get("prompt"), vocab_size, settings)
     prompt = Prompt(input=prompts[0]) if len(prompts) == 1 else Prompt(batch=prompts)
     prompt.add_special_tokens = f.boolean("add_special_tokens", True)  # vLLM's extra, for text prompts
     # logprobs: the number of top alternatives per token (0: the chosen token's only)
@@ -219,11 +221,10 @@ def _common(f: Fields, settings: Settings, vocab_size: int, default_max: int, ig
     presence = f.number("presence_penalty", ge=-2.0, le=2.0)
     frequency = f.number("frequency_penalty", ge=-2.0, le=2.0)
     min_p = f.number("min_p", ge=0.0, le=1.0)
+    # What the request leaves unset takes the model's generation_config.json default (vLLM's rule).
     sampling: dict[str, Any] = dict(
-        temperature=temperature if temperature is not None else 1.0,
-        top_p=top_p if top_p is not None else 1.0,
-        top_k=top_k if top_k not in (None, 0) else -1,
-        repetition_penalty=repetition_penalty if repetition_penalty is not None else 1.0,
+        **sampling_defaults.for_settings(settings).fill(temperature=temperature, top_p=top_p, top_k=top_k,
+                                                        min_p=min_p, repetition_penalty=repetition_penalty),
         seed=f.integer("seed", lo=MIN_SEED, hi=MAX_SEED),
         ignore_eos=ignore_eos,
         stop_token_ids=f.token_ids("stop_token_ids", vocab_size, settings.max_stop_token_ids),
@@ -232,7 +233,6 @@ def _common(f: Fields, settings: Settings, vocab_size: int, default_max: int, ig
     sampling.update(
         presence_penalty=presence if presence is not None else 0.0,
         frequency_penalty=frequency if frequency is not None else 0.0,
-        min_p=min_p if min_p is not None else 0.0,
         logit_bias=_logit_bias(f, vocab_size),
         min_tokens=min_tokens or 0,
         prompt_logprobs=f.integer("prompt_logprobs", lo=0, hi=MAX_LOGPROBS),  # vLLM's extra
@@ -283,17 +283,17 @@ def _logit_bias(f: Fields, vocab_size: int) -> list[list[float]]:
     return [[token, bias] for token, bias in biases.items()]
 
 
-def _prompts(value: Any, vocab_size: int, max_input_tokens: int) -> list[str | list[int]]:
+def _prompts(value: Any, vocab_size: int, settings: Settings) -> list[str | list[int]]:
     """`prompt`: a string, a list of token ids, or a batch of either (a list of them)."""
     if isinstance(value, list) and value and all(isinstance(p, (str, list)) for p in value):
         if len(value) > MAX_BATCH_PROMPTS:
             raise validation_error(f"`prompt` is a batch of {len(value)} prompts; at most {MAX_BATCH_PROMPTS} "
                                    "are allowed", param="prompt", status=STATUS)
-        return [_prompt(p, vocab_size, max_input_tokens) for p in value]
-    return [_prompt(value, vocab_size, max_input_tokens)]
+        return [_prompt(p, vocab_size, settings) for p in value]
+    return [_prompt(value, vocab_size, settings)]
 
 
-def _prompt(value: Any, vocab_size: int, max_input_tokens: int) -> str | list[int]:
+def _prompt(value: Any, vocab_size: int, settings: Settings) -> str | list[int]:
     """A prompt is a string or a list of token ids."""
     if value is None:
         raise validation_error("`prompt` is required", param="prompt", status=STATUS)
@@ -304,9 +304,9 @@ def _prompt(value: Any, vocab_size: int, max_input_tokens: int) -> str | list[in
     if isinstance(value, list):
         if not value:
             raise validation_error("`prompt` cannot be empty", param="prompt", status=STATUS)
-        if isinstance(value[0], int) and len(value) > max_input_tokens:  # could never be served
-            raise validation_error(f"`prompt` has {len(value)} tokens; it must have at most "
-                                   f"max_input_tokens={max_input_tokens}", param="prompt", status=STATUS)
+        if isinstance(value[0], int) and len(value) > settings.max_input_tokens:  # could never be served
+            overflow = ContextOverflow(len(value), 0, settings.max_total_tokens, settings.max_input_tokens)
+            raise context_length_exceeded(overflow, param="prompt", status=STATUS)
         if all(isinstance(t, int) and not isinstance(t, bool) for t in value):
             bad = [t for t in value if not 0 <= t < vocab_size]
             if bad:

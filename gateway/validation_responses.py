@@ -26,6 +26,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from gateway import sampling_defaults
 from gateway.config import Settings
 from gateway.errors import ApiError
 from gateway.tools import MAX_TOOLS
@@ -121,11 +122,12 @@ def parse_responses(body: dict[str, Any], settings: Settings) -> ResponsesReques
         chat["tool_choice"] = _chat_tool_choice(tool_choice)
     if response_format is not None:
         chat["response_format"] = response_format
+    # The response repeats the sampling that applies: the model's default where the request set none.
+    applied = sampling_defaults.for_settings(settings).fill(temperature=f.get("temperature"), top_p=f.get("top_p"))
     echoed = {
         "instructions": instructions, "tools": tools, "tool_choice": tool_choice or "auto",
         "parallel_tool_calls": f.boolean("parallel_tool_calls", True),
-        "temperature": f.get("temperature") if f.get("temperature") is not None else 1.0,
-        "top_p": f.get("top_p") if f.get("top_p") is not None else 1.0,
+        "temperature": applied["temperature"], "top_p": applied["top_p"],
         "max_output_tokens": f.get("max_output_tokens"), "previous_response_id": previous,
         "text": text, "metadata": _metadata(f), "user": f.get("user"), "truncation": "disabled",
         "reasoning": reasoning, "background": False, "service_tier": "default", "top_logprobs": 0,
@@ -345,5 +347,6 @@ def responses_error(exc: ApiError, origins: list[str]) -> ApiError:
         return re.sub(r"\bmessages\b", "input", text)
 
     renamed = ApiError(exc.status, rename(exc.message), kind=exc.kind,
-                       param=rename(exc.param) if exc.param else exc.param, headers=exc.headers)
+                       param=rename(exc.param) if exc.param else exc.param, headers=exc.headers, code=exc.code,
+                       context=exc.context)
     return renamed

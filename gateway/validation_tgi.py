@@ -5,7 +5,9 @@ TGI semantics kept here: a request samples when `do_sample` is true or any warpe
 decides, and is greedy otherwise; `max_new_tokens` defaults to 100; a sampled request without a
 seed gets a random one, reported back in `details.seed`. Known TGI fields we cannot honour are
 accepted at their neutral value and rejected, by name, otherwise; fields TGI does not know are
-ignored (see gateway.validation), or rejected by name with --strict-api.
+ignored (see gateway.validation), or rejected by name with --strict-api. The model's
+generation_config.json defaults (gateway.sampling_defaults) fill in `repetition_penalty` and the
+warpers a sampled request leaves unset; they never make a greedy request sample.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import math
 import random
 from typing import Any
 
+from gateway import sampling_defaults
 from gateway.config import Settings
 from gateway.errors import validation_error
 from gateway.structured import tgi_structured
@@ -81,17 +84,19 @@ def parse_tgi(body: dict[str, Any], settings: Settings, streaming: bool) -> Gene
     # of exactly 1 or top_p of 1 changes nothing, so alone they leave the request greedy.
     warped = ((temperature is not None and temperature != 1.0) or (top_p is not None and top_p < 1.0)
               or top_k is not None or (typical_p is not None and typical_p < 1.0))
-    greedy = not (do_sample or warped) or temperature == 0.0
-    sampling: dict[str, Any] = {"repetition_penalty": repetition_penalty if repetition_penalty is not None else 1.0,
-                                "cache_salt": p.cache_salt()}
+    # What the request leaves unset takes the model's generation_config.json default; those decide
+    # how a request samples, never whether: that stays TGI's rule above (its own fields only).
+    filled = sampling_defaults.for_settings(settings).fill(temperature=temperature, top_p=top_p, top_k=top_k,
+                                                           repetition_penalty=repetition_penalty)
+    greedy = not (do_sample or warped) or filled["temperature"] == 0.0
+    sampling: dict[str, Any] = {"repetition_penalty": filled["repetition_penalty"], "cache_salt": p.cache_salt()}
     if greedy:
         # Greedy: the warpers have nothing to act on and the seed is moot (none is reported).
         sampling.update(temperature=0.0, top_p=1.0, top_k=-1, seed=None)
     else:
         # TGI reports the seed it sampled with, so a client can replay the request.
-        sampling.update(temperature=temperature if temperature is not None else 1.0,
-                        top_p=top_p if top_p is not None else 1.0, top_k=top_k if top_k is not None else -1,
-                        seed=seed if seed is not None else random.getrandbits(63))
+        sampling.update(temperature=filled["temperature"], top_p=filled["top_p"], top_k=filled["top_k"],
+                        min_p=filled["min_p"], seed=seed if seed is not None else random.getrandbits(63))
         api.report_seed = True
     sampling["structured"] = tgi_structured(p)  # parameters.grammar: json, regex
     choices = _logprobs_and_best_of(p, sampling, stream, greedy)

@@ -39,16 +39,30 @@ def default_gguf_model_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def default_model_dir(tmp_path_factory, default_gguf_model_dir) -> Path:
-    """The default model as a plain Hugging Face checkpoint: the converted directory's files (the
-    weights transformers dequantized from the GGUF) without its GGUF source record, so that Baton
-    serves them in --dtype, the weights the transformers oracle runs."""
-    from baton.common.model_files import GGUF_SOURCE_FILE
+    """The default model as a plain Hugging Face checkpoint: the converted directory's files without
+    its GGUF source record, and the weights transformers dequantizes from the GGUF as safetensors, so
+    that Baton serves them in --dtype, the weights the transformers oracle runs."""
+    from baton.common.gguf_names import NAMES_FILE
+    from baton.common.model_files import GGUF_SOURCE_FILE, transformers_source
 
     out = tmp_path_factory.mktemp("hf-checkpoint") / default_gguf_model_dir.name
     out.mkdir()
     for entry in default_gguf_model_dir.iterdir():
-        if entry.name != GGUF_SOURCE_FILE:
+        if entry.name not in (GGUF_SOURCE_FILE, NAMES_FILE):
             (out / entry.name).symlink_to(entry)
+    if not list(out.glob("*.safetensors")):  # the weights live in the GGUF: dequantized here, once
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        path, kwargs = transformers_source(default_gguf_model_dir)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs)
+        model.hf_quantizer = None  # plain fp32 weights now: saving with the quantizer attached fails
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(out / ".weights")
+        for entry in (out / ".weights").iterdir():
+            if entry.name.endswith((".safetensors", ".safetensors.index.json")):
+                entry.rename(out / entry.name)
     return out
 
 

@@ -212,7 +212,7 @@ def test_count_tokens_counts_the_prompt_generation_runs(gw_server, gw_worker, he
     ({"temperature": 1.5}, "temperature"),
     ({"top_p": 0}, "top_p"),
     ({"max_tokens": 0}, "max_tokens"),
-    ({"max_tokens": 5000}, "max_tokens"),  # beyond the model's room
+    ({"max_tokens": 9000}, "max_tokens"),  # beyond the model's context (8192)
     ({"stop_sequences": "x"}, "stop_sequences"),
     ({"tools": [{**WEATHER, "input_schema": {"type": "nonsense"}}]}, "tools.0.input_schema"),
     ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools.0.type"),

@@ -62,8 +62,8 @@ def _client(server: ServerThread):
 
 def _streamed(server: ServerThread, **kwargs) -> dict:
     """The streamed answer's pieces: reasoning, content, tool calls (merged by index) and the order
-    the kinds first came in."""
-    out = {"reasoning": [], "content": [], "calls": {}, "order": [], "finish": None}
+    the kinds first came in; `reasoning_vllm` holds the pieces of the delta's `reasoning` field."""
+    out = {"reasoning": [], "reasoning_vllm": [], "content": [], "calls": {}, "order": [], "finish": None}
     for chunk in _client(server).chat.completions.create(model="", stream=True, **kwargs):
         choice = chunk.choices[0]
         delta = choice.delta
@@ -72,6 +72,8 @@ def _streamed(server: ServerThread, **kwargs) -> dict:
             if value:
                 out[kind].append(value)
                 out["order"].append(kind)
+        if getattr(delta, "reasoning", None):
+            out["reasoning_vllm"].append(delta.reasoning)
         for call in delta.tool_calls or []:
             entry = out["calls"].setdefault(call.index, {"name": "", "arguments": ""})
             entry["name"] += call.function.name or ""
@@ -89,6 +91,7 @@ def test_qwen3_reasoning_and_hermes_calls_chosen_from_the_template(qwen3_gateway
     answer = _client(qwen3_gateway).chat.completions.create(model="", messages=MESSAGES, tools=[WEATHER])
     choice = answer.choices[0]
     assert choice.message.reasoning_content == "The user wants the weather. I should call get_weather."
+    assert choice.message.reasoning == choice.message.reasoning_content  # vLLM's current field name too
     assert choice.message.content == "Checking."
     [call] = choice.message.tool_calls
     assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
@@ -96,6 +99,7 @@ def test_qwen3_reasoning_and_hermes_calls_chosen_from_the_template(qwen3_gateway
 
     streamed = _streamed(qwen3_gateway, messages=MESSAGES, tools=[WEATHER])
     assert "".join(streamed["reasoning"]) == choice.message.reasoning_content
+    assert streamed["reasoning_vllm"] == streamed["reasoning"]  # each delta carries both spellings
     assert len(streamed["reasoning"]) > 3  # streamed as it came, not at the end
     assert "".join(streamed["content"]) == "Checking."
     assert streamed["calls"] == {0: {"name": "get_weather", "arguments": call.function.arguments}}

@@ -106,3 +106,38 @@ def test_bench_serve_grounded_dataset_sends_prompts_the_answer_repeats(cluster, 
     assert result["completed"] == 4 and result["output_lens"] == [8] * 4
     assert result["total_output_tokens"] == generated_tokens(cluster.base_url) - before == 32
     assert min(result["input_lens"]) > 40
+
+
+def test_bench_serve_drives_chat_with_an_api_key(default_model_dir, gw_redis_url, gw_tokenizer, gw_worker, tmp_path):
+    """vLLM's `--backend openai-chat` (or `--endpoint /v1/chat/completions`) against a gateway that
+    wants a key: the key comes from $BATON_API_KEY (or --api-key) as a Bearer token, each prompt
+    goes as one user message (the gateway applies the chat template)."""
+    from tests.test_gateway_support import start_gateway
+
+    server = start_gateway(default_model_dir, gw_redis_url, gw_tokenizer, api_key="s3cret")
+    try:
+        common = ("serve", "--base-url", server.url, "--num-prompts", "4", "--random-input-len", "16",
+                  "--random-output-len", "5", "--tokenizer", str(default_model_dir), "--disable-tqdm")
+        refused = bench(*common, "--backend", "openai-chat")
+        assert refused.returncode != 0 and "401" in refused.stdout + refused.stderr  # no key: /v1/models says 401
+
+        before = len(gw_worker.requests)
+        proc = subprocess.run([BATON, "bench", *common, "--backend", "openai-chat", "--save-result",
+                               "--result-dir", str(tmp_path)], capture_output=True, text=True, timeout=120,
+                              env=dict(os.environ, BATON_API_KEY="s3cret", HF_HUB_OFFLINE="1"))
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        result = json.loads(next(tmp_path.glob("*.json")).read_text())
+        assert result["backend"] == "openai-chat" and result["completed"] == 4 and result["failed"] == 0
+        assert result["output_lens"] == [5] * 4  # max_completion_tokens reached the gateway
+        sent = gw_worker.requests[before:]
+        assert len(sent) == 4
+        for req in sent:  # the chat template wrapped each prompt: a user turn, then the assistant's
+            text = gw_tokenizer.hf.decode(req.prompt_token_ids)
+            assert "<|im_start|>user" in text and text.endswith("<|im_start|>assistant\n"), text[-80:]
+
+        # --endpoint names the same API; --api-key gives the key on the command line
+        proc = bench(*common, "--endpoint", "/v1/chat/completions", "--api-key", "s3cret")
+        assert proc.returncode == 0 and re.search(r"^Successful requests:\s+4\s*$", proc.stdout, re.MULTILINE), \
+            proc.stdout + proc.stderr
+    finally:
+        server.stop()

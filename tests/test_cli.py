@@ -37,7 +37,8 @@ def test_model_fetch_twice_prints_same_cached_dir():
     assert first.returncode == 0, first.stderr
     path = Path(first.stdout.strip().splitlines()[-1])
     assert (path / "config.json").is_file()
-    assert list(path.glob("*.safetensors"))
+    # the weights: read from its GGUF (or, converted by an earlier Baton, dequantized beside it)
+    assert (path / "baton-gguf-source.json").is_file() or list(path.glob("*.safetensors"))
 
     started = time.monotonic()
     second = subprocess.run(baton_cmd("model", "fetch"), capture_output=True, text=True, timeout=120)
@@ -187,6 +188,26 @@ def test_serve_takes_the_api_key_from_the_environment(monkeypatch):
     assert _serve_args("--api-key", "flag").api_key == "flag"
 
 
+def test_vllm_command_lines_parse(monkeypatch):
+    """Flags a vLLM user brings: the gateway takes --enable-auto-tool-choice (tool_choice auto is
+    always on) and the decode worker --kv-cache-memory-bytes (vLLM's name for --kv-cache-memory)."""
+    from baton.worker.args import add_common_args
+    from gateway.__main__ import parse_args
+
+    monkeypatch.setattr("baton.common.model_files.resolve_model", lambda model: Path("/m"))
+    with_flag = parse_args(["--model", "/m", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
+    without = parse_args(["--model", "/m", "--tool-call-parser", "hermes"])
+    assert with_flag.tool_call_parser == "hermes"
+    # a no-op: the gateway is configured exactly as without it
+    assert {**vars(with_flag), "gateway_id": ""} == {**vars(without), "gateway_id": ""}
+
+    parser = argparse.ArgumentParser()
+    add_common_args(parser, "decode")
+    assert parser.parse_args(["--kv-cache-memory-bytes", "2147483648"]).kv_cache_memory == 2 << 30
+    assert parser.parse_args(["--kv-cache-memory-bytes", "2GiB"]).kv_cache_memory == 2 << 30
+    assert parser.parse_args(["--kv-cache-memory", "512MiB"]).kv_cache_memory == 512 << 20
+
+
 def test_baton_plan_prints_each_step_kinds_path_and_one_copy_of_the_weights(tiny_model_dir, capsys):
     """`baton plan`: what prepare() chose on this machine, the bytes held once a worker freed the
     load-time copies (the tied embedding is read from the head's pack: no table beside it)."""
@@ -212,7 +233,7 @@ def test_probe_host():
 
 FAKE_SERVICE = r'''
 import argparse, json, os, signal, sys, threading, time
-import redis
+import msgpack, redis
 from baton.common import heartbeats
 
 KIND = {kind!r}
@@ -232,7 +253,19 @@ started = time.monotonic()
 if KIND == "gateway":
     from http.server import BaseHTTPRequestHandler, HTTPServer
     class H(BaseHTTPRequestHandler):
+        def answer(self, code, body):
+            self.send_response(code); self.end_headers(); self.wfile.write(json.dumps(body).encode())
         def do_GET(self):
+            key = os.environ.get("BATON_API_KEY")
+            if self.path in ("/info", "/stats") and key and self.headers.get("Authorization") != f"Bearer {{key}}":
+                return self.answer(401, {{}})  # as the real gateway: these need the key
+            if self.path == "/info":
+                return self.answer(200, {{"max_total_tokens": 512}})
+            if self.path == "/stats":  # the real shape: each live process's heartbeat, by kind
+                workers = {{}}
+                for name, value in heartbeats.live_sync(client):
+                    workers.setdefault(name.decode().split(":")[2], []).append(msgpack.unpackb(value))
+                return self.answer(200, {{"workers": workers}})
             if self.path != "/ready":
                 self.send_response(200 if self.path == "/health" else 404); self.end_headers(); return
             # as the real /ready: 503 naming what is missing until a prefill and a decode worker beat
@@ -243,9 +276,11 @@ if KIND == "gateway":
         def log_message(self, *a): pass
     server = HTTPServer((args.host, args.port), H)
     threading.Thread(target=server.serve_forever, daemon=True).start()
+# a decode worker's heartbeat carries its KV pool, as the real one's does
+beat = {{"num_kv_blocks_total": 100, "block_size": 16}} if KIND == "decode" else {{}}
 while True:
     pipe = client.pipeline()
-    heartbeats.queue_beat(pipe, KIND, str(os.getpid()), {{}}, 3)
+    heartbeats.queue_beat(pipe, KIND, str(os.getpid()), beat, 3)
     pipe.execute()
     if die_after and time.monotonic() - started > die_after:
         sys.exit(3)
@@ -263,7 +298,10 @@ def fake_services(tmp_path):
         (pkgs / module / "__main__.py").write_text(FAKE_SERVICE.format(kind=kind))
     model = tmp_path / "model"
     model.mkdir()
-    (model / "config.json").write_text("{}")
+    # a config the preflight accepts (a tiny Llama); the stand-ins never read the weights
+    (model / "config.json").write_text(json.dumps({
+        "model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}))
     (model / "model.safetensors").write_bytes(b"")
     logs = tmp_path / "logs"
     logs.mkdir()
@@ -327,6 +365,17 @@ def test_serve_starts_reports_and_stops_cleanly(fake_services):
         assert proc.poll() is None, "".join(err)
         line = next(l for l in out if "Baton is serving" in l)
         assert line.startswith("Baton is serving model at http://127.0.0.1:")
+        # the summary: where the model came from, the KV room the decode workers report (read with
+        # the key: /stats and /info need it), and that the API needs a key
+        assert _wait_for(lambda: any("API key: required" in l for l in out), 10), out
+        summary = "".join(out)
+        assert f"model: {fake_services['model']}\n" in summary
+        assert ("KV cache: 1600 tokens per decode worker (2); 3 request(s) of the longest length (512 tokens) "
+                "fit in each at once") in summary, summary
+        log = "".join(err)  # a line as each step starts
+        for step in ("starting redis-server on port ", "loading model in 1 prefill + 2 decode worker(s) "
+                     "(weights: model.safetensors 0 B)", "starting the gateway on 127.0.0.1:"):
+            assert step in log, log
         records = _children_records(fake_services["logs"])
         kinds = sorted(r["argv"][0].split(os.sep)[-2] for r in records)
         assert kinds == ["decode_worker", "decode_worker", "gateway", "prefill_worker"]
@@ -371,6 +420,7 @@ def _no_process_with(*needles: str) -> bool:
 def test_serve_sigterm_stops_cleanly(fake_services):
     proc, out, err = _start_serve(fake_services)
     assert _wait_for(lambda: any("Baton is serving" in l for l in out) or proc.poll() is not None, 60), err
+    assert _wait_for(lambda: any("no API key: anyone who can reach the port can use it" in l for l in out), 10), out
     pids = [r["pid"] for r in _children_records(fake_services["logs"])]
     proc.send_signal(signal.SIGTERM)
     proc.wait(timeout=30)
@@ -427,3 +477,21 @@ def test_serve_rejects_a_missing_model(tmp_path):
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert "not a model directory" in result.stderr
+
+
+def test_vllm_style_serve_command_lines(tmp_path):
+    """`baton serve MODEL --kv-cache-memory-bytes 2GiB --enable-auto-tool-choice --max-model-len N`, as a
+    vLLM user types it: the model positional, vLLM's flag names reaching the children."""
+    args = _serve_args("some/model", "--kv-cache-memory-bytes", "2GiB", "--enable-auto-tool-choice",
+                       "--max-model-len", "4096")
+    assert args.model_positional == "some/model" and args.kv_cache_memory == "2GiB"
+    assert args.enable_auto_tool_choice is True
+    specs = build_child_specs(args, Path("/m"), "redis://127.0.0.1:1/0", ThreadPlan([1], [1], cpus=2), python="py")
+    decode, gateway = specs[1].argv, specs[-1].argv
+    assert decode[decode.index("--kv-cache-memory") + 1] == "2GiB"
+    assert gateway[gateway.index("--max-model-len") + 1] == "4096"
+    # two different models: refused at once, before anything starts
+    from baton.cli.serve import run
+
+    clash = _serve_args("a/model", "--model", "b/model")
+    assert run(clash) == 2

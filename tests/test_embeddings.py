@@ -218,7 +218,8 @@ def test_gateway_flags(tiny_model_dir, monkeypatch):
 def cluster(default_model_dir):
     from tests.cluster import Cluster
 
-    with Cluster(default_model_dir, prefill=1, decode=1) as c:
+    # prompts up to 1024 tokens (not the model's 8191), so that the length checks below stay cheap
+    with Cluster(default_model_dir, prefill=1, decode=1, gateway_args=("--max-input-tokens", "1024")) as c:
         yield c
 
 

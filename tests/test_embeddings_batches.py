@@ -206,7 +206,7 @@ def embeddings_app(tmp_path, default_model_dir, gw_tokenizer):
 
     backend = InMemoryBackend()
     settings = Settings(model_dir=default_model_dir, max_batch_total_tokens=100_000, event_timeout=10.0,
-                        max_embedding_tokens=4096)
+                        max_embedding_tokens=4096, max_input_tokens=1024)
     return create_app(settings, tokenizer=gw_tokenizer, runtime=in_memory_runtime(backend)), backend
 
 

@@ -5,9 +5,12 @@ seeded), weights scaled up so that greedy is decided by clear margins (see conft
 `tiny_model_dir`), saved with `save_pretrained` next to the default model's tokenizer. Baton's
 greedy tokens (float32, the parity path) must equal `generate(do_sample=False)`'s, batched, in
 8-token prefill chunks, and through preemption and recompute; prompts are longer than every
-sliding window. Also: a checkpoint with an unknown or a missing tensor is refused by name, and
-each non-Llama family runs in bf16 on the torch path (the native kernels do the plain Llama layer
-only).
+sliding window. A vision-language checkpoint (mistral3, gemma3) is built whole, with a tiny vision
+tower, and Baton serves its text model: greedy tokens equal those of transformers' model given text
+only (its language model and head). Also: a checkpoint with an unknown or a missing tensor is
+refused by name, tensors skipped by a named rule (a vision tower, GLM's MTP layer) are counted in
+the log, and each non-Llama family runs in bf16 on the torch path (the native kernels do the plain
+Llama layer only).
 
 Runtime: one model per family per session (module-scoped fixtures), one transformers model and
 one greedy reference per prompt, and one torch thread (tiny matmuls gain nothing from more).
@@ -45,7 +48,22 @@ def _rotary_factors(n: int, seed: int) -> list[float]:
     return [round(1.0 + 3.0 * rng.random(), 3) for _ in range(n)]
 
 
-# family -> (config class, model class, config overrides)
+# Ministral 3's rotary: YaRN, and queries scaled up past `original_max_position_embeddings` (32 here,
+# so that the longer prompts cross it twice)
+MINISTRAL3_ROPE = dict(rope_type="yarn", rope_theta=1000000.0, factor=16.0, original_max_position_embeddings=32,
+                       max_position_embeddings=512, beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0,
+                       llama_4_scaling_beta=0.5)
+GEMMA3_TEXT = dict(
+    sliding_window=WINDOW, query_pre_attn_scalar=24, num_hidden_layers=4,
+    layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+    rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                     "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 4.0}})
+# a vision tower as small as its config class allows: served text only, it is never run
+TINY_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                   patch_size=14)
+
+# family -> (config class, model class, config overrides); a vision-language model's overrides name
+# its text config (class, overrides on SMALL) and its vision config (class, kwargs)
 FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(
         rope_parameters=dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0,
@@ -56,23 +74,44 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
         sliding_window=WINDOW, query_pre_attn_scalar=24, attn_logit_softcapping=5.0, final_logit_softcapping=8.0,
         num_hidden_layers=4)),
-    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
-        sliding_window=WINDOW, query_pre_attn_scalar=24, num_hidden_layers=4,
-        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
-        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                         "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 4.0}})),
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", GEMMA3_TEXT),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(
         max_position_embeddings=512, original_max_position_embeddings=128,
         rope_parameters=dict(rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=0.5,
                              short_factor=_rotary_factors(4, 1), long_factor=_rotary_factors(4, 2)))),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict()),
+    # layers 0-2 slide, 3 is full (OLMo 3's default pattern); YaRN on the full layer only, as released
+    "olmo3": ("Olmo3Config", "Olmo3ForCausalLM", dict(
+        sliding_window=WINDOW, num_hidden_layers=4,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "yarn", "rope_theta": 500000.0, "factor": 8.0,
+                                            "original_max_position_embeddings": 64, "attention_factor": 1.2}})),
     "granite": ("GraniteConfig", "GraniteForCausalLM", dict(
         embedding_multiplier=6.0, residual_multiplier=0.5, attention_multiplier=0.1, logits_scaling=4.0)),
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(num_hidden_layers=4, no_rope_layer_interval=2)),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
         num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1])),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2)),
+    # 8 experts in 4 groups, the best 2 groups eligible; layer 0 dense; half the head rotary (the
+    # config class's default); q/k/v bias and per-head q/k norm
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", dict(
+        n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, moe_intermediate_size=32,
+        n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+        use_qk_norm=True, attention_bias=True, num_hidden_layers=4)),
+    "ministral3": ("Ministral3Config", "Ministral3ForCausalLM", dict(rope_parameters=MINISTRAL3_ROPE)),
+    # vision-language checkpoints served text only; the head untied here (in the checkpoint), tied
+    # (absent from it) in Gemma 3's; Gemma 3's VLM head applies no final soft-capping, its text model's would
+    "mistral3": ("Mistral3Config", "Mistral3ForConditionalGeneration", dict(
+        tie_word_embeddings=False, text_config=("Ministral3Config", dict(rope_parameters=MINISTRAL3_ROPE)),
+        vision_config=("PixtralVisionConfig", dict(TINY_VISION, head_dim=16)))),
+    "gemma3": ("Gemma3Config", "Gemma3ForConditionalGeneration", dict(
+        mm_tokens_per_image=4, text_config=("Gemma3TextConfig", dict(GEMMA3_TEXT, final_logit_softcapping=8.0)),
+        vision_config=("SiglipVisionConfig", TINY_VISION))),
 }
+VISION_LANGUAGE = ("mistral3", "gemma3")
+# the spread of random biases; GLM's v bias passes through attention whole and, at 0.5, drowns the
+# token embeddings (every prompt's greedy output collapsed to one or two tokens)
+BIAS_STD: dict[str, float] = {"glm4_moe": 0.1}
 NON_LLAMA = [f for f in FAMILIES if f != "llama"]
 
 
@@ -80,22 +119,33 @@ def build_family(family: str, out: Path, tokenizer_dir: Path) -> Path:
     import transformers
 
     config_name, model_name, overrides = FAMILIES[family]
-    config = getattr(transformers, config_name)(**{**SMALL, **overrides})
+    overrides = dict(overrides)
+    if "text_config" in overrides:  # a vision-language model around a text model
+        text_class, text_overrides = overrides.pop("text_config")
+        vision_class, vision_kwargs = overrides.pop("vision_config")
+        config = getattr(transformers, config_name)(
+            text_config=getattr(transformers, text_class)(**{**SMALL, **text_overrides}),
+            vision_config=getattr(transformers, vision_class)(**vision_kwargs), **overrides)
+    else:
+        config = getattr(transformers, config_name)(**{**SMALL, **overrides})
     torch.manual_seed(sum(map(ord, family)))
     model = getattr(transformers, model_name)(config).eval()
     gemma = family.startswith("gemma")
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if param.dim() >= 2 and name != "model.embed_tokens.weight":
+            if param.dim() >= 2 and not name.endswith("embed_tokens.weight"):
                 param.mul_(5.0)  # far from near-uniform logits (conftest's tiny_model_dir)
             elif name.endswith("norm.weight"):
                 # norms off their init (a norm loaded wrong changes the output), the final one
                 # large (top logits far apart); Gemma stores (w - 1)
                 param.add_(0.2 * torch.randn_like(param))
-                if name == "model.norm.weight":
+                if name in ("model.norm.weight", "model.language_model.norm.weight"):
                     param.add_(29.0 if gemma else 0.0).mul_(1.0 if gemma else 30.0)
             elif name.endswith("bias"):
-                param.normal_(0.0, 0.5)
+                param.normal_(0.0, BIAS_STD.get(family, 0.5))
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # GLM's router: the choice shifted per expert
+                buffer.normal_(0.0, 0.3)
     model.save_pretrained(out)
     for name in os.listdir(tokenizer_dir):
         if name.startswith("tokenizer") or name.endswith(".jinja") or name == "special_tokens_map.json":
@@ -126,15 +176,25 @@ _HF: dict[tuple[str, tuple[int, ...]], tuple[list[int], list[float]]] = {}
 _HF_MODELS: dict[str, Any] = {}
 
 
+def hf_model(model_dir: Path) -> Any:
+    """transformers' model of the checkpoint, float32; a vision-language one whole (given text only,
+    it runs its language model and head: the text model Baton serves)."""
+    if str(model_dir) not in _HF_MODELS:
+        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+        vision_language = json.loads((model_dir / "config.json").read_text())["model_type"] in VISION_LANGUAGE
+        auto = AutoModelForImageTextToText if vision_language else AutoModelForCausalLM
+        _HF_MODELS[str(model_dir)] = auto.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return _HF_MODELS[str(model_dir)]
+
+
 def hf_reference(model_dir: Path, prompt: list[int]) -> tuple[list[int], list[float]]:
     """transformers' greedy tokens and their log-probabilities (of the raw logits: what Baton reports)."""
     key = (str(model_dir), tuple(prompt))
     if key not in _HF:
-        from transformers import AutoModelForCausalLM, GenerationConfig
+        from transformers import GenerationConfig
 
-        if str(model_dir) not in _HF_MODELS:
-            _HF_MODELS[str(model_dir)] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        model = _HF_MODELS[str(model_dir)]
+        model = hf_model(model_dir)
         config = GenerationConfig(do_sample=False, max_new_tokens=N, eos_token_id=None, pad_token_id=0,
                                   output_logits=True, return_dict_in_generate=True)
         ids = torch.tensor([prompt])
@@ -271,6 +331,111 @@ def test_an_unknown_model_type_names_the_supported_ones(family_dir, tmp_path):
         ModelConfig.from_dir(bad)
 
 
+# ------------------------------------------------------------------ vision-language checkpoints, served text only
+
+def test_a_vision_language_checkpoint_skips_its_vision_tower_by_name(family_dir, tmp_path, caplog):
+    """The vision tower and projector are skipped by the named rule, counted in the log; any other
+    tensor the text model does not use is still refused by name."""
+    from safetensors import safe_open
+
+    model_dir = family_dir("mistral3")
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
+        vision = [n for n in f.keys() if n.startswith(("vision_tower.", "multi_modal_projector."))]
+    assert vision
+    with caplog.at_level("INFO", logger="baton.model.loader"):
+        LLM(model=str(model_dir), dtype="float32", num_kv_blocks=16)
+    assert f"skipping the vision tower: {len(vision)} tensors" in caplog.text
+
+    def add(tensors):
+        tensors["language_model.model.layers.0.self_attn.mystery_gate.weight"] = torch.zeros(4, 64)
+        tensors["audio_tower.proj.weight"] = torch.zeros(4, 64)
+
+    bad = _edit_checkpoint(model_dir, tmp_path / "extra", add)
+    with pytest.raises(ValueError, match=r"does not use: audio_tower\.proj\.weight, "
+                                         r"layers\.0\.self_attn\.mystery_gate\.weight"):
+        LLM(model=str(bad), dtype="float32", num_kv_blocks=16)
+
+
+@pytest.mark.parametrize("family", VISION_LANGUAGE)
+def test_a_vision_language_checkpoint_in_transformers_5_module_names(family, family_dir, prompts, tmp_path):
+    """save_pretrained writes the 4.x names (language_model.model.*, language_model.lm_head.*);
+    the same weights under the names of transformers 5's modules (model.language_model.*, lm_head.*,
+    model.vision_tower.*) are the same text model."""
+    def rename(tensors):
+        for name in list(tensors):
+            new = name.replace("language_model.model.", "model.language_model.").replace("language_model.lm_head.",
+                                                                                          "lm_head.")
+            if new.startswith(("vision_tower.", "multi_modal_projector.")):
+                new = "model." + new
+            tensors[new] = tensors.pop(name)
+
+    model_dir = family_dir(family)
+    renamed = _edit_checkpoint(model_dir, tmp_path / family, rename)
+    llm = LLM(model=str(renamed), dtype="float32", num_kv_blocks=128)
+    assert tokens_of(llm.generate(prompts, greedy())) == [hf_greedy(model_dir, p) for p in prompts]
+
+
+def test_a_gemma3_config_written_by_transformers_4_reads_as_transformers_reads_it(tmp_path):
+    """transformers 4.x wrote a text_config holding only what differs from Gemma3TextConfig's defaults
+    (google/gemma-3-4b-it's, below); the missing numbers are the class's defaults, the rope scaling is
+    the global layers' only, and every 6th layer is global."""
+    from transformers import AutoConfig
+
+    from baton.model.config import ModelConfig
+
+    raw = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "eos_token_id": [1, 106],
+           "image_token_index": 262144, "mm_tokens_per_image": 256,
+           "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                           "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                           "sliding_window": 1024},
+           "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 1152, "image_size": 896,
+                             "intermediate_size": 4304, "num_attention_heads": 16, "num_hidden_layers": 27,
+                             "patch_size": 14, "vision_use_head": False}}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    text = AutoConfig.from_pretrained(tmp_path).text_config
+    config = ModelConfig.from_dir(tmp_path)
+    assert (config.model_type, config.text_only_of) == ("gemma3_text", "gemma3")
+    assert (config.vocab_size, config.hidden_size, config.num_layers, config.num_heads, config.num_kv_heads,
+            config.head_dim) == (text.vocab_size, 2560, 34, text.num_attention_heads, text.num_key_value_heads,
+                                 text.head_dim)
+    assert config.scale == text.query_pre_attn_scalar ** -0.5 and config.sliding_window == 1024
+    assert [("sliding" if s else "full") + "_attention" for s in config.layer_sliding] == text.layer_types
+    full, sliding = text.rope_parameters["full_attention"], text.rope_parameters["sliding_attention"]
+    assert (config.rope_theta, config.rope_scaling["rope_type"], config.rope_scaling["factor"]) == (
+        full["rope_theta"], full["rope_type"], full["factor"])
+    assert (config.rope_theta_local, config.rope_scaling_local) == (sliding["rope_theta"], None)
+    assert sliding["rope_type"] == "default" and config.eos_token_ids[:2] == [1, 106]
+
+
+# ------------------------------------------------------------------ GLM-4.5's multi-token-prediction layer
+
+def test_glm_mtp_layer_tensors_are_skipped_by_name(family_dir, prompts, tmp_path, caplog):
+    """GLM-4.5 checkpoints carry their MTP layer (`num_nextn_predict_layers`) after the last layer;
+    Baton does not run it: its tensors are skipped, counted in the log, and the model is the same. A
+    layer past it is still an unknown tensor, refused by name."""
+    model_dir = family_dir("glm4_moe")
+    config = json.loads((model_dir / "config.json").read_text())
+    assert config["num_hidden_layers"] == 4 and config["num_nextn_predict_layers"] == 1
+    mtp = ["eh_proj.weight", "enorm.weight", "hnorm.weight", "self_attn.q_proj.weight", "shared_head.norm.weight"]
+
+    def add_mtp(tensors):
+        for name in mtp:
+            tensors[f"model.layers.4.{name}"] = torch.zeros(4, 64)
+
+    with_mtp = _edit_checkpoint(model_dir, tmp_path / "mtp", add_mtp)
+    with caplog.at_level("INFO", logger="baton.model.loader"):
+        llm = LLM(model=str(with_mtp), dtype="float32", num_kv_blocks=128)
+    assert f"skipping the multi-token-prediction layers: {len(mtp)} tensors" in caplog.text
+    assert tokens_of(llm.generate(prompts, greedy())) == [hf_greedy(model_dir, p) for p in prompts]
+
+    def add_beyond(tensors):
+        tensors["model.layers.5.eh_proj.weight"] = torch.zeros(4, 64)
+
+    bad = _edit_checkpoint(with_mtp, tmp_path / "beyond", add_beyond)
+    with pytest.raises(ValueError, match=r"does not use: layers\.5\.eh_proj\.weight"):
+        LLM(model=str(bad), dtype="float32", num_kv_blocks=16)
+
+
 # ------------------------------------------------------------------ RoPE scaling, as transformers computes it
 
 ROPE_CASES = {
@@ -316,17 +481,18 @@ def test_rope_frequencies_equal_transformers(case, tmp_path):
         assert torch.equal(cos[300, :8], (300.0 * long_[0]).cos() * long_[1])
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "glm4_moe"])
 def test_int8_weights_run_on_the_torch_path_and_leave_moe_experts_alone(family, family_dir, prompts):
-    """--quantization int8 on a family outside the native path: every dense projection is int8, the
-    experts stay in bf16 (run by baton.model.moe), and generation works."""
+    """--quantization int8 on a family outside the native path: every dense projection is int8 (GLM's
+    shared experts too: a dense MLP), the routed experts stay in bf16 (run by baton.model.moe), and
+    generation works."""
     from baton.model.linear import QuantizedLinear
 
     llm = LLM(model=str(family_dir(family)), dtype="bfloat16", num_kv_blocks=128, quantization="int8")
     model = llm.engine.runtime.model
     assert all(isinstance(getattr(owner, name), QuantizedLinear) for owner, name, _ in model.projection_slots())
-    experts = [p for n, p in model.named_parameters() if "experts" in n]
-    assert (family == "qwen3_moe") == bool(experts) and all(p.dtype == torch.bfloat16 and p.numel() for p in experts)
+    experts = [p for n, p in model.named_parameters() if n.endswith(("experts_gate_up", "experts_down"))]
+    assert (family != "qwen3") == bool(experts) and all(p.dtype == torch.bfloat16 and p.numel() for p in experts)
     outputs = tokens_of(llm.generate(prompts, greedy()))
     assert all(len(t) == N and all(0 <= x < VOCAB for x in t) for t in outputs)
 
@@ -340,11 +506,7 @@ def test_bf16_greedy_is_transformers_but_at_near_ties(family, family_dir, prompt
     3% of the row's logit spread (max - median) of it. bf16's rounding through the layers measured
     up to ~2% on these models; a wrong kernel, mask or norm misses by far more."""
     model_dir = family_dir(family)
-    if str(model_dir) not in _HF_MODELS:
-        from transformers import AutoModelForCausalLM
-
-        _HF_MODELS[str(model_dir)] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    hf = _HF_MODELS[str(model_dir)]
+    hf = hf_model(model_dir)
     llm = LLM(model=str(model_dir), dtype="bfloat16", num_kv_blocks=128)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     exact, chosen = 0, [prompts[1], prompts[3]]  # 17 tokens, and 70: past the 24-token window

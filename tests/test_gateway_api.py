@@ -130,7 +130,8 @@ def test_raw_openai_stream_ends_with_done(gw_server, gw_worker):
 
 def test_info_models_health_openapi(gw_server):
     info = httpx.get(gw_server.url + "/info").json()
-    assert info["max_input_tokens"] == 1024 and info["max_total_tokens"] == 2048
+    # the model's own context (SmolLM2: max_position_embeddings 8192), a prompt all of it but one token
+    assert info["max_input_tokens"] == 8191 and info["max_total_tokens"] == 8192
     assert info["model_id"] == "SmolLM2-135M-Instruct"
     models = httpx.get(gw_server.url + "/v1/models").json()
     assert models["data"][0]["id"] == "SmolLM2-135M-Instruct"

@@ -315,7 +315,7 @@ def test_served_model_names(named_gateway, gw_worker):
 
     listed = httpx.get(named_gateway.url + "/v1/models").json()
     assert [m["id"] for m in listed["data"]] == ["alpha", "beta"]
-    assert all(m["object"] == "model" and m["max_model_len"] == 2048 for m in listed["data"])
+    assert all(m["object"] == "model" and m["max_model_len"] == 8192 for m in listed["data"])  # the model's
     client = openai.OpenAI(base_url=named_gateway.url + "/v1", api_key="unused", max_retries=0)
     assert [m.id for m in client.models.list()] == ["alpha", "beta"]
     assert client.completions.create(model="beta", prompt="x", max_tokens=2).model == "beta"
@@ -359,7 +359,7 @@ def test_tokenize_and_detokenize(gw_server, gw_worker, gw_tokenizer, default_mod
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["tokens"] == gw_tokenizer.encode_text(text) and body["count"] == len(body["tokens"])
-    assert body["max_model_len"] == 2048 and body["token_strs"] is None
+    assert body["max_model_len"] == 8192 and body["token_strs"] is None
     strs = httpx.post(gw_server.url + "/tokenize", json={"prompt": text, "return_token_strs": True,
                                                          "model": default_model_dir.name}).json()["token_strs"]
     assert strs == gw_tokenizer.hf.convert_ids_to_tokens(body["tokens"])

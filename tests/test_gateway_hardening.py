@@ -96,6 +96,70 @@ def test_chat_templating_runs_off_the_event_loop(gw_server, gw_worker, gw_tokeni
     assert gw_server.thread.ident not in threads  # the server thread runs the event loop
 
 
+# ---- agents send MBs of context: read, parsed and refused without stalling anyone ----
+
+def test_a_prompt_of_many_mb_is_refused_by_its_length_before_tokenizing(gw_server, gw_worker, gw_tokenizer,
+                                                                         monkeypatch):
+    tokenized: list[int] = []  # the length of each text the tokenizer was given
+    hf = gw_tokenizer.hf
+
+    class Recording:  # the model's tokenizer, noting what it tokenizes
+        def __getattr__(self, name: str) -> Any:
+            return getattr(hf, name)
+
+        def __call__(self, text: Any, *args: Any, **kwargs: Any) -> Any:
+            tokenized.append(len(text) if isinstance(text, str) else sum(map(len, text)))
+            return hf(text, *args, **kwargs)
+
+    monkeypatch.setattr(gw_tokenizer, "hf", Recording())
+    # What a coding agent sends after a long session: tens of turns of code and tool output, 5 MB.
+    turn = "def handler(event):\n    return {'status': 200, 'body': event['body']}  # é\n" * 1300
+    messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": turn} for i in range(50)]
+    bodies = {CHAT: {"messages": messages, "max_tokens": 100},
+              "/v1/completions": {"prompt": turn * 50, "max_tokens": 100}}
+    health: list[int] = []
+    done = threading.Event()
+
+    def poll_health() -> None:
+        while not done.is_set():
+            health.append(httpx.get(gw_server.url + "/health", timeout=10).status_code)
+            time.sleep(0.01)
+
+    poller = threading.Thread(target=poll_health)
+    poller.start()
+    try:
+        for path, body in bodies.items():
+            payload = json.dumps(body).encode()
+            assert len(payload) > 5_000_000  # over the old 1 MiB limit, well within the 32 MiB default
+            r = httpx.post(gw_server.url + path, content=payload, headers={"content-type": "application/json"},
+                           timeout=60)
+            assert r.status_code == 400, r.text[:300]
+            error = r.json()["error"]
+            assert error["code"] == "context_length_exceeded", error
+            assert "maximum context length is 8192 tokens" in error["message"]
+            assert error["param"] == ("messages" if path == CHAT else "prompt")
+    finally:
+        done.set()
+        poller.join(15)
+    assert not [n for n in tokenized if n > 1_000_000], tokenized  # refused by its characters alone
+    assert health and set(health) == {200}  # the gateway kept answering meanwhile
+    r = httpx.post(gw_server.url + CHAT, json={"messages": HI, "max_tokens": 2})
+    assert r.status_code == 200, r.text
+
+
+def test_tokenize_of_a_long_text_answers_every_token(gw_server, gw_tokenizer):
+    # Hundreds of thousands of ids: the answer is encoded off the event loop in slices, and must
+    # read exactly as the small answers do.
+    text = "héllo wörld 你好 " * 40_000
+    r = httpx.post(gw_server.url + "/tokenize", json={"prompt": text, "return_token_strs": True}, timeout=60)
+    assert r.status_code == 200 and r.headers["content-type"] == "application/json"
+    body = r.json()
+    ids = gw_tokenizer.encode_text(text)
+    assert len(ids) > 200_000
+    assert body == {"count": len(ids), "max_model_len": 8192, "tokens": ids,
+                    "token_strs": gw_tokenizer.hf.convert_ids_to_tokens(ids)}
+
+
 # ---- 2k: JSON content types only (CSRF) ----
 
 GENERATION_BODIES = {

@@ -12,7 +12,7 @@ import pytest
 from tests.test_gateway_support import start_gateway
 
 
-LONG = "hello " * 1100  # > max_input_tokens (1024)
+LONG = "hello " * 8300  # > max_input_tokens (8191: the default model's context of 8192, less one)
 
 # (path, body, expected status, a fragment the error message must contain)
 BAD_JSON_BODIES = [
@@ -24,8 +24,8 @@ BAD_JSON_BODIES = [
     ("/generate", {"inputs": "x", "parameters": {"max_new_tokens": -5}}, 422, "max_new_tokens"),
     ("/generate", {"inputs": "x", "parameters": {"max_new_tokens": "10"}}, 422, "must be an integer"),
     ("/generate", {"inputs": "x", "parameters": {"max_new_tokens": True}}, 422, "must be an integer"),
-    ("/generate", {"inputs": "x", "parameters": {"max_new_tokens": 10**30}}, 422, "max_total_tokens"),
-    ("/generate", {"inputs": "x", "parameters": {"max_new_tokens": 2048}}, 422, "max_total_tokens=2048"),
+    ("/generate", {"inputs": "x", "parameters": {"max_new_tokens": 10**30}}, 422, "`max_new_tokens` must be <= 8192"),
+    ("/generate", {"inputs": "x", "parameters": {"max_new_tokens": 8192}}, 422, "must be <= 8192. Given: 1 `inputs` tokens and 8192"),
     ("/generate", {"inputs": "x", "parameters": {"top_p": 0}}, 422, "top_p"),
     ("/generate", {"inputs": "x", "parameters": {"top_p": 1.5}}, 422, "top_p"),
     ("/generate", {"inputs": "x", "parameters": {"temperature": -1}}, 422, "temperature"),
@@ -37,8 +37,8 @@ BAD_JSON_BODIES = [
     ("/generate", {"inputs": "x", "parameters": {"stop": [""]}}, 422, "empty string"),
     ("/generate", {"inputs": "x", "parameters": {"best_of": 2}}, 422, "needs sampling"),
     ("/generate", {"inputs": "x", "parameters": {"grammar": {"type": "xml", "value": {}}}}, 422, "grammar"),
-    ("/generate", {"inputs": LONG}, 422, "max_input_tokens=1024"),
-    ("/generate_stream", {"inputs": LONG}, 422, "max_input_tokens=1024"),
+    ("/generate", {"inputs": LONG}, 422, "`inputs` must have less than 8192 tokens"),
+    ("/generate_stream", {"inputs": LONG}, 422, "`inputs` must have less than 8192 tokens"),
     ("/", {"inputs": "x", "stream": "yes"}, 422, "boolean"),
     ("/v1/completions", {}, 400, "`prompt` is required"),
     ("/v1/completions", {"prompt": ""}, 400, "cannot be empty"),
@@ -51,7 +51,7 @@ BAD_JSON_BODIES = [
     ("/v1/completions", {"prompt": "x", "echo": "yes"}, 400, "`echo`"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 1.5}, 400, "must be an integer"),
-    ("/v1/completions", {"prompt": "x", "max_tokens": 999999}, 400, "max_total_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 999999}, 400, "maximum context length is 8192 tokens. However, you requested 1000000 tokens"),
     ("/v1/completions", {"prompt": "x", "temperature": -0.1}, 400, "temperature"),
     ("/v1/completions", {"prompt": "x", "temperature": 3}, 400, "temperature"),
     ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p"),
@@ -61,7 +61,7 @@ BAD_JSON_BODIES = [
     ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "only allowed"),
     ("/v1/completions", {"prompt": "x", "frequency_penalty": 3}, 400, "frequency_penalty"),
     ("/v1/completions", {"prompt": "x", "logprobs": -1}, 400, "`logprobs`"),
-    ("/v1/completions", {"prompt": LONG}, 400, "max_input_tokens=1024"),
+    ("/v1/completions", {"prompt": LONG}, 400, "maximum context length is 8192 tokens"),
     ("/v1/chat/completions", {}, 400, "`messages` is required"),
     ("/v1/chat/completions", {"messages": []}, 400, "non-empty"),
     ("/v1/chat/completions", {"messages": "hi"}, 400, "non-empty list"),
@@ -116,17 +116,21 @@ def test_bad_raw_bodies(gw_server, path, raw, status, fragment):
     check_error(r, path, status, fragment)
 
 
-def test_body_size_limit_is_413(gw_server):
-    big = {"inputs": "x" * (1 << 20)}
-    r = httpx.post(gw_server.url + "/generate", json=big)
-    assert r.status_code == 413 and r.json()["error_type"] == "payload_too_large"
+def test_body_size_limit_is_413(default_model_dir, gw_redis_url, gw_tokenizer, gw_echo_worker):
+    server = start_gateway(default_model_dir, gw_redis_url, gw_tokenizer, max_body_bytes=1 << 20)
+    try:
+        big = {"inputs": "x" * (1 << 20)}
+        r = httpx.post(server.url + "/generate", json=big)
+        assert r.status_code == 413 and r.json()["error_type"] == "payload_too_large"
 
-    def chunks():  # no Content-Length: the limit is enforced while reading
-        for _ in range(40):
-            yield b" " * 65536
+        def chunks():  # no Content-Length: the limit is enforced while reading
+            for _ in range(40):
+                yield b" " * 65536
 
-    r = httpx.post(gw_server.url + "/v1/completions", content=chunks(), headers={"content-type": "application/json"})
-    assert r.status_code == 413 and "limit" in r.json()["error"]["message"]
+        r = httpx.post(server.url + "/v1/completions", content=chunks(), headers={"content-type": "application/json"})
+        assert r.status_code == 413 and "limit" in r.json()["error"]["message"]
+    finally:
+        server.stop()
 
 
 def test_wrong_method_is_json_405(gw_server):

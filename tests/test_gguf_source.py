@@ -65,10 +65,41 @@ def converted_eos(model_dir: Path) -> int:
 
 
 def embedding_row0(model_dir: Path) -> list[float]:
-    from safetensors import safe_open
+    from baton.model.loader import _read_tensors
 
-    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
-        return f.get_tensor("model.embed_tokens.weight")[0, :4].tolist()
+    return _read_tensors(model_dir)["embed_tokens.weight"][0, :4].tolist()  # read from the GGUF itself
+
+
+def test_a_gguf_becomes_a_directory_without_weights_read_as_transformers_reads_it(tmp_path, cache):
+    """No dequantized copy on disk: the directory holds the config, tokenizer and name map, and the
+    loader's tensors are transformers' own for that file, name for name and bit for bit."""
+    import torch
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    from baton.model.loader import _read_tensors
+
+    source = tmp_path / "tiny.gguf"
+    write_tiny_gguf(source)
+    converted = resolve_model(source)
+    assert not list(converted.glob("*.safetensors")) and not list(converted.glob("*.bin"))
+    assert sum(f.stat().st_size for f in converted.iterdir()) < 100_000
+    ours = _read_tensors(converted)
+    theirs = {n.removeprefix("model."): t for n, t in
+              load_gguf_checkpoint(str(source), return_tensors=True,
+                                   model_to_load=_meta_llama(converted))["tensors"].items()}
+    assert sorted(ours) == sorted(theirs)
+    assert all(torch.equal(ours[n], theirs[n]) for n in theirs)  # q/k rows un-permuted as transformers does
+    source.unlink()  # the file is the weights: a directory whose file is gone says so
+    with pytest.raises(FileNotFoundError, match="GGUF file that is gone"):
+        _read_tensors(converted)
+
+
+def _meta_llama(model_dir: Path):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
 
 
 @pytest.fixture

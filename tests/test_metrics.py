@@ -21,7 +21,9 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from baton.cli.redis_server import free_port
+from baton.common import heartbeats
 from tests.cluster import Cluster
+from tests.test_gateway_support import wait_until
 
 BLOCK_SIZE = 16  # the workers' default
 
@@ -44,6 +46,11 @@ GATEWAY_NAMES = {
     "baton:stream_length": "gauge",
     "baton:stream_pending": "gauge",
     "baton:stream_lag": "gauge",
+    # the decode workers' engines, from their heartbeats (one series per live worker)
+    "baton:kv_cache_usage_perc": "gauge",
+    "baton:decode_num_requests_running": "gauge",
+    "baton:decode_num_requests_waiting": "gauge",
+    "baton:num_preemptions_total": "counter",
 }
 WORKER_NAMES = {
     "baton:worker_num_requests_running": "gauge",
@@ -177,6 +184,9 @@ def test_metric_names_as_rendered(system):
         while not scrape(urls["gateway"]).has("baton:stream_lag", stream=stream):
             assert time.time() < deadline, f"no baton:stream_lag for {stream}"
             time.sleep(0.2)
+    # The decode worker's engine state is on the gateway's page too, labelled with its id.
+    [decode_worker] = [ls for n, ls in pages["gateway"].samples if n == "baton:kv_cache_usage_perc"]
+    assert dict(decode_worker)["model_name"] == model and dict(decode_worker)["worker"].startswith("decode-")
     for kind in ("prefill", "decode"):
         for name, family_type in WORKER_NAMES.items():
             assert pages[kind].types.get(name) == family_type, (kind, name, pages[kind].types.get(name))
@@ -369,3 +379,46 @@ def test_grafana_dashboard_queries_metrics_that_exist(system):
     assert datasources[0]["type"] == "prometheus" and datasources[0]["url"] == "http://prometheus:9090"
     providers = yaml.safe_load((GRAFANA / "provisioning/dashboards/baton.yml").read_text())["providers"]
     assert providers[0]["options"]["path"] == "/var/lib/grafana/dashboards"
+
+
+def test_decode_workers_state_on_the_gateway_page_while_their_heartbeats_live(gw_server, gw_redis_url):
+    """One scrape of the gateway shows each live decode worker's KV usage, batch, queue and
+    preemptions (vLLM's names); a worker whose heartbeat expired leaves no series behind."""
+    import redis
+
+    r = redis.Redis.from_url(gw_redis_url)
+    busy = {"num_requests_running": 3, "num_requests_loading_kv": 1, "num_requests_waiting": 2,
+            "num_preemptions": 7, "kv_cache_usage": 0.5, "num_kv_blocks_total": 64, "num_kv_blocks_used": 32,
+            "block_size": 16}
+    # an engine that reports no kv_cache_usage: the blocks say it
+    short_lived = {"num_requests_running": 0, "num_requests_waiting": 0, "num_preemptions": 0,
+                   "num_kv_blocks_total": 64, "num_kv_blocks_used": 16, "block_size": 16}
+    pipe = r.pipeline(transaction=False)
+    heartbeats.queue_beat(pipe, "decode", "decode-busy", busy, 60)
+    heartbeats.queue_beat(pipe, "decode", "decode-short", short_lived, 1.0)
+    pipe.execute()
+    try:
+        url = gw_server.url + "/metrics"
+        assert wait_until(lambda: scrape(url).has("baton:kv_cache_usage_perc", worker="decode-short"))
+        page = scrape(url)
+        assert page.value("baton:kv_cache_usage_perc", worker="decode-busy") == 0.5
+        assert page.value("baton:kv_cache_usage_perc", worker="decode-short") == 0.25
+        assert page.value("baton:decode_num_requests_running", worker="decode-busy") == 4  # loading KV counts
+        assert page.value("baton:decode_num_requests_waiting", worker="decode-busy") == 2
+        assert page.value("baton:num_preemptions_total", worker="decode-busy") == 7
+        assert page.types["baton:num_preemptions_total"] == "counter"
+
+        # decode-short stops beating: once its heartbeat expires its series are gone, the other's stay
+        assert wait_until(lambda: not scrape(url).has("baton:kv_cache_usage_perc", worker="decode-short"),
+                          timeout=10)
+        page = scrape(url)
+        for name in ("baton:decode_num_requests_running", "baton:decode_num_requests_waiting",
+                     "baton:num_preemptions_total"):
+            assert not page.has(name, worker="decode-short"), name
+        assert page.value("baton:kv_cache_usage_perc", worker="decode-busy") == 0.5
+    finally:
+        pipe = r.pipeline(transaction=False)
+        for worker_id in ("decode-busy", "decode-short"):
+            heartbeats.queue_withdraw(pipe, "decode", worker_id)
+        pipe.execute()
+        r.close()

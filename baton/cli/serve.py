@@ -1,8 +1,13 @@
 """`baton serve`: run a whole Baton deployment on one machine, as supervised child processes.
 
-One model directory is resolved once (fetching the default model if needed) and handed to every
-child. Unless a Redis URL is given, a private redis-server is started on a free port. Then the
-prefill workers, the decode workers and the gateway start as `python -m <service>` children.
+Before any child starts, a preflight (`baton.cli.preflight`) refuses what would only fail later, after
+every worker loaded the weights: a gateway or metrics port that cannot be bound, a model that cannot
+be resolved, a config.json the workers would refuse; and it warns when the workers' weights and KV
+pools may not fit the memory available. One model directory is resolved once (fetching the default
+model if needed) and handed to every child. Unless a Redis URL is given, a private redis-server is
+started on a free port. Then the prefill workers, the decode workers and the gateway start as
+`python -m <service>` children, with a progress line for each step and a short summary once serving
+(`baton.cli.startup_report`).
 
 Threads are a budget (DESIGN.md): two processes each running 2 torch threads on 2 cores slow down
 catastrophically, so the workers' `--threads` add up to at most the cores this process may use.
@@ -36,6 +41,8 @@ from pathlib import Path
 from baton.common.urls import redact_url
 from baton.worker import core_share
 from baton.worker.core_share import path_of as core_share_path
+from baton.cli.preflight import PreflightError, check_model, check_ports, worker_metrics_ports
+from baton.cli.startup_report import fetch_json, model_origin, summary_lines
 from baton.cli.supervisor import API_KEY_ENV, ChildExited, ChildSpec, StopRequested, Supervisor
 from baton.worker.args import (DTYPE_CHOICES, KV_CACHE_DTYPE_CHOICES, KV_CACHE_DTYPE_HELP, QUANTIZATION_CHOICES,
                                QUANTIZATION_HELP)
@@ -43,18 +50,23 @@ from baton.worker.args import (DTYPE_CHOICES, KV_CACHE_DTYPE_CHOICES, KV_CACHE_D
 PREFILL_MODULE = "prefill_worker"
 DECODE_MODULE = "decode_worker"
 GATEWAY_MODULE = "gateway"
+PROGRESS_EVERY = 10.0  # seconds between "waiting for ..." lines while the workers load
 
 # Flags passed through unchanged when given: (flag, argparse dest, type, help).
 GATEWAY_FLAGS: list[tuple[str, type, str]] = [
     ("--max-concurrent-requests", int, "past this many requests in flight the gateway answers 429"),
-    ("--max-input-tokens", int, "longest prompt accepted, in tokens"),
-    ("--max-total-tokens", int, "longest prompt + max_tokens accepted"),
+    ("--max-model-len", int, "the context: longest prompt + max_tokens (default: the model's, from its config.json)"),
+    ("--max-input-tokens", int, "longest prompt accepted, in tokens (default: the context - 1)"),
+    ("--max-total-tokens", int, "TGI's name for --max-model-len"),
     ("--max-batch-total-tokens", int, "cluster token budget: admitted requests' input + max_new_tokens"),
     ("--max-queue-size", int, "requests waiting for budget before 429"),
     ("--max-queue-wait", float, "seconds a request may wait for budget before a 503"),
     ("--shutdown-grace", float, "seconds requests in flight get to finish when the gateway stops (default 40)"),
     ("--reasoning-parser", str, "deepseek_r1 | qwen3: split a thinking model's <think> block into reasoning_content"),
     ("--tool-call-parser", str, "hermes | llama3_json | mistral | pythonic (default: from the chat template)"),
+    ("--generation-config", str, "auto: the model's generation_config.json sets the sampling defaults of "
+                                 "requests that leave them unset (temperature, top_p, top_k, min_p, "
+                                 "repetition_penalty); vllm: ignore them (default auto)"),
     ("--responses-ttl", int, "seconds stored /v1/responses answers are kept (0: none; default 3600)"),
     ("--responses-max-bytes", str, "bytes all stored /v1/responses answers may take, e.g. 256MiB (the oldest "
                                    "are dropped past it; default 64MiB)"),
@@ -77,6 +89,8 @@ DECODE_FLAGS: list[tuple[str, type, str]] = [
     ("--speculative-config", str, "decode worker: speculative decoding, JSON in vLLM's shape, e.g. "
                                   '\'{"method": "ngram", "num_speculative_tokens": 4}\''),
 ]
+# vLLM's names for flags above, accepted as they are (passed on under the flag's own name)
+FLAG_ALIASES: dict[str, tuple[str, ...]] = {"--kv-cache-memory": ("--kv-cache-memory-bytes",)}
 WORKER_FLAGS: list[tuple[str, type, str]] = [
     ("--block-size", int, "tokens per KV block (prefill and decode must agree)"),
 ]
@@ -154,6 +168,8 @@ def plan_threads(cpus: int, prefill_workers: int, decode_workers: int,
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of `baton serve` (kept here so the CLI module stays small)."""
+    parser.add_argument("model_positional", nargs="?", default=None, metavar="MODEL",
+                        help="the model, as `vllm serve MODEL` takes it (the same as --model)")
     parser.add_argument("--model", default=None,
                         help="Hugging Face model directory, .gguf file, or Hub repo id such as "
                              "HuggingFaceTB/SmolLM2-135M-Instruct (downloaded into the Hugging Face cache; "
@@ -200,6 +216,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--strict-api", action="store_true",
                        help="answer unknown request fields with a 4xx (default: ignore them, log them once "
                             "and list them in the x-baton-ignored-fields header)")
+    group.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help="accepted for vLLM compatibility; no effect: tool_choice auto is always on")
     group.add_argument("--normalize", action="store_true", help="L2-normalize embeddings (default: as the checkpoint says, else yes)")
     group.add_argument("--no-normalize", action="store_true", help="return embeddings unnormalized")
     group.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
@@ -208,15 +226,16 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("worker settings (passed to the workers when given)")
     for flag, typ, help_ in WORKER_FLAGS + PREFILL_FLAGS + DECODE_FLAGS:
         kwargs = {"choices": ["no-evict", "max-utilization"]} if flag == "--scheduler-policy" else {}
-        group.add_argument(flag, type=typ, default=None, help=help_, **kwargs)
+        group.add_argument(flag, *FLAG_ALIASES.get(flag, ()), type=typ, default=None, help=help_, **kwargs)
 
 
 def _choices(flag: str) -> dict[str, list[str]]:
     """The gateway's own choices, checked here too: a typo must fail before the workers load the model."""
     from gateway.parsers import reasoning, tool_calls
+    from gateway.sampling_defaults import GENERATION_CONFIG_MODES
 
     known = {"--reasoning-parser": reasoning.NAMES, "--tool-call-parser": tool_calls.NAMES,
-             "--pooling": ("last", "mean", "cls")}
+             "--pooling": ("last", "mean", "cls"), "--generation-config": GENERATION_CONFIG_MODES}
     return {"choices": list(known[flag])} if flag in known else {}
 
 
@@ -335,20 +354,44 @@ def gateway_readiness(host: str, port: int, timeout: float = 2.0) -> list[str]:
         return ["the gateway"]
 
 
-def wait_until_ready(sup: Supervisor, host: str, port: int, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
+def wait_until_ready(sup: Supervisor, host: str, port: int, timeout: float,
+                     progress_every: float = PROGRESS_EVERY) -> None:
+    """Until the gateway's /ready says ready; a line when what it waits for changes, and every
+    `progress_every` seconds besides (loading a large model takes minutes: silence reads as a hang)."""
+    started = time.monotonic()
+    deadline = started + timeout
     waiting_for = ""
+    said_at = started
     while True:
         sup.check()
         missing = gateway_readiness(host, port)
         if not missing:
             return
+        now = time.monotonic()
         if " and ".join(missing) != waiting_for:
             waiting_for = " and ".join(missing)
             sup.log(f"waiting for {waiting_for} ...")
+            said_at = now
+        elif now - said_at >= progress_every:
+            sup.log(f"waiting for {waiting_for} ... ({now - started:.0f}s)")
+            said_at = now
         if time.monotonic() > deadline:
             raise TimeoutError(f"not ready after {timeout:g}s: still waiting for {waiting_for}")
         sup.sleep(0.5)
+
+
+def serving_summary(args: argparse.Namespace, model_name: str, model_dir: Path) -> list[str]:
+    """'Baton is serving X at URL' and a few lines on what and how (baton.cli.startup_report)."""
+    from baton.common.model_files import is_hub_model_name
+
+    url = f"http://{args.host}:{args.port}"
+    probe = f"http://{probe_host(args.host)}:{args.port}"
+    settings = (f"dtype {args.dtype}, quantization {args.quantization}, "
+                f"KV cache dtype {getattr(args, 'kv_cache_dtype', 'auto')}")
+    origin = model_origin(args.model, model_dir, is_hub_model_name(args.model))
+    return summary_lines(model_name=model_name, origin=origin, url=url, settings=settings, api_key=args.api_key,
+                         stats=fetch_json(f"{probe}/stats", args.api_key),
+                         info=fetch_json(f"{probe}/info", args.api_key))
 
 
 # --------------------------------------------------------------------------------------------
@@ -358,8 +401,15 @@ def wait_until_ready(sup: Supervisor, host: str, port: int, timeout: float) -> N
 def run(args: argparse.Namespace) -> int:
     from baton.common.model_files import model_display_name, resolve_model
     from gateway.chat_template import load_chat_template
+    from gateway.sampling_defaults import load as load_sampling_defaults
 
     log = lambda msg: print(f"baton: {msg}", file=sys.stderr, flush=True)  # noqa: E731
+    positional = getattr(args, "model_positional", None)
+    if positional is not None:
+        if args.model is not None and args.model != positional:
+            log(f"two models given: {positional} and --model {args.model}; give one")
+            return 2
+        args.model = positional
     if args.prefill_workers < 1 or args.decode_workers < 1:
         log("need at least one prefill worker and one decode worker")
         return 2
@@ -371,10 +421,16 @@ def run(args: argparse.Namespace) -> int:
     if plan.warning:
         log(f"warning: {plan.warning}")
 
+    try:  # before the model is fetched: a taken port is a message in a second, not six restarts
+        metrics_ports = worker_metrics_ports(args.worker_metrics_port, len(plan.prefill) + len(plan.decode))
+        check_ports(args.host, args.port, metrics_ports, os.environ.get("BATON_METRICS_HOST") or "127.0.0.1")
+    except PreflightError as exc:
+        log(str(exc))
+        return 2
     try:
         model_dir = Path(resolve_model(args.model)).resolve()
-    except (FileNotFoundError, subprocess.CalledProcessError) as exc:
-        log(f"cannot load the model: {exc}")
+    except (OSError, subprocess.CalledProcessError, StopIteration, ValueError) as exc:
+        log(f"cannot load the model: {exc or type(exc).__name__}")
         return 2
     if args.chat_template is not None:
         try:  # now, not as a gateway that dies at start and is restarted over and over
@@ -382,6 +438,18 @@ def run(args: argparse.Namespace) -> int:
         except (ValueError, OSError) as exc:
             log(str(exc))
             return 2
+    try:  # a generation_config.json no request could follow: now too, not as a gateway that keeps dying
+        load_sampling_defaults(model_dir, getattr(args, "generation_config", None) or "auto")
+    except ValueError as exc:
+        log(str(exc))
+        return 2
+    try:  # a config the workers would refuse, refused before they load anything
+        model_check = check_model(model_dir, args)
+    except PreflightError as exc:
+        log(str(exc))
+        return 2
+    if warning := model_check.memory.warning():
+        log(f"warning: {warning}")
     if not args.served_model_name:  # a Hub model is served as its repo id, not its snapshot's hash
         args.served_model_name = [model_display_name(args.model, model_dir)]
     model_name = args.served_model_name[0]
@@ -398,20 +466,26 @@ def run(args: argparse.Namespace) -> int:
         if redis_url:
             log(f"redis: {redact_url(redis_url)}")
         else:
-            from baton.cli.redis_server import start_private_redis
+            from baton.cli.redis_server import free_port, start_private_redis
 
+            redis_port = free_port()
+            log(f"starting redis-server on port {redis_port}")
             # A random password: any local user can reach a port on 127.0.0.1.
-            private_redis = start_private_redis(password=secrets.token_urlsafe(32))
+            private_redis = start_private_redis(port=redis_port, password=secrets.token_urlsafe(32))
             redis_url = private_redis.url
             sup.watch("redis-server", private_redis)
             log(f"redis: {private_redis.display_url} (private, pid {private_redis.process.pid})")
         # (not where the plan oversubscribes already: --threads-per-worker beyond the cores)
         if not getattr(args, "no_core_share", False) and len(plan.prefill) <= 64 and plan.total <= plan.cpus:
             ledger_fd = core_share.create_anonymous(len(plan.prefill), len(plan.decode))
+        log(f"loading {model_name} in {len(plan.prefill)} prefill + {len(plan.decode)} decode worker(s) "
+            f"(weights: {model_check.weights_label()})")
         for spec in build_child_specs(args, Path(model_dir), redis_url, plan, core_share_fd=ledger_fd):
+            if spec.role == "gateway":
+                log(f"starting the gateway on {args.host}:{args.port}")
             sup.start(spec)
         wait_until_ready(sup, args.host, args.port, args.startup_timeout)
-        print(f"Baton is serving {model_name} at http://{args.host}:{args.port}", flush=True)
+        print("\n".join(serving_summary(args, model_name, model_dir)), flush=True)
         while True:
             sup.sleep(3600)
     except StopRequested:

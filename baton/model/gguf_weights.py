@@ -34,6 +34,7 @@ from torch import nn
 from baton.model.linear import QuantizedLinear
 from baton.model.model import MLP, set_op
 from baton.model.q_blocks import quantize_q8_0
+from baton.model.gguf_checkpoint import open_reader
 
 logger = logging.getLogger("baton.model.gguf_weights")
 
@@ -99,7 +100,7 @@ class GGUFTensors:
         import gguf
         from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
-        self.reader = gguf.GGUFReader(str(path))
+        self.reader = open_reader(path)  # the loader's, when it read the weights from this file
         self.arch = bytes(self.reader.fields["general.architecture"].parts[-1]).decode()
         self.tensors = {t.name: t for t in self.reader.tensors}
         processor = TENSOR_PROCESSORS.get(self.arch, TensorProcessor)

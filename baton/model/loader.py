@@ -7,20 +7,27 @@ may store experts as 3D tensors). Loading is strict both ways: a ValueError name
 tensor no recipe used (an unknown tensor means an architecture feature Baton would silently drop)
 and every tensor a recipe needed but did not find. The LM head of a tied checkpoint may be present
 or not, and rotary caches some old checkpoints carry (`rotary_emb.inv_freq`) are not weights.
+Tensors a named rule says the model does not run (a vision-language checkpoint's vision tower, GLM's
+multi-token-prediction layers: `_checkpoint_view`) are skipped and counted in the log.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
+from baton.common.model_files import GGUF_SOURCE_FILE, gguf_source
 from baton.model.config import ModelConfig
-from baton.model.families import family_spec
+from baton.model.families import TEXT_ONLY, family_spec
+from baton.model.gguf_checkpoint import GGUFCheckpoint
 from baton.model.model import MLP, LlamaModel
+
+logger = logging.getLogger("baton.model.loader")
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
@@ -52,9 +59,15 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def _read_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
+def _read_tensors(model_dir: Path) -> Mapping[str, torch.Tensor]:
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
+        source = gguf_source(model_dir)
+        if source is not None:  # made from a GGUF: its tensors are read from the file itself
+            return GGUFCheckpoint(source, model_dir)
+        if (model_dir / GGUF_SOURCE_FILE).is_file():
+            raise FileNotFoundError(f"{model_dir} was made from a GGUF file that is gone or changed since "
+                                    f"(see {GGUF_SOURCE_FILE}); give the .gguf path again to read it anew")
         raise FileNotFoundError(f"no *.safetensors in {model_dir}")
     tensors: dict[str, torch.Tensor] = {}
     for path in files:
@@ -62,6 +75,55 @@ def _read_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
             for name in f.keys():
                 tensors[name.removeprefix("model.")] = f.get_tensor(name)
     return tensors
+
+
+class _RenamedTensors(Mapping[str, torch.Tensor]):
+    """The checkpoint's tensors under the model's names (`names`: model name -> checkpoint name),
+    read on access (a GGUF checkpoint dequantizes only what is asked for)."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], names: dict[str, str]) -> None:
+        self.tensors, self.names = tensors, names
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.tensors[self.names[name]]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
+def _layer_of(name: str) -> int | None:
+    parts = name.split(".", 2)
+    return int(parts[1]) if len(parts) > 2 and parts[0] == "layers" and parts[1].isdigit() else None
+
+
+def _checkpoint_view(tensors: Mapping[str, torch.Tensor], config: ModelConfig) -> Mapping[str, torch.Tensor]:
+    """The tensors the model is made of, for a checkpoint that holds more by a named rule: a
+    vision-language checkpoint served text only (`families.TEXT_ONLY`: its language model's tensors
+    renamed, its vision tower's skipped), the multi-token-prediction layers stored after the last
+    layer (GLM-4.5's `num_nextn_predict_layers`; Baton does not run them). Every skip is counted and
+    logged; every other tensor goes on to the strict check."""
+    form = TEXT_ONLY.get(config.text_only_of)
+    mtp = range(config.num_layers, config.num_layers + config.mtp_layers)
+    if form is None and not mtp:
+        return tensors
+    names: dict[str, str] = {}
+    skipped: dict[str, int] = {}
+    for name in tensors:
+        model_name = form.text_name(name) if form is not None else name
+        if model_name is None:
+            what = form.skipped_what if form is not None else ""
+        elif _layer_of(model_name) in mtp:
+            what = "the multi-token-prediction layers"
+        else:
+            names[model_name] = name
+            continue
+        skipped[what] = skipped.get(what, 0) + 1
+    for what, count in skipped.items():
+        logger.info("%s: skipping %s: %d tensors", config.model_id, what, count)
+    return _RenamedTensors(tensors, names)
 
 
 @dataclass
@@ -97,6 +159,13 @@ def _recipes(model: LlamaModel, config: ModelConfig) -> dict[str, _Recipe]:
         moe = p + spec.moe_module + "."
         experts = range(config.num_experts)
         out[f"{mlp}gate.weight"] = _Recipe([[[f"{moe}gate.weight"]]])
+        if config.router == "sigmoid_grouped":
+            out[f"{mlp}score_correction_bias"] = _Recipe([[[f"{moe}gate.e_score_correction_bias"]]])
+        if config.num_shared_experts:
+            shared = f"{moe}shared_experts."
+            out[f"{mlp}shared_experts.gate_up_proj.weight"] = _Recipe([[[f"{shared}gate_proj.weight",
+                                                                          f"{shared}up_proj.weight"]]])
+            out[f"{mlp}shared_experts.down_proj.weight"] = _Recipe([[[f"{shared}down_proj.weight"]]])
         out[f"{mlp}experts_gate_up"] = _Recipe([
             [[f"{moe}experts.gate_up_proj"]],  # transformers 5's stacked form: [E, 2I, H]
             [[f"{moe}experts.{e}.{gate_name}.weight", f"{moe}experts.{e}.{up_name}.weight"] for e in experts]])
@@ -108,10 +177,11 @@ def _recipes(model: LlamaModel, config: ModelConfig) -> dict[str, _Recipe]:
     return out
 
 
-def _build_state(recipes: dict[str, _Recipe], tensors: dict[str, torch.Tensor], tie_word_embeddings: bool,
-                 convert: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> dict[str, torch.Tensor]:
-    """Each model parameter from its checkpoint tensors, passed through `convert` as soon as it is
-    joined (so a fused projection's concatenation is freed before the next one is made)."""
+def _build_state(recipes: dict[str, _Recipe], tensors: Mapping[str, torch.Tensor], tie_word_embeddings: bool,
+                 convert: Callable[[str, torch.Tensor], torch.Tensor] = lambda name, t: t) -> dict[str, torch.Tensor]:
+    """Each model parameter from its checkpoint tensors, passed through `convert` (with the
+    parameter's name) as soon as it is joined (so a fused projection's concatenation is freed
+    before the next one is made)."""
     state: dict[str, torch.Tensor] = {}
     used: set[str] = set()
     missing: list[str] = []
@@ -125,7 +195,7 @@ def _build_state(recipes: dict[str, _Recipe], tensors: dict[str, torch.Tensor], 
         parts = recipe.alternatives[found]
         used.update(recipe.names(found))
         joined = [tensors[part[0]] if len(part) == 1 else torch.cat([tensors[n] for n in part]) for part in parts]
-        state[target] = convert(joined[0] if len(joined) == 1 else torch.stack(joined))
+        state[target] = convert(target, joined[0] if len(joined) == 1 else torch.stack(joined))
     unused = sorted(n for n in tensors if n not in used and not n.endswith("rotary_emb.inv_freq")
                     and not (tie_word_embeddings and n == "lm_head.weight"))
     if missing or unused:
@@ -146,16 +216,25 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device:
     device = torch.device(device) if device is not None else default_device()
     config = ModelConfig.from_dir(model_dir)
     torch_dtype = resolve_dtype(dtype, device)
+    tensors = _checkpoint_view(_read_tensors(model_dir), config)
+    if config.text_only_of:
+        # whose tie flag governs moved between transformers 4 (the text model's) and 5 (the outer
+        # config's, True by default, but not tied where the checkpoint has its own head): the head
+        # is tied exactly when the checkpoint has none, as transformers 5 ends up doing
+        config.tie_word_embeddings = "lm_head.weight" not in tensors
     with torch.device("meta"):
         model = LlamaModel(config)
-    tensors = _read_tensors(model_dir)
+    # a MoE's router where the reference keeps it in fp32 (GLM-4.5's) stays fp32
+    fp32 = {f"layers.{i}.mlp.{name}" for i, layer in enumerate(model.layers)
+            for name in getattr(layer.mlp, "fp32_parameters", lambda: ())()}
     # copy=True: a tensor already in the target dtype would otherwise stay a view of the
     # checkpoint's memory map, and one view (a norm's weight) keeps the whole mapped file resident
     # for the worker's life (measured: 2.36 GB of a 1B model's file after load, on top of the packs).
     # Converted one parameter at a time: loading peaks at one copy plus the mapped file's pages (all
     # at once, the concatenations and the converted copies were alive together: 1.7 copies).
     state = _build_state(_recipes(model, config), tensors, config.tie_word_embeddings,
-                         lambda t: t.to(device=device, dtype=torch_dtype, copy=True))
+                         lambda name, t: t.to(device=device, dtype=torch.float32 if name in fp32 else torch_dtype,
+                                              copy=True))
     del tensors
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     missing = [m for m in missing if not (config.tie_word_embeddings and m == "lm_head.weight")]

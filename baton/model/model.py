@@ -2,8 +2,8 @@
 
 The family is data, not code: `ModelConfig` carries what the family spec (`baton.model.families`)
 and the checkpoint's config.json resolve to (norm kind and placement, q/k norm, biases, activation,
-rotary per layer, window layers, soft-capping, multipliers, MoE), and the modules below read those
-fields. Nothing here branches on a model_type.
+rotary per layer, window layers, soft-capping, multipliers, position-scaled queries, MoE), and the
+modules below read those fields. Nothing here branches on a model_type.
 
 Selective batching (Orca): embeddings, norms, projections and the MLP run over every token of the
 step flattened to `[T, H]`, whatever request it belongs to; only attention is split, each request
@@ -110,6 +110,7 @@ class Attention(nn.Module):
         sin: torch.Tensor,  # [T, 1, rotary_dim], sign-folded (see rope_table)
         kv_cache: torch.Tensor,  # [2, kv_heads, num_slots, head_dim] (this layer's)
         meta: AttentionMetadata,  # windowed (`attention.windowed`) for a sliding layer
+        q_scale: torch.Tensor | None = None,  # [T, 1, 1]: queries times it after the rotary (Ministral 3)
     ) -> torch.Tensor:  # [T, H]
         num_tokens = x.shape[0]
         num_q_heads, num_kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
@@ -134,6 +135,8 @@ class Attention(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
             if self.use_rope:
                 q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if q_scale is not None:
+            q = q * q_scale
         backend.write_kv(kv_cache, k, v, meta)
         if not meta.prefills and len(meta.decode_groups) == 1:
             out = backend.decode(q, kv_cache, meta.decode_groups[0], meta.block_size)  # the common case
@@ -149,11 +152,12 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, intermediate_size: int | None = None) -> None:
+        # intermediate_size: the config's, or a MoE's shared experts' (GLM-4.5)
         super().__init__()
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.intermediate_size = intermediate = intermediate_size or config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * intermediate, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(intermediate, config.hidden_size, bias=config.mlp_bias)
         self.act = activation(config.hidden_act)
         set_op(self, "gate_up", self.gate_up_proj)
         set_op(self, "down", self.down_proj)
@@ -184,21 +188,26 @@ class DecoderLayer(nn.Module):
         for name in _LAYER_NORMS[self.placement]:
             setattr(self, name, RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_kind))
         self.self_attn = Attention(config, layer_index)
-        self.mlp: nn.Module = SparseMoE(config) if config.is_moe(layer_index) else MLP(config)
+        if config.is_moe(layer_index):
+            shared = (MLP(config, config.moe_intermediate_size * config.num_shared_experts)
+                      if config.num_shared_experts else None)
+            self.mlp: nn.Module = SparseMoE(config, shared)
+        else:
+            self.mlp = MLP(config)
         self.residual_multiplier = config.residual_multiplier  # Granite scales each branch
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, q_scale: torch.Tensor | None = None) -> torch.Tensor:
         # x: [T, H] -> [T, H] (x is the step's own residual stream: updated in place)
         if self.placement == "pre":
-            self._add(x, self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta))
+            self._add(x, self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, q_scale))
             self._add(x, self.mlp(self.post_attention_layernorm(x)))
         elif self.placement == "sandwich":
             self._add(x, self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, kv_cache,
-                                                                      meta)))
+                                                                      meta, q_scale)))
             self._add(x, self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x))))
         else:  # post
-            self._add(x, self.post_attention_layernorm(self.self_attn(x, cos, sin, kv_cache, meta)))
+            self._add(x, self.post_attention_layernorm(self.self_attn(x, cos, sin, kv_cache, meta, q_scale)))
             self._add(x, self.post_feedforward_layernorm(self.mlp(x)))
         return x
 
@@ -246,11 +255,14 @@ class LlamaModel(nn.Module):
 
     def projection_slots(self) -> list[tuple[nn.Module, str, nn.Linear]]:
         """(owner, op attribute, the nn.Linear behind it) for every dense projection the forward
-        calls through an op (MoE experts and routers are not: they run in `baton.model.moe`)."""
+        calls through an op (MoE experts and routers are not: they run in `baton.model.moe`; a MoE's
+        shared experts are a dense MLP and are)."""
         slots: list[tuple[nn.Module, str, nn.Linear]] = []
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
             slots += [(attn, "qkv", attn.qkv_proj), (attn, "o", attn.o_proj)]
+            if isinstance(mlp, SparseMoE) and mlp.shared_experts is not None:
+                mlp = mlp.shared_experts
             if isinstance(mlp, MLP):
                 slots += [(mlp, "gate_up", mlp.gate_up_proj), (mlp, "down", mlp.down_proj)]
         slots.append((self, "head", self.lm_head))
@@ -400,10 +412,11 @@ class LlamaModel(nn.Module):
         # the window layers' metadata and the local rotary, once per step for all layers
         window_meta = windowed(meta, config.sliding_window) if self.has_window else meta  # type: ignore[arg-type]
         local = self.rope(positions, max_position, local=True) if self.has_local_rope else (cos, sin)
+        q_scale = self._query_scale(positions, x.dtype) if config.query_scale_beta else None
         for layer, layer_cache in zip(self.layers, kv_cache):
             attn = layer.self_attn
             c, s = local if attn.local_rope else (cos, sin)
-            x = layer(x, c, s, layer_cache, window_meta if attn.sliding else meta)
+            x = layer(x, c, s, layer_cache, window_meta if attn.sliding else meta, q_scale)
         logits = self._head_rows(self.norm(x[logits_indices]))
         if config.logits_scaling != 1.0:
             logits = logits / config.logits_scaling
@@ -412,6 +425,13 @@ class LlamaModel(nn.Module):
         if hidden_indices is None:
             return logits.float()
         return logits.float(), self.norm(x[hidden_indices]).float()
+
+    def _query_scale(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        # positions: [T] -> [T, 1, 1]; transformers' get_llama_4_attn_scale, op for op (fp32, then the
+        # model's dtype): 1 below the original context, growing with log(position) past it
+        config = self.config
+        scale = 1 + config.query_scale_beta * torch.log(1 + torch.floor(positions / config.query_scale_period))
+        return scale.to(dtype)[:, None, None]
 
     def _head_rows(self, normed: torch.Tensor) -> torch.Tensor:
         # no rows (a step of pooling requests only): the native head kernels are not asked for 0 rows

@@ -1,8 +1,14 @@
-"""Sparse mixture-of-experts MLP (Qwen3-MoE, Mixtral), batched by expert.
+"""Sparse mixture-of-experts MLP (Qwen3-MoE, Mixtral, GLM-4.5), batched by expert.
 
-Rules: routing is the reference's (softmax over all experts in fp32, top-k, renormalised where the
-family does: Mixtral always, Qwen3-MoE when `norm_topk_prob`); the experts then run batched by
-expert: the step's (token, choice) pairs are sorted by expert, and each selected expert runs once
+Rules: routing is the reference's, op for op, in fp32. softmax_topk: softmax over all experts, top-k,
+renormalised where the family does (Mixtral always, Qwen3-MoE when `norm_topk_prob`).
+sigmoid_grouped (GLM-4.5, transformers' Glm4MoeTopkRouter): sigmoid scores; the experts are chosen
+by score + `e_score_correction_bias` among the best `topk_group` of `n_group` groups (a group ranked
+by its two best), weighted by their plain scores, renormalised if `norm_topk_prob`, times
+`routed_scaling_factor`; its router weight and bias stay fp32 whatever the model's dtype, as the
+reference keeps them. Shared experts (GLM-4.5) are one dense MLP every token runs, added after the
+routed ones. The routed experts run batched by expert: the step's (token, choice) pairs are sorted
+by expert, and each selected expert runs once
 over all the tokens routed to it (one gate_up and one down matmul), so a decode step reads each
 selected expert's weights once, whatever the batch. Results are scatter-added in ascending expert
 order, the order transformers adds them in, so fp32 sums agree with it bit for bit.
@@ -27,24 +33,60 @@ def activation(name: str):  # -> Callable[[Tensor], Tensor]
 
 
 class SparseMoE(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, shared_experts: nn.Module | None = None) -> None:
         super().__init__()
         e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
         self.num_experts, self.top_k, self.intermediate = e, config.num_experts_per_tok, i
         self.renormalize = config.norm_topk_prob
+        self.router = config.router
         self.gate = nn.Linear(h, e, bias=False)  # the router
+        if self.router == "sigmoid_grouped":
+            self.score_correction_bias = nn.Parameter(torch.zeros(e))  # shifts the choice, not the weights
+            self.n_group, self.topk_group = config.n_group, config.topk_group
+            self.routed_scaling_factor = config.routed_scaling_factor
         self.experts_gate_up = nn.Parameter(torch.empty(e, 2 * i, h))
         self.experts_down = nn.Parameter(torch.empty(e, h, i))
         self.act = activation(config.hidden_act)
+        self.shared_experts = shared_experts  # a dense MLP (baton.model.model.MLP) every token runs, or None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [T, H] -> [T, H]
+    def fp32_parameters(self) -> tuple[str, ...]:
+        """Parameters the loader keeps in fp32 whatever the model's dtype (the reference's
+        `_keep_in_fp32_modules_strict`)."""
+        return ("gate.weight", "score_correction_bias") if self.router == "sigmoid_grouped" else ()
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # x: [T, H] -> weights [T, k] (fp32), chosen experts [T, k]
+        if self.router == "sigmoid_grouped":
+            return self._route_sigmoid_grouped(x)
         logits = self.gate(x)  # [T, E]
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, chosen = torch.topk(probs, self.top_k, dim=-1)  # [T, k] each
         if self.renormalize:
             weights /= weights.sum(dim=-1, keepdim=True)
-        weights = weights.to(x.dtype)
+        return weights, chosen
+
+    def _route_sigmoid_grouped(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # transformers' Glm4MoeTopkRouter.forward, op for op
+        e, groups = self.num_experts, self.n_group
+        scores = F.linear(x.float(), self.gate.weight.float()).sigmoid()  # [T, E]
+        for_choice = scores + self.score_correction_bias
+        group_scores = for_choice.view(-1, groups, e // groups).topk(2, dim=-1)[0].sum(dim=-1)  # [T, G]
+        group_idx = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores)
+        group_mask.scatter_(1, group_idx, 1)
+        score_mask = group_mask.unsqueeze(-1).expand(-1, groups, e // groups).reshape(-1, e)
+        for_choice = for_choice.masked_fill(~score_mask.bool(), float("-inf"))
+        chosen = torch.topk(for_choice, k=self.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, chosen)
+        if self.renormalize:
+            weights /= weights.sum(dim=-1, keepdim=True) + 1e-20
+        return weights * self.routed_scaling_factor, chosen
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, H] -> [T, H]
+        weights, chosen = self.route(x)
+        if self.router != "sigmoid_grouped":
+            weights = weights.to(x.dtype)  # GLM's reference weighs in fp32, then rounds (below)
         flat = chosen.flatten()  # [T * k]: choice c of token t at t * k + c
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # one sync per layer (CPU: free)
@@ -58,6 +100,8 @@ class SparseMoE(nn.Module):
             tokens = token_of[start:start + count]
             gate, up = F.linear(x[tokens], self.experts_gate_up[expert]).chunk(2, dim=-1)
             h = F.linear(self.act(gate) * up, self.experts_down[expert])  # [count, H]
-            out.index_add_(0, tokens, h * weight_of[start:start + count, None])
+            out.index_add_(0, tokens, (h * weight_of[start:start + count, None]).to(x.dtype))
             start += count
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
         return out

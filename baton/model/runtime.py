@@ -23,14 +23,14 @@ from baton.common.model_files import gguf_source
 from baton.model.config import ModelConfig
 from baton.model.greedy import greedy_pick
 from baton.model.kv_quant import is_quantized, resolve_kv_cache_dtype
-from baton.model.loader import default_device, load_model
+from baton.model.loader import default_device, load_model, resolve_dtype
 from baton.model.model import LlamaModel
 from baton.model.model_runner import ModelRunner, PoolRows, PromptRows, ScheduledRow, StepResult, kv_bytes_per_block
 from baton.model.quant import asks_for_quantized, describe_weights, quantize_model, resolve_weights
 from baton.model.thread_gate import ThreadGate
 
 __all__ = ["ModelConfig", "ModelRuntime", "PoolRows", "PromptRows", "RuntimeConfig", "ScheduledRow", "StepResult",
-           "ThreadGate", "default_device", "greedy_pick", "load_runtime", "return_freed_memory"]
+           "ThreadGate", "default_device", "greedy_pick", "kv_block_bytes", "load_runtime", "return_freed_memory"]
 
 logger = logging.getLogger("baton.model.runtime")
 
@@ -54,6 +54,13 @@ class RuntimeConfig:
     release_load_copies: bool = False
     # full, matmul, off or auto (BATON_BATCH_INVARIANT, read once here; None: auto, said in the log)
     batch_invariant: str | None = dataclasses.field(default_factory=_env_batch_invariant)
+
+
+def kv_block_bytes(config: ModelConfig, block_size: int, dtype: str = "auto", kv_cache_dtype: str = "auto") -> int:
+    """Bytes of one KV block of a worker started with these flags, known before anything loads (`baton
+    serve`'s memory estimate): `--dtype auto` counts as float32, the widest it may resolve to."""
+    model_dtype = torch.float32 if dtype == "auto" else resolve_dtype(dtype, torch.device("cpu"))
+    return kv_bytes_per_block(config, block_size, resolve_kv_cache_dtype(kv_cache_dtype, model_dtype))
 
 
 def return_freed_memory() -> None:

@@ -65,8 +65,9 @@ def add_common_args(parser: argparse.ArgumentParser, kind: str) -> None:
     parser.add_argument("--core-share-slot", type=int, default=0, help="this worker's record in --core-share")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--num-kv-blocks", type=int, default=None)
-    parser.add_argument("--kv-cache-memory", type=parse_bytes, default=parse_bytes("1GiB"),
-                        help="KV pool size when --num-kv-blocks is not given (e.g. 2GiB)")
+    # --kv-cache-memory-bytes: vLLM's name for it, so vLLM command lines work unchanged
+    parser.add_argument("--kv-cache-memory", "--kv-cache-memory-bytes", type=parse_bytes, default=parse_bytes("1GiB"),
+                        help="KV pool size when --num-kv-blocks is not given (e.g. 2GiB, or bytes)")
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--metrics-port", type=int, default=None)

@@ -3,13 +3,22 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from baton.cli.bench.serve import parse_rate
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (POSTs to /v1/completions)")
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (POSTs to --endpoint)")
+    p.add_argument("--endpoint", default=None,
+                   help="path requests go to: /v1/completions (a prompt) or /v1/chat/completions (the prompt as "
+                        "one user message) (default /v1/completions; with --backend openai-chat the chat one)")
+    p.add_argument("--backend", choices=["openai", "openai-chat"], default=None,
+                   help="vLLM's name for the API: openai-chat is /v1/chat/completions (default: from --endpoint)")
+    p.add_argument("--api-key", default=os.environ.get("BATON_API_KEY") or os.environ.get("OPENAI_API_KEY") or None,
+                   help="sent as 'Authorization: Bearer KEY' (default: $BATON_API_KEY, else $OPENAI_API_KEY; "
+                        "prefer the variable: a flag is visible to every local user in `ps`)")
     p.add_argument("--model", default=None, help="model name to send (default: the first of GET /v1/models)")
     p.add_argument("--tokenizer", default=None,
                    help="local tokenizer directory to count tokens (default: Baton's default model)")

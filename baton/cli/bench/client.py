@@ -1,4 +1,5 @@
-"""One streaming request to an OpenAI-compatible `/v1/completions`, timed as vLLM's benchmark does."""
+"""One streaming request to an OpenAI-compatible `/v1/completions` or `/v1/chat/completions`, timed
+as vLLM's benchmark does (its `openai` and `openai-chat` backends)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ class RequestInput:
     model: str
     api_url: str
     ignore_eos: bool = False
+    chat: bool = False  # the prompt is one user message to a chat completions endpoint
 
 
 @dataclass
@@ -33,18 +35,22 @@ class RequestOutput:
     start_time: float = 0.0  # seconds since the benchmark started
 
 
-def make_client(max_connections: int | None = None) -> httpx.AsyncClient:
+def make_client(max_connections: int | None = None, api_key: str | None = None) -> httpx.AsyncClient:
     # trust_env=False: a proxy from the environment must not sit between us and a local server.
     # No read timeout beyond vLLM's 6 hours: a slow server is what is being measured.
     limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
-    return httpx.AsyncClient(timeout=httpx.Timeout(6 * 3600, connect=60), limits=limits, trust_env=False)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    return httpx.AsyncClient(timeout=httpx.Timeout(6 * 3600, connect=60), limits=limits, trust_env=False,
+                             headers=headers)
 
 
 def _payload(req: RequestInput) -> dict[str, Any]:
-    payload: dict[str, Any] = {
-        "model": req.model, "prompt": req.prompt, "max_tokens": req.output_len,
-        "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True},
-    }
+    payload: dict[str, Any] = {"model": req.model, "temperature": 0.0, "stream": True,
+                               "stream_options": {"include_usage": True}}
+    if req.chat:  # as vLLM's openai-chat backend sends it
+        payload.update(messages=[{"role": "user", "content": req.prompt}], max_completion_tokens=req.output_len)
+    else:
+        payload.update(prompt=req.prompt, max_tokens=req.output_len)
     if req.ignore_eos:  # an extension (vLLM, Baton); plain OpenAI servers reject unknown fields
         payload["ignore_eos"] = True
     return payload
@@ -79,7 +85,7 @@ async def request_completion(client: httpx.AsyncClient, req: RequestInput,
                     return out
                 choices = chunk.get("choices")
                 if choices:
-                    text = choices[0].get("text") or ""
+                    text = _chunk_text(choices[0], req.chat)
                     if first_choice is None:
                         first_choice = time.perf_counter()
                     if text:
@@ -105,6 +111,14 @@ async def request_completion(client: httpx.AsyncClient, req: RequestInput,
     except (httpx.HTTPError, json.JSONDecodeError, OSError) as exc:
         out.error = f"{type(exc).__name__}: {exc}"
     return out
+
+
+def _chunk_text(choice: dict[str, Any], chat: bool) -> str:
+    """A chunk's generated text; chat's reasoning too (a thinking model's first tokens are thoughts)."""
+    if not chat:
+        return choice.get("text") or ""
+    delta = choice.get("delta") or {}
+    return delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning") or ""
 
 
 async def fetch_first_model(client: httpx.AsyncClient, base_url: str) -> str:

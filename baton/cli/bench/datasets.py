@@ -17,6 +17,8 @@ class SampleRequest:
     prompt: str
     prompt_len: int  # tokens, counted with the benchmark's tokenizer
     expected_output_len: int  # sent as max_tokens
+    # sent instead of `prompt` to a chat endpoint, when `prompt` is already chat-templated text
+    chat_prompt: str | None = None
 
 
 def load_tokenizer(path: str | os.PathLike | None) -> Any:
@@ -139,5 +141,6 @@ def sample_grounded_requests(tokenizer: Any, num_requests: int, output_len: int,
         text = ASKS[(seed + i) % len(ASKS)].format(PASSAGES[(seed + i) % len(PASSAGES)])
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
                                                add_generation_prompt=True)
-        requests.append(SampleRequest(prompt, len(tokenizer.encode(prompt, add_special_tokens=False)), output_len))
+        requests.append(SampleRequest(prompt, len(tokenizer.encode(prompt, add_special_tokens=False)), output_len,
+                                      chat_prompt=text))
     return requests

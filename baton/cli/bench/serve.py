@@ -41,26 +41,38 @@ def arrival_offsets(n: int, request_rate: float, burstiness: float, seed: int) -
     return np.cumsum(gaps).tolist()
 
 
+COMPLETIONS = "/v1/completions"
+CHAT_COMPLETIONS = "/v1/chat/completions"
+
+
+def is_chat(endpoint: str) -> bool:
+    return endpoint.rstrip("/").endswith("/chat/completions")
+
+
 async def run_requests(base_url: str, model: str, requests: list[SampleRequest], request_rate: float = float("inf"),
                        max_concurrency: int | None = None, ignore_eos: bool = False, seed: int = 0,
-                       burstiness: float = 1.0, disable_tqdm: bool = False) -> RunResult:
-    """Send every request on its schedule, at most `max_concurrency` in flight; time the whole run."""
+                       burstiness: float = 1.0, disable_tqdm: bool = False, endpoint: str = COMPLETIONS,
+                       api_key: str | None = None) -> RunResult:
+    """Send every request on its schedule, at most `max_concurrency` in flight; time the whole run.
+    A `.../chat/completions` endpoint gets each prompt as one user message."""
     from tqdm import tqdm
 
-    api_url = base_url.rstrip("/") + "/v1/completions"
+    api_url = base_url.rstrip("/") + endpoint
+    chat = is_chat(endpoint)
     offsets = arrival_offsets(len(requests), request_rate, burstiness, seed)
     # The semaphore models clients that wait for an answer before sending again (closed loop);
     # a request's clock starts when it gets a slot, as in vLLM, so TTFT excludes client queueing.
     semaphore = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     pbar = tqdm(total=len(requests), disable=disable_tqdm)
-    async with make_client(max_concurrency) as client:
+    async with make_client(max_concurrency, api_key) as client:
         start = time.perf_counter()
 
         async def one(req: SampleRequest, offset: float) -> RequestOutput:
             delay = start + offset - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            inp = RequestInput(req.prompt, req.prompt_len, req.expected_output_len, model, api_url, ignore_eos)
+            prompt = req.chat_prompt if chat and req.chat_prompt is not None else req.prompt
+            inp = RequestInput(prompt, req.prompt_len, req.expected_output_len, model, api_url, ignore_eos, chat)
             if semaphore is None:
                 out = await request_completion(client, inp, start)
             else:
@@ -75,12 +87,12 @@ async def run_requests(base_url: str, model: str, requests: list[SampleRequest],
     return RunResult(list(outputs), duration)
 
 
-def resolve_model_name(base_url: str, model: str | None) -> str:
+def resolve_model_name(base_url: str, model: str | None, api_key: str | None = None) -> str:
     if model:
         return model
 
     async def ask() -> str:
-        async with make_client() as client:
+        async with make_client(api_key=api_key) as client:
             return await fetch_first_model(client, base_url)
 
     return asyncio.run(ask())
@@ -121,7 +133,7 @@ def benchmark_level(args: argparse.Namespace, tokenizer: Any, model: str, reques
     print(f"Burstiness factor: {args.burstiness} ({'Poisson process' if args.burstiness == 1 else 'Gamma distribution'})")
     print(f"Maximum request concurrency: {max_concurrency}")
     run = asyncio.run(run_requests(args.base_url, model, requests, request_rate, max_concurrency, args.ignore_eos,
-                                   args.seed, args.burstiness, args.disable_tqdm))
+                                   args.seed, args.burstiness, args.disable_tqdm, args.endpoint, args.api_key))
     metrics = calculate_metrics(requests, run.outputs, run.duration, tokenizer, percentiles, goodput)
     print(format_result(metrics, selected, max_concurrency, request_rate), flush=True)
     errors = [o.error for o in run.outputs if o.error]
@@ -129,7 +141,8 @@ def benchmark_level(args: argparse.Namespace, tokenizer: Any, model: str, reques
         print(f"First error ({len(errors)} failed): {errors[0]}")
     date = datetime.now().strftime("%Y%m%d-%H%M%S")
     result: dict[str, Any] = {
-        "date": date, "backend": "openai", "model_id": model, "tokenizer_id": str(args.tokenizer_id),
+        "date": date, "backend": "openai-chat" if is_chat(args.endpoint) else "openai", "model_id": model,
+        "tokenizer_id": str(args.tokenizer_id),
         "num_prompts": len(requests), "request_rate": request_rate if request_rate != float("inf") else "inf",
         "burstiness": args.burstiness, "max_concurrency": max_concurrency,
         **result_json(metrics, run.outputs, selected),
@@ -150,8 +163,20 @@ def benchmark_level(args: argparse.Namespace, tokenizer: Any, model: str, reques
     return metrics, result
 
 
+def resolve_endpoint(args: argparse.Namespace) -> None:
+    """vLLM's pair: `--backend openai-chat` means /v1/chat/completions unless --endpoint names it."""
+    backend = getattr(args, "backend", None)
+    if args.endpoint is None:
+        args.endpoint = CHAT_COMPLETIONS if backend == "openai-chat" else COMPLETIONS
+    if not args.endpoint.startswith("/"):
+        raise SystemExit(f"--endpoint is a path, e.g. {CHAT_COMPLETIONS} (got {args.endpoint!r})")
+    if backend is not None and (backend == "openai-chat") != is_chat(args.endpoint):
+        raise SystemExit(f"--backend {backend} does not go with --endpoint {args.endpoint}")
+
+
 def prepare(args: argparse.Namespace) -> tuple[Any, str, list[SampleRequest]]:
     """Tokenizer, model name and the workload: shared by serve and sweep (a sweep samples once)."""
+    resolve_endpoint(args)
     if args.tokenizer is None:
         from baton.common.model_files import default_model_dir
 
@@ -164,7 +189,7 @@ def prepare(args: argparse.Namespace) -> tuple[Any, str, list[SampleRequest]]:
         raise SystemExit(f"baton bench: cannot load a tokenizer from {args.tokenizer}: {exc}\n"
                          "(pass --tokenizer DIR, or run `baton model fetch` for the default model)") from None
     try:
-        model = resolve_model_name(args.base_url, args.model)
+        model = resolve_model_name(args.base_url, args.model, args.api_key)
     except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
         raise SystemExit(f"baton bench: cannot read the model name from {args.base_url}/v1/models "
                          f"({type(exc).__name__}: {exc}); is the server up? (or pass --model)") from None

@@ -1,0 +1,248 @@
+"""`baton serve`'s checks before any child starts or any weight loads.
+
+Each failure is one message that names the fix (`PreflightError`), raised in the time a socket bind
+or a config read takes: not a gateway that dies at start and is restarted six times after both
+workers loaded the model. The memory estimate is a warning only: a KV pool's pages are touched as
+it fills, and the file size of the weights is only near what a worker holds of them, so the sum is
+an estimate, not a certainty.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import json
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+from baton.common.model_files import gguf_source
+
+
+class PreflightError(Exception):
+    """A reason `baton serve` cannot start, worded for the user (what is wrong and how to fix it)."""
+
+
+# --------------------------------------------------------------------------------------------
+# Ports
+# --------------------------------------------------------------------------------------------
+
+def check_bindable(host: str, port: int, flag: str = "--port") -> None:
+    """Bind `host:port` as uvicorn (uvloop's create_server) will: every address `host` resolves to,
+    SO_REUSEADDR set (so a port in TIME_WAIT passes, as it will for the server); then close it.
+    `flag` is what the user passes to pick another port."""
+    try:
+        infos = socket.getaddrinfo(host or None, port, socket.AF_UNSPEC, socket.SOCK_STREAM, 0, socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise PreflightError(f"cannot bind {host!r}: not an address or a name this machine resolves ({exc.strerror}): "
+                             "pass --host 127.0.0.1, 0.0.0.0 or one of this machine's addresses") from None
+    for family, kind, proto, _name, address in infos:
+        try:
+            sock = socket.socket(family, kind, proto)
+        except OSError:  # a family this kernel lacks: the server skips it too
+            continue
+        with sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6 and hasattr(socket, "IPV6_V6ONLY"):
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)  # as asyncio binds it
+            try:
+                sock.bind(address)
+            except OSError as exc:
+                raise PreflightError(_bind_failure(host, port, flag, exc)) from None
+
+
+def _bind_failure(host: str, port: int, flag: str, exc: OSError) -> str:
+    where = f"port {port} on {host or 'all addresses'}"
+    if exc.errno == errno.EADDRINUSE:
+        holder = port_holder(port)
+        by = f"by {holder}" if holder else "(by another process)"
+        return f"{where} is in use {by}: pass {flag} N or stop it"
+    if exc.errno == errno.EACCES:
+        return f"{where} needs privileges to bind (ports below 1024 do): pass {flag} N with N >= 1024"
+    if exc.errno == errno.EADDRNOTAVAIL:
+        return f"{host} is not an address of this machine: pass --host 127.0.0.1, 0.0.0.0 or one of its addresses"
+    return f"cannot bind {where} ({exc.strerror or exc}): pass {flag} N or --host"
+
+
+def port_holder(port: int, proc: Path = Path("/proc")) -> str | None:
+    """'pid 123 (python3)' of a process of ours listening on `port` (Linux; another user's sockets
+    cannot be matched to a process without privileges: None then, as anywhere it cannot tell)."""
+    inodes: set[str] = set()
+    for table in ("tcp", "tcp6"):
+        try:
+            rows = (proc / "net" / table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            # local address "0100007F:1F40", state 0A = LISTEN, inode is the tenth field
+            if len(fields) > 9 and fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(f"socket:[{fields[9]}]")
+    if not inodes:
+        return None
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if any(os.readlink(fd) in inodes for fd in (entry / "fd").iterdir()):
+                name = (entry / "comm").read_text().strip()
+                return f"pid {entry.name} ({name})"
+        except OSError:  # another user's process, or one that just exited
+            continue
+    return None
+
+
+def worker_metrics_ports(first: int | None, num_workers: int) -> list[int]:
+    """The fixed ports `--worker-metrics-port` gives the workers (none without it)."""
+    return [] if first is None else [first + i for i in range(num_workers)]
+
+
+def check_ports(host: str, port: int, metrics_ports: list[int], metrics_host: str) -> None:
+    """The gateway's port, then each worker's metrics port, free now and not each other's."""
+    if port in metrics_ports:
+        raise PreflightError(f"--port {port} is also a worker's metrics port (--worker-metrics-port gives the "
+                             f"workers {metrics_ports[0]}..{metrics_ports[-1]}): pass another --port or "
+                             "--worker-metrics-port")
+    check_bindable(host, port)
+    for metrics_port in metrics_ports:
+        check_bindable(metrics_host, metrics_port, flag="--worker-metrics-port")
+
+
+# --------------------------------------------------------------------------------------------
+# The model
+# --------------------------------------------------------------------------------------------
+
+def read_model_config(model_dir: Path):  # -> ModelConfig (imported here: baton.model.runtime loads torch)
+    """The model's config as the workers will read it; a config they would refuse (a model_type
+    Baton does not run, a key it needs missing) is a PreflightError saying so."""
+    from baton.model.runtime import ModelConfig
+
+    try:
+        return ModelConfig.from_dir(model_dir)
+    except KeyError as exc:
+        why = f"its config.json has no {exc.args[0]!r}, which the workers need"
+    except json.JSONDecodeError as exc:
+        why = f"its config.json is not JSON ({exc})"
+    except (ValueError, TypeError, OSError) as exc:
+        why = str(exc)  # an unsupported model_type: family_spec's message names the supported ones
+    raise PreflightError(f"cannot serve {model_dir}: {why}; pass --model with a checkpoint Baton runs")
+
+
+def weight_files(model_dir: Path, dtype: str, quantization: str) -> list[Path]:
+    """The files the workers' weights come from: the GGUF a directory was converted from where
+    `--quantization auto` serves its own blocks (not with --dtype float32: baton.model.quant.
+    resolve_weights), else the directory's safetensors."""
+    if quantization == "auto" and dtype != "float32":
+        source = gguf_source(model_dir)
+        if source is not None:
+            return [source]
+    return sorted(Path(model_dir).glob("*.safetensors"))
+
+
+def format_bytes(n: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
+# --------------------------------------------------------------------------------------------
+# Memory
+# --------------------------------------------------------------------------------------------
+
+def mem_available(meminfo: Path = Path("/proc/meminfo")) -> int | None:
+    """MemAvailable in bytes (what can be allocated without swapping); None where unknown."""
+    try:
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """What the workers together may hold: each its own copy of the weights, and its KV pool."""
+
+    weights_bytes: int  # one copy of the weights
+    kv_pool_bytes: list[int]  # each worker's pool
+    available_bytes: int | None  # MemAvailable
+
+    @property
+    def num_workers(self) -> int:
+        return len(self.kv_pool_bytes)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weights_bytes * self.num_workers + sum(self.kv_pool_bytes)
+
+    def warning(self) -> str | None:
+        """A warning when the estimate exceeds the memory available, else None."""
+        if self.available_bytes is None or self.total_bytes <= self.available_bytes:
+            return None
+        kv = sum(self.kv_pool_bytes)
+        # the fix that helps most: the larger of the two parts
+        smaller = ("a smaller --kv-cache-memory (or --num-kv-blocks, or --kv-cache-dtype int8)"
+                   if kv >= self.weights_bytes * self.num_workers else "--quantization int8 or int4")
+        return (f"{self.num_workers} workers may need about {format_bytes(self.total_bytes)} "
+                f"({self.num_workers} x {format_bytes(self.weights_bytes)} of weights + {format_bytes(kv)} of "
+                f"KV pools) but {format_bytes(self.available_bytes)} is available: expect swapping or the OOM "
+                f"killer; pass {smaller}, or fewer --prefill-workers/--decode-workers")
+
+
+def kv_pool_bytes(config, block_size: int | None, dtype: str, kv_cache_dtype: str,  # config: a ModelConfig
+                  num_kv_blocks: int | None, kv_cache_memory: str | None) -> int:
+    """One worker's KV pool as its flags size it: --num-kv-blocks blocks of the model's block bytes,
+    else --kv-cache-memory (the worker's own default when neither is given)."""
+    from baton.worker.args import parse_bytes
+
+    defaults = _worker_defaults()
+    if num_kv_blocks is not None:
+        from baton.model.runtime import kv_block_bytes
+
+        return num_kv_blocks * kv_block_bytes(config, block_size or defaults["block_size"], dtype, kv_cache_dtype)
+    if kv_cache_memory is None:
+        return int(defaults["kv_cache_memory"])
+    try:
+        return parse_bytes(kv_cache_memory)
+    except argparse.ArgumentTypeError as exc:
+        raise PreflightError(f"--kv-cache-memory: {exc}") from None
+
+
+def _worker_defaults() -> dict[str, object]:
+    """The workers' own defaults (block size, KV pool size), from their parser: one source of truth."""
+    from baton.worker.args import add_common_args
+
+    parser = argparse.ArgumentParser()
+    add_common_args(parser, "decode")
+    return {"block_size": parser.get_default("block_size"), "kv_cache_memory": parser.get_default("kv_cache_memory")}
+
+
+@dataclass(frozen=True)
+class ModelCheck:
+    """What the preflight learned of the model: for the start-up lines and the memory warning."""
+
+    config: object  # the ModelConfig the workers will read
+    weights: list[Path]
+    memory: MemoryEstimate
+
+    def weights_label(self) -> str:
+        """'model.safetensors 538.1 MiB' (or the GGUF served, or 'N files 12.0 GiB')."""
+        name = self.weights[0].name if len(self.weights) == 1 else f"{len(self.weights)} files"
+        return f"{name} {format_bytes(self.memory.weights_bytes)}"
+
+
+def check_model(model_dir: Path, args: argparse.Namespace) -> ModelCheck:
+    """The model's config (refused here if the workers would refuse it) and the memory estimate."""
+    config = read_model_config(model_dir)
+    weights = weight_files(model_dir, args.dtype, args.quantization)
+    weights_bytes = sum(path.stat().st_size for path in weights)
+    kv_dtype = getattr(args, "kv_cache_dtype", "auto")
+    # prefill workers get no KV pool flags from `baton serve` (DECODE_FLAGS): their own default
+    prefill_pool = kv_pool_bytes(config, args.block_size, args.dtype, kv_dtype, None, None)
+    decode_pool = kv_pool_bytes(config, args.block_size, args.dtype, kv_dtype, args.num_kv_blocks,
+                                args.kv_cache_memory)
+    pools = [prefill_pool] * args.prefill_workers + [decode_pool] * args.decode_workers
+    return ModelCheck(config, weights, MemoryEstimate(weights_bytes, pools, mem_available()))

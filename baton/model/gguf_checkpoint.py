@@ -1,0 +1,98 @@
+"""A GGUF file read as a checkpoint: its tensors under Hugging Face names, dequantized one at a time.
+
+A model directory made from a GGUF (`baton.common.model_files.convert_gguf`) holds the config, the
+tokenizer and a record of the file, and no weights: the loader reads the file itself, through the
+`gguf` package's memory-mapped reader. Each tensor is dequantized (to fp32, with transformers' own
+per-architecture processing: llama.cpp's q/k row permutation undone, Gemma's norm offsets) when the
+loader asks for it and converted to the model's dtype at once, so loading peaks at the model in its
+dtype plus one fp32 tensor, and nothing dequantized is written to disk (the default model's 94 MB
+Q4_1 file once became a 538 MB directory; an 8B Q4_K_M file would have taken ~32 GB).
+
+The names are transformers' (`get_gguf_hf_weights_map`'s rule over the model built on the meta device), the
+numbers `gguf.quants.dequantize`'s followed by the architecture's `TensorProcessor`: what
+`from_pretrained(..., gguf_file=...)` gives, tensor for tensor. Architectures whose processor merges
+several GGUF tensors into one (MoE experts) are read whole by transformers instead.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from baton.common.gguf_names import hf_to_gguf_names, read_names
+
+logger = logging.getLogger("baton.model.gguf_checkpoint")
+
+
+_READERS: dict[tuple[str, int, int], Any] = {}
+
+
+def open_reader(path: Path) -> Any:
+    """The file's `gguf.GGUFReader`, one per file content in a process: parsing the header (the
+    tokenizer's arrays) takes seconds, and the loader and the quantized projections both read it."""
+    import gguf
+
+    stat = path.stat()
+    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    if key not in _READERS:
+        _READERS.clear()  # one model per process: never hold two files' maps
+        _READERS[key] = gguf.GGUFReader(str(path))
+    return _READERS[key]
+
+
+class GGUFCheckpoint(Mapping[str, torch.Tensor]):
+    """name (as `loader._read_tensors` gives it: no `model.` prefix) -> fp32 tensor, read on access."""
+
+    def __init__(self, gguf_path: Path, model_dir: Path) -> None:
+        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, Gemma2TensorProcessor,
+                                                              LlamaTensorProcessor, Lfm2TensorProcessor,
+                                                              NemotronTensorProcessor, TensorProcessor,
+                                                              load_gguf_checkpoint)
+
+        # processors that change a tensor's numbers or shape but keep its name: read lazily
+        one_to_one = (TensorProcessor, LlamaTensorProcessor, Gemma2TensorProcessor, NemotronTensorProcessor,
+                      Lfm2TensorProcessor)
+
+        self.path = gguf_path
+        self.reader = open_reader(gguf_path)
+        arch = bytes(self.reader.fields["general.architecture"].parts[-1]).decode()
+        raw_config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+        processor_class = TENSOR_PROCESSORS.get(arch, TensorProcessor)
+        self._processor = processor_class(config=raw_config)
+        self._eager: dict[str, torch.Tensor] | None = None
+        self._tensors: dict[str, Any] = {}
+        if processor_class not in one_to_one:  # experts merged by the processor: transformers reads it whole
+            logger.info("%s: its %s tensors are merged on load: reading the file whole", gguf_path.name, arch)
+            with torch.device("meta"):
+                hf_model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+            tensors = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=hf_model)["tensors"]
+            self._eager = {name.removeprefix("model."): t for name, t in tensors.items()}
+            return
+        names = read_names(model_dir) or hf_to_gguf_names(self.reader, AutoConfig.from_pretrained(model_dir))
+        by_gguf_name = {t.name: t for t in self.reader.tensors}
+        self._tensors = {hf.removeprefix("model."): by_gguf_name[g] for hf, g in names.items() if g in by_gguf_name}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if self._eager is not None:
+            return self._eager[name]
+        from gguf import dequantize
+
+        tensor = self._tensors[name]
+        result = self._processor.process(weights=dequantize(tensor.data, tensor.tensor_type), name=tensor.name)
+        return torch.from_numpy(np.array(result.weights, dtype=np.float32, copy=True))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._eager if self._eager is not None else self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._eager if self._eager is not None else self._tensors)
+
+    def __contains__(self, name: object) -> bool:
+        return name in (self._eager if self._eager is not None else self._tensors)

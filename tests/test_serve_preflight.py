@@ -1,0 +1,179 @@
+"""`baton serve`'s preflight: what cannot work is refused in a second or two, with one message that
+names the fix, before any child starts or any weight loads; what may not fit in memory is a warning.
+
+The serve runs use the stand-in services of tests/test_cli.py (they record every start), so "no
+child started" is checked, not assumed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from baton.cli.preflight import MemoryEstimate, PreflightError, kv_pool_bytes, mem_available
+from baton.cli.serve import wait_until_ready
+from baton.model.families import FAMILIES
+from baton.model.runtime import ModelConfig
+from tests.test_cli import _children_records, _free_port, _start_serve, _wait_for, baton_cmd
+from tests.test_cli import fake_services  # noqa: F401  (a fixture: pytest finds it by its name)
+
+GIB = 1 << 30
+QUICK = 15  # seconds: the preflight reads a config and binds a socket; a model load takes far longer
+
+
+@pytest.fixture
+def held_port():
+    """A port some other process listens on (here: the test itself)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield sock.getsockname()[1]
+
+
+def _serve(fake: dict, *args: str) -> tuple[subprocess.CompletedProcess, float]:
+    started = time.monotonic()
+    result = subprocess.run(baton_cmd("serve", *args, "--stop-timeout", "5"), cwd=fake["cwd"], env=fake["env"],
+                            capture_output=True, text=True, timeout=120)
+    return result, time.monotonic() - started
+
+
+def _nothing_started(fake: dict, result: subprocess.CompletedProcess) -> None:
+    assert _children_records(fake["logs"]) == [], "a child was started"
+    assert "started " not in result.stderr and "redis: " not in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+
+
+# ------------------------------------------------------------------ ports
+
+def test_a_taken_gateway_port_stops_serve_at_once(fake_services, held_port):
+    result, elapsed = _serve(fake_services, "--model", str(fake_services["model"]), "--port", str(held_port))
+    assert result.returncode == 2, result.stderr
+    assert elapsed < QUICK, f"took {elapsed:.1f}s"
+    assert f"port {held_port} on 127.0.0.1 is in use by pid {os.getpid()} (" in result.stderr, result.stderr
+    assert "pass --port N or stop it" in result.stderr
+    _nothing_started(fake_services, result)
+
+
+def test_a_taken_worker_metrics_port_stops_serve_at_once(fake_services, held_port):
+    # --worker-metrics-port P gives the prefill worker P (taken here) and the decode worker P+1
+    result, elapsed = _serve(fake_services, "--model", str(fake_services["model"]), "--port", str(_free_port()),
+                             "--worker-metrics-port", str(held_port))
+    assert result.returncode == 2 and elapsed < QUICK, result.stderr
+    assert f"port {held_port} on 127.0.0.1 is in use" in result.stderr
+    assert "pass --worker-metrics-port N or stop it" in result.stderr
+    _nothing_started(fake_services, result)
+
+
+# ------------------------------------------------------------------ the model
+
+def _model_with_config(tmp_path, name: str, config: dict):
+    model = tmp_path / name
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(config))
+    (model / "model.safetensors").write_bytes(b"")
+    return model
+
+
+def test_an_unsupported_model_type_is_refused_before_anything_starts(fake_services, tmp_path):
+    model = _model_with_config(tmp_path, "not-a-model", {"model_type": "not_a_model", "hidden_size": 64})
+    result, elapsed = _serve(fake_services, "--model", str(model), "--port", str(_free_port()))
+    assert result.returncode == 2 and elapsed < QUICK, result.stderr
+    assert "unsupported model_type 'not_a_model'" in result.stderr
+    named = result.stderr.split("Baton runs:")[1]
+    assert all(model_type in named for model_type in FAMILIES), result.stderr  # every supported one
+    assert "pass --model" in result.stderr
+    _nothing_started(fake_services, result)
+
+
+def test_a_config_missing_what_the_workers_need_is_refused(fake_services, tmp_path):
+    model = _model_with_config(tmp_path, "half-a-config", {"model_type": "llama", "hidden_size": 64})
+    result, elapsed = _serve(fake_services, "--model", str(model), "--port", str(_free_port()))
+    assert result.returncode == 2 and elapsed < QUICK, result.stderr
+    assert "its config.json has no 'num_attention_heads'" in result.stderr
+    _nothing_started(fake_services, result)
+
+
+# ------------------------------------------------------------------ memory
+
+def test_the_memory_estimate_warns_only_past_what_is_available():
+    # 2 workers, each a copy of 1 GiB of weights and a 1 GiB KV pool: 4 GiB
+    estimate = MemoryEstimate(weights_bytes=GIB, kv_pool_bytes=[GIB, GIB], available_bytes=3 * GIB)
+    assert estimate.total_bytes == 4 * GIB
+    warning = estimate.warning()
+    assert warning is not None
+    assert "2 workers may need about 4.0 GiB (2 x 1.0 GiB of weights + 2.0 GiB of KV pools)" in warning
+    assert "but 3.0 GiB is available" in warning and "--kv-cache-memory" in warning
+    # the fix named is the one that helps most: here the weights outweigh the pools
+    heavy = MemoryEstimate(weights_bytes=8 * GIB, kv_pool_bytes=[GIB, GIB], available_bytes=3 * GIB).warning()
+    assert heavy is not None and "--quantization int8 or int4" in heavy
+    assert MemoryEstimate(GIB, [GIB, GIB], available_bytes=4 * GIB).warning() is None  # fits exactly
+    assert MemoryEstimate(GIB, [GIB, GIB], available_bytes=None).warning() is None  # unknown: no guess
+
+
+def test_mem_available_reads_meminfo(tmp_path):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       16000000 kB\nMemFree:         1000000 kB\nMemAvailable:    2048 kB\n")
+    assert mem_available(meminfo) == 2048 * 1024
+    assert mem_available(tmp_path / "absent") is None
+    assert mem_available() is None or mem_available() > 0  # this machine's
+
+
+def test_kv_pool_bytes_follow_the_flags_a_worker_gets(fake_services):
+    config = ModelConfig.from_dir(fake_services["model"])  # 2 layers, 2 KV heads of 16
+    # blocks x (layers x K,V x heads x block_size x head_dim x bytes)
+    assert kv_pool_bytes(config, 16, "float32", "auto", 10, None) == 10 * 2 * 2 * 2 * 16 * 16 * 4
+    assert kv_pool_bytes(config, 16, "bfloat16", "auto", 10, None) == 10 * 2 * 2 * 2 * 16 * 16 * 2
+    # int8: a byte a value and a 4-byte scale per token and head
+    assert kv_pool_bytes(config, 16, "bfloat16", "int8", 10, None) == 10 * 2 * 2 * 2 * 16 * (16 + 4)
+    assert kv_pool_bytes(config, None, "float32", "auto", None, "2GiB") == 2 * GIB
+    assert kv_pool_bytes(config, None, "float32", "auto", None, None) == GIB  # the workers' default
+    with pytest.raises(PreflightError, match="--kv-cache-memory: not a size"):
+        kv_pool_bytes(config, None, "float32", "auto", None, "lots")
+
+
+def test_serve_warns_when_the_workers_may_not_fit_and_serves_anyway(fake_services):
+    proc, out, err = _start_serve(fake_services, "--kv-cache-memory", "900TiB")
+    try:
+        assert _wait_for(lambda: any("Baton is serving" in line for line in out) or proc.poll() is not None, 60), err
+        assert proc.poll() is None, "".join(err)
+        warning = next(line for line in err if "warning: 2 workers may need about" in line)
+        assert "of KV pools) but" in warning and "pass a smaller --kv-cache-memory" in warning
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+    assert proc.returncode == 0
+
+
+# ------------------------------------------------------------------ progress while waiting
+
+class _QuietSupervisor:
+    """Enough of a Supervisor for wait_until_ready: no children, the log kept."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def check(self) -> None:
+        pass
+
+    def log(self, line: str) -> None:
+        self.lines.append(line)
+
+    def sleep(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+
+def test_waiting_for_readiness_says_so_every_few_seconds():
+    sup = _QuietSupervisor()
+    with pytest.raises(TimeoutError, match="still waiting for the gateway"):
+        # nothing listens on this port: the gateway never answers
+        wait_until_ready(sup, "127.0.0.1", _free_port(), timeout=2.2, progress_every=0.5)  # type: ignore[arg-type]
+    assert sup.lines[0] == "waiting for the gateway ..."
+    progress = [line for line in sup.lines[1:] if line.startswith("waiting for the gateway ... (")]
+    assert len(progress) >= 2 and progress[-1].endswith("s)"), sup.lines
