@@ -18,8 +18,10 @@ _CONTEXT_TOKENS = 4
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: PromptTokenizer, prompt_ids: list[int]) -> None:
+    def __init__(self, tokenizer: PromptTokenizer, prompt_ids: list[int], skip_special_tokens: bool = True) -> None:
         self._tok = tokenizer
+        # False: special tokens are text too (gpt-oss's harmony markers, read by its parsers)
+        self._skip = skip_special_tokens
         context = prompt_ids[-_CONTEXT_TOKENS:]
         if REPLACEMENT in tokenizer.decode(context):
             context = []  # the context itself ends mid-character: it would shift our offsets
@@ -30,8 +32,8 @@ class IncrementalDetokenizer:
     def push(self, token_id: int) -> str:
         """Add one token; return the text that became final (possibly "")."""
         self._ids.append(token_id)
-        prefix_text = self._tok.decode(self._ids[self._prefix_offset:self._read_offset])
-        new_text = self._tok.decode(self._ids[self._prefix_offset:])
+        prefix_text = self._tok.decode(self._ids[self._prefix_offset:self._read_offset], self._skip)
+        new_text = self._tok.decode(self._ids[self._prefix_offset:], self._skip)
         if len(new_text) > len(prefix_text) and not new_text.endswith(REPLACEMENT):
             delta = new_text[len(prefix_text):]
             self._prefix_offset = self._read_offset
@@ -41,8 +43,8 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """At the end of generation: whatever is still held, minus a character cut in half."""
-        prefix_text = self._tok.decode(self._ids[self._prefix_offset:self._read_offset])
-        new_text = self._tok.decode(self._ids[self._prefix_offset:])
+        prefix_text = self._tok.decode(self._ids[self._prefix_offset:self._read_offset], self._skip)
+        new_text = self._tok.decode(self._ids[self._prefix_offset:], self._skip)
         self._prefix_offset = self._read_offset = len(self._ids)
         if len(new_text) <= len(prefix_text):
             return ""

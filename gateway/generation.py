@@ -32,6 +32,7 @@ from baton.common.sampling_params import SamplingParams
 from gateway.admission import Ticket
 from gateway.backend import BackendUnavailable
 from gateway.detokenizer import IncrementalDetokenizer, StopMatcher
+from gateway.parsers.harmony import keeps_markers
 from gateway.errors import ApiError, unavailable
 from gateway.finish import spelled
 from gateway.lifecycle import AT_WORKERS, State, transition
@@ -139,7 +140,10 @@ class Generation:
         self.tokens: list[TokenOut] = []
         self.finish_reason: FinishReason | None = None  # once it ended normally
         self._api_status = api_status
-        self._detok = IncrementalDetokenizer(svc.tokenizer, prompt_ids)
+        calling = spec.api.tool_calling
+        # harmony's parsers read its special tokens (gateway.parsers.harmony): kept in the text for them
+        keep_special = keeps_markers(spec.api.reasoning_parser, calling.auto_parser() if calling is not None else None)
+        self._detok = IncrementalDetokenizer(svc.tokenizer, prompt_ids, skip_special_tokens=not keep_special)
         self._stops = StopMatcher(spec.stop)
         self._ticket: Ticket | None = None
         self._queue: asyncio.Queue[Routed] | None = None

@@ -9,5 +9,7 @@ bash scripts/bootstrap.sh
 .venv/bin/python -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else "no CUDA device visible to torch")'
 echo "==> parity tests on $(.venv/bin/python -c 'import torch; print(torch.cuda.get_device_name())')"
 .venv/bin/python -m pytest -q tests/test_parity_real.py tests/test_engine_tiny.py tests/test_model.py
+echo "==> Triton paged-attention kernels, compiled for the GPU (the CPU suite runs them interpreted)"
+env -u TRITON_INTERPRET .venv/bin/python -m pytest -q tests/test_triton_kernels.py
 echo "==> engine benchmark (bf16, CUDA)"
 .venv/bin/python benchmarks/bench_engine.py --skip-transformers

@@ -61,7 +61,7 @@ def _git_blob_oid(data: bytes) -> str:
 
 
 def _is_lfs(name: str) -> bool:
-    return name.endswith(".safetensors")  # as on the Hub: weights are LFS files, the rest plain git
+    return name.endswith((".safetensors", ".gguf"))  # as on the Hub: weights are LFS files, the rest plain git
 
 
 def _handler_for(hub: HubStandIn) -> type[BaseHTTPRequestHandler]:

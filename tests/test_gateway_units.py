@@ -34,6 +34,18 @@ def test_special_tokens_are_skipped(gw_tokenizer):
     assert "".join(stream(gw_tokenizer, ids)) == "hi there"
 
 
+def test_special_tokens_are_kept_when_a_parser_reads_them(gw_tokenizer):
+    """gpt-oss's harmony parsers read its special tokens: decoded with them kept, streamed as whole."""
+    from gateway.parsers.harmony import keeps_markers
+
+    assert keeps_markers("openai_gptoss", None) and keeps_markers(None, "openai")
+    assert not keeps_markers("qwen3", "hermes")
+    ids = gw_tokenizer.hf("hi there", add_special_tokens=False)["input_ids"] + [gw_tokenizer.eos_token_id]
+    detok = IncrementalDetokenizer(gw_tokenizer, [], skip_special_tokens=False)
+    text = "".join([detok.push(i) for i in ids] + [detok.flush()])
+    assert text == "hi there" + gw_tokenizer.hf.eos_token
+
+
 def test_prompt_ending_mid_character_does_not_shift_output(gw_tokenizer):
     ids = gw_tokenizer.hf("😀 ok", add_special_tokens=False)["input_ids"]
     prompt = ids[:1]  # half an emoji

@@ -23,12 +23,14 @@ from baton.common.model_files import GGUF_SOURCE_FILE, gguf_source, resolve_mode
 HIDDEN, FFN = 32, 64
 
 
-def write_tiny_gguf(path: Path, eos_token_id: int = 1) -> None:
+def write_tiny_gguf(path: Path, eos_token_id: int = 1, name: str | None = "tiny") -> None:
     """A one-layer Llama GGUF with float32 tensors (seeded: the same every time) and a byte-level BPE
-    tokenizer; `eos_token_id` is a fixed-size header value, so the file's size does not depend on it."""
+    tokenizer; `eos_token_id` is a fixed-size header value, so the file's size does not depend on it;
+    `name` is its `general.name` (None: none)."""
     rng = np.random.default_rng(0)
     writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_name("tiny")
+    if name is not None:
+        writer.add_name(name)
     writer.add_context_length(256)
     writer.add_embedding_length(HIDDEN)
     writer.add_block_count(1)

@@ -47,6 +47,11 @@ def streamed_calls(name: str, text: str, seed: int, tools: frozenset[str] = froz
 # Recorded outputs (DeepSeek-R1-Distill-Qwen: the template opened <think>; Qwen3: it writes it).
 R1_OUTPUT = "Okay, the user wants 2+2. That is 4.\n</think>\n\nThe answer is **4**."
 QWEN3_OUTPUT = "<think>\nThe user greets me. I should greet back.\n</think>\n\nHello! How can I help?"
+# gpt-oss's harmony format, decoded with its special tokens kept
+GPTOSS_OUTPUT = ("<|channel|>analysis<|message|>User asks 2+2. Answer 4.<|end|>"
+                 "<|start|>assistant<|channel|>final<|message|>The answer is **4**.")
+GPTOSS_CALL = ('<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>'
+               '{"city": "Paris"}<|call|>')
 REASONING_CASES = [
     ("deepseek_r1", R1_OUTPUT, "Okay, the user wants 2+2. That is 4.", "The answer is **4**."),
     ("deepseek_r1", "<think>a < b </thinking> c</think>ok", "a < b </thinking> c", "ok"),
@@ -56,6 +61,13 @@ REASONING_CASES = [
     ("qwen3", "<think>\n\n</think>\n\nNo thinking.", None, "No thinking."),  # enable_thinking: false
     ("qwen3", "  <thin", None, "  <thin"),  # no think block: the answer untouched
     ("qwen3", "<think>cut short", "cut short", ""),
+    ("openai_gptoss", GPTOSS_OUTPUT, "User asks 2+2. Answer 4.", "The answer is **4**."),
+    ("openai_gptoss", "<|channel|>final<|message|>Hi <|there|>", None, "Hi <|there|>"),
+    ("openai_gptoss", "<|channel|>analysis<|message|>cut short while thinking", "cut short while thinking", ""),
+    # a call goes to the answer whole, for the tool parser
+    ("openai_gptoss", "<|channel|>analysis<|message|>Need the weather.<|end|>" + GPTOSS_CALL, "Need the weather.",
+     GPTOSS_CALL),
+    ("openai_gptoss", "no harmony at all", None, "no harmony at all"),
 ]
 
 
@@ -105,6 +117,14 @@ CALL_CASES = [
     ("pythonic", PYTHONIC, "", [Call("get_weather", '{"city": "Paris", "days": [1, 2]}'), TIME]),
     ("pythonic", "<|python_start|>[get_time()]<|python_end|>", "", [TIME]),
     ("pythonic", "It is sunny.", "It is sunny.", []),
+    ("openai", GPTOSS_CALL, "", [WEATHER]),
+    ("openai", GPTOSS_OUTPUT, "The answer is **4**.", []),  # the analysis is the reasoning parser's
+    ("openai", "<|channel|>commentary<|message|>Checking the weather.<|end|>" + GPTOSS_CALL
+     + "<|start|>assistant to=functions.get_time<|channel|>commentary json<|message|>{}<|call|>",
+     "Checking the weather.", [WEATHER, TIME]),
+    # the closing <|call|> is the stop token: often not in the text
+    ("openai", "<|channel|>commentary to=functions.get_time <|constrain|>json<|message|>{}", "", [TIME]),
+    ("openai", "It is sunny.", "It is sunny.", []),
 ]
 
 
@@ -126,6 +146,9 @@ MALFORMED = [
     ("pythonic", '[get_weather(city=open("/etc/passwd").read())]'),  # not a literal: never evaluated
     ("pythonic", '[get_weather("Paris")]'),  # positional
     ("pythonic", '[get_weather(city="Par'),
+    ("openai", '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": <|call|>'),
+    ("openai", '<|channel|>commentary to=functions.get_weather<|message|>[1, 2]<|call|>'),  # not an object
+    ("openai", '<|channel|>analysis to=browser.search<|message|>{"q": "x"}<|call|>'),  # not a function
 ]
 
 
@@ -157,11 +180,12 @@ def test_parser_detected_from_the_template():
     assert tool_calls.detect("{{- '<|python_tag|>' + tool_call.name }}") == "llama3_json"
     assert tool_calls.detect("{{ '[TOOL_CALLS]' + tool_calls | tojson }}") == "mistral"
     assert tool_calls.detect("<tool_call> and [TOOL_CALLS]") is None  # ambiguous: the flag decides
+    assert tool_calls.detect("{{- '<|start|>assistant<|channel|>commentary to=functions.' }}") == "openai"
     assert tool_calls.detect("{{ messages }}") is None
     assert tool_calls.detect(None) is None
 
 
-@pytest.mark.parametrize("name", reasoning.NAMES)
+@pytest.mark.parametrize("name", [n for n in reasoning.NAMES if n != "openai_gptoss"])
 def test_structured_output_allows_a_thought_before_the_json(name, default_model_dir):
     """think_first's grammar, run by llguidance on the model's tokens as a worker runs it: a think
     block, then JSON of the schema (qwen3: the block is optional; deepseek_r1: it must close)."""
@@ -203,6 +227,10 @@ LONG_STREAMS = {  # case -> (parser, the answer for a size k, the calls its pars
     "hermes": ("hermes", lambda k: '<tool_call>{"name": "f", "arguments": ' + _dense(k) + "}</tool_call>", 1),
     "pythonic": ("pythonic", lambda k: "[f(items=" + json.dumps(list(range(k))) + ")]", 1),
     "deepseek_r1": ("deepseek_r1", lambda k: "a" + " " * (12 * k) + "b</think>answer", None),
+    "openai": ("openai", lambda k: "<|channel|>commentary to=functions.f <|constrain|>json<|message|>" + _dense(k)
+               + "<|call|>", 1),
+    "openai_gptoss": ("openai_gptoss", lambda k: "<|channel|>analysis<|message|>a" + " " * (12 * k)
+                      + "b<|end|><|start|>assistant<|channel|>final<|message|>answer", None),
 }
 
 
@@ -260,3 +288,21 @@ def test_streamed_parse_work_grows_linearly(case):
 
     small, large = streamed(60), streamed(120)
     assert large <= 2.3 * small, (small, large)
+
+
+def test_harmony_streams_reasoning_and_answer_as_they_come():
+    """gpt-oss: the analysis streams as reasoning, the final message as the answer, a marker cut in two
+    is held until decided; a JSON constraint leaves the format alone (the reasoning parser is off)."""
+    parser = reasoning.make("openai_gptoss")
+    assert parser.feed("<|chan") == ("", "")
+    assert parser.feed("nel|>analysis<|message|>Let me ") == ("Let me ", "")
+    assert parser.feed("see.<|en") == ("see.", "")
+    assert parser.feed("d|><|start|>assistant<|channel|>final<|message|>Hi") == ("", "Hi")
+    assert parser.feed(" there") == ("", " there")
+    assert parser.finish() == ("", "")
+    assert reasoning.think_first({"kind": "json_object", "spec": ""}, "openai_gptoss") is None
+    calls = tool_calls.make("openai")
+    assert calls.feed("<|channel|>final<|message|>Sure") == Parsed("Sure")
+    assert calls.feed("<|end|><|start|>assistant<|channel|>commentary to=functions.get_time <|con") == Parsed()
+    assert calls.feed("strain|>json<|message|>{}") == Parsed()  # held until the message closes
+    assert calls.feed("<|call|>") == Parsed("", [TIME])

@@ -71,6 +71,12 @@ def _streamed_chat(base_url: str) -> tuple[str, dict]:
 @pytest.mark.parametrize("family", SERVED)
 def test_baton_serve_gives_transformers_greedy_tokens(family, tmp_path, default_model_dir, prompts):
     model_dir = build_family(family, tmp_path / family, default_model_dir)
+    assert_served_as_transformers(model_dir, prompts)
+
+
+def assert_served_as_transformers(model_dir, prompts) -> None:
+    """`baton serve` of `model_dir` (float32) gives transformers' greedy tokens for `prompts` and a
+    streamed chat of 12 tokens, and ends idle: no budget and no decode blocks held."""
     expected = [hf_greedy(model_dir, p) for p in prompts]
     with ServeProcess(["--model", str(model_dir), "--dtype", "float32"]) as serve:
         texts = asyncio.run(_completions(serve.base_url, prompts))

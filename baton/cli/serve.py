@@ -175,6 +175,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                              "HuggingFaceTB/SmolLM2-135M-Instruct (downloaded into the Hugging Face cache; "
                              "HF_ENDPOINT, HF_TOKEN, HF_HUB_OFFLINE apply) (default: the default model, "
                              "fetched if needed)")
+    parser.add_argument("--gguf-file", default=None, metavar="NAME.gguf",
+                        help="with --model owner/repo: serve this one GGUF file of the Hub repo (downloaded "
+                             "alone); the same as --model owner/repo:QUANT, which picks the file by its "
+                             "quantization tag")
     parser.add_argument("--host", default="127.0.0.1", help="gateway bind address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="gateway port (default 8000)")
     parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL") or None,
@@ -382,13 +386,16 @@ def wait_until_ready(sup: Supervisor, host: str, port: int, timeout: float,
 
 def serving_summary(args: argparse.Namespace, model_name: str, model_dir: Path) -> list[str]:
     """'Baton is serving X at URL' and a few lines on what and how (baton.cli.startup_report)."""
-    from baton.common.model_files import is_hub_model_name
+    from baton.common.model_files import hub_gguf_spec, is_hub_model_name
 
     url = f"http://{args.host}:{args.port}"
     probe = f"http://{probe_host(args.host)}:{args.port}"
     settings = (f"dtype {args.dtype}, quantization {args.quantization}, "
                 f"KV cache dtype {getattr(args, 'kv_cache_dtype', 'auto')}")
-    origin = model_origin(args.model, model_dir, is_hub_model_name(args.model))
+    gguf_file = getattr(args, "gguf_file", None)
+    from_hub = is_hub_model_name(args.model) or gguf_file is not None or hub_gguf_spec(args.model) is not None
+    hub_name = f"{args.model} --gguf-file {gguf_file}" if gguf_file else args.model
+    origin = model_origin(hub_name, model_dir, from_hub)
     return summary_lines(model_name=model_name, origin=origin, url=url, settings=settings, api_key=args.api_key,
                          stats=fetch_json(f"{probe}/stats", args.api_key),
                          info=fetch_json(f"{probe}/info", args.api_key))
@@ -428,7 +435,7 @@ def run(args: argparse.Namespace) -> int:
         log(str(exc))
         return 2
     try:
-        model_dir = Path(resolve_model(args.model)).resolve()
+        model_dir = Path(resolve_model(args.model, getattr(args, "gguf_file", None))).resolve()
     except (OSError, subprocess.CalledProcessError, StopIteration, ValueError) as exc:
         log(f"cannot load the model: {exc or type(exc).__name__}")
         return 2
@@ -451,7 +458,7 @@ def run(args: argparse.Namespace) -> int:
     if warning := model_check.memory.warning():
         log(f"warning: {warning}")
     if not args.served_model_name:  # a Hub model is served as its repo id, not its snapshot's hash
-        args.served_model_name = [model_display_name(args.model, model_dir)]
+        args.served_model_name = [model_display_name(args.model, model_dir, getattr(args, "gguf_file", None))]
     model_name = args.served_model_name[0]
     log(f"model {model_name} from {model_dir}")
     log(f"threads: prefill {plan.prefill}, decode {plan.decode} on {plan.cpus} cores")

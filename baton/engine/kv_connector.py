@@ -43,15 +43,20 @@ class KVConnectorWorker(Protocol):
 
 
 class KVConnectorScheduler:
-    def __init__(self, block_size: int, model_id: str) -> None:
+    def __init__(self, block_size: int, model_id: str, hands_kv: bool = True) -> None:
         self.block_size = block_size
         self.model_id = model_id
+        # False for a model with state layers (Gated DeltaNet): KV blocks alone do not resume it
+        # (the state at the end of the prompt is not in the handoff yet), so the prefill worker
+        # stores nothing and the decode worker recomputes the prompt: the same tokens, correct
+        # but the prompt computed twice
+        self.hands_kv = hands_kv
 
     def get_num_new_matched_tokens(self, seq: Sequence, num_computed_tokens: int) -> int:
         """Tokens after the first `num_computed_tokens` (block-aligned local hits) that the store
         holds for `seq`. At least one token is always left to compute: its logits are needed."""
         remote = seq.remote_kv
-        if remote is None or seq.sampling_params.prompt_logprobs is not None:
+        if remote is None or seq.sampling_params.prompt_logprobs is not None or not self.hands_kv:
             return 0  # prompt logprobs need every prompt position computed here
         bs = self.block_size
         limit = seq.num_tokens - 1
@@ -84,6 +89,8 @@ class KVConnectorScheduler:
         """Encode the first `num_tokens` tokens' blocks of `seq`, except those the store held when
         the request arrived (`seq.remote_kv`, from a fresh probe): those only get their TTL
         refreshed, so a prefix in use does not expire under the requests that share it."""
+        if not self.hands_kv:
+            return KVSave()
         bs = self.block_size
         hashes = seq.block_hashes(bs, self.model_id)
         present = set(seq.remote_kv.block_hashes) if seq.remote_kv is not None else set()

@@ -83,14 +83,20 @@ class LLMEngine:
         self.quantization, self.dtype, self.kv_dtype = self.runtime.quantization, self.runtime.dtype, self.runtime.kv_dtype
         logger.info("%s", self.runtime.description)
         speculative = parse_speculative_config(config.speculative_config)
+        if speculative is not None and self.runtime.has_state_layers:
+            # a rejected proposal would have to roll the state layers back: no per-position states yet
+            raise ValueError(f"speculative decoding is not supported for {self.model_dir.name}: it has state layers")
         self.drafter = (self._load_drafter(Path(speculative.model), device)
                         if speculative is not None and speculative.method == "draft_model" else None)
         # the draft's cache holds one block per target block (indexed by the target's ids), so both
         # come out of the one budget: a container sized by --kv-cache-memory holds both
         block_bytes = self.runtime.block_bytes(config.block_size)
         draft_block_bytes = self.drafter.block_bytes if self.drafter is not None else 0
-        num_blocks = config.num_kv_blocks or max(2, config.kv_cache_memory // (block_bytes + draft_block_bytes))
-        self.kv_cache_bytes = num_blocks * (block_bytes + draft_block_bytes)
+        # a hybrid's state slots (one per running request) come out of the same budget first
+        state_bytes = self.runtime.state_bytes(config.max_num_seqs)
+        num_blocks = config.num_kv_blocks or max(
+            2, (config.kv_cache_memory - state_bytes) // (block_bytes + draft_block_bytes))
+        self.kv_cache_bytes = num_blocks * (block_bytes + draft_block_bytes) + state_bytes
         if self.drafter is not None:
             self.drafter.allocate(num_blocks)
         # the model's context as the gateway reads it (RoPE scaling included: baton.common.context_length)
@@ -98,16 +104,23 @@ class LLMEngine:
                          or self.model_config.max_position_embeddings)
         self.pool = BlockPool(num_blocks, config.block_size)
         # an all-window model (Mistral) frees the blocks behind its window (baton.engine.window_blocks)
-        self.block_manager = BlockManager(self.pool, self.model_config.model_id, config.enable_prefix_caching,
+        prefix_caching = config.enable_prefix_caching
+        if prefix_caching and self.runtime.has_state_layers:
+            # a cached prefix's KV blocks are not enough: its state layers' state at that point is
+            # kept nowhere yet (no snapshots), so a hit could not resume them
+            logger.info("prefix caching off: %s has state layers (no state snapshots yet)", self.model_dir.name)
+            prefix_caching = False
+        self.block_manager = BlockManager(self.pool, self.model_config.model_id, prefix_caching,
                                           window=freeable_window(self.model_config))
-        self.connector = (KVConnectorScheduler(config.block_size, self.model_config.model_id)
+        self.connector = (KVConnectorScheduler(config.block_size, self.model_config.model_id,
+                                               hands_kv=not self.runtime.has_state_layers)
                           if config.kv_connector else None)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.scheduler_policy,
                             max_model_len),
             self.block_manager, self.model_config.eos_token_ids, self.connector, speculative, self.drafter,
         )
-        self.runtime.allocate(num_blocks, config.block_size)
+        self.runtime.allocate(num_blocks, config.block_size, config.max_num_seqs)
         self.structured = StructuredOutput(self.model_dir, self.model_config.vocab_size, self.eos_token_ids)
         self.num_steps = 0
         self.num_generated_tokens = 0
@@ -196,6 +209,7 @@ class LLMEngine:
         for request_id in request_ids:
             if self._requests.pop(request_id, None) is not None:
                 self.scheduler.abort(request_id)
+                self.runtime.release_state(request_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -213,6 +227,8 @@ class LLMEngine:
         """
         self._finish_kv_loads(loaded)
         plan = self.scheduler.schedule()
+        for seq in plan.preempted:  # recomputed from its first token when it runs again
+            self.runtime.release_state(seq.seq_id)
         self._kv_loads.extend(plan.kv_loads)
         outputs = [StepOutput(seq, finished=True) for seq in plan.failed]
         self.last_num_batched_tokens = plan.num_batched_tokens
@@ -285,6 +301,7 @@ class LLMEngine:
             handoff = KVHandoff(tuple(seq.output_token_ids), seq.first_token_time or time.time(), save)
         if reason is not None:
             self._requests.pop(seq.seq_id, None)
+            self.runtime.release_state(seq.seq_id)
         first = seq.num_output_tokens == len(out.new_token_ids) and bool(out.new_token_ids)
         embedding = tuple(seq.pool.result()) if seq.pool is not None and reason is FinishReason.STOP else None
         return EngineOutput(

@@ -23,7 +23,8 @@ Sliding windows (Mistral, Gemma 2/3, ...): a window layer attends only the last 
 window is in the masks, not in the backend: `windowed(meta, window)` rebuilds the step's masks
 once per step and the window layers get that metadata, so every step kind (prefill chunks, mixed,
 decode) is covered by the same code. Soft-capping (Gemma 2) needs the scores between the matmuls,
-so capped layers run the reference's eager attention (`_eager`) instead of SDPA.
+so capped layers run the reference's eager attention (`_eager`) instead of SDPA; so do layers with
+attention sinks (gpt-oss: a learned logit per head joins every softmax row and is dropped after it).
 
 A quantized cache (`--kv-cache-dtype int8|fp8`, `baton.model.kv_quant`): rows are written as
 codes and a scale; the native kernels read and write them in place (`kernels/paged_attention.cpp`),
@@ -92,6 +93,8 @@ class TorchAttention:
         self.group = num_heads // num_kv_heads
         self.scale = scale if scale is not None else head_dim**-0.5
         self.softcap = softcap  # scores -> tanh(scores / cap) * cap before the mask (Gemma 2)
+        # [heads]: a logit per head in every softmax row (gpt-oss), set by the layer that owns it
+        self.sinks: torch.Tensor | None = None
         self.paged_kernel: Any = None  # the compiled module; set by `use_native_kernel`
         self.decode_style_prefill = False  # set by `use_native_kernel` (batch-invariant mode)
         self.kv_dtype: torch.dtype | None = None  # int8 / fp8: a quantized cache (`use_kv_dtype`)
@@ -156,12 +159,13 @@ class TorchAttention:
                                                   group.context_lens, block_size, self.scale)
         blocks = kv_cache.view(2, kv_heads, -1, block_size, kv_cache.shape[-1])
         length = group.num_blocks * block_size
-        if self.kv_dtype is not None and self.softcap is None and q.dtype != torch.float32:
+        if self.kv_dtype is not None and self.softcap is None and self.sinks is None and q.dtype != torch.float32:
             return self._decode_codes(q, blocks, group, length)
         k, v = self._gather(blocks, 2, group.block_ids, q.dtype)
         k, v = k.view(kv_heads, batch, length, d), v.view(kv_heads, batch, length, d)
-        if self.softcap is not None:
-            out = _eager(q.unsqueeze(2), k.transpose(0, 1), v.transpose(0, 1), group.mask, self.scale, self.softcap)
+        if self.softcap is not None or self.sinks is not None:
+            out = _eager(q.unsqueeze(2), k.transpose(0, 1), v.transpose(0, 1), group.mask, self.scale, self.softcap,
+                         self.sinks)
             return out.squeeze(2)
         if q.dtype == torch.float32:
             # fp32 is the parity path: the same kernel the reference uses, on [B, kv_heads, L, d] views
@@ -211,18 +215,18 @@ class TorchAttention:
         else:
             kp, vp = self._gather(kv_cache, 2, span.gather_slots, q.dtype)
             kp, vp = kp.unsqueeze(0), vp.unsqueeze(0)  # [1, kv_heads, ctx, d]
-        if self.softcap is not None:
-            return _eager(qp, kp, vp, span.mask, self.scale, self.softcap).squeeze(0).transpose(0, 1)
+        if self.softcap is not None or self.sinks is not None:
+            return _eager(qp, kp, vp, span.mask, self.scale, self.softcap, self.sinks).squeeze(0).transpose(0, 1)
         out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=span.mask, is_causal=span.mask is None,
                                              scale=self.scale, enable_gqa=True)
         return out.squeeze(0).transpose(0, 1)
 
 
 def _eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
-           softcap: float | None) -> torch.Tensor:
+           softcap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The reference's eager attention (transformers' `eager_attention_forward`), op for op.
     q: [B, heads, n, d]; k, v: [B, kv_heads, L, d]; mask: bool [B or 1, 1, n, L], True = attend, or
-    None = causal over the last n keys -> [B, heads, n, d]."""
+    None = causal over the last n keys; sinks: [heads] or None -> [B, heads, n, d]."""
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # repeat_kv
     scores = torch.matmul(q, k.transpose(2, 3)) * scale  # [B, heads, n, L]
@@ -232,6 +236,14 @@ def _eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     if mask is None:
         mask = torch.ones(n, length, dtype=torch.bool, device=q.device).tril(length - n)
     scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    if sinks is not None:
+        # gpt-oss's eager_attention_forward: the sink logit joins each row, the max is taken out, the
+        # softmax runs, and the sink's column is dropped (so each row's weights sum to less than 1);
+        # fp32 here whatever the dtype (the reference stays in the scores' dtype: equal in fp32)
+        sink = sinks.reshape(1, -1, 1, 1).expand(scores.shape[0], -1, n, -1).to(scores.dtype)
+        combined = torch.cat([scores, sink], dim=-1).float()
+        combined = combined - combined.max(dim=-1, keepdim=True).values
+        return torch.matmul(torch.softmax(combined, dim=-1)[..., :-1].to(v.dtype), v)
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     return torch.matmul(probs, v)
 

@@ -73,9 +73,19 @@ class ModelConfig:
     topk_group: int = 1
     routed_scaling_factor: float = 1.0  # sigmoid_grouped: the routed experts' weights times it
     num_shared_experts: int = 0  # experts every token runs (one MLP of num * moe_intermediate_size)
+    # experts' form (see families.ExpertForm): "gpt_oss" adds biases and the clamped SwiGLU
+    expert_form: str = "plain"
+    swiglu_limit: float = 7.0
+    swiglu_alpha: float = 1.702
+    attention_sinks: bool = False  # a learned per-head logit in each attention softmax (gpt-oss)
     mtp_layers: int = 0  # multi-token-prediction layers the checkpoint holds after the last (not run)
     # the vision-language model_type this text model was read out of (`families.TEXT_ONLY`); "": none
     text_only_of: str = ""
+    # hybrids (Qwen3-Next, Qwen3.5; baton.model.hybrid): per layer, whether it is a Gated DeltaNet
+    # state layer (empty: none is); its sizes and checkpoint layout (`deltanet_dims`)
+    layer_deltanet: list[bool] = field(default_factory=list)
+    deltanet: dict[str, Any] = field(default_factory=dict)
+    shared_expert_intermediate_size: int = 0  # Qwen3-Next: one shared expert behind a sigmoid gate
 
     @property
     def scale(self) -> float:
@@ -89,6 +99,16 @@ class ModelConfig:
 
     def is_moe(self, layer: int) -> bool:
         return self.num_experts > 0 and (not self.layer_moe or self.layer_moe[layer])
+
+    @property
+    def has_state_layers(self) -> bool:
+        """Whether some layer keeps a fixed-size state per request instead of KV per token."""
+        return any(self.layer_deltanet)
+
+    @property
+    def attention_layers(self) -> list[int]:
+        """The layers that keep KV in the paged cache, in order (every layer but a hybrid's state layers)."""
+        return [i for i in range(self.num_layers) if not (self.layer_deltanet and self.layer_deltanet[i])]
 
     def native_unsupported(self) -> list[str]:
         """What this model has that the native bf16 kernels (fused norms, fused decode, the layer
@@ -106,6 +126,8 @@ class ModelConfig:
             "attention scale": self.attention_scale is not None and self.attention_scale != self.head_dim**-0.5,
             "position-scaled queries": self.query_scale_beta != 0.0,
             "MoE": self.num_experts > 0,
+            "state layers": self.has_state_layers,
+            "attention sinks": self.attention_sinks,
         }
         reasons += [name for name, hit in checks.items() if hit]
         return reasons
@@ -137,7 +159,9 @@ class ModelConfig:
             head_dim=head_dim, rms_norm_eps=raw.get("rms_norm_eps", 1e-6 if spec.norm == "gemma" else 1e-5),
             max_position_embeddings=raw.get("max_position_embeddings", 2048),
             # a text-only form's head is settled by its checkpoint (`loader.load_model`)
-            tie_word_embeddings=raw.get("tie_word_embeddings", outer.get("tie_word_embeddings", spec.norm == "gemma")),
+            # untied by default but in Gemma (the hybrids' (1 + w) norms are Gemma's, their head is not)
+            tie_word_embeddings=raw.get("tie_word_embeddings", outer.get("tie_word_embeddings",
+                                                                         spec.norm == "gemma" and not spec.deltanet)),
             eos_token_ids=_eos_ids(model_dir, outer, raw),
             bos_token_id=raw.get("bos_token_id", outer.get("bos_token_id")),
             text_only_of=outer.get("model_type", ""),
@@ -174,6 +198,9 @@ class ModelConfig:
             fields["attention_scale"] = float(raw.get("query_pre_attn_scalar", head_dim)) ** -0.5
         if spec.router != "none":
             fields.update(_moe_fields(raw, spec, num_layers))
+        fields["attention_sinks"] = spec.attention_sinks
+        if spec.deltanet:
+            fields.update(_deltanet_fields(raw, spec, num_layers))
         if spec.mtp_layers_key:
             fields["mtp_layers"] = int(raw.get(spec.mtp_layers_key) or 0)
         if spec.query_scale == "llama4":
@@ -248,6 +275,9 @@ def _moe_fields(raw: dict[str, Any], spec: FamilySpec, num_layers: int) -> dict[
         "norm_topk_prob": spec.renormalize_topk == "always" or bool(raw.get("norm_topk_prob", False)),
         "router": spec.router, "num_shared_experts": int(raw.get("n_shared_experts") or 0),
     }
+    if spec.expert_form == "gpt_oss":
+        out.update(expert_form="gpt_oss", swiglu_limit=float(raw.get("swiglu_limit", 7.0)),
+                   swiglu_alpha=float(raw.get("swiglu_alpha", 1.702)))
     if spec.router == "sigmoid_grouped":
         out.update(n_group=int(raw.get("n_group") or 1), topk_group=int(raw.get("topk_group") or 1),
                    routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)))
@@ -257,6 +287,29 @@ def _moe_fields(raw: dict[str, Any], spec: FamilySpec, num_layers: int) -> dict[
         out["layer_moe"] = [i not in dense and (i + 1) % step == 0 for i in range(num_layers)]
     elif "first_k_dense_replace" in raw:  # GLM-4.5: the first k layers dense
         out["layer_moe"] = [i >= int(raw["first_k_dense_replace"]) for i in range(num_layers)]
+    return out
+
+
+def _deltanet_fields(raw: dict[str, Any], spec: FamilySpec, num_layers: int) -> dict[str, Any]:
+    # transformers' Qwen3NextConfig / Qwen3_5TextConfig: every `full_attention_interval`-th layer is
+    # full attention when config.json names no `layer_types`
+    types = raw.get("layer_types")
+    if types is None:
+        interval = int(raw.get("full_attention_interval", 4))
+        types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)]
+    unknown = sorted({t for t in types} - {"full_attention", "linear_attention"})
+    if unknown:
+        raise ValueError(f"unsupported layer types {unknown} in {spec.model_type} (Baton runs full_attention, "
+                         "linear_attention)")
+    # the defaults: the config classes' (Qwen3-Next-80B-A3B's sizes)
+    dims = dict(num_k_heads=int(raw.get("linear_num_key_heads", 16)),
+                num_v_heads=int(raw.get("linear_num_value_heads", 32)),
+                head_k_dim=int(raw.get("linear_key_head_dim", 128)),
+                head_v_dim=int(raw.get("linear_value_head_dim", 128)),
+                conv_kernel=int(raw.get("linear_conv_kernel_dim", 4)), layout=spec.deltanet)
+    out: dict[str, Any] = {"layer_deltanet": [t == "linear_attention" for t in types[:num_layers]], "deltanet": dims}
+    if raw.get("shared_expert_intermediate_size"):
+        out["shared_expert_intermediate_size"] = int(raw["shared_expert_intermediate_size"])
     return out
 
 

@@ -27,8 +27,13 @@ WindowScheme = Literal["none", "all", "layer_types"]
 EmbedScale = Literal["none", "sqrt_hidden", "embedding_multiplier"]
 # softmax_topk: softmax over the experts, top-k (Mixtral, Qwen3-MoE); sigmoid_grouped: sigmoid scores,
 # experts chosen by score + `e_score_correction_bias` within the best `topk_group` of `n_group` groups,
-# weighted by their scores times `routed_scaling_factor` (GLM-4.5, DeepSeek-V3)
-Router = Literal["none", "softmax_topk", "sigmoid_grouped"]
+# weighted by their scores times `routed_scaling_factor` (GLM-4.5, DeepSeek-V3); topk_softmax: the
+# router (with a bias) picks the top-k logits, softmax over those k alone (gpt-oss)
+Router = Literal["none", "softmax_topk", "sigmoid_grouped", "topk_softmax"]
+# plain: per expert gate/up/down without biases, the config's activation; gpt_oss: biased experts
+# stored as [E, H, 2I] with gate and up interleaved (columns ::2 and 1::2), the clamped SwiGLU
+# ((up + 1) * gate * sigmoid(alpha * gate), gate clamped above and up both sides at `swiglu_limit`)
+ExpertForm = Literal["plain", "gpt_oss"]
 # llama4: queries scaled by 1 + beta * log(1 + floor(position / original_max_position_embeddings)) after
 # the rotary, beta = the rope parameters' `llama_4_scaling_beta` (Ministral 3); "none" without a beta
 QueryScale = Literal["none", "llama4"]
@@ -74,6 +79,15 @@ class FamilySpec:
     # the config key counting the multi-token-prediction layers a checkpoint stores after the last
     # layer (GLM-4.5: num_nextn_predict_layers); Baton does not run them: their tensors are skipped by name
     mtp_layers_key: str = ""
+    expert_form: ExpertForm = "plain"
+    attention_sinks: bool = False  # a learned logit per head in every attention softmax (gpt-oss's `sinks`)
+    # Gated DeltaNet state layers beside the attention layers, by `layer_types` ("linear_attention"):
+    # "grouped": Qwen3-Next's fused in_proj_qkvz / in_proj_ba; "split": Qwen3.5's four projections.
+    # Their attention layers are gated (q_proj doubled: an output gate per head) (baton.model.hybrid)
+    deltanet: Literal["", "grouped", "split"] = ""
+    # the name prefix of multi-token-prediction tensors stored beside the model (Qwen3-Next and
+    # Qwen3.5: `mtp.*`; transformers ignores them on load); Baton does not run them: skipped by name
+    mtp_prefix: str = ""
     display: str = ""  # how the README / error messages name it
 
 
@@ -89,6 +103,10 @@ FAMILIES: dict[str, FamilySpec] = {s.model_type: s for s in (
     # GLM-4.5/4.6/4.7 (and -Air): shared experts, the first `first_k_dense_replace` layers dense
     FamilySpec("glm4_moe", qk_norm="config_head", bias="config_qkv", partial_rotary_factor=0.5,
                router="sigmoid_grouped", mtp_layers_key="num_nextn_predict_layers", display="GLM-4.5 MoE"),
+    # gpt-oss: sliding and full layers by `layer_types`, attention sinks, biased q/k/v/o, biased router
+    # and experts, YaRN (the config class's default rotary); MXFP4 experts dequantized at load
+    FamilySpec("gpt_oss", window="layer_types", rope_theta=150000.0, router="topk_softmax", expert_form="gpt_oss",
+               attention_sinks=True, display="gpt-oss"),
     FamilySpec("gemma2", norm="gemma", placement="sandwich", activation_key="hidden_activation",
                window="layer_types", full_every=2, softcap=True, embed_scale="sqrt_hidden", query_pre_attn_scalar=True,
                display="Gemma 2"),
@@ -102,6 +120,12 @@ FAMILIES: dict[str, FamilySpec] = {s.model_type: s for s in (
     # full layers only, in the released checkpoints)
     FamilySpec("olmo3", placement="post", qk_norm="full", window="layer_types", full_every=4, local_rope=True,
                rope_theta=500000.0, display="OLMo 3"),
+    # hybrids: Gated DeltaNet layers (a fixed-size state per request) and gated full attention with
+    # q/k norm and partial rotary; Qwen3-Next's MoE adds a gated shared expert
+    FamilySpec("qwen3_next", norm="gemma", qk_norm="head", partial_rotary_factor=0.25, router="softmax_topk",
+               deltanet="grouped", mtp_prefix="mtp.", display="Qwen3-Next"),
+    FamilySpec("qwen3_5_text", norm="gemma", qk_norm="head", partial_rotary_factor=0.25, deltanet="split",
+               mtp_prefix="mtp.", display="Qwen3.5 (text)"),
     FamilySpec("granite", mlp_bias=True, embed_scale="embedding_multiplier", multipliers=True, display="Granite"),
     FamilySpec("smollm3", mlp_bias=True, window="layer_types", no_rope_layers=True, display="SmolLM3"),
 )}
@@ -145,6 +169,8 @@ class TextOnlyForm:
 TEXT_ONLY: dict[str, TextOnlyForm] = {f.model_type: f for f in (
     # Mistral Small 3.1/3.2 (text: mistral), Ministral 3 and Mistral Large 3 (text: ministral3)
     TextOnlyForm("mistral3", text_model_type="mistral"),
+    # Qwen3.5 (text: qwen3_5_text, a hybrid); transformers 5 names the vision tower `model.visual.*`
+    TextOnlyForm("qwen3_5", text_model_type="qwen3_5_text", skipped_prefixes=("visual.",)),
     TextOnlyForm("gemma3", text_model_type="gemma3_text", ignored_text_keys=("final_logit_softcapping",),
                  text_defaults=(("vocab_size", 262208), ("hidden_size", 2304), ("intermediate_size", 9216),
                                 ("num_hidden_layers", 26), ("num_attention_heads", 8), ("num_key_value_heads", 4),

@@ -18,6 +18,10 @@ Rows are mapped and un-permuted as transformers does (its GGUF tensor processors
 rows are stored permuted for llama.cpp's RoPE), and every repacked projection is checked against
 the weight the loader read from the converted directory on a sample of rows: a mapping mistake is
 an error at load, never wrong text. MoE experts keep the model's dtype.
+
+The packs are written once per machine and mapped read-only by every worker
+(`baton.model.packed_cache`): a worker that finds them maps the file and repacks nothing (the check
+ran when they were written), so N workers hold one copy of the projections, in the page cache.
 """
 
 from __future__ import annotations
@@ -31,7 +35,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from baton.model import packed_cache
 from baton.model.linear import QuantizedLinear
+from baton.model.packed_cache import PackedSlot, SharedPacks
 from baton.model.model import MLP, set_op
 from baton.model.q_blocks import quantize_q8_0
 from baton.model.gguf_checkpoint import open_reader
@@ -173,14 +179,88 @@ def _check(parts: tuple[torch.Tensor, ...], scheme: str, loaded: torch.Tensor,
                          "its tensors were mapped wrongly")
 
 
+Slot = tuple[tuple[Any, str, Any], list[list[str]]]  # ((owner, name, linear), its tensors' alternatives)
+
+
 def load_gguf_projections(model: nn.Module, gguf_path: Path, kernels: Any) -> dict[str, int]:
     """Replace `model`'s dense projections by the GGUF's blocks (see the module docstring); the
-    projections' dense weights are freed. Returns how many projections took each form."""
+    projections' dense weights are freed. Returns how many projections took each form.
+
+    With the native kernels the packs are the machine's one copy (baton.model.packed_cache): mapped
+    read-only from the file that the first worker to load this GGUF wrote, so that N workers on one
+    machine hold the weights once, in the page cache."""
+    slots: list[Slot] = list(zip(model.projection_slots(), _slot_sources(model), strict=True))
+    shared = _shared_packs(gguf_path, model, slots, kernels)
+    if shared is None:
+        return _counts(_repack(model, gguf_path, slots, kernels))
+    with shared.locked():
+        mapped = shared.read(len(slots))
+        if mapped is not None and _fits(mapped, slots):
+            _serve_mapped(model, slots, mapped, kernels)
+            logger.info("GGUF %s: %d packed projections mapped from %s (one copy per machine)", gguf_path.name,
+                        sum(m.packed is not None for m in mapped), shared.data_path)
+            return _counts(mapped)
+        made = _repack(model, gguf_path, slots, kernels)
+        if all(slot.packed is not None or slot.scheme is None for slot in made):
+            written = shared.write(made)
+            if written is not None:
+                for ((owner, name, _), _sources), slot in zip(slots, written, strict=True):
+                    if slot.packed is not None:
+                        getattr(owner, name).share_pack(slot.packed)  # the private pack is freed
+                logger.info("GGUF %s: packed projections written to %s, which every worker maps",
+                            gguf_path.name, shared.data_path)
+    return _counts(made)
+
+
+def _counts(slots: list[PackedSlot]) -> dict[str, int]:
+    return dict(collections.Counter(slot.label for slot in slots))
+
+
+def _shared_packs(gguf_path: Path, model: nn.Module, slots: list[Slot], kernels: Any) -> SharedPacks | None:
+    """The machine's cache file for this GGUF's packs, where the native kernels pack (else None)."""
+    if kernels is None or not kernels.q8_available() or not packed_cache.enabled():
+        return None
+    import transformers
+
+    config = model.config
+    # what decides the bytes besides the file: the rows' order (transformers' un-permutation, by the
+    # head counts) and which tensors make each slot; the check against the loaded weights runs only
+    # when the packs are made, so a transformers upgrade packs anew rather than trusting old bytes
+    layout = {"heads": [config.num_heads, config.num_kv_heads], "isa": kernels.qgemv_isa(),
+              "transformers": transformers.__version__, "slots": [alternatives for _, alternatives in slots]}
+    try:
+        return SharedPacks(packed_cache.cache_key(gguf_path, layout))
+    except OSError as exc:
+        logger.warning("GGUF %s: no shared packed weights (%s): this worker keeps its own copy", gguf_path.name, exc)
+        return None
+
+
+def _fits(mapped: list[PackedSlot], slots: list[Slot]) -> bool:
+    """Whether the cached packs have the model's projection shapes (a key collision, or a cache file
+    from another model of the same GGUF, is repacked, never served)."""
+    for ((_, _, linear), _), slot in zip(slots, mapped, strict=True):
+        if slot.packed is not None and (slot.out_features, slot.in_features) != tuple(linear.weight.shape):
+            return False
+    return True
+
+
+def _serve_mapped(model: nn.Module, slots: list[Slot], mapped: list[PackedSlot], kernels: Any) -> None:
+    for ((owner, name, linear), _), slot in zip(slots, mapped, strict=True):
+        if slot.packed is None:
+            continue  # a dense projection: the model's own weight
+        assert slot.scheme is not None
+        set_op(owner, name, QuantizedLinear.from_packed(slot.scheme, slot.packed, slot.out_features,
+                                                        slot.in_features, linear.bias, kernels))
+        model.drop_projection_weight(linear)
+
+
+def _repack(model: nn.Module, gguf_path: Path, slots: list[Slot], kernels: Any) -> list[PackedSlot]:
+    """Each slot's blocks unpacked, checked against the loaded weight and packed for the kernels."""
     config = model.config
     source = GGUFTensors(gguf_path, config.num_heads, config.num_kv_heads)
-    counts: collections.Counter[str] = collections.Counter()
+    made: list[PackedSlot] = []
     requantized: collections.Counter[str] = collections.Counter()
-    for (owner, name, linear), alternatives in zip(model.projection_slots(), _slot_sources(model), strict=True):
+    for (owner, name, linear), alternatives in slots:
         found = [[source.find(h) for h in alt] for alt in alternatives]
         tensors = next((ts for ts in found if all(t is not None for t in ts)), None)
         if tensors is None:
@@ -188,7 +268,7 @@ def load_gguf_projections(model: nn.Module, gguf_path: Path, kernels: Any) -> di
         types = [source.type_name(t) for t in tensors]
         where = "+".join(t.name for t in tensors)
         if all(t in DENSE_TYPES for t in types):
-            counts["dense"] += 1
+            made.append(PackedSlot("dense"))
             continue
         if all(t == "Q8_0" for t in types):
             unpacked = [unpack_q8_0(source.rows(t), *source.shape(t)) for t in tensors]
@@ -206,12 +286,11 @@ def load_gguf_projections(model: nn.Module, gguf_path: Path, kernels: Any) -> di
         _check(parts, scheme, linear.weight, where)
         op = QuantizedLinear(scheme, parts, linear.bias, kernels)
         set_op(owner, name, op)
-        counts["+".join(sorted(set(types)))] += 1
+        made.append(PackedSlot("+".join(sorted(set(types))), scheme, op.out_features, op.in_features, op.packed))
         model.drop_projection_weight(linear)
     if requantized:
         logger.info("GGUF %s: %s requantized to Q8_0 (no native kernel for those types yet)", gguf_path.name,
                     ", ".join(f"{n} {t}" for t, n in sorted(requantized.items())))
     logger.info("GGUF %s served in its own quantization: %s", gguf_path.name,
-                ", ".join(f"{n} {t}" for t, n in sorted(counts.items())))
-    return dict(counts)
-
+                ", ".join(f"{n} {t}" for t, n in sorted(_counts(made).items())))
+    return made

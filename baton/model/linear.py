@@ -351,6 +351,29 @@ class QuantizedLinear:
             self.parts = tuple(p.contiguous() for p in parts)
 
     @classmethod
+    def from_packed(cls, scheme: str, packed: torch.Tensor, out_features: int, in_features: int,
+                    bias: torch.Tensor | None, kernels: Any) -> QuantizedLinear:
+        """An op over a pack the kernels made earlier (`q8_pack` / `q4_pack`), such as a read-only
+        mapping of one file that every worker on the machine shares (baton.model.packed_cache):
+        the kernels only read it, and nothing here copies it."""
+        if kernels is None or not kernels.q8_available():
+            raise ValueError("a packed weight needs the native kernels")
+        if scheme not in cls.SCHEMES or packed.dtype != torch.uint8 or packed.dim() != 3:
+            raise ValueError(f"not a {scheme} pack: {packed.dtype} {tuple(packed.shape)}")
+        op = cls.__new__(cls)
+        op.scheme, op.out_features, op.in_features = scheme, out_features, in_features
+        op.bias = None if bias is None else bias.detach().float().contiguous()
+        op._kernels, op.packed, op.parts = kernels, packed, ()
+        return op
+
+    def share_pack(self, packed: torch.Tensor) -> None:
+        """Serve from `packed` (the same bytes, mapped from the machine's shared file) instead of
+        this op's own pack, which is freed."""
+        if self.packed is None or packed.shape != self.packed.shape or packed.dtype != self.packed.dtype:
+            raise ValueError("the shared pack is not this op's pack")
+        self.packed = packed
+
+    @classmethod
     def q8_0(cls, q: torch.Tensor, d: torch.Tensor, bias: torch.Tensor | None, kernels: Any) -> QuantizedLinear:
         return cls("q8_0", (q, d.float()), bias, kernels)
 

@@ -8,7 +8,9 @@ tensor no recipe used (an unknown tensor means an architecture feature Baton wou
 and every tensor a recipe needed but did not find. The LM head of a tied checkpoint may be present
 or not, and rotary caches some old checkpoints carry (`rotary_emb.inv_freq`) are not weights.
 Tensors a named rule says the model does not run (a vision-language checkpoint's vision tower, GLM's
-multi-token-prediction layers: `_checkpoint_view`) are skipped and counted in the log.
+multi-token-prediction layers: `_checkpoint_view`) are skipped and counted in the log. MXFP4
+weights (gpt-oss's experts: `X_blocks` + `X_scales`) are read as `X`, dequantized to the model's dtype
+(`baton.model.mxfp4`).
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ from baton.common.model_files import GGUF_SOURCE_FILE, gguf_source
 from baton.model.config import ModelConfig
 from baton.model.families import TEXT_ONLY, family_spec
 from baton.model.gguf_checkpoint import GGUFCheckpoint
+from baton.model.hybrid import HybridModel, hybrid_recipes
 from baton.model.model import MLP, LlamaModel
+from baton.model.mxfp4 import DequantizedView, has_packed
 
 logger = logging.getLogger("baton.model.loader")
 
@@ -107,7 +111,8 @@ def _checkpoint_view(tensors: Mapping[str, torch.Tensor], config: ModelConfig) -
     logged; every other tensor goes on to the strict check."""
     form = TEXT_ONLY.get(config.text_only_of)
     mtp = range(config.num_layers, config.num_layers + config.mtp_layers)
-    if form is None and not mtp:
+    mtp_prefix = family_spec(config.model_type).mtp_prefix
+    if form is None and not mtp and not mtp_prefix:
         return tensors
     names: dict[str, str] = {}
     skipped: dict[str, int] = {}
@@ -115,7 +120,7 @@ def _checkpoint_view(tensors: Mapping[str, torch.Tensor], config: ModelConfig) -
         model_name = form.text_name(name) if form is not None else name
         if model_name is None:
             what = form.skipped_what if form is not None else ""
-        elif _layer_of(model_name) in mtp:
+        elif _layer_of(model_name) in mtp or (mtp_prefix and model_name.startswith(mtp_prefix)):
             what = "the multi-token-prediction layers"
         else:
             names[model_name] = name
@@ -133,6 +138,8 @@ class _Recipe:
     parameter. The first alternative found whole is used."""
 
     alternatives: list[list[list[str]]]
+    # the joined tensor into the model's layout (gpt-oss's experts: transposed, gate/up de-interleaved)
+    transform: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def names(self, alternative: int) -> list[str]:
         return [n for part in self.alternatives[alternative] for n in part]
@@ -140,6 +147,8 @@ class _Recipe:
 
 def _recipes(model: LlamaModel, config: ModelConfig) -> dict[str, _Recipe]:
     spec = family_spec(config.model_type)
+    if isinstance(model, HybridModel):  # state layers beside attention: its own names (baton.model.hybrid)
+        return {name: _Recipe(alts) for name, alts in hybrid_recipes(model, config, spec.expert_names).items()}
     out: dict[str, _Recipe] = {}
     for name, _ in model.named_parameters(remove_duplicate=False):
         out[name] = _Recipe([[[name]]])  # by default the checkpoint's name is the model's
@@ -154,6 +163,9 @@ def _recipes(model: LlamaModel, config: ModelConfig) -> dict[str, _Recipe]:
             for kind in ("weight", "bias") if config.mlp_bias else ("weight",):
                 out[f"{mlp}gate_up_proj.{kind}"] = _Recipe([[[f"{mlp}gate_up_proj.{kind}"]],
                                                             [[f"{mlp}gate_proj.{kind}", f"{mlp}up_proj.{kind}"]]])
+            continue
+        if config.expert_form == "gpt_oss":
+            out.update(_gpt_oss_moe_recipes(mlp))
             continue
         gate_name, up_name, down_name = spec.expert_names
         moe = p + spec.moe_module + "."
@@ -177,6 +189,26 @@ def _recipes(model: LlamaModel, config: ModelConfig) -> dict[str, _Recipe]:
     return out
 
 
+def _deinterleave(t: torch.Tensor) -> torch.Tensor:
+    # [..., 2I] gate and up interleaved (gate at ::2, up at 1::2) -> [..., 2I] gate, then up
+    return torch.cat([t[..., ::2], t[..., 1::2]], dim=-1)
+
+
+def _gpt_oss_moe_recipes(mlp: str) -> dict[str, _Recipe]:
+    """gpt-oss's MoE block (transformers' GptOssMLP): `router` (weight and bias) and stacked experts
+    stored input-major, [E, H, 2I] with gate/up interleaved and [E, I, H], each with a bias."""
+    experts = f"{mlp}experts."
+    return {
+        f"{mlp}gate.weight": _Recipe([[[f"{mlp}router.weight"]]]),
+        f"{mlp}gate.bias": _Recipe([[[f"{mlp}router.bias"]]]),
+        f"{mlp}experts_gate_up": _Recipe([[[f"{experts}gate_up_proj"]]],
+                                         lambda t: _deinterleave(t).transpose(1, 2).contiguous()),
+        f"{mlp}experts_gate_up_bias": _Recipe([[[f"{experts}gate_up_proj_bias"]]], _deinterleave),
+        f"{mlp}experts_down": _Recipe([[[f"{experts}down_proj"]]], lambda t: t.transpose(1, 2).contiguous()),
+        f"{mlp}experts_down_bias": _Recipe([[[f"{experts}down_proj_bias"]]]),
+    }
+
+
 def _build_state(recipes: dict[str, _Recipe], tensors: Mapping[str, torch.Tensor], tie_word_embeddings: bool,
                  convert: Callable[[str, torch.Tensor], torch.Tensor] = lambda name, t: t) -> dict[str, torch.Tensor]:
     """Each model parameter from its checkpoint tensors, passed through `convert` (with the
@@ -195,7 +227,8 @@ def _build_state(recipes: dict[str, _Recipe], tensors: Mapping[str, torch.Tensor
         parts = recipe.alternatives[found]
         used.update(recipe.names(found))
         joined = [tensors[part[0]] if len(part) == 1 else torch.cat([tensors[n] for n in part]) for part in parts]
-        state[target] = convert(target, joined[0] if len(joined) == 1 else torch.stack(joined))
+        tensor = joined[0] if len(joined) == 1 else torch.stack(joined)
+        state[target] = convert(target, recipe.transform(tensor) if recipe.transform is not None else tensor)
     unused = sorted(n for n in tensors if n not in used and not n.endswith("rotary_emb.inv_freq")
                     and not (tie_word_embeddings and n == "lm_head.weight"))
     if missing or unused:
@@ -217,13 +250,15 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device:
     config = ModelConfig.from_dir(model_dir)
     torch_dtype = resolve_dtype(dtype, device)
     tensors = _checkpoint_view(_read_tensors(model_dir), config)
+    if has_packed(tensors):
+        tensors = DequantizedView(tensors, torch_dtype)
     if config.text_only_of:
         # whose tie flag governs moved between transformers 4 (the text model's) and 5 (the outer
         # config's, True by default, but not tied where the checkpoint has its own head): the head
         # is tied exactly when the checkpoint has none, as transformers 5 ends up doing
         config.tie_word_embeddings = "lm_head.weight" not in tensors
     with torch.device("meta"):
-        model = LlamaModel(config)
+        model = HybridModel(config) if config.has_state_layers else LlamaModel(config)
     # a MoE's router where the reference keeps it in fp32 (GLM-4.5's) stays fp32
     fp32 = {f"layers.{i}.mlp.{name}" for i, layer in enumerate(model.layers)
             for name in getattr(layer.mlp, "fp32_parameters", lambda: ())()}

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from baton.model.attention import AttentionMetadata, TorchAttention, windowed
+from baton.model.triton_attention import to_triton, triton_available
 from baton.model.config import ModelConfig
 from baton.model.layers_plan import LayersPlan
 from baton.model.thread_gate import ThreadGate
@@ -99,6 +100,9 @@ class Attention(nn.Module):
         self.scale = config.scale
         self.backend = TorchAttention(config.num_heads, config.num_kv_heads, config.head_dim, config.scale,
                                       config.attn_logit_softcap)
+        self.sinks: nn.Parameter | None = None  # gpt-oss: a logit per head in every softmax row
+        if config.attention_sinks:
+            self.sinks = nn.Parameter(torch.zeros(config.num_heads))
         # The ops the forward calls (see `prepare`); plain attributes, not submodules.
         set_op(self, "qkv", self.qkv_proj)
         set_op(self, "o", self.o_proj)
@@ -119,6 +123,8 @@ class Attention(nn.Module):
             # decode only (the decode worker's every step): RoPE, KV write and attention in one call
             return self.o(backend.rope_write_decode(self.qkv(x), cos, sin, kv_cache, meta))
         qkv = self.qkv(x)  # [T, q_size + 2 kv_size]
+        if self.sinks is not None:
+            backend.sinks = self.sinks  # read here: loading replaces the parameter (assign=True)
         if self.qk_norm == "none":
             qkv = qkv.view(num_tokens, num_q_heads + 2 * num_kv_heads, d)
             v = qkv[:, num_q_heads + num_kv_heads:]
@@ -137,18 +143,23 @@ class Attention(nn.Module):
                 q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if q_scale is not None:
             q = q * q_scale
+        return self.o(self.attend(q, k, v, kv_cache, meta).reshape(num_tokens, self.q_size))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+               meta: AttentionMetadata) -> torch.Tensor:
+        """Write the step's K/V into the cache and attend: q [T, heads, d], k/v [T, kv_heads, d] -> [T, heads, d]."""
+        backend = self.backend
         backend.write_kv(kv_cache, k, v, meta)
         if not meta.prefills and len(meta.decode_groups) == 1:
-            out = backend.decode(q, kv_cache, meta.decode_groups[0], meta.block_size)  # the common case
-        else:
-            out = q.new_empty(q.shape)  # [T, heads, head_dim]
-            for group in meta.decode_groups:
-                s, e = group.start, group.start + group.count
-                out[s:e] = backend.decode(q[s:e], kv_cache, group, meta.block_size)
-            for span in meta.prefills:
-                s, e = span.start, span.start + span.length
-                out[s:e] = backend.prefill(q[s:e], k[s:e], v[s:e], kv_cache, span)
-        return self.o(out.reshape(num_tokens, self.q_size))
+            return backend.decode(q, kv_cache, meta.decode_groups[0], meta.block_size)  # the common case
+        out = q.new_empty(q.shape)
+        for group in meta.decode_groups:
+            s, e = group.start, group.start + group.count
+            out[s:e] = backend.decode(q[s:e], kv_cache, group, meta.block_size)
+        for span in meta.prefills:
+            s, e = span.start, span.start + span.length
+            out[s:e] = backend.prefill(q[s:e], k[s:e], v[s:e], kv_cache, span)
+        return out
 
 
 class MLP(nn.Module):
@@ -259,14 +270,17 @@ class LlamaModel(nn.Module):
         shared experts are a dense MLP and are)."""
         slots: list[tuple[nn.Module, str, nn.Linear]] = []
         for layer in self.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            slots += [(attn, "qkv", attn.qkv_proj), (attn, "o", attn.o_proj)]
-            if isinstance(mlp, SparseMoE) and mlp.shared_experts is not None:
-                mlp = mlp.shared_experts
+            attn, mlp = layer.self_attn, self.dense_mlp(layer.mlp)
+            if attn is not None:  # None: a layer of another kind (a hybrid model's state layers)
+                slots += [(attn, "qkv", attn.qkv_proj), (attn, "o", attn.o_proj)]
             if isinstance(mlp, MLP):
                 slots += [(mlp, "gate_up", mlp.gate_up_proj), (mlp, "down", mlp.down_proj)]
         slots.append((self, "head", self.lm_head))
         return slots
+
+    def dense_mlp(self, mlp: nn.Module) -> nn.Module:
+        """The dense MLP a layer's MLP module runs through projection ops: itself, or a MoE's shared experts."""
+        return mlp.shared_experts if isinstance(mlp, SparseMoE) and mlp.shared_experts is not None else mlp
 
     def prepare(self, fast_linears: bool = True, native_kernels: bool = True,
                 batch_invariant: bool | str | None = None, pack_projections: bool = True,
@@ -319,6 +333,11 @@ class LlamaModel(nn.Module):
                                                       decode_style_prefill=fast_linears and mode == "full")
             if isinstance(layer.mlp, MLP):
                 layer.mlp.silu_mul = layer_kernel.silu_mul if layer_kernel is not None else None
+        if triton_available(param.device):  # CUDA: attention over the paged pool in place (BATON_TRITON=1)
+            for layer in self.layers:
+                attn = getattr(layer, "self_attn", None)
+                if attn is not None and isinstance(attn.backend, TorchAttention):
+                    attn.backend = to_triton(attn.backend, self.config.sliding_window if attn.sliding else None)
         self.fused_norm = layer_kernel.add_rms_norm if layer_kernel is not None else None
         self.layers_plan = LayersPlan.build(self, layer_kernel)
         self.path = "native" if layer_kernel is not None else "torch"

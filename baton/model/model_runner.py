@@ -15,6 +15,7 @@ import torch
 from baton.model.config import ModelConfig
 from baton.model.attention import AttentionMetadata, DecodeGroup, PrefillSpan, group_by_context
 from baton.model.kv_quant import as_bytes, convert_rows, row_width
+from baton.model.gated_deltanet import DeltaNetDims, StateMeta, StatePool
 from baton.model.model import LlamaModel
 
 
@@ -96,12 +97,19 @@ class StepResult:
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     """Bytes of one block of the KV cache in `dtype` (a quantized format: codes and scales)."""
-    return config.num_layers * 2 * block_size * config.num_kv_heads * row_width(config.head_dim, dtype) * dtype.itemsize
+    # only attention layers keep KV per token (a hybrid's state layers keep a slot per request: `StatePool`)
+    row_bytes = row_width(config.head_dim, dtype) * dtype.itemsize
+    return len(config.attention_layers) * 2 * block_size * config.num_kv_heads * row_bytes
+
+
+def _request_id(seq: ScheduledRow) -> str:
+    # the engine's Sequence carries its request id; a row without one (a view) is itself
+    return str(getattr(seq, "seq_id", id(seq)))
 
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, config: ModelConfig, num_blocks: int, block_size: int,
-                 kv_dtype: torch.dtype | None = None) -> None:
+                 kv_dtype: torch.dtype | None = None, max_num_seqs: int = 0) -> None:
         self.model = model
         self.config = config
         self.block_size = block_size
@@ -113,10 +121,30 @@ class ModelRunner:
         # [layers, k/v, kv_heads, slots, head_dim (+ 4 scale bytes when quantized)]; slot = block *
         # block_size + offset (head-major: see baton.model.attention)
         self.kv_cache = torch.zeros(
-            config.num_layers, 2, config.num_kv_heads, num_blocks * block_size,
+            len(config.attention_layers), 2, config.num_kv_heads, num_blocks * block_size,
             row_width(config.head_dim, self.kv_dtype), dtype=torch.uint8 if self.kv_dtype.itemsize == 1 else self.kv_dtype,
             device=self.device,
         ).view(self.kv_dtype)
+        # a hybrid's state layers: one slot per running request (the scheduler runs at most
+        # max_num_seqs), assigned on first sight, released by the engine (`release_state`)
+        self.state_pool: StatePool | None = None
+        if config.has_state_layers:
+            self.state_pool = StatePool(DeltaNetDims(**config.deltanet), sum(config.layer_deltanet),
+                                        max(1, max_num_seqs), self.dtype, self.device)
+
+    def release_state(self, request_id: str) -> None:
+        """A request finished, was aborted or preempted: its state slot is free (recompute rebuilds it)."""
+        if self.state_pool is not None:
+            self.state_pool.release(request_id)
+
+    def _state_meta(self, rows: list[ScheduledRow], chunks: list[tuple[ScheduledRow, int, int]]) -> StateMeta:
+        # rows: the step's decode rows (first in the flattened batch); chunks: (row, first token, tokens)
+        pool = self.state_pool
+        assert pool is not None
+        decode = [pool.slot(_request_id(seq), starting=seq.num_computed_tokens == 0) for seq in rows]
+        spans = [(offset, length, pool.slot(_request_id(seq), starting=seq.num_computed_tokens == 0))
+                 for seq, offset, length in chunks]
+        return StateMeta(torch.tensor(decode, dtype=torch.long, device=self.device), spans)
 
     def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
         # slots of positions [start, end) of a request
@@ -126,7 +154,10 @@ class ModelRunner:
     @property
     def pads_decode(self) -> bool:
         """Whether decode attention pads to the longest context (the torch path): then group."""
-        return self.model.layers[0].self_attn.backend.pads_decode if len(self.model.layers) else True
+        # a hybrid's first layer may be a state layer: ask the first attention layer
+        attn = next((layer.self_attn for layer in self.model.layers if getattr(layer, "self_attn", None) is not None),
+                    None)
+        return attn.backend.pads_decode if attn is not None else True
 
     def _decode_groups(self, context_lens: list[int]) -> list[tuple[int, int]]:
         if self.pads_decode:
@@ -157,6 +188,8 @@ class ModelRunner:
                 and seq.pool is None]
         verify = [(seq, n) for seq, n in scheduled if seq.spec_token_ids]
         verify_seqs = [seq for seq, _ in verify]
+        if verify_seqs and self.state_pool is not None:
+            raise ValueError("speculative decoding is not supported for models with state layers")
         for seq, n in verify:
             start = seq.num_computed_tokens
             assert n == 1 + len(seq.spec_token_ids) and start + 1 == seq.num_tokens
@@ -196,10 +229,12 @@ class ModelRunner:
             block_ids_t = torch.tensor(block_ids, dtype=torch.long, device=device)
             groups.append(DecodeGroup(start, count, num_blocks, block_ids_t, lengths.to(device), bias, mask))
         prefills: list[PrefillSpan] = []
+        state_chunks: list[tuple[ScheduledRow, int, int]] = []
         for seq, num_new in chunks:
             start = seq.num_computed_tokens
             end = start + num_new
             offset = len(input_ids)
+            state_chunks.append((seq, offset, num_new))
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
             slots.extend(self._slots(seq.block_table, start, end))
@@ -231,6 +266,9 @@ class ModelRunner:
             prefills=prefills,
             block_size=bs,
         )
+        # a hybrid's rows continue from their state slots (decode rows come first in the batch)
+        state = ({"state": (self.state_pool, self._state_meta([r.seq for r in rows], state_chunks))}
+                 if self.state_pool is not None else {})
         out = self.model(
             torch.tensor(input_ids, dtype=torch.long, device=device),
             torch.tensor(positions, dtype=torch.long, device=device),
@@ -239,6 +277,7 @@ class ModelRunner:
             torch.tensor(logits_indices + verify_indices + prompt_indices, dtype=torch.long, device=device),
             max(positions),
             torch.tensor(hidden_indices, dtype=torch.long, device=device) if pool_rows else None,
+            **state,
         )
         logits, hidden = out if pool_rows else (out, None)
         return StepResult(sample_seqs, logits, prompt_rows, pool_rows, hidden, verify_seqs)
@@ -249,7 +288,7 @@ class ModelRunner:
     def block_shape(self) -> list[int]:
         """One block's logical shape in the store's format, as `read_block` gives and `write_block`
         takes it (a quantized cache's rows carry 4 scale bytes more: `kvstore.codec.logical_shape`)."""
-        return [self.config.num_layers, 2, self.block_size, self.config.num_kv_heads, self.config.head_dim]
+        return [len(self.config.attention_layers), 2, self.block_size, self.config.num_kv_heads, self.config.head_dim]
 
     def read_block(self, block: int) -> torch.Tensor:
         """A block's KV in the store's format: [layers, 2, block_size, kv_heads, head_dim (+ 4 when

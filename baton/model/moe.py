@@ -6,15 +6,20 @@ sigmoid_grouped (GLM-4.5, transformers' Glm4MoeTopkRouter): sigmoid scores; the 
 by score + `e_score_correction_bias` among the best `topk_group` of `n_group` groups (a group ranked
 by its two best), weighted by their plain scores, renormalised if `norm_topk_prob`, times
 `routed_scaling_factor`; its router weight and bias stay fp32 whatever the model's dtype, as the
-reference keeps them. Shared experts (GLM-4.5) are one dense MLP every token runs, added after the
-routed ones. The routed experts run batched by expert: the step's (token, choice) pairs are sorted
-by expert, and each selected expert runs once
+reference keeps them. topk_softmax (gpt-oss, transformers' GptOssTopKRouter): the router has a
+bias; the top-k of its logits, softmax over those k alone. gpt-oss's experts (`expert_form`
+"gpt_oss", GptOssExperts) have biases and the clamped SwiGLU: gate clamped above at `swiglu_limit`,
+up clamped both sides, (up + 1) * gate * sigmoid(alpha * gate). Shared experts (GLM-4.5) are one
+dense MLP every token runs, added after the routed ones. The routed experts run batched by expert:
+the step's (token, choice) pairs are sorted by expert, and each selected expert runs once
 over all the tokens routed to it (one gate_up and one down matmul), so a decode step reads each
 selected expert's weights once, whatever the batch. Results are scatter-added in ascending expert
 order, the order transformers adds them in, so fp32 sums agree with it bit for bit.
 
 Weights are stacked per layer: `experts_gate_up` [E, 2I, H] (gate rows, then up rows) and
-`experts_down` [E, H, I], transformers 5's own layout (the loader stacks per-expert checkpoints).
+`experts_down` [E, H, I], transformers 5's own layout (the loader stacks per-expert checkpoints;
+gpt-oss's [E, H, 2I] interleaved and [E, I, H] are transposed and de-interleaved into it, with
+their biases `experts_gate_up_bias` [E, 2I] and `experts_down_bias` [E, H]).
 """
 
 from __future__ import annotations
@@ -39,13 +44,20 @@ class SparseMoE(nn.Module):
         self.num_experts, self.top_k, self.intermediate = e, config.num_experts_per_tok, i
         self.renormalize = config.norm_topk_prob
         self.router = config.router
-        self.gate = nn.Linear(h, e, bias=False)  # the router
+        self.gate = nn.Linear(h, e, bias=self.router == "topk_softmax")  # the router
         if self.router == "sigmoid_grouped":
             self.score_correction_bias = nn.Parameter(torch.zeros(e))  # shifts the choice, not the weights
             self.n_group, self.topk_group = config.n_group, config.topk_group
             self.routed_scaling_factor = config.routed_scaling_factor
         self.experts_gate_up = nn.Parameter(torch.empty(e, 2 * i, h))
         self.experts_down = nn.Parameter(torch.empty(e, h, i))
+        self.clamped_swiglu = config.expert_form == "gpt_oss"
+        self.experts_gate_up_bias: nn.Parameter | None = None  # [E, 2I] (gpt-oss)
+        self.experts_down_bias: nn.Parameter | None = None  # [E, H] (gpt-oss)
+        if self.clamped_swiglu:
+            self.experts_gate_up_bias = nn.Parameter(torch.empty(e, 2 * i))
+            self.experts_down_bias = nn.Parameter(torch.empty(e, h))
+            self.swiglu_limit, self.swiglu_alpha = config.swiglu_limit, config.swiglu_alpha
         self.act = activation(config.hidden_act)
         self.shared_experts = shared_experts  # a dense MLP (baton.model.model.MLP) every token runs, or None
 
@@ -58,6 +70,9 @@ class SparseMoE(nn.Module):
         # x: [T, H] -> weights [T, k] (fp32), chosen experts [T, k]
         if self.router == "sigmoid_grouped":
             return self._route_sigmoid_grouped(x)
+        if self.router == "topk_softmax":  # GptOssTopKRouter.forward, op for op
+            top, chosen = torch.topk(self.gate(x), self.top_k, dim=-1)  # [T, k] each
+            return torch.softmax(top, dim=1, dtype=top.dtype), chosen
         logits = self.gate(x)  # [T, E]
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, chosen = torch.topk(probs, self.top_k, dim=-1)  # [T, k] each
@@ -98,10 +113,23 @@ class SparseMoE(nn.Module):
             if count == 0:
                 continue
             tokens = token_of[start:start + count]
-            gate, up = F.linear(x[tokens], self.experts_gate_up[expert]).chunk(2, dim=-1)
-            h = F.linear(self.act(gate) * up, self.experts_down[expert])  # [count, H]
+            h = self._expert(x[tokens], expert)  # [count, H]
             out.index_add_(0, tokens, (h * weight_of[start:start + count, None]).to(x.dtype))
             start += count
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
+
+    def _expert(self, x: torch.Tensor, expert: int) -> torch.Tensor:
+        # x: [n, H] -> [n, H], one expert over the tokens routed to it
+        if not self.clamped_swiglu:
+            gate, up = F.linear(x, self.experts_gate_up[expert]).chunk(2, dim=-1)
+            return F.linear(self.act(gate) * up, self.experts_down[expert])
+        assert self.experts_gate_up_bias is not None and self.experts_down_bias is not None
+        # GptOssExperts: gate and up de-interleaved at load (gate rows, then up rows)
+        gate_up = F.linear(x, self.experts_gate_up[expert], self.experts_gate_up_bias[expert])
+        gate, up = gate_up.chunk(2, dim=-1)
+        gate = gate.clamp(min=None, max=self.swiglu_limit)
+        up = up.clamp(min=-self.swiglu_limit, max=self.swiglu_limit)
+        glu = gate * torch.sigmoid(gate * self.swiglu_alpha)
+        return F.linear((up + 1) * glu, self.experts_down[expert], self.experts_down_bias[expert])

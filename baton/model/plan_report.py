@@ -96,7 +96,9 @@ def projection_plans(model: nn.Module, counted: _Bytes | None = None) -> list[Pr
 
 def step_plans(model: nn.Module) -> dict[str, str]:
     """Per step kind: what runs the layers."""
-    kv = model.layers[0].self_attn.backend.kv_dtype if len(model.layers) else None
+    # the first attention layer's (a hybrid's first layer may be a state layer, without KV)
+    attn = next((layer.self_attn for layer in model.layers if getattr(layer, "self_attn", None) is not None), None)
+    kv = attn.backend.kv_dtype if attn is not None else None
     attention = (f"native paged attention over the {str(kv).removeprefix('torch.')} KV cache" if kv is not None
                  else "native paged attention")
     layers = (f"native layer kernels (fused add + RMSNorm, {attention}, SiLU-mul)"

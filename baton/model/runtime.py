@@ -21,6 +21,8 @@ import torch
 
 from baton.common.model_files import gguf_source
 from baton.model.config import ModelConfig
+from baton.model.gated_deltanet import DeltaNetDims, StatePool
+from baton.model.gguf_checkpoint import release_readers
 from baton.model.greedy import greedy_pick
 from baton.model.kv_quant import is_quantized, resolve_kv_cache_dtype
 from baton.model.loader import default_device, load_model, resolve_dtype
@@ -98,10 +100,29 @@ class ModelRuntime:
         """Bytes of one KV block (every layer's K and V for `block_size` tokens, in the cache's format)."""
         return kv_bytes_per_block(self.config, block_size, self.kv_dtype)
 
-    def allocate(self, num_blocks: int, block_size: int) -> None:
-        """Make the paged KV cache: `num_blocks` of `block_size` tokens (block 0 is reserved above)."""
+    def allocate(self, num_blocks: int, block_size: int, max_num_seqs: int = 1) -> None:
+        """Make the paged KV cache: `num_blocks` of `block_size` tokens (block 0 is reserved above),
+        and a hybrid's state pool: a slot for each of `max_num_seqs` running requests."""
         assert self._runner is None, "the KV cache is allocated once"
-        self._runner = ModelRunner(self.model, self.config, num_blocks, block_size, self.kv_dtype)
+        self._runner = ModelRunner(self.model, self.config, num_blocks, block_size, self.kv_dtype, max_num_seqs)
+
+    @property
+    def has_state_layers(self) -> bool:
+        """Whether some layers keep a fixed-size state per request (Gated DeltaNet) beside the KV cache."""
+        return self.config.has_state_layers
+
+    def state_bytes(self, max_num_seqs: int) -> int:
+        """Bytes of the state pool for `max_num_seqs` requests (0 without state layers): taken from
+        the KV budget before it is cut into blocks."""
+        if not self.config.has_state_layers:
+            return 0
+        dims = DeltaNetDims(**self.config.deltanet)
+        return max_num_seqs * StatePool.bytes_per_slot(dims, sum(self.config.layer_deltanet), self.dtype)
+
+    def release_state(self, request_id: str) -> None:
+        """Free a finished, aborted or preempted request's state slot (no-op without state layers)."""
+        if self._runner is not None:
+            self._runner.release_state(request_id)
 
     @property
     def runner(self) -> ModelRunner:
@@ -154,6 +175,7 @@ def load_runtime(config: RuntimeConfig) -> ModelRuntime:
         # KV computed with other weights is another model's: prefix hashes (and the block store's
         # keys) must not match across quantizations
         model_config = dataclasses.replace(model_config, model_id=f"{model_config.model_id}+{scheme}")
+    release_readers()  # the file's tensors are all read (or mapped as packs): its header is not needed
     weights_dtype = next(model.parameters()).dtype
     description = describe_weights(scheme, weights_dtype, config.dtype, config.quantization, source)
     kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, weights_dtype)

@@ -18,6 +18,8 @@ Rules:
   constraint into a Lark grammar (llguidance's) of a free think block, then the JSON. A regex,
   choice or grammar constraint is left as it is (it constrains the whole output, so no think block
   can come: the request's reasoning parser is off).
+- `openai_gptoss`: gpt-oss's harmony format, its analysis channel as the reasoning
+  (`gateway.parsers.harmony`); a JSON constraint is left as it is (its markers could not be written).
 """
 
 from __future__ import annotations
@@ -25,16 +27,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from gateway.parsers.harmony import HarmonyReasoning
+from gateway.parsers.scan import partial_suffix
+
 OPEN, CLOSE = "<think>", "</think>"
-NAMES = ("deepseek_r1", "qwen3")
-
-
-def partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of `tag` (may be the tag's start)."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0
+NAMES = ("deepseek_r1", "qwen3", "openai_gptoss")
+HARMONY = "openai_gptoss"
 
 
 class ThinkParser:
@@ -118,10 +116,12 @@ class ThinkParser:
         return "", held
 
 
-def make(name: str) -> ThinkParser:
+def make(name: str) -> Any:  # ThinkParser, or a HarmonyReasoning: both feed / finish
     """The parser of a `--reasoning-parser` name (one per output: it holds that output's state)."""
     if name not in NAMES:
         raise ValueError(f"unknown reasoning parser {name!r}; known: {', '.join(NAMES)}")
+    if name == HARMONY:
+        return HarmonyReasoning()
     return ThinkParser(open_required=(name == "qwen3"))
 
 
@@ -146,6 +146,8 @@ def think_first(structured: dict[str, str], name: str) -> dict[str, str] | None:
     """The constraint with a think block allowed before it (qwen3: optional; deepseek_r1: required,
     as its parser reads an output without `</think>` as all reasoning); None when it is not JSON."""
     kind = structured.get("kind")
+    if name == HARMONY:
+        return None
     if kind == "json_object":
         schema: Any = {"type": "object"}
     elif kind == "json_schema":

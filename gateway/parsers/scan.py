@@ -19,6 +19,14 @@ _OUTSIDE = re.compile(r'["\[\]{}]')
 _INSIDE = re.compile(r'["\\]')
 
 
+def partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `tag` (may be the tag's start)."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0
+
+
 class Wait(Protocol):
     def done(self, text: str) -> bool:
         """Whether `text`, coming after what was held, may change the parse (then it is parsed again)."""

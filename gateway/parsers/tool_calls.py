@@ -11,6 +11,7 @@
 - `pythonic`: `[get_weather(city="Paris"), f(x=1)]` as the whole answer (optionally inside
   `<|python_start|>...<|python_end|>`), read with `ast`: keyword arguments with literal values only
   (never evaluated).
+- `openai`: gpt-oss's harmony messages to `functions.NAME` (`gateway.parsers.harmony`).
 
 Rules shared by all: `feed(text)` returns what can be told apart so far (a `Parsed`: content text and
 complete calls), `finish()` what was held. Content that cannot be part of a call streams as it comes;
@@ -31,10 +32,10 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.parsers.reasoning import partial_suffix
-from gateway.parsers.scan import BLANKS, NEVER, JsonScan, MarkerWait, Wait
+from gateway.parsers.harmony import Header, Scanner
+from gateway.parsers.scan import BLANKS, NEVER, JsonScan, MarkerWait, Wait, partial_suffix
 
-NAMES = ("hermes", "llama3_json", "mistral", "pythonic")
+NAMES = ("hermes", "llama3_json", "mistral", "pythonic", "openai")
 _NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 
 
@@ -414,8 +415,55 @@ def parse_pythonic(text: str) -> list[Call] | None:
     return calls
 
 
+class Harmony(ToolParser):
+    """`openai`: gpt-oss's harmony messages to `functions.NAME` (the rules: gateway.parsers.harmony)."""
+
+    def __init__(self, tool_names: frozenset[str] = frozenset()) -> None:
+        super().__init__(tool_names)
+        self.scanner = Scanner()
+        self.header: Header | None = None
+        self.call_body: list[str] = []
+
+    def feed(self, text: str) -> Parsed:
+        return self._read(self.scanner.feed(text))
+
+    def finish(self) -> Parsed:
+        return self._read(self.scanner.feed("", final=True))
+
+    def _read(self, events: list[tuple[str, object]]) -> Parsed:
+        parsed = Parsed()
+        for kind, value in events:
+            header = self.header
+            if kind == "header":
+                assert isinstance(value, Header)
+                self.header, self.call_body = value, []
+            elif kind == "body":
+                assert isinstance(value, str) and header is not None
+                if header.recipient is not None:
+                    self.call_body.append(value)  # held until the message closes
+                elif header.channel != "analysis":  # the reasoning parser's
+                    self._emit_text(parsed, value)
+            elif kind == "end":
+                if header is not None and header.recipient is not None:
+                    self._end_call(parsed, header, str(value))
+                self.header = None
+            else:
+                self._emit_text(parsed, str(value))
+        return parsed
+
+    def _end_call(self, parsed: Parsed, header: Header, end: str) -> None:
+        body = "".join(self.call_body)
+        self.call_body = []
+        name = header.function
+        call = _call_of({"name": name, "arguments": _json(body)}) if name is not None else None
+        if call is None:  # not a function, or a body that is not a JSON object: the text it was
+            self._emit_text(parsed, header.raw + body + end)
+        else:
+            self._emit_call(parsed, call)
+
+
 PARSERS: dict[str, type[ToolParser]] = {"hermes": Hermes, "llama3_json": Llama3Json, "mistral": Mistral,
-                                        "pythonic": Pythonic}
+                                        "pythonic": Pythonic, "openai": Harmony}
 
 
 def make(name: str, tool_names: frozenset[str] = frozenset()) -> ToolParser:
@@ -435,6 +483,7 @@ _TEMPLATE_MARKERS = (
     ("hermes", ("<tool_call>",)),
     ("llama3_json", ("<|python_tag|>", '"parameters": dictionary of argument name and its value')),
     ("mistral", ("[TOOL_CALLS]",)),
+    ("openai", ("<|channel|>",)),
 )
 
 

@@ -1,0 +1,263 @@
+"""The Gated DeltaNet layer (Qwen3-Next, Qwen3.5): a linear-attention layer whose memory is a
+fixed-size state per request, not a KV entry per token.
+
+Rules: every op follows transformers' torch fallbacks (modeling_qwen3_next.py / modeling_qwen3_5.py:
+`causal_conv1d_*`, `torch_chunk_gated_delta_rule`, `torch_recurrent_gated_delta_rule`,
+`*RMSNormGated`), which are the parity oracle of the tests. A request's state is two tensors in a
+slot of the runner's state pool (`StatePool`): the causal conv's last `kernel - 1` inputs (the
+model's dtype) and the delta rule's [v_heads, k_dim, v_dim] matrix (fp32: the recurrence
+accumulates in it). Each scheduled row continues from its own slot: decode rows (one token each)
+run together through the recurrent rule, each prefill span (a chunk of one request's prompt)
+through the chunked rule starting from its slot's state, so a prompt split over steps (chunked
+prefill) computes what one call over the whole prompt does. A slot is zeroed when a request starts
+(`StatePool.reset`), so recompute after preemption starts from scratch.
+
+Two checkpoint layouts, one computation: Qwen3-Next fuses the projections per key-head group
+(`in_proj_qkvz`, `in_proj_ba`), Qwen3.5 keeps them apart (`in_proj_qkv`, `in_proj_z`, `in_proj_b`,
+`in_proj_a`); the parameters carry the checkpoint's names, and `_project` brings both to q|k|v, z,
+b, a.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class DeltaNetDims:
+    """A Gated DeltaNet layer's sizes (config.json's `linear_*` keys)."""
+
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    conv_kernel: int
+    layout: str  # "grouped" (Qwen3-Next's in_proj_qkvz / in_proj_ba) or "split" (Qwen3.5's four projections)
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.head_k_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.head_v_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_dim + self.value_dim
+
+
+@dataclass
+class StateMeta:
+    """Which state slot each row of a step continues from: the first `len(decode_slots)` rows are
+    one-token rows (decode), then `spans`: (first row, rows, slot) of each prefill chunk."""
+
+    decode_slots: torch.Tensor  # [D] long
+    spans: list[tuple[int, int, int]] = field(default_factory=list)
+
+
+class StatePool:
+    """Every state layer's slots: conv [layers, slots, conv_dim, kernel - 1] in the model's dtype,
+    recurrent [layers, slots, v_heads, k_dim, v_dim] in fp32. Allocated once for `num_slots`
+    requests (the engine's max_num_seqs); a request holds one slot index across all layers."""
+
+    def __init__(self, dims: DeltaNetDims, num_layers: int, num_slots: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.conv = torch.zeros(num_layers, num_slots, dims.conv_dim, dims.conv_kernel - 1, dtype=dtype, device=device)
+        self.recurrent = torch.zeros(num_layers, num_slots, dims.num_v_heads, dims.head_k_dim, dims.head_v_dim,
+                                     dtype=torch.float32, device=device)
+        self.free = list(range(num_slots - 1, -1, -1))
+        self.owner: dict[str, int] = {}  # request id -> slot
+
+    @staticmethod
+    def bytes_per_slot(dims: DeltaNetDims, num_layers: int, dtype: torch.dtype) -> int:
+        conv = dims.conv_dim * (dims.conv_kernel - 1) * dtype.itemsize
+        return num_layers * (conv + dims.num_v_heads * dims.head_k_dim * dims.head_v_dim * 4)
+
+    def slot(self, request_id: str, starting: bool) -> int:
+        """The request's slot, assigned on first sight; zeroed when the request starts (its first
+        token is computed now: a new request, or one recomputed after preemption)."""
+        slot = self.owner.get(request_id)
+        if slot is None:
+            if not self.free:
+                raise RuntimeError("no free state slot: more running requests than max_num_seqs")
+            slot = self.owner[request_id] = self.free.pop()
+            starting = True
+        if starting:
+            self.conv[:, slot].zero_()
+            self.recurrent[:, slot].zero_()
+        return slot
+
+    def release(self, request_id: str) -> None:
+        slot = self.owner.pop(request_id, None)
+        if slot is not None:
+            self.free.append(slot)
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def _heads_first(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
+                 ) -> tuple[torch.Tensor, ...]:
+    # [B, L, heads, d] -> [B, v_heads, L, d] fp32, q/k l2-normed and q scaled (both reference rules do this)
+    rep = v.shape[2] // q.shape[2]
+    if rep != 1:
+        q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
+    q, k, v, beta, g = [x.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
+                        for x in (q, k, v, beta, g)]
+    q, k = l2norm(q), l2norm(k)
+    return q, k, v, beta, g
+
+
+def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                           state: torch.Tensor, chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' torch_chunk_gated_delta_rule (l2-normed q/k), from `state` [B, Hv, Dk, Dv] fp32.
+    q, k: [B, L, Hk, Dk]; v: [B, L, Hv, Dv]; g, beta: [B, L, Hv]. Returns out [B, L, Hv, Dv] (v's
+    dtype) and the final state."""
+    dtype, length = v.dtype, q.shape[1]
+    q, k, v, beta, g = _heads_first(q, k, v, g, beta)
+    q = q * q.shape[-1] ** -0.5
+    pad = (chunk_size - length % chunk_size) % chunk_size
+    q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+    beta, g = (F.pad(x, (0, pad)) for x in (beta, g))
+    b, h = q.shape[:2]
+    v_beta, k_beta = v * beta.unsqueeze(-1), k * beta.unsqueeze(-1)
+    q, k, k_beta, v_beta = [x.reshape(b, h, -1, chunk_size, x.shape[-1]) for x in (q, k, k_beta, v_beta)]
+    g = g.reshape(b, h, -1, chunk_size)
+    upper = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).triu(1)
+    cum = g.cumsum(dim=3)
+    pairwise = (cum.unsqueeze(4) - cum.unsqueeze(3)).masked_fill(upper, float("-inf")).exp()
+    ut = (k_beta @ k.transpose(-1, -2)) * pairwise
+    intra = (q @ k.transpose(-1, -2)) * pairwise
+    decayed_k_beta = k_beta * cum.exp().unsqueeze(-1)
+    new_values = torch.linalg.solve_triangular(ut, v_beta, upper=False, unitriangular=True)
+    k_cumdecay = torch.linalg.solve_triangular(ut, decayed_k_beta, upper=False, unitriangular=True)
+    s = state.to(new_values)
+    out = torch.zeros_like(new_values)
+    q = q * cum.exp().unsqueeze(-1)
+    k = k * (cum[..., -1:] - cum).exp().unsqueeze(-1)
+    chunk_decay = cum[..., -1].exp()[..., None, None]
+    for i in range(q.shape[2]):
+        v_new = new_values[:, :, i] - k_cumdecay[:, :, i] @ s
+        out[:, :, i] = q[:, :, i] @ s + intra[:, :, i] @ v_new
+        s = s * chunk_decay[:, :, i] + k[:, :, i].transpose(-1, -2) @ v_new
+    out = out.reshape(b, h, -1, out.shape[-1])[:, :, :length]
+    return out.transpose(1, 2).to(dtype, memory_format=torch.contiguous_format), s
+
+
+def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                               beta: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' torch_recurrent_gated_delta_rule (l2-normed q/k), token by token (decode rows:
+    L = 1, B = the step's decode rows). Same shapes as `chunk_gated_delta_rule`."""
+    dtype = v.dtype
+    q, k, v, beta, g = _heads_first(q, k, v, g, beta)
+    q = q / (q.shape[-1] ** 0.5)
+    s = state.to(v)
+    out = torch.zeros_like(v)
+    for i in range(q.shape[2]):
+        s = s * g[:, :, i].exp()[..., None, None]
+        kv_mem = (s * k[:, :, i].unsqueeze(-1)).sum(dim=-2)
+        delta = (v[:, :, i] - kv_mem) * beta[:, :, i].unsqueeze(-1)
+        s = s + k[:, :, i].unsqueeze(-1) * delta.unsqueeze(-2)
+        out[:, :, i] = (s * q[:, :, i].unsqueeze(-1)).sum(dim=-2)
+    return out.transpose(1, 2).contiguous().to(dtype), s
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm of the delta rule's output, then times silu(z) (the reference's RMSNormGated: a plain
+    `w * x_hat` weight, fp32 inside)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = self.weight * h.to(dtype)
+        return (h * F.silu(gate.to(torch.float32))).to(dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, dims: DeltaNetDims, hidden_size: int, eps: float, state_index: int) -> None:
+        super().__init__()
+        self.dims = dims
+        self.state_index = state_index  # this layer's index in the state pool
+        d = dims
+        if d.layout == "grouped":
+            self.in_proj_qkvz = nn.Linear(hidden_size, 2 * d.key_dim + 2 * d.value_dim, bias=False)
+            self.in_proj_ba = nn.Linear(hidden_size, 2 * d.num_v_heads, bias=False)
+        else:
+            self.in_proj_qkv = nn.Linear(hidden_size, d.conv_dim, bias=False)
+            self.in_proj_z = nn.Linear(hidden_size, d.value_dim, bias=False)
+            self.in_proj_b = nn.Linear(hidden_size, d.num_v_heads, bias=False)
+            self.in_proj_a = nn.Linear(hidden_size, d.num_v_heads, bias=False)
+        self.conv1d = nn.Module()
+        self.conv1d.weight = nn.Parameter(torch.empty(d.conv_dim, 1, d.conv_kernel))  # depthwise, no bias
+        self.dt_bias = nn.Parameter(torch.ones(d.num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(d.num_v_heads))
+        self.norm = GatedRMSNorm(d.head_v_dim, eps)
+        self.out_proj = nn.Linear(d.value_dim, hidden_size, bias=False)
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        # x: [T, H] -> q|k|v [T, conv_dim], z [T, Hv, Dv], b [T, Hv], a [T, Hv]
+        d, t = self.dims, x.shape[0]
+        if d.layout == "split":
+            return (self.in_proj_qkv(x), self.in_proj_z(x).view(t, d.num_v_heads, d.head_v_dim),
+                    self.in_proj_b(x), self.in_proj_a(x))
+        # Qwen3-Next: per key head [q, k, v (rep heads), z (rep heads)] and [b (rep), a (rep)]
+        rep = d.num_v_heads // d.num_k_heads
+        qkvz = self.in_proj_qkvz(x).view(t, d.num_k_heads, -1)
+        q, k, v, z = torch.split(qkvz, [d.head_k_dim, d.head_k_dim, rep * d.head_v_dim, rep * d.head_v_dim], dim=2)
+        b, a = torch.split(self.in_proj_ba(x).view(t, d.num_k_heads, 2 * rep), [rep, rep], dim=2)
+        qkv = torch.cat((q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)), dim=-1)
+        return qkv, z.reshape(t, d.num_v_heads, d.head_v_dim), b.reshape(t, -1), a.reshape(t, -1)
+
+    def _split_heads(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # [B, L, conv_dim] -> q, k [B, L, Hk, Dk], v [B, L, Hv, Dv]
+        d = self.dims
+        q, k, v = torch.split(mixed, [d.key_dim, d.key_dim, d.value_dim], dim=-1)
+        b, length = mixed.shape[:2]
+        return (q.reshape(b, length, -1, d.head_k_dim), k.reshape(b, length, -1, d.head_k_dim),
+                v.reshape(b, length, -1, d.head_v_dim))
+
+    def forward(self, x: torch.Tensor, pool: StatePool, meta: StateMeta) -> torch.Tensor:
+        # x: [T, H] -> [T, H]; the rows' states in `pool` are read and advanced
+        d = self.dims
+        qkv, z, b, a = self._project(x)
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        conv_states, rec_states = pool.conv[self.state_index], pool.recurrent[self.state_index]
+        weight = self.conv1d.weight
+        out = x.new_empty(x.shape[0], d.num_v_heads, d.head_v_dim)
+        num_decode = meta.decode_slots.shape[0]
+        if num_decode:
+            slots = meta.decode_slots
+            window = torch.cat([conv_states[slots], qkv[:num_decode, :, None]], dim=-1).to(weight.dtype)
+            conv_states[slots] = window[:, :, 1:].to(conv_states.dtype)
+            mixed = F.silu(F.conv1d(window, weight, groups=d.conv_dim)).to(qkv.dtype)  # [D, C, 1]
+            q, k, v = self._split_heads(mixed.transpose(1, 2))
+            o, s = recurrent_gated_delta_rule(q, k, v, g[:num_decode, None], beta[:num_decode, None],
+                                              rec_states[slots])
+            rec_states[slots] = s
+            out[:num_decode] = o[:, 0]
+        keep = d.conv_kernel - 1
+        for start, length, slot in meta.spans:
+            end = start + length
+            window = torch.cat([conv_states[slot], qkv[start:end].T], dim=-1).to(weight.dtype)  # [C, keep + L]
+            conv_states[slot] = window[:, window.shape[1] - keep:]
+            mixed = F.silu(F.conv1d(window[None], weight, groups=d.conv_dim)).to(qkv.dtype)  # [1, C, L]
+            q, k, v = self._split_heads(mixed.transpose(1, 2))
+            o, s = chunk_gated_delta_rule(q, k, v, g[None, start:end], beta[None, start:end],
+                                          rec_states[slot:slot + 1])
+            rec_states[slot] = s[0]
+            out[start:end] = o[0]
+        normed = self.norm(out.reshape(-1, d.head_v_dim), z.reshape(-1, d.head_v_dim))
+        return self.out_proj(normed.view(x.shape[0], d.value_dim))

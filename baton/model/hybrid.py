@@ -1,0 +1,194 @@
+"""Hybrid decoders: Gated DeltaNet state layers beside gated full-attention layers (Qwen3-Next,
+Qwen3.5 text), as transformers' modeling_qwen3_next.py / modeling_qwen3_5.py compute them.
+
+`HybridModel` is the one decoder (`LlamaModel`) with other layers: per layer either a Gated DeltaNet
+(`baton.model.gated_deltanet`, its memory a state slot per request in the runner's `StatePool`) or
+a gated attention (q_proj doubled: each head's query and an output gate, sigmoid-gated before
+o_proj; per-head q/k norm; the family's partial rotary) over the paged KV cache, which holds the
+attention layers only (`ModelConfig.attention_layers`: a 3-in-4 state model's blocks are a quarter
+of a dense one's). Gemma-style norms ((1 + w) weights), as the reference's. Qwen3-Next's MoE is
+`baton.model.moe.SparseMoE` with its shared expert behind a sigmoid gate (`GatedSharedExpert`).
+
+The native bf16 kernels do not run these layers: every dtype takes the torch path.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from baton.model.attention import AttentionMetadata
+from baton.model.config import ModelConfig
+from baton.model.gated_deltanet import DeltaNetDims, GatedDeltaNet, StateMeta, StatePool
+from baton.model.model import MLP, Attention, LlamaModel, RMSNorm, apply_rope, set_op
+from baton.model.moe import SparseMoE
+
+
+class GatedAttention(Attention):
+    """Qwen3-Next's attention: the query projection gives each head's query and an output gate."""
+
+    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+        super().__init__(config, layer_index)
+        # q|gate per head (2 * q_size rows, the checkpoint's q_proj as is), then k and v
+        self.qkv_proj = nn.Linear(config.hidden_size, 2 * self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        set_op(self, "qkv", self.qkv_proj)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, q_scale: torch.Tensor | None = None) -> torch.Tensor:
+        # x: [T, H] -> [T, H]
+        t, heads, kv_heads, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        query_gate, k, v = self.qkv(x).split([2 * self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, gate = query_gate.view(t, heads, 2 * d).chunk(2, dim=-1)
+        q, k = self.q_norm(q), self.k_norm(k.view(t, kv_heads, d))
+        v = v.view(t, kv_heads, d)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = self.attend(q, k, v, kv_cache, meta)  # [T, heads, head_dim]
+        return self.o(out.reshape(t, self.q_size) * torch.sigmoid(gate.reshape(t, self.q_size)))
+
+
+class GatedSharedExpert(nn.Module):
+    """Qwen3-Next's shared expert: sigmoid(shared_expert_gate(x)) * shared_expert(x)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.mlp = MLP(config, config.shared_expert_intermediate_size)
+        self.gate = nn.Linear(config.hidden_size, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.gate(x)) * self.mlp(x)
+
+
+class HybridLayer(nn.Module):
+    """Pre-norm: x += mixer(input_ln(x)); x += mlp(post_attention_ln(x)); the mixer a Gated DeltaNet
+    (`linear_attn`) or a gated attention (`self_attn`) over its slice of the KV cache (`kv_index`)."""
+
+    def __init__(self, config: ModelConfig, layer_index: int, dims: DeltaNetDims) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_kind)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_kind)
+        self.self_attn: GatedAttention | None = None
+        self.linear_attn: GatedDeltaNet | None = None
+        if config.layer_deltanet[layer_index]:
+            self.linear_attn = GatedDeltaNet(dims, config.hidden_size, config.rms_norm_eps,
+                                             sum(config.layer_deltanet[:layer_index]))
+            self.kv_index = -1
+        else:
+            self.self_attn = GatedAttention(config, layer_index)
+            self.kv_index = config.attention_layers.index(layer_index)
+        if config.is_moe(layer_index):
+            shared = GatedSharedExpert(config) if config.shared_expert_intermediate_size else None
+            self.mlp: nn.Module = SparseMoE(config, shared)
+        else:
+            self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, pool: StatePool, state: StateMeta) -> torch.Tensor:
+        h = self.input_layernorm(x)
+        if self.linear_attn is not None:
+            x += self.linear_attn(h, pool, state)
+        else:
+            assert self.self_attn is not None
+            x += self.self_attn(h, cos, sin, kv_cache[self.kv_index], meta)
+        x += self.mlp(self.post_attention_layernorm(x))
+        return x
+
+
+class HybridModel(LlamaModel):
+    """The decoder of a hybrid family (see the module docstring). `forward` takes the step's state
+    pool and which slot each row continues from (`state`); the KV cache holds the attention layers."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__(config)  # embeddings, final norm, head and the bookkeeping every model has
+        self.dims = DeltaNetDims(**config.deltanet)
+        self.num_state_layers = sum(config.layer_deltanet)
+        self.layers = nn.ModuleList(HybridLayer(config, i, self.dims) for i in range(config.num_layers))
+        self.attention_layers = [layer.self_attn for layer in self.layers if layer.self_attn is not None]
+        self.has_window = self.has_local_rope = False
+
+    def describe(self) -> str:
+        kv = self.attention_layers[0].backend.kv_dtype if self.attention_layers else None
+        cache = f"; {str(kv).removeprefix('torch.')} KV cache" if kv is not None else ""
+        return (f"{self.config.model_type}: torch path ({', '.join(self.native_unsupported)}); "
+                f"{self.num_state_layers} state layers, {len(self.attention_layers)} attention layers{cache}")
+
+    def use_kv_dtype(self, dtype: torch.dtype) -> None:
+        for attn in self.attention_layers:
+            attn.backend.use_kv_dtype(dtype)
+
+    def dense_mlp(self, mlp: nn.Module) -> nn.Module:
+        # Qwen3-Next's shared expert is a dense MLP behind a sigmoid gate (the Gated DeltaNet's
+        # projections run as plain nn.Linear: no op slots)
+        mlp = super().dense_mlp(mlp)
+        return mlp.mlp if isinstance(mlp, GatedSharedExpert) else mlp
+
+    def prepare(self, fast_linears: bool = True, native_kernels: bool = True,
+                batch_invariant: bool | str | None = None, pack_projections: bool = True,
+                release_originals: bool = False) -> None:
+        # LlamaModel.prepare's matmul plan, over the attention layers only (it sets each layer's
+        # attention backend); the native layer kernels never install (`native_unsupported`)
+        layers = self.layers
+        self.layers = nn.ModuleList(layer for layer in layers if layer.self_attn is not None)
+        try:
+            super().prepare(fast_linears, native_kernels, batch_invariant, pack_projections, release_originals)
+        finally:
+            self.layers = layers
+        self.layers_plan = None
+        self.fused_norm = None
+
+    @torch.inference_mode()
+    def forward(  # type: ignore[override]
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_cache: torch.Tensor,  # [attention layers, 2, kv_heads, num_slots, head_dim]
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,  # [S]
+        max_position: int,
+        hidden_indices: torch.Tensor | None = None,
+        state: tuple[StatePool, StateMeta] | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        assert state is not None, "a hybrid model's step needs its rows' state slots"
+        pool, state_meta = state
+        x = self.embed(input_ids)
+        cos, sin = self.rope(positions, max_position)
+        for layer in self.layers:
+            x = layer(x, cos, sin, kv_cache, meta, pool, state_meta)
+        return self._with_hidden(self.norm(x), logits_indices, hidden_indices)
+
+
+def hybrid_recipes(model: HybridModel, config: ModelConfig, expert_names: tuple[str, str, str]
+                   ) -> dict[str, list[list[list[str]]]]:
+    """The loader's recipes (see `baton.model.loader._Recipe`: alternatives of parts of names) for
+    a hybrid: q|gate, k, v fused; gate|up fused; experts stacked (transformers 5's 3D tensors or
+    per expert); the shared expert and its gate under Qwen3-Next's names; every other parameter
+    under its own name."""
+    out = {name: [[[name]]] for name, _ in model.named_parameters(remove_duplicate=False)}
+    gate_name, up_name, down_name = expert_names
+
+    def dense(own: str, ckpt: str) -> None:
+        out[f"{own}gate_up_proj.weight"] = [[[f"{ckpt}gate_up_proj.weight"]], [[f"{ckpt}gate_proj.weight",
+                                                                              f"{ckpt}up_proj.weight"]]]
+        out[f"{own}down_proj.weight"] = [[[f"{ckpt}down_proj.weight"]]]
+
+    for i, layer in enumerate(model.layers):
+        p = f"layers.{i}."
+        if layer.self_attn is not None:
+            attn = p + "self_attn."
+            for kind in ("weight", "bias") if config.attention_bias else ("weight",):
+                out[f"{attn}qkv_proj.{kind}"] = [[[f"{attn}{n}_proj.{kind}" for n in "qkv"]]]
+        mlp = p + "mlp."
+        if isinstance(layer.mlp, MLP):
+            dense(mlp, mlp)
+            continue
+        experts = range(config.num_experts)
+        out[f"{mlp}experts_gate_up"] = [
+            [[f"{mlp}experts.gate_up_proj"]],
+            [[f"{mlp}experts.{e}.{gate_name}.weight", f"{mlp}experts.{e}.{up_name}.weight"] for e in experts]]
+        out[f"{mlp}experts_down"] = [[[f"{mlp}experts.down_proj"]],
+                                     [[f"{mlp}experts.{e}.{down_name}.weight"] for e in experts]]
+        if isinstance(layer.mlp.shared_experts, GatedSharedExpert):
+            dense(f"{mlp}shared_experts.mlp.", f"{mlp}shared_expert.")
+            out[f"{mlp}shared_experts.gate.weight"] = [[[f"{mlp}shared_expert_gate.weight"]]]
+    if config.tie_word_embeddings:
+        out.pop("lm_head.weight", None)
+    return out

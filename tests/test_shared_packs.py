@@ -1,0 +1,138 @@
+"""One copy of a GGUF's packed weights per machine (issue 42, item 3): two worker processes loading the
+same GGUF map one packed file read-only (baton.model.packed_cache) instead of each repacking the blocks
+into memory of its own, and answer alike.
+
+The GGUF is a tiny Llama (tests/test_gguf_source.write_tiny_gguf's shapes) whose projections are Q8_0
+blocks, so that `--quantization auto` serves them through the native int8 kernel.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+from tests.test_gguf_source import write_tiny_gguf
+
+PROMPT = [5, 10, 20, 30, 44, 7, 9, 8]
+
+# Loads the model as a worker does and reports its greedy tokens, the packed files it maps, how (the
+# permissions: shared, read-only) and how many of those mapped bytes are copies of its own (Anonymous:
+# copy-on-write pages) rather than the page cache's file pages.
+LOAD = """
+import json, logging, sys
+logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+from baton.llm import LLM
+from baton.common.sampling_params import SamplingParams
+from baton.model.linear import QuantizedLinear
+
+llm = LLM(model=sys.argv[1], dtype="bfloat16", quantization="auto", num_kv_blocks=32, num_threads=1)
+[out] = llm.generate([json.loads(sys.argv[2])], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+model = llm.engine.runtime.model
+ops = [getattr(owner, name) for owner, name, _ in model.projection_slots()]
+maps, current = {}, None
+for line in open("/proc/self/smaps"):
+    fields = line.split()
+    if "-" in fields[0] and len(fields) >= 6:
+        current = fields[5] if fields[5].endswith(".bin") and "/packed/" in fields[5] else None
+        if current:
+            maps.setdefault(current, {"perms": set(), "rss_kb": 0, "anonymous_kb": 0})["perms"].add(fields[1])
+    elif current and fields[0] == "Rss:":
+        maps[current]["rss_kb"] += int(fields[1])
+    elif current and fields[0] == "Anonymous:":
+        maps[current]["anonymous_kb"] += int(fields[1])
+for m in maps.values():
+    m["perms"] = sorted(m["perms"])
+print(json.dumps({"tokens": out.outputs[0].token_ids, "maps": maps,
+                  "quantized": sum(isinstance(op, QuantizedLinear) and op.native for op in ops)}))
+"""
+
+
+def write_q8_0_gguf(path: Path) -> None:
+    """write_tiny_gguf's model with its projections (not the embedding or norms) as Q8_0 blocks."""
+    write_tiny_gguf(path)
+    reader = gguf.GGUFReader(str(path))
+    writer = gguf.GGUFWriter(str(path) + ".q8", "llama")
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        value = field.contents()
+        kind = field.types[0]
+        if kind == gguf.GGUFValueType.ARRAY:
+            writer.add_key_value(field.name, value, kind, sub_type=field.types[-1])
+        else:
+            writer.add_key_value(field.name, value, kind)
+    for tensor in reader.tensors:
+        data = np.asarray(tensor.data, dtype=np.float32).reshape([int(x) for x in reversed(tensor.shape)])
+        if tensor.name.startswith("blk.") and data.ndim == 2:
+            writer.add_tensor(tensor.name, gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0),
+                              raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            writer.add_tensor(tensor.name, data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    os.replace(str(path) + ".q8", path)
+
+
+@pytest.fixture
+def kernels_or_skip():
+    from baton.model import kernels
+
+    loaded = kernels.load()
+    if loaded is None or not loaded.q8_available():
+        pytest.skip("no native int8 kernel on this CPU: nothing is packed, so nothing is shared")
+    return loaded
+
+
+def test_two_workers_map_one_packed_file_and_answer_alike(tmp_path, monkeypatch, kernels_or_skip):
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("BATON_CACHE", str(cache))
+    source = tmp_path / "tiny-q8.Q8_0.gguf"
+    write_q8_0_gguf(source)
+    from baton.common.model_files import resolve_model
+
+    model_dir = resolve_model(str(source))  # converted once here: the two loads below start together
+    env = {**os.environ, "BATON_CACHE": str(cache), "TOKENIZERS_PARALLELISM": "false"}
+    cmd = [sys.executable, "-c", LOAD, str(model_dir), json.dumps(PROMPT)]
+    cwd = Path(__file__).resolve().parents[1]
+    procs = [subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    results, logs = [], []
+    for proc in procs:
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-3000:]
+        results.append(json.loads(out.strip().splitlines()[-1]))
+        logs.append(err)
+
+    [packed_file] = list((cache / "packed").glob("*.bin"))
+    for result in results:
+        assert result["quantized"] == 4  # qkv, o, gate_up, down: the file's Q8_0 blocks, natively
+        assert list(result["maps"]) == [str(packed_file)]  # both map the one file ...
+        mapping = result["maps"][str(packed_file)]
+        assert mapping["perms"] == ["r--s"] and mapping["rss_kb"] > 0  # read-only, shared, in use ...
+        assert mapping["anonymous_kb"] == 0  # ... and no page of it copied into the process
+    assert results[0]["tokens"] == results[1]["tokens"]
+    # one process packed and wrote, the other waited for it and only mapped
+    assert sorted("written to" in log for log in logs) == [False, True]
+    assert sum("mapped from" in log for log in logs) == 1
+
+    # a third load, alone, maps the same file and answers the same
+    third = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=300)
+    assert third.returncode == 0, third.stderr[-3000:]
+    assert json.loads(third.stdout.strip().splitlines()[-1])["tokens"] == results[0]["tokens"]
+    assert "mapped from" in third.stderr and list((cache / "packed").glob("*.bin")) == [packed_file]
+
+    # and a worker with the shared file turned off packs its own copy, to the same tokens
+    private = subprocess.run(cmd, env={**env, "BATON_PACKED_CACHE": "off"}, cwd=cwd, capture_output=True,
+                             text=True, timeout=300)
+    assert private.returncode == 0, private.stderr[-3000:]
+    alone = json.loads(private.stdout.strip().splitlines()[-1])
+    assert alone["maps"] == {} and alone["tokens"] == results[0]["tokens"]
