@@ -254,10 +254,13 @@ def describe_steps(steps: list[tuple[int, int, float]]) -> str:
 def load_hf(model_dir: Path, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
 
+    from baton.common.model_files import transformers_source
+
+    path, source = transformers_source(model_dir)  # a GGUF's directory: transformers reads the file
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **source)
     except TypeError:  # transformers < 4.56 spells it torch_dtype
-        model = AutoModelForCausalLM.from_pretrained(str(model_dir), torch_dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=dtype, **source)
     model.eval()
     return model
 

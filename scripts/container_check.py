@@ -29,6 +29,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 MODEL_DIR = "/opt/baton/cache/models/SmolLM2-135M-Instruct"
 CHAT = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
@@ -46,7 +47,10 @@ def reference() -> None:
 
     torch.set_num_threads(2)
     tok = AutoTokenizer.from_pretrained(MODEL_DIR)
-    model = AutoModelForCausalLM.from_pretrained(MODEL_DIR, dtype=torch.float32)
+    from baton.common.model_files import transformers_source
+
+    path, kwargs = transformers_source(Path(MODEL_DIR))  # a GGUF's directory: transformers reads the file
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs)
 
     def greedy(ids: list[int], n: int) -> str:
         t = torch.tensor([ids])

@@ -153,7 +153,10 @@ class Reference:
             # eager) and so drops its attention soft-cap (measured: other tokens from position 45
             # on); eager is the reference's own implementation, which Baton follows
             kwargs["attn_implementation"] = "eager"
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, **kwargs).to(device).eval()
+        from baton.common.model_files import transformers_source
+
+        path, source = transformers_source(Path(model_dir))  # a GGUF's directory: the file itself
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs, **source).to(device).eval()
         self.attn = self.model.config._attn_implementation
         self.device = device
         self.cache: dict[tuple[int, ...], tuple[list[int], list[float]]] = {}

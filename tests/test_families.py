@@ -5,9 +5,9 @@ seeded), weights scaled up so that greedy is decided by clear margins (see conft
 `tiny_model_dir`), saved with `save_pretrained` next to the default model's tokenizer. Baton's
 greedy tokens (float32, the parity path) must equal `generate(do_sample=False)`'s, batched, in
 8-token prefill chunks, and through preemption and recompute; prompts are longer than every
-sliding window. A vision-language checkpoint (mistral3, gemma3) is built whole, with a tiny vision
-tower, and Baton serves its text model: greedy tokens equal those of transformers' model given text
-only (its language model and head). Also: a checkpoint with an unknown or a missing tensor is
+sliding window (and every Llama 4 chunk). A vision-language checkpoint (mistral3, gemma3, llama4) is
+built whole, with a tiny vision tower, and Baton serves its text model: greedy tokens equal those of
+transformers' model given text only (its language model and head). Also: a checkpoint with an unknown or a missing tensor is
 refused by name, tensors skipped by a named rule (a vision tower, GLM's MTP layer) are counted in
 the log, and each non-Llama family runs in bf16 on the torch path (the native kernels do the plain
 Llama layer only).
@@ -58,6 +58,13 @@ GEMMA3_TEXT = dict(
     layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
     rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                      "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 4.0}})
+# Llama 4: layers 0-2 rotary with chunked attention (16-token chunks, so that prompts cross several)
+# and L2 q/k norm, layer 3 no rotary with temperature-tuned queries (floor_scale 8, so that they grow
+# within the prompts); layers 1 and 3 MoE (4 experts, top-1, a shared expert), 0 and 2 dense and wider
+CHUNK = 16
+LLAMA4_TEXT = dict(num_hidden_layers=4, num_local_experts=4, num_experts_per_tok=1, intermediate_size=32,
+                   intermediate_size_mlp=128, interleave_moe_layer_step=2, attention_chunk_size=CHUNK,
+                   floor_scale=8, attn_scale=0.5)
 # a vision tower as small as its config class allows: served text only, it is never run
 TINY_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
                    patch_size=14)
@@ -106,6 +113,7 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
         num_local_experts=4, num_experts_per_tok=2, intermediate_size=32, sliding_window=WINDOW, swiglu_limit=1.0,
         rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=8.0, original_max_position_embeddings=64,
                              beta_fast=32.0, beta_slow=1.0, truncate=False))),
+    "llama4_text": ("Llama4TextConfig", "Llama4ForCausalLM", LLAMA4_TEXT),
     # vision-language checkpoints served text only; the head untied here (in the checkpoint), tied
     # (absent from it) in Gemma 3's; Gemma 3's VLM head applies no final soft-capping, its text model's would
     "mistral3": ("Mistral3Config", "Mistral3ForConditionalGeneration", dict(
@@ -114,8 +122,12 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "gemma3": ("Gemma3Config", "Gemma3ForConditionalGeneration", dict(
         mm_tokens_per_image=4, text_config=("Gemma3TextConfig", dict(GEMMA3_TEXT, final_logit_softcapping=8.0)),
         vision_config=("SiglipVisionConfig", TINY_VISION))),
+    "llama4": ("Llama4Config", "Llama4ForConditionalGeneration", dict(
+        text_config=("Llama4TextConfig", LLAMA4_TEXT),
+        vision_config=("Llama4VisionConfig", dict(TINY_VISION, vision_output_dim=64, projector_input_dim=64,
+                                                  projector_output_dim=64)))),
 }
-VISION_LANGUAGE = ("mistral3", "gemma3")
+VISION_LANGUAGE = ("mistral3", "gemma3", "llama4")
 # the spread of random biases; GLM's v bias passes through attention whole and, at 0.5, drowns the
 # token embeddings (every prompt's greedy output collapsed to one or two tokens)
 BIAS_STD: dict[str, float] = {"glm4_moe": 0.1}
@@ -572,6 +584,71 @@ def test_gpt_oss_sinks_and_clamp_matter(family_dir, prompts, tmp_path):
     assert [hf_greedy(no_sinks, p) for p in prompts] != expected
     unclamped = _with_config(model_dir, tmp_path / "unclamped", swiglu_limit=1e9)
     assert [hf_greedy(unclamped, p) for p in prompts] != expected
+
+
+# ------------------------------------------------------------------ Llama 4: chunks, temperature, q/k norm, rotary
+
+def test_llama4_chunks_temperature_and_qk_norm_matter(family_dir, prompts, tmp_path):
+    """The Llama 4 oracle is meaningful: transformers' greedy tokens change without the chunk mask (for
+    prompts crossing a chunk boundary), without the temperature tuning and without the L2 q/k norm, so
+    a Baton missing any would fail the parity above."""
+    model_dir = family_dir("llama4_text")
+    long_prompts = [p for p in prompts if len(p) > CHUNK]
+    expected = [hf_greedy(model_dir, p) for p in long_prompts]
+    unchunked = _with_config(model_dir, tmp_path / "unchunked", attention_chunk_size=None,
+                             layer_types=["full_attention"] * 4)
+    assert [hf_greedy(unchunked, p) for p in long_prompts] != expected
+    untuned = _with_config(model_dir, tmp_path / "untuned", attn_temperature_tuning=False)
+    assert [hf_greedy(untuned, p) for p in long_prompts] != expected
+    unnormed = _with_config(model_dir, tmp_path / "unnormed", use_qk_norm=False)
+    assert [hf_greedy(unnormed, p) for p in long_prompts] != expected
+
+
+def test_a_llama4_scout_style_config_reads_as_transformers_reads_it(tmp_path):
+    """A Llama 4 Scout-style vision-language config.json (4.51's keys: rope_scaling, an empty
+    no_rope_layers, no moe_layers / layer_types): its no-rotary, chunked and MoE layers, sizes and
+    temperature tuning as transformers' Llama4Config reads them."""
+    from transformers import AutoConfig
+
+    from baton.model.config import ModelConfig
+
+    text = {"attention_bias": False, "attention_chunk_size": 8192, "attn_scale": 0.1, "attn_temperature_tuning": True,
+            "bos_token_id": 200000, "eos_token_id": [200001, 200007, 200008], "floor_scale": 8192, "head_dim": 128,
+            "hidden_act": "silu", "hidden_size": 5120, "interleave_moe_layer_step": 1, "intermediate_size": 8192,
+            "intermediate_size_mlp": 16384, "max_position_embeddings": 10485760, "model_type": "llama4_text",
+            "no_rope_layers": [], "num_attention_heads": 40, "num_experts_per_tok": 1, "num_hidden_layers": 48,
+            "num_key_value_heads": 8, "num_local_experts": 16, "rms_norm_eps": 1e-05,
+            "rope_scaling": {"factor": 16.0, "high_freq_factor": 1.0, "low_freq_factor": 1.0,
+                             "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+            "rope_theta": 500000.0, "use_qk_norm": True, "vocab_size": 202048}
+    raw = {"architectures": ["Llama4ForConditionalGeneration"], "model_type": "llama4", "text_config": text,
+           "vision_config": {"model_type": "llama4_vision_model"}, "tie_word_embeddings": False}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    hf = AutoConfig.from_pretrained(tmp_path).text_config
+    config = ModelConfig.from_dir(tmp_path)
+    assert config.text_only_of == "llama4" and config.model_type == "llama4_text"
+    assert config.layer_rope == [bool(v) for v in hf.no_rope_layers] and config.layer_rope.count(False) == 12
+    assert config.layer_sliding == [t == "chunked_attention" for t in hf.layer_types]
+    assert config.chunked_window and config.sliding_window == hf.attention_chunk_size
+    assert config.layer_moe == [i in hf.moe_layers for i in range(48)] and all(config.layer_moe)
+    assert (config.intermediate_size, config.moe_intermediate_size, config.num_shared_experts) == (16384, 8192, 1)
+    assert (config.router, config.expert_form, config.qk_norm, config.rope_interleaved) == (
+        "sigmoid_input", "llama4", "l2", True)
+    assert (config.attn_temperature_scale, config.attn_temperature_floor) == (hf.attn_scale, hf.floor_scale)
+    assert (config.rope_scaling or {}).get("rope_type") == "llama3" and config.rope_theta == 500000.0
+    assert {"chunked attention", "attention temperature", "MoE"} <= set(config.native_unsupported())
+
+
+def test_llama4_interleaved_rotary_is_reordered_at_load(family_dir, prompts, monkeypatch):
+    """Llama 4 rotates interleaved pairs (2i, 2i + 1); Baton's rotary pairs (i, i + d/2), so the
+    loader reorders q/k rows: without that reordering Baton's tokens are not transformers'."""
+    from baton.model import loader
+
+    model_dir = family_dir("llama4_text")
+    expected = [hf_greedy(model_dir, p) for p in prompts]
+    monkeypatch.setattr(loader, "_half_split_qk", lambda qkv, config: qkv)
+    llm = LLM(model=str(model_dir), dtype="float32", num_kv_blocks=128)
+    assert tokens_of(llm.generate(prompts, greedy())) != expected
 
 
 def test_gpt_oss_mxfp4_experts_load_as_transformers_dequantizes_them(family_dir, prompts, tmp_path):

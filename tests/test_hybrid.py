@@ -1,5 +1,5 @@
-"""Hybrid families (Gated DeltaNet state layers beside gated attention: Qwen3-Next, Qwen3.5 text)
-against transformers.
+"""Hybrid families (Gated DeltaNet state layers beside gated attention: Qwen3-Next, Qwen3.5 text and
+Qwen3.5-MoE; LFM2's short-conv state layers beside GQA attention) against transformers.
 
 The layer: Baton's Gated DeltaNet, given transformers' layer's weights, computes its output over a
 sequence fed in pieces (two prefill chunks, then decode tokens, each continuing from the state
@@ -38,7 +38,18 @@ HYBRIDS: dict[str, tuple[str, str, dict[str, Any]]] = {
         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
         decoder_sparse_step=1, mlp_only_layers=[1], norm_topk_prob=True)),
     "qwen3_5_text": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", dict()),
+    # every layer MoE (4 experts, top 2, always renormalised) with the gated shared expert
+    "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)),
+    # short-conv state layers (no Gated DeltaNet keys); the MLP's width derived by the block_* keys: 128 -> 96
+    "lfm2": ("Lfm2Config", "Lfm2ForCausalLM", dict(
+        layer_types=["conv", "conv", "full_attention", "conv"], rope_parameters={"rope_type": "default",
+                                                                                 "rope_theta": 10000.0},
+        conv_L_cache=3, block_multiple_of=32)),
 }
+# the vision-language checkpoints served text only: (text family, config class, model class)
+VISION_LANGUAGE = {"qwen3_5": ("qwen3_5_text", "Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
+                   "qwen3_5_moe": ("qwen3_5_moe_text", "Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration")}
 
 
 # Qwen3.5's vision-language checkpoint (`qwen3_5`), served text only: the qwen3_5_text model above
@@ -50,13 +61,15 @@ TINY_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, o
 def build_hybrid(family: str, out: Path, tokenizer_dir: Path) -> Path:
     import transformers
 
-    text_family = "qwen3_5_text" if family == "qwen3_5" else family
+    text_family = VISION_LANGUAGE[family][0] if family in VISION_LANGUAGE else family
     config_name, model_name, overrides = HYBRIDS[text_family]
-    text = {**SMALL, **DELTANET, "num_hidden_layers": 4, "layer_types": LAYER_TYPES, "rope_parameters": ROPE,
-            **overrides}
-    if family == "qwen3_5":
-        config = transformers.Qwen3_5Config(text_config=text, vision_config=TINY_VISION)
-        model_name = "Qwen3_5ForConditionalGeneration"
+    deltanet = {} if text_family == "lfm2" else {**DELTANET, "layer_types": LAYER_TYPES, "rope_parameters": ROPE}
+    text = {**SMALL, "num_hidden_layers": 4, **deltanet, **overrides}
+    if text_family == "qwen3_5_moe_text":
+        del text["intermediate_size"]  # as released: no dense MLP, no dense size
+    if family in VISION_LANGUAGE:
+        _, vl_config_name, model_name = VISION_LANGUAGE[family]
+        config = getattr(transformers, vl_config_name)(text_config=text, vision_config=TINY_VISION)
     else:
         config = getattr(transformers, config_name)(**text)
     torch.manual_seed(sum(map(ord, family)))
@@ -69,7 +82,7 @@ def build_hybrid(family: str, out: Path, tokenizer_dir: Path) -> Path:
                 # norms off their init (a norm loaded wrong changes the output); the final one
                 # large, stored as (w - 1): top logits far apart
                 param.add_(0.2 * torch.randn_like(param))
-                if name in ("model.norm.weight", "model.language_model.norm.weight"):
+                if name in ("model.norm.weight", "model.language_model.norm.weight", "model.embedding_norm.weight"):
                     param.add_(29.0)
     return save_with_tokenizer(model, out, tokenizer_dir)
 
@@ -84,7 +97,7 @@ def hybrid_dir(tmp_path_factory, default_model_dir):
 
 # ------------------------------------------------------------------ the layer, fed in pieces
 
-@pytest.mark.parametrize("family", list(HYBRIDS))
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_text"])  # the two layouts (Qwen3.5-MoE's is Qwen3.5's)
 def test_gated_deltanet_in_pieces_equals_transformers_whole(family):
     import transformers
 
@@ -126,6 +139,40 @@ def test_gated_deltanet_in_pieces_equals_transformers_whole(family):
     torch.testing.assert_close(again, expected[0, :37], atol=1e-4, rtol=1e-4)
 
 
+def test_short_conv_in_pieces_equals_transformers_whole():
+    """LFM2's gated short convolution, fed in pieces from its state slot (prefill chunks shorter and
+    longer than its conv state, then decode tokens), computes what transformers' layer computes
+    over each whole sequence."""
+    import transformers
+    from transformers.models.lfm2.modeling_lfm2 import Lfm2ShortConv
+
+    from baton.model.gated_deltanet import StateMeta, StatePool
+    from baton.model.short_conv import ShortConv, ShortConvDims
+
+    config = transformers.Lfm2Config(hidden_size=64, num_hidden_layers=1, layer_types=["conv"], conv_L_cache=3)
+    torch.manual_seed(11)
+    reference = Lfm2ShortConv(config, 0).eval()
+    with torch.no_grad():
+        for param in reference.parameters():
+            param.normal_(0.0, 0.3)
+    dims = ShortConvDims(64, 3, bias=False)
+    layer = ShortConv(dims, state_index=0)
+    layer.load_state_dict(reference.state_dict(), strict=True)  # the checkpoint's names under `conv.`
+    x = torch.randn(2, 20, 64)
+    none = torch.zeros(0, dtype=torch.long)
+    with torch.no_grad():
+        expected = reference(x)
+        pool = StatePool(dims, 1, 4, torch.float32, torch.device("cpu"))
+        assert pool.recurrent is None  # a conv state only
+        a, b = pool.slot("a", starting=True), pool.slot("b", starting=True)
+        first = layer(torch.cat([x[0, :7], x[1, :1]]), pool, StateMeta(none, [(0, 7, a), (7, 1, b)]))
+        second = layer(torch.cat([x[0, 7:18], x[1, 1:20]]), pool, StateMeta(none, [(0, 11, a), (11, 19, b)]))
+        decode = [layer(x[0, t:t + 1], pool, StateMeta(torch.tensor([a]), [])) for t in (18, 19)]
+    assert expected.abs().max() > 1.0
+    torch.testing.assert_close(torch.cat([first[:7], second[:11], *decode]), expected[0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(torch.cat([first[7:], second[11:]]), expected[1], atol=1e-4, rtol=1e-4)
+
+
 # ------------------------------------------------------------------ greedy parity, float32
 
 @pytest.mark.parametrize("family", list(HYBRIDS))
@@ -153,13 +200,15 @@ def test_greedy_matches_transformers(family, hybrid_dir, prompts, caplog):  # no
     assert len(llm.engine.runtime.runner.state_pool.owner) == 0
 
 
-def test_the_vision_language_checkpoint_is_served_text_only(hybrid_dir, prompts, caplog):  # noqa: F811
-    """Qwen3.5 as released (`Qwen3_5ForConditionalGeneration`, model_type qwen3_5): Baton serves its
-    language model, the vision tower skipped by name (logged), and gives the greedy tokens of
-    transformers' whole model given text only."""
+@pytest.mark.parametrize("family", list(VISION_LANGUAGE))
+def test_the_vision_language_checkpoint_is_served_text_only(family, hybrid_dir, prompts, caplog):  # noqa: F811
+    """Qwen3.5 and Qwen3.5-MoE as released (`Qwen3_5ForConditionalGeneration`, model_type qwen3_5;
+    `Qwen3_5MoeForConditionalGeneration`, qwen3_5_moe): Baton serves the language model, the vision
+    tower skipped by name (logged), and gives the greedy tokens of transformers' whole model given
+    text only."""
     from transformers import AutoModelForImageTextToText, GenerationConfig
 
-    model_dir = hybrid_dir("qwen3_5")
+    model_dir = hybrid_dir(family)
     reference = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
     config = GenerationConfig(do_sample=False, max_new_tokens=8, eos_token_id=None, pad_token_id=0)
     expected = []
@@ -172,7 +221,7 @@ def test_the_vision_language_checkpoint_is_served_text_only(hybrid_dir, prompts,
     with caplog.at_level("INFO", logger="baton.model.loader"):
         llm = LLM(model=str(model_dir), dtype="float32", num_kv_blocks=128, max_num_batched_tokens=8)
     assert "skipping the vision tower" in caplog.text
-    assert llm.engine.model_config.text_only_of == "qwen3_5"
+    assert llm.engine.model_config.text_only_of == family
     assert tokens_of(llm.generate(prompts, greedy())) == expected
 
 
@@ -201,7 +250,7 @@ def test_multi_token_prediction_tensors_are_skipped_by_name(hybrid_dir, prompts,
 # Qwen3-Next's tiny MoE model is left out: there transformers' own bf16 misses its float32 argmax
 # by 4.5% of the logit spread on the 17-token prompt's first token (a routing flip), so the
 # criterion would judge bf16 itself, not Baton
-@pytest.mark.parametrize("family", ["qwen3_5_text"])
+@pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_5_moe_text", "lfm2"])
 def test_bf16_greedy_is_transformers_but_at_near_ties(family, hybrid_dir, prompts):  # noqa: F811
     """The serving dtype (as tests/test_families.py checks every family): each of 16 greedy bf16
     tokens is transformers' float32 argmax after the same tokens, or within 3% of the row's logit
@@ -288,3 +337,42 @@ def test_released_configs_resolve_as_transformers_reads_them(tmp_path):
     next_config = ModelConfig.from_dir(tmp_path / "next")
     assert (next_config.num_experts, next_config.shared_expert_intermediate_size) == (512, 512)
     assert all(next_config.is_moe(i) for i in range(48)) and len(next_config.attention_layers) == 12
+
+
+def test_released_lfm2_and_qwen3_5_moe_configs_resolve_as_transformers_reads_them(tmp_path):
+    """LFM2-1.2B's config as released (the older keys: `block_ff_dim`, `full_attn_idxs`, no
+    `layer_types`, head tied by default) and a Qwen3.5-MoE vision-language config (no dense
+    `intermediate_size`): the layer kinds, the MLP width, the eps and the head come out as
+    transformers' classes make them."""
+    from transformers import AutoConfig
+    from transformers.models.lfm2.modeling_lfm2 import Lfm2MLP
+
+    from baton.model.config import ModelConfig
+
+    lfm2 = {"model_type": "lfm2", "architectures": ["Lfm2ForCausalLM"], "vocab_size": 65536, "hidden_size": 2048,
+            "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8, "block_ff_dim": 12288,
+            "block_auto_adjust_ff_dim": True, "block_ffn_dim_multiplier": 1.0, "block_multiple_of": 256,
+            "full_attn_idxs": [2, 5, 8, 10, 12, 14], "conv_L_cache": 3, "conv_bias": False, "norm_eps": 1e-5,
+            "rope_theta": 1000000.0, "max_position_embeddings": 128000}
+    moe_vl = {"model_type": "qwen3_5_moe", "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+              "text_config": {"model_type": "qwen3_5_moe_text", "vocab_size": 248320, "hidden_size": 2048,
+                              "num_hidden_layers": 40, "num_attention_heads": 16, "num_key_value_heads": 2,
+                              "head_dim": 256, "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
+                              "num_experts": 256, "num_experts_per_tok": 8},
+              "vision_config": {"model_type": "qwen3_5_moe", "depth": 2}}
+    for name, raw in (("lfm2", lfm2), ("moe", moe_vl)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(raw))
+    hf = AutoConfig.from_pretrained(tmp_path / "lfm2")
+    config = ModelConfig.from_dir(tmp_path / "lfm2")
+    assert config.layer_deltanet == [t == "conv" for t in hf.layer_types] and config.attention_layers == [2, 5, 8, 10,
+                                                                                                          12, 14]
+    assert config.intermediate_size == Lfm2MLP(hf).w1.out_features == 8192
+    assert config.rms_norm_eps == hf.norm_eps and config.tie_word_embeddings is hf.tie_word_embeddings is True
+    assert config.deltanet == dict(hidden_size=2048, conv_kernel=3, bias=False, layout="short_conv")
+    moe = ModelConfig.from_dir(tmp_path / "moe")
+    text = AutoConfig.from_pretrained(tmp_path / "moe").text_config
+    assert moe.text_only_of == "qwen3_5_moe" and moe.model_type == "qwen3_5_moe_text"
+    assert moe.layer_deltanet == [t == "linear_attention" for t in text.layer_types]
+    assert (moe.num_experts, moe.moe_intermediate_size, moe.shared_expert_intermediate_size) == (256, 512, 512)
+    assert all(moe.is_moe(i) for i in range(40)) and moe.norm_topk_prob

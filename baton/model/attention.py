@@ -22,7 +22,9 @@ Sliding windows (Mistral, Gemma 2/3, ...): a window layer attends only the last 
 (itself included: key j is seen by query i when i - window < j <= i, transformers' rule). The
 window is in the masks, not in the backend: `windowed(meta, window)` rebuilds the step's masks
 once per step and the window layers get that metadata, so every step kind (prefill chunks, mixed,
-decode) is covered by the same code. Soft-capping (Gemma 2) needs the scores between the matmuls,
+decode) is covered by the same code; Llama 4's chunked attention (a query attends only the keys in
+its own `attention_chunk_size`-aligned chunk) is the same masks with another rule (`chunked`).
+Soft-capping (Gemma 2) needs the scores between the matmuls,
 so capped layers run the reference's eager attention (`_eager`) instead of SDPA; so do layers with
 attention sinks (gpt-oss: a learned logit per head joins every softmax row and is dropped after it).
 
@@ -248,9 +250,11 @@ def _eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     return torch.matmul(probs, v)
 
 
-def windowed(meta: AttentionMetadata, window: int) -> AttentionMetadata:
+def windowed(meta: AttentionMetadata, window: int, chunked: bool = False) -> AttentionMetadata:
     """The step's metadata with every mask narrowed to a sliding window of `window` positions
-    (key j is attended by the query at position i when i - window < j <= i). Built once per step
+    (key j is attended by the query at position i when i - window < j <= i), or, `chunked`, to the
+    query's own chunk of `window` positions (j // window == i // window, j <= i: Llama 4's chunked
+    attention, transformers' chunked_overlay; never wider than the sliding window). Built once per step
     for all the window layers; the torch paths read only the masks, so this is all a window takes.
     Decode groups must carry their padded-path masks (a window model never runs the native kernel)."""
     groups = []
@@ -260,19 +264,20 @@ def windowed(meta: AttentionMetadata, window: int) -> AttentionMetadata:
         length = g.num_blocks * meta.block_size
         j = torch.arange(length, device=g.context_lens.device).unsqueeze(0)  # [1, L]
         lens = g.context_lens.unsqueeze(1)  # [count, 1]; the query sits at lens - 1
-        attend = (j < lens) & (j >= lens - window)  # [count, L]
+        first = (lens - 1) // window * window if chunked else lens - window  # the first key attended
+        attend = (j < lens) & (j >= first)  # [count, L]
         bias = torch.zeros(attend.shape, dtype=torch.float32, device=attend.device).masked_fill_(~attend, float("-inf"))
         groups.append(replace(g, mask=attend.view(g.count, 1, 1, length), bias=bias.view(1, g.count, 1, length)))
     spans = []
     for span in meta.prefills:
         if span.context_len <= window:
-            spans.append(span)  # nothing is outside the window yet: the causal mask is the window mask
+            spans.append(span)  # nothing is outside the window (the first chunk) yet: the causal mask is it
             continue
         first = span.context_len - span.length  # position of the chunk's first query
         device = span.mask.device if span.mask is not None else meta.slot_mapping.device
         keys = torch.arange(span.context_len, device=device).unsqueeze(0)  # [1, ctx]
         pos = torch.arange(first, span.context_len, device=device).unsqueeze(1)  # [n, 1]
-        mask = (keys <= pos) & (keys > pos - window)
+        mask = (keys <= pos) & ((keys // window == pos // window) if chunked else (keys > pos - window))
         # batch-invariant decode-style prefill attends whole contexts: not for window layers
         spans.append(replace(span, mask=mask.view(1, 1, span.length, span.context_len), block_ids=None))
     return replace(meta, decode_groups=groups, prefills=spans)

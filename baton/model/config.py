@@ -42,7 +42,7 @@ class ModelConfig:
     model_type: str = "llama"
     norm_kind: str = "rms"  # rms | gemma ((1 + w) weights)
     norm_placement: str = "pre"  # pre | sandwich | post
-    qk_norm: str = "none"  # none | head | full
+    qk_norm: str = "none"  # none | head | full | l2 (weightless, rotary layers only: Llama 4)
     o_bias: bool = False
     hidden_act: str = "silu"  # silu | gelu_pytorch_tanh
     partial_rotary_factor: float = 1.0  # rotary on the first head_dim * factor dims (Phi-4-mini)
@@ -62,6 +62,15 @@ class ModelConfig:
     # queries times 1 + beta * log(1 + floor(position / period)) after the rotary (Ministral 3); 0: none
     query_scale_beta: float = 0.0
     query_scale_period: int = 0
+    # Llama 4's attention temperature on the no-rotary layers: queries times 1 + scale *
+    # log1p(floor((position + 1) / floor)); scale 0: none
+    attn_temperature_scale: float = 0.0
+    attn_temperature_floor: float = 1.0
+    # the window layers attend their own `sliding_window`-aligned chunk of positions, not the last
+    # `sliding_window` (Llama 4's chunked attention)
+    chunked_window: bool = False
+    # the checkpoint's rotary pairs (2i, 2i + 1): its q/k rows are permuted at load (baton.model.loader)
+    rope_interleaved: bool = False
     # MoE (num_experts == 0: dense)
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -128,6 +137,8 @@ class ModelConfig:
             "MoE": self.num_experts > 0,
             "state layers": self.has_state_layers,
             "attention sinks": self.attention_sinks,
+            "chunked attention": self.chunked_window,
+            "attention temperature": self.attn_temperature_scale != 0.0,
         }
         reasons += [name for name, hit in checks.items() if hit]
         return reasons
@@ -154,7 +165,9 @@ class ModelConfig:
         hidden = raw["hidden_size"]
         head_dim = raw.get("head_dim") or hidden // heads
         fields: dict[str, Any] = dict(
-            vocab_size=raw["vocab_size"], hidden_size=hidden, intermediate_size=raw["intermediate_size"],
+            # all-MoE configs (Qwen3.5-MoE) name no dense intermediate_size: the expert's then
+            vocab_size=raw["vocab_size"], hidden_size=hidden,
+            intermediate_size=raw.get("intermediate_size") or raw.get("moe_intermediate_size", 0),
             num_layers=num_layers, num_heads=heads, num_kv_heads=raw.get("num_key_value_heads") or heads,
             head_dim=head_dim, rms_norm_eps=raw.get("rms_norm_eps", 1e-6 if spec.norm == "gemma" else 1e-5),
             max_position_embeddings=raw.get("max_position_embeddings", 2048),
@@ -170,6 +183,11 @@ class ModelConfig:
         )
         if spec.qk_norm == "config_head":
             fields["qk_norm"] = "head" if raw.get("use_qk_norm") else "none"
+        elif spec.qk_norm == "l2_config":  # Llama4TextConfig's use_qk_norm is on by default
+            fields["qk_norm"] = "l2" if raw.get("use_qk_norm", True) else "none"
+        if spec.dense_intermediate_key and raw.get(spec.dense_intermediate_key):
+            fields["intermediate_size"] = int(raw[spec.dense_intermediate_key])
+        fields["rope_interleaved"] = spec.rope_interleaved
         bias = bool(raw.get("attention_bias", False))
         fields["attention_bias"] = {"none": False, "qkv": True, "config": bias, "config_qkv": bias}[spec.bias]
         fields["o_bias"] = spec.bias == "config" and bias
@@ -180,8 +198,10 @@ class ModelConfig:
         fields["hidden_act"] = act
         fields.update(_rope_fields(raw, spec))
         fields.update(_window_fields(raw, spec, num_layers))
-        if spec.no_rope_layers and raw.get("no_rope_layers") is not None:
-            fields["layer_rope"] = [bool(v) for v in raw["no_rope_layers"]]  # 1 = rotary, 0 = none
+        if spec.no_rope_layers:
+            fields["layer_rope"] = _rope_layers(raw, num_layers)
+        if spec.window == "chunked":
+            fields.update(_chunk_fields(raw, fields.get("layer_rope") or [True] * num_layers))
         if spec.softcap:
             fields["attn_logit_softcap"] = raw.get("attn_logit_softcapping")
             fields["final_logit_softcap"] = raw.get("final_logit_softcapping")
@@ -201,10 +221,16 @@ class ModelConfig:
         fields["attention_sinks"] = spec.attention_sinks
         if spec.deltanet:
             fields.update(_deltanet_fields(raw, spec, num_layers))
+        if spec.short_conv:
+            fields.update(_short_conv_fields(raw, num_layers))
         if spec.mtp_layers_key:
             fields["mtp_layers"] = int(raw.get(spec.mtp_layers_key) or 0)
         if spec.query_scale == "llama4":
             fields.update(_llama4_query_scale(raw, fields))
+        elif spec.query_scale == "temperature" and raw.get("attn_temperature_tuning", True):
+            # Llama4TextConfig's defaults
+            fields["attn_temperature_scale"] = float(raw.get("attn_scale", 0.1))
+            fields["attn_temperature_floor"] = float(raw.get("floor_scale", 8192))
         return cls(**fields)
 
 
@@ -267,13 +293,33 @@ def _window_fields(raw: dict[str, Any], spec: FamilySpec, num_layers: int) -> di
     return {"sliding_window": int(window), "layer_sliding": [t == "sliding_attention" for t in types[:num_layers]]}
 
 
+def _rope_layers(raw: dict[str, Any], num_layers: int) -> list[bool]:
+    # 1 = rotary, 0 = none; the config classes' default (SmolLM3, Llama 4): every
+    # `no_rope_layer_interval`-th layer without
+    if raw.get("no_rope_layers"):  # Llama 4 ships an empty list for the default
+        return [bool(v) for v in raw["no_rope_layers"]]
+    interval = int(raw.get("no_rope_layer_interval", 4))
+    return [(i + 1) % interval != 0 for i in range(num_layers)]
+
+
+def _chunk_fields(raw: dict[str, Any], layer_rope: list[bool]) -> dict[str, Any]:
+    # Llama4TextConfig: the rotary layers are "chunked_attention" when attention_chunk_size is set
+    chunk = raw.get("attention_chunk_size")
+    if chunk is None:
+        return {}
+    types = raw.get("layer_types") or ["chunked_attention" if rope else "full_attention" for rope in layer_rope]
+    return {"sliding_window": int(chunk), "chunked_window": True,
+            "layer_sliding": [t == "chunked_attention" for t in types[:len(layer_rope)]]}
+
+
 def _moe_fields(raw: dict[str, Any], spec: FamilySpec, num_layers: int) -> dict[str, Any]:
     experts = raw.get("num_local_experts", raw.get("num_experts", raw.get("n_routed_experts", 0)))
     out: dict[str, Any] = {
         "num_experts": int(experts), "num_experts_per_tok": int(raw["num_experts_per_tok"]),
         "moe_intermediate_size": int(raw.get("moe_intermediate_size") or raw["intermediate_size"]),
         "norm_topk_prob": spec.renormalize_topk == "always" or bool(raw.get("norm_topk_prob", False)),
-        "router": spec.router, "num_shared_experts": int(raw.get("n_shared_experts") or 0),
+        "router": spec.router, "num_shared_experts": int(raw.get("n_shared_experts") or spec.shared_experts),
+        "expert_form": spec.expert_form,
     }
     if spec.expert_form == "gpt_oss":
         out.update(expert_form="gpt_oss", swiglu_limit=float(raw.get("swiglu_limit", 7.0)),
@@ -287,7 +333,39 @@ def _moe_fields(raw: dict[str, Any], spec: FamilySpec, num_layers: int) -> dict[
         out["layer_moe"] = [i not in dense and (i + 1) % step == 0 for i in range(num_layers)]
     elif "first_k_dense_replace" in raw:  # GLM-4.5: the first k layers dense
         out["layer_moe"] = [i >= int(raw["first_k_dense_replace"]) for i in range(num_layers)]
+    elif "moe_layers" in raw or "interleave_moe_layer_step" in raw:  # Llama 4 (Llama4TextConfig's rule)
+        step = int(raw.get("interleave_moe_layer_step") or 1)
+        sparse = set(raw["moe_layers"] if raw.get("moe_layers") is not None else range(step - 1, num_layers, step))
+        out["layer_moe"] = [i in sparse for i in range(num_layers)]
     return out
+
+
+def _short_conv_fields(raw: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    # transformers' Lfm2Config / Lfm2MLP: without `layer_types`, the layers in `full_attn_idxs`
+    # (all, when absent) are attention, the rest short convs; the MLP's width is derived from
+    # `block_ff_dim` (older configs) or `intermediate_size` when `block_auto_adjust_ff_dim`
+    types = raw.get("layer_types")
+    if types is None:
+        full = raw.get("full_attn_idxs")
+        full = set(range(num_layers) if full is None else full)
+        types = ["full_attention" if i in full else "conv" for i in range(num_layers)]
+    unknown = sorted(set(types) - {"full_attention", "conv"})
+    if unknown:
+        raise ValueError(f"unsupported layer types {unknown} in lfm2 (Baton runs full_attention, conv)")
+    intermediate = int(raw.get("block_ff_dim", raw.get("intermediate_size", 12288)))
+    if raw.get("block_auto_adjust_ff_dim", True):
+        intermediate = int(2 * intermediate / 3)
+        multiplier = raw.get("block_ffn_dim_multiplier", 1.0)
+        if multiplier is not None:
+            multiple = int(raw.get("block_multiple_of", 256))
+            intermediate = multiple * ((int(multiplier * intermediate) + multiple - 1) // multiple)
+    # the state layers ride in the Gated DeltaNet's fields (`layer_deltanet`: which layers keep a
+    # state; `deltanet`: the sizes, `layout` naming the kind: baton.model.short_conv.state_dims)
+    return {"layer_deltanet": [t == "conv" for t in types[:num_layers]],
+            "deltanet": dict(hidden_size=int(raw["hidden_size"]), conv_kernel=int(raw.get("conv_L_cache", 3)),
+                             bias=bool(raw.get("conv_bias", False)), layout="short_conv"),
+            "intermediate_size": intermediate, "rms_norm_eps": float(raw.get("norm_eps", 1e-5)),
+            "tie_word_embeddings": bool(raw.get("tie_word_embeddings", raw.get("tie_embedding", True)))}
 
 
 def _deltanet_fields(raw: dict[str, Any], spec: FamilySpec, num_layers: int) -> dict[str, Any]:

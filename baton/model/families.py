@@ -22,21 +22,30 @@ NormKind = Literal["rms", "gemma"]  # gemma: x_hat * (1 + w), the weight stored 
 NormPlacement = Literal["pre", "sandwich", "post"]
 # head: over head_dim per head; full: over the whole projection; config_head: head where the config's
 # `use_qk_norm` says (GLM-4.5)
-QKNorm = Literal["none", "head", "full", "config_head"]
-WindowScheme = Literal["none", "all", "layer_types"]
+# l2_config: a weightless RMS norm over head_dim after the rotary, on the rotary layers only, where the
+# config's `use_qk_norm` says (Llama 4's L2Norm)
+QKNorm = Literal["none", "head", "full", "config_head", "l2_config"]
+# chunked: the rotary layers attend only the keys in their own `attention_chunk_size` block of
+# positions (Llama 4's chunked attention), the no-rotary layers everything
+WindowScheme = Literal["none", "all", "layer_types", "chunked"]
 EmbedScale = Literal["none", "sqrt_hidden", "embedding_multiplier"]
 # softmax_topk: softmax over the experts, top-k (Mixtral, Qwen3-MoE); sigmoid_grouped: sigmoid scores,
 # experts chosen by score + `e_score_correction_bias` within the best `topk_group` of `n_group` groups,
 # weighted by their scores times `routed_scaling_factor` (GLM-4.5, DeepSeek-V3); topk_softmax: the
 # router (with a bias) picks the top-k logits, softmax over those k alone (gpt-oss)
-Router = Literal["none", "softmax_topk", "sigmoid_grouped", "topk_softmax"]
+# sigmoid_input: the top-k logits through a sigmoid, each chosen expert run on its input times its
+# score (not its output; Llama 4)
+Router = Literal["none", "softmax_topk", "sigmoid_grouped", "topk_softmax", "sigmoid_input"]
 # plain: per expert gate/up/down without biases, the config's activation; gpt_oss: biased experts
 # stored as [E, H, 2I] with gate and up interleaved (columns ::2 and 1::2), the clamped SwiGLU
 # ((up + 1) * gate * sigmoid(alpha * gate), gate clamped above and up both sides at `swiglu_limit`)
-ExpertForm = Literal["plain", "gpt_oss"]
+# llama4: plain experts stored stacked input-major, [E, H, 2I] (gate half, then up half) and [E, I, H]
+ExpertForm = Literal["plain", "gpt_oss", "llama4"]
 # llama4: queries scaled by 1 + beta * log(1 + floor(position / original_max_position_embeddings)) after
 # the rotary, beta = the rope parameters' `llama_4_scaling_beta` (Ministral 3); "none" without a beta
-QueryScale = Literal["none", "llama4"]
+# temperature: on the no-rotary layers, queries times 1 + attn_scale * log1p(floor((position + 1) /
+# floor_scale)) where `attn_temperature_tuning` (Llama 4's own)
+QueryScale = Literal["none", "llama4", "temperature"]
 # config: `attention_bias` on q, k, v and o; qkv: always on q, k, v only; config_qkv: `attention_bias`
 # on q, k, v only (GLM-4.5)
 BiasRule = Literal["none", "config", "qkv", "config_qkv"]
@@ -76,6 +85,14 @@ class FamilySpec:
     renormalize_topk: Literal["always", "config"] = "config"  # Mixtral always; Qwen3-MoE if norm_topk_prob
     expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # per-expert checkpoint names
     moe_module: str = "mlp"  # the checkpoint's name of the MoE block (Mixtral: block_sparse_moe)
+    mlp_module: str = "mlp"  # the checkpoint's name of a dense layer's MLP (Llama 4: feed_forward)
+    # the config key sizing the dense layers' MLP beside MoE layers ("": intermediate_size; Llama 4:
+    # intermediate_size_mlp, its experts' size being intermediate_size)
+    dense_intermediate_key: str = ""
+    shared_experts: int = 0  # shared experts when the config names none (Llama 4: always one)
+    # the rotary pairs dimensions (2i, 2i + 1) (Llama 4's complex rotary), not (i, i + d/2): the loader
+    # permutes each q/k head's rows into the half-split order Baton rotates in (q . k is unchanged)
+    rope_interleaved: bool = False
     # the config key counting the multi-token-prediction layers a checkpoint stores after the last
     # layer (GLM-4.5: num_nextn_predict_layers); Baton does not run them: their tensors are skipped by name
     mtp_layers_key: str = ""
@@ -85,6 +102,9 @@ class FamilySpec:
     # "grouped": Qwen3-Next's fused in_proj_qkvz / in_proj_ba; "split": Qwen3.5's four projections.
     # Their attention layers are gated (q_proj doubled: an output gate per head) (baton.model.hybrid)
     deltanet: Literal["", "grouped", "split"] = ""
+    # LFM2's gated short-convolution state layers (`layer_types` "conv", or every layer not in
+    # `full_attn_idxs`) beside plain GQA attention with per-head q/k norm (baton.model.short_conv)
+    short_conv: bool = False
     # the name prefix of multi-token-prediction tensors stored beside the model (Qwen3-Next and
     # Qwen3.5: `mtp.*`; transformers ignores them on load); Baton does not run them: skipped by name
     mtp_prefix: str = ""
@@ -126,8 +146,21 @@ FAMILIES: dict[str, FamilySpec] = {s.model_type: s for s in (
                deltanet="grouped", mtp_prefix="mtp.", display="Qwen3-Next"),
     FamilySpec("qwen3_5_text", norm="gemma", qk_norm="head", partial_rotary_factor=0.25, deltanet="split",
                mtp_prefix="mtp.", display="Qwen3.5 (text)"),
+    # Qwen3.5-MoE: Qwen3.5's layers, every MLP sparse (top-k always renormalized) with the gated shared expert
+    FamilySpec("qwen3_5_moe_text", norm="gemma", qk_norm="head", partial_rotary_factor=0.25, router="softmax_topk",
+               renormalize_topk="always", deltanet="split", mtp_prefix="mtp.", display="Qwen3.5-MoE (text)"),
+    # LFM2: short-conv state layers and GQA attention layers (q/k norm), its MLP sized by the
+    # `block_*` keys, final norm `embedding_norm`, head tied by default
+    FamilySpec("lfm2", qk_norm="head", bias="none", rope_theta=1_000_000.0, short_conv=True, display="LFM2"),
     FamilySpec("granite", mlp_bias=True, embed_scale="embedding_multiplier", multipliers=True, display="Granite"),
     FamilySpec("smollm3", mlp_bias=True, window="layer_types", no_rope_layers=True, display="SmolLM3"),
+    # Llama 4 text: chunked attention with L2 q/k norm on the rotary layers, every 4th layer without
+    # rotary and with temperature-tuned queries; MoE (a sigmoid top-k router on the experts' input,
+    # one shared expert) and dense layers by `moe_layers`
+    FamilySpec("llama4_text", qk_norm="l2_config", window="chunked", rope_theta=500000.0, no_rope_layers=True,
+               query_scale="temperature", router="sigmoid_input", renormalize_topk="config", expert_form="llama4",
+               moe_module="feed_forward", mlp_module="feed_forward", dense_intermediate_key="intermediate_size_mlp",
+               shared_experts=1, rope_interleaved=True, display="Llama 4 (text)"),
 )}
 
 
@@ -171,6 +204,9 @@ TEXT_ONLY: dict[str, TextOnlyForm] = {f.model_type: f for f in (
     TextOnlyForm("mistral3", text_model_type="mistral"),
     # Qwen3.5 (text: qwen3_5_text, a hybrid); transformers 5 names the vision tower `model.visual.*`
     TextOnlyForm("qwen3_5", text_model_type="qwen3_5_text", skipped_prefixes=("visual.",)),
+    TextOnlyForm("qwen3_5_moe", text_model_type="qwen3_5_moe_text", skipped_prefixes=("visual.",)),
+    # Llama 4 Scout / Maverick (text: llama4_text); its vision tower is `vision_model.*`
+    TextOnlyForm("llama4", text_model_type="llama4_text", skipped_prefixes=("vision_model.", "multi_modal_projector.")),
     TextOnlyForm("gemma3", text_model_type="gemma3_text", ignored_text_keys=("final_logit_softcapping",),
                  text_defaults=(("vocab_size", 262208), ("hidden_size", 2304), ("intermediate_size", 9216),
                                 ("num_hidden_layers", 26), ("num_attention_heads", 8), ("num_key_value_heads", 4),

@@ -20,7 +20,9 @@ b, a.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -50,6 +52,23 @@ class DeltaNetDims:
     def conv_dim(self) -> int:
         return 2 * self.key_dim + self.value_dim
 
+    @property
+    def recurrent_shape(self) -> tuple[int, ...]:
+        return (self.num_v_heads, self.head_k_dim, self.head_v_dim)
+
+
+class StateDims(Protocol):
+    """What a state layer keeps per request (`StatePool`): a causal conv's last `conv_kernel - 1`
+    inputs of `conv_dim` channels, and a recurrent state of `recurrent_shape` in fp32 (() for none:
+    LFM2's short convolution keeps the conv inputs only)."""
+
+    @property
+    def conv_dim(self) -> int: ...
+    @property
+    def conv_kernel(self) -> int: ...
+    @property
+    def recurrent_shape(self) -> tuple[int, ...]: ...
+
 
 @dataclass
 class StateMeta:
@@ -62,21 +81,25 @@ class StateMeta:
 
 class StatePool:
     """Every state layer's slots: conv [layers, slots, conv_dim, kernel - 1] in the model's dtype,
-    recurrent [layers, slots, v_heads, k_dim, v_dim] in fp32. Allocated once for `num_slots`
-    requests (the engine's max_num_seqs); a request holds one slot index across all layers."""
+    recurrent [layers, slots, v_heads, k_dim, v_dim] in fp32 (None where the layers keep no
+    recurrent state: `StateDims`). Allocated once for `num_slots` requests (the engine's
+    max_num_seqs); a request holds one slot index across all layers."""
 
-    def __init__(self, dims: DeltaNetDims, num_layers: int, num_slots: int, dtype: torch.dtype,
+    def __init__(self, dims: StateDims, num_layers: int, num_slots: int, dtype: torch.dtype,
                  device: torch.device) -> None:
         self.conv = torch.zeros(num_layers, num_slots, dims.conv_dim, dims.conv_kernel - 1, dtype=dtype, device=device)
-        self.recurrent = torch.zeros(num_layers, num_slots, dims.num_v_heads, dims.head_k_dim, dims.head_v_dim,
-                                     dtype=torch.float32, device=device)
+        self.recurrent: torch.Tensor | None = None
+        if dims.recurrent_shape:
+            self.recurrent = torch.zeros(num_layers, num_slots, *dims.recurrent_shape, dtype=torch.float32,
+                                         device=device)
         self.free = list(range(num_slots - 1, -1, -1))
         self.owner: dict[str, int] = {}  # request id -> slot
 
     @staticmethod
-    def bytes_per_slot(dims: DeltaNetDims, num_layers: int, dtype: torch.dtype) -> int:
+    def bytes_per_slot(dims: StateDims, num_layers: int, dtype: torch.dtype) -> int:
         conv = dims.conv_dim * (dims.conv_kernel - 1) * dtype.itemsize
-        return num_layers * (conv + dims.num_v_heads * dims.head_k_dim * dims.head_v_dim * 4)
+        recurrent = math.prod(dims.recurrent_shape) * 4 if dims.recurrent_shape else 0
+        return num_layers * (conv + recurrent)
 
     def slot(self, request_id: str, starting: bool) -> int:
         """The request's slot, assigned on first sight; zeroed when the request starts (its first
@@ -89,7 +112,8 @@ class StatePool:
             starting = True
         if starting:
             self.conv[:, slot].zero_()
-            self.recurrent[:, slot].zero_()
+            if self.recurrent is not None:
+                self.recurrent[:, slot].zero_()
         return slot
 
     def release(self, request_id: str) -> None:
@@ -234,6 +258,7 @@ class GatedDeltaNet(nn.Module):
         qkv, z, b, a = self._project(x)
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        assert pool.recurrent is not None
         conv_states, rec_states = pool.conv[self.state_index], pool.recurrent[self.state_index]
         weight = self.conv1d.weight
         out = x.new_empty(x.shape[0], d.num_v_heads, d.head_v_dim)

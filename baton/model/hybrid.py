@@ -7,7 +7,10 @@ a gated attention (q_proj doubled: each head's query and an output gate, sigmoid
 o_proj; per-head q/k norm; the family's partial rotary) over the paged KV cache, which holds the
 attention layers only (`ModelConfig.attention_layers`: a 3-in-4 state model's blocks are a quarter
 of a dense one's). Gemma-style norms ((1 + w) weights), as the reference's. Qwen3-Next's MoE is
-`baton.model.moe.SparseMoE` with its shared expert behind a sigmoid gate (`GatedSharedExpert`).
+`baton.model.moe.SparseMoE` with its shared expert behind a sigmoid gate (`GatedSharedExpert`), as
+is Qwen3.5-MoE's. LFM2 is the same decoder with other state layers: gated short convolutions
+(`baton.model.short_conv`, a conv state per request in the same pool) beside plain GQA attention
+with per-head q/k norm, its checkpoint's names mapped by `hybrid_recipes`.
 
 The native bf16 kernels do not run these layers: every dtype takes the torch path.
 """
@@ -22,6 +25,7 @@ from baton.model.config import ModelConfig
 from baton.model.gated_deltanet import DeltaNetDims, GatedDeltaNet, StateMeta, StatePool
 from baton.model.model import MLP, Attention, LlamaModel, RMSNorm, apply_rope, set_op
 from baton.model.moe import SparseMoE
+from baton.model.short_conv import ShortConv, ShortConvDims, state_dims
 
 
 class GatedAttention(Attention):
@@ -62,18 +66,21 @@ class HybridLayer(nn.Module):
     """Pre-norm: x += mixer(input_ln(x)); x += mlp(post_attention_ln(x)); the mixer a Gated DeltaNet
     (`linear_attn`) or a gated attention (`self_attn`) over its slice of the KV cache (`kv_index`)."""
 
-    def __init__(self, config: ModelConfig, layer_index: int, dims: DeltaNetDims) -> None:
+    def __init__(self, config: ModelConfig, layer_index: int, dims: DeltaNetDims | ShortConvDims) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_kind)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_kind)
-        self.self_attn: GatedAttention | None = None
-        self.linear_attn: GatedDeltaNet | None = None
+        self.self_attn: Attention | None = None
+        self.linear_attn: GatedDeltaNet | ShortConv | None = None
         if config.layer_deltanet[layer_index]:
-            self.linear_attn = GatedDeltaNet(dims, config.hidden_size, config.rms_norm_eps,
-                                             sum(config.layer_deltanet[:layer_index]))
+            state_index = sum(config.layer_deltanet[:layer_index])
+            self.linear_attn = (ShortConv(dims, state_index) if isinstance(dims, ShortConvDims) else
+                                GatedDeltaNet(dims, config.hidden_size, config.rms_norm_eps, state_index))
             self.kv_index = -1
         else:
-            self.self_attn = GatedAttention(config, layer_index)
+            # LFM2's attention is the plain one (GQA, per-head q/k norm); the Qwens' is gated
+            self.self_attn = (Attention(config, layer_index) if isinstance(dims, ShortConvDims) else
+                              GatedAttention(config, layer_index))
             self.kv_index = config.attention_layers.index(layer_index)
         if config.is_moe(layer_index):
             shared = GatedSharedExpert(config) if config.shared_expert_intermediate_size else None
@@ -99,7 +106,7 @@ class HybridModel(LlamaModel):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config)  # embeddings, final norm, head and the bookkeeping every model has
-        self.dims = DeltaNetDims(**config.deltanet)
+        self.dims = state_dims(config.deltanet)
         self.num_state_layers = sum(config.layer_deltanet)
         self.layers = nn.ModuleList(HybridLayer(config, i, self.dims) for i in range(config.num_layers))
         self.attention_layers = [layer.self_attn for layer in self.layers if layer.self_attn is not None]
@@ -176,6 +183,9 @@ def hybrid_recipes(model: HybridModel, config: ModelConfig, expert_names: tuple[
             attn = p + "self_attn."
             for kind in ("weight", "bias") if config.attention_bias else ("weight",):
                 out[f"{attn}qkv_proj.{kind}"] = [[[f"{attn}{n}_proj.{kind}" for n in "qkv"]]]
+        if isinstance(model.dims, ShortConvDims):
+            _lfm2_layer_names(out, p, layer)
+            continue
         mlp = p + "mlp."
         if isinstance(layer.mlp, MLP):
             dense(mlp, mlp)
@@ -189,6 +199,26 @@ def hybrid_recipes(model: HybridModel, config: ModelConfig, expert_names: tuple[
         if isinstance(layer.mlp.shared_experts, GatedSharedExpert):
             dense(f"{mlp}shared_experts.mlp.", f"{mlp}shared_expert.")
             out[f"{mlp}shared_experts.gate.weight"] = [[[f"{mlp}shared_expert_gate.weight"]]]
+    if isinstance(model.dims, ShortConvDims):
+        out["norm.weight"] = [[["embedding_norm.weight"]]]  # LFM2's final norm, named so (applied last)
     if config.tie_word_embeddings:
         out.pop("lm_head.weight", None)
     return out
+
+
+def _lfm2_layer_names(out: dict[str, list[list[list[str]]]], p: str, layer: HybridLayer) -> None:
+    # LFM2's checkpoint names: operator_norm / ffn_norm, the short conv under `conv.`, the MLP as
+    # feed_forward.w1 (gate) / w3 (up) / w2 (down), the attention's out_proj and q/k_layernorm
+    out[f"{p}input_layernorm.weight"] = [[[f"{p}operator_norm.weight"]]]
+    out[f"{p}post_attention_layernorm.weight"] = [[[f"{p}ffn_norm.weight"]]]
+    ff = p + "feed_forward."
+    out[f"{p}mlp.gate_up_proj.weight"] = [[[f"{ff}w1.weight", f"{ff}w3.weight"]]]
+    out[f"{p}mlp.down_proj.weight"] = [[[f"{ff}w2.weight"]]]
+    if layer.linear_attn is not None:
+        for name, _ in layer.linear_attn.named_parameters():
+            out[f"{p}linear_attn.{name}"] = [[[f"{p}conv.{name}"]]]
+    else:
+        attn = p + "self_attn."
+        out[f"{attn}o_proj.weight"] = [[[f"{attn}out_proj.weight"]]]
+        out[f"{attn}q_norm.weight"] = [[[f"{attn}q_layernorm.weight"]]]
+        out[f"{attn}k_norm.weight"] = [[[f"{attn}k_layernorm.weight"]]]

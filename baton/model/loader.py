@@ -155,17 +155,23 @@ def _recipes(model: LlamaModel, config: ModelConfig) -> dict[str, _Recipe]:
     for i, layer in enumerate(model.layers):
         p = f"layers.{i}."
         attn = p + "self_attn."
+        to_half_split = (lambda t: _half_split_qk(t, config)) if config.rope_interleaved else None
         for kind in ("weight", "bias") if config.attention_bias else ("weight",):
             out[f"{attn}qkv_proj.{kind}"] = _Recipe([[[f"{attn}qkv_proj.{kind}"]],
-                                                     [[f"{attn}{n}_proj.{kind}" for n in "qkv"]]])
+                                                     [[f"{attn}{n}_proj.{kind}" for n in "qkv"]]], to_half_split)
         mlp = p + "mlp."
         if isinstance(layer.mlp, MLP):
+            dense = p + spec.mlp_module + "."  # the checkpoint's name (Llama 4: feed_forward)
             for kind in ("weight", "bias") if config.mlp_bias else ("weight",):
-                out[f"{mlp}gate_up_proj.{kind}"] = _Recipe([[[f"{mlp}gate_up_proj.{kind}"]],
-                                                            [[f"{mlp}gate_proj.{kind}", f"{mlp}up_proj.{kind}"]]])
+                out[f"{mlp}gate_up_proj.{kind}"] = _Recipe([[[f"{dense}gate_up_proj.{kind}"]],
+                                                            [[f"{dense}gate_proj.{kind}", f"{dense}up_proj.{kind}"]]])
+                out[f"{mlp}down_proj.{kind}"] = _Recipe([[[f"{dense}down_proj.{kind}"]]])
             continue
         if config.expert_form == "gpt_oss":
             out.update(_gpt_oss_moe_recipes(mlp))
+            continue
+        if config.expert_form == "llama4":
+            out.update(_llama4_moe_recipes(mlp, p + spec.moe_module + "."))
             continue
         gate_name, up_name, down_name = spec.expert_names
         moe = p + spec.moe_module + "."
@@ -192,6 +198,32 @@ def _recipes(model: LlamaModel, config: ModelConfig) -> dict[str, _Recipe]:
 def _deinterleave(t: torch.Tensor) -> torch.Tensor:
     # [..., 2I] gate and up interleaved (gate at ::2, up at 1::2) -> [..., 2I] gate, then up
     return torch.cat([t[..., ::2], t[..., 1::2]], dim=-1)
+
+
+def _half_split_qk(qkv: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    """q|k|v rows (weight or bias) with each q and k head's rows reordered from the interleaved
+    rotary pairs (2i, 2i + 1) (Llama 4's complex rotary) to the half-split pairs (i, i + d/2) Baton
+    rotates: row 2i goes to i, row 2i + 1 to i + d/2. The same permutation of q's and k's head
+    dimensions leaves every q . k (and the weightless q/k norm) unchanged."""
+    d = config.head_dim
+    qk_rows = (config.num_heads + config.num_kv_heads) * d
+    qk = qkv[:qk_rows].reshape(-1, d // 2, 2, *qkv.shape[1:])  # [heads, pair, 2, ...]
+    qk = qk.transpose(1, 2).reshape(qk_rows, *qkv.shape[1:])
+    return torch.cat([qk, qkv[qk_rows:]])
+
+
+def _llama4_moe_recipes(mlp: str, moe: str) -> dict[str, _Recipe]:
+    """Llama 4's MoE block (transformers' Llama4TextMoe): `router`, one `shared_expert` and stacked
+    experts stored input-major, [E, H, 2I] (gate half, then up half) and [E, I, H]."""
+    shared = f"{moe}shared_expert."
+    return {
+        f"{mlp}gate.weight": _Recipe([[[f"{moe}router.weight"]]]),
+        f"{mlp}shared_experts.gate_up_proj.weight": _Recipe([[[f"{shared}gate_proj.weight",
+                                                               f"{shared}up_proj.weight"]]]),
+        f"{mlp}shared_experts.down_proj.weight": _Recipe([[[f"{shared}down_proj.weight"]]]),
+        f"{mlp}experts_gate_up": _Recipe([[[f"{moe}experts.gate_up_proj"]]], lambda t: t.transpose(1, 2).contiguous()),
+        f"{mlp}experts_down": _Recipe([[[f"{moe}experts.down_proj"]]], lambda t: t.transpose(1, 2).contiguous()),
+    }
 
 
 def _gpt_oss_moe_recipes(mlp: str) -> dict[str, _Recipe]:

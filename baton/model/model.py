@@ -88,7 +88,8 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
         self.qk_norm = config.qk_norm
-        if config.qk_norm != "none":
+        self.rms_norm_eps = config.rms_norm_eps  # "l2": Llama 4's weightless norm
+        if config.qk_norm in ("head", "full"):
             # "head": one norm over head_dim shared by the heads (Qwen3, Gemma 3); "full": over the
             # whole q (k) projection (OLMo 2)
             q_dim, k_dim = (self.head_dim, self.head_dim) if config.qk_norm == "head" else (self.q_size, self.kv_size)
@@ -141,8 +142,11 @@ class Attention(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
             if self.use_rope:
                 q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+                if self.qk_norm == "l2":  # Llama 4: after the rotary, on the rotary layers only
+                    q, k = weightless_rms(q, self.rms_norm_eps), weightless_rms(k, self.rms_norm_eps)
         if q_scale is not None:
-            q = q * q_scale
+            # Ministral 3's scale is in the model's dtype already; Llama 4's is fp32, the product rounded
+            q = (q * q_scale).to(q.dtype)
         return self.o(self.attend(q, k, v, kv_cache, meta).reshape(num_tokens, self.q_size))
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
@@ -160,6 +164,12 @@ class Attention(nn.Module):
             s, e = span.start, span.start + span.length
             out[s:e] = backend.prefill(q[s:e], k[s:e], v[s:e], kv_cache, span)
         return out
+
+
+def weightless_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    # transformers' Llama4TextL2Norm (a weightless RMS norm over the last dim), op for op
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).type_as(x)
 
 
 class MLP(nn.Module):
@@ -336,7 +346,9 @@ class LlamaModel(nn.Module):
         if triton_available(param.device):  # CUDA: attention over the paged pool in place (BATON_TRITON=1)
             for layer in self.layers:
                 attn = getattr(layer, "self_attn", None)
-                if attn is not None and isinstance(attn.backend, TorchAttention):
+                # chunked window layers (Llama 4) keep the torch masks: the kernels know sliding windows only
+                if attn is not None and isinstance(attn.backend, TorchAttention) and not (
+                        attn.sliding and self.config.chunked_window):
                     attn.backend = to_triton(attn.backend, self.config.sliding_window if attn.sliding else None)
         self.fused_norm = layer_kernel.add_rms_norm if layer_kernel is not None else None
         self.layers_plan = LayersPlan.build(self, layer_kernel)
@@ -429,13 +441,16 @@ class LlamaModel(nn.Module):
             scale = config.embedding_multiplier
             x = x * (torch.tensor(scale, dtype=x.dtype) if config.embedding_multiplier_in_dtype else scale)
         # the window layers' metadata and the local rotary, once per step for all layers
-        window_meta = windowed(meta, config.sliding_window) if self.has_window else meta  # type: ignore[arg-type]
+        window_meta = (windowed(meta, config.sliding_window, chunked=config.chunked_window)  # type: ignore[arg-type]
+                       if self.has_window else meta)
         local = self.rope(positions, max_position, local=True) if self.has_local_rope else (cos, sin)
         q_scale = self._query_scale(positions, x.dtype) if config.query_scale_beta else None
+        temperature = self._attn_temperature(positions) if config.attn_temperature_scale else None
         for layer, layer_cache in zip(self.layers, kv_cache):
             attn = layer.self_attn
             c, s = local if attn.local_rope else (cos, sin)
-            x = layer(x, c, s, layer_cache, window_meta if attn.sliding else meta, q_scale)
+            layer_q_scale = temperature if temperature is not None and not attn.use_rope else q_scale
+            x = layer(x, c, s, layer_cache, window_meta if attn.sliding else meta, layer_q_scale)
         logits = self._head_rows(self.norm(x[logits_indices]))
         if config.logits_scaling != 1.0:
             logits = logits / config.logits_scaling
@@ -444,6 +459,12 @@ class LlamaModel(nn.Module):
         if hidden_indices is None:
             return logits.float()
         return logits.float(), self.norm(x[hidden_indices]).float()
+
+    def _attn_temperature(self, positions: torch.Tensor) -> torch.Tensor:
+        # positions: [T] -> [T, 1, 1] fp32; transformers' Llama4TextAttention temperature tuning, op for op
+        config = self.config
+        scale = torch.log1p(torch.floor((positions.float() + 1.0) / config.attn_temperature_floor))
+        return (scale * config.attn_temperature_scale + 1.0)[:, None, None]
 
     def _query_scale(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         # positions: [T] -> [T, 1, 1]; transformers' get_llama_4_attn_scale, op for op (fp32, then the

@@ -15,7 +15,8 @@ import torch
 from baton.model.config import ModelConfig
 from baton.model.attention import AttentionMetadata, DecodeGroup, PrefillSpan, group_by_context
 from baton.model.kv_quant import as_bytes, convert_rows, row_width
-from baton.model.gated_deltanet import DeltaNetDims, StateMeta, StatePool
+from baton.model.gated_deltanet import StateMeta, StatePool
+from baton.model.short_conv import state_dims
 from baton.model.model import LlamaModel
 
 
@@ -129,7 +130,7 @@ class ModelRunner:
         # max_num_seqs), assigned on first sight, released by the engine (`release_state`)
         self.state_pool: StatePool | None = None
         if config.has_state_layers:
-            self.state_pool = StatePool(DeltaNetDims(**config.deltanet), sum(config.layer_deltanet),
+            self.state_pool = StatePool(state_dims(config.deltanet), sum(config.layer_deltanet),
                                         max(1, max_num_seqs), self.dtype, self.device)
 
     def release_state(self, request_id: str) -> None:

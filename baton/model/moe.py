@@ -6,7 +6,9 @@ sigmoid_grouped (GLM-4.5, transformers' Glm4MoeTopkRouter): sigmoid scores; the 
 by score + `e_score_correction_bias` among the best `topk_group` of `n_group` groups (a group ranked
 by its two best), weighted by their plain scores, renormalised if `norm_topk_prob`, times
 `routed_scaling_factor`; its router weight and bias stay fp32 whatever the model's dtype, as the
-reference keeps them. topk_softmax (gpt-oss, transformers' GptOssTopKRouter): the router has a
+reference keeps them. sigmoid_input (Llama 4, Llama4Router and Llama4TextMoe): the sigmoid of the
+top-k logits scales each chosen expert's input, not its output, beside one shared expert.
+topk_softmax (gpt-oss, transformers' GptOssTopKRouter): the router has a
 bias; the top-k of its logits, softmax over those k alone. gpt-oss's experts (`expert_form`
 "gpt_oss", GptOssExperts) have biases and the clamped SwiGLU: gate clamped above at `swiglu_limit`,
 up clamped both sides, (up + 1) * gate * sigmoid(alpha * gate). Shared experts (GLM-4.5) are one
@@ -73,6 +75,9 @@ class SparseMoE(nn.Module):
         if self.router == "topk_softmax":  # GptOssTopKRouter.forward, op for op
             top, chosen = torch.topk(self.gate(x), self.top_k, dim=-1)  # [T, k] each
             return torch.softmax(top, dim=1, dtype=top.dtype), chosen
+        if self.router == "sigmoid_input":  # Llama4Router.forward: the sigmoid of the top-k logits
+            top, chosen = torch.topk(self.gate(x), self.top_k, dim=-1)  # [T, k] each
+            return torch.sigmoid(top.float()).to(top.dtype), chosen
         logits = self.gate(x)  # [T, E]
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, chosen = torch.topk(probs, self.top_k, dim=-1)  # [T, k] each
@@ -113,8 +118,11 @@ class SparseMoE(nn.Module):
             if count == 0:
                 continue
             tokens = token_of[start:start + count]
-            h = self._expert(x[tokens], expert)  # [count, H]
-            out.index_add_(0, tokens, (h * weight_of[start:start + count, None]).to(x.dtype))
+            if self.router == "sigmoid_input":  # Llama4TextMoe: the score weighs the expert's input
+                out.index_add_(0, tokens, self._expert(x[tokens] * weight_of[start:start + count, None], expert))
+            else:
+                h = self._expert(x[tokens], expert)  # [count, H]
+                out.index_add_(0, tokens, (h * weight_of[start:start + count, None]).to(x.dtype))
             start += count
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)

@@ -21,7 +21,7 @@ import torch
 
 from baton.common.model_files import gguf_source
 from baton.model.config import ModelConfig
-from baton.model.gated_deltanet import DeltaNetDims, StatePool
+from baton.model.gated_deltanet import StatePool
 from baton.model.gguf_checkpoint import release_readers
 from baton.model.greedy import greedy_pick
 from baton.model.kv_quant import is_quantized, resolve_kv_cache_dtype
@@ -29,6 +29,7 @@ from baton.model.loader import default_device, load_model, resolve_dtype
 from baton.model.model import LlamaModel
 from baton.model.model_runner import ModelRunner, PoolRows, PromptRows, ScheduledRow, StepResult, kv_bytes_per_block
 from baton.model.quant import asks_for_quantized, describe_weights, quantize_model, resolve_weights
+from baton.model.short_conv import state_dims
 from baton.model.thread_gate import ThreadGate
 
 __all__ = ["ModelConfig", "ModelRuntime", "PoolRows", "PromptRows", "RuntimeConfig", "ScheduledRow", "StepResult",
@@ -116,7 +117,7 @@ class ModelRuntime:
         the KV budget before it is cut into blocks."""
         if not self.config.has_state_layers:
             return 0
-        dims = DeltaNetDims(**self.config.deltanet)
+        dims = state_dims(self.config.deltanet)
         return max_num_seqs * StatePool.bytes_per_slot(dims, sum(self.config.layer_deltanet), self.dtype)
 
     def release_state(self, request_id: str) -> None:
