@@ -19,6 +19,7 @@ from baton.common.tracing import RequestSpans
 from baton.engine.kv_types import RemoteKV
 from baton.engine.outputs import EngineOutput
 from baton.worker.core import Effects, WorkerCore
+from kvstore.keys import state_key
 
 logger = logging.getLogger("baton.decode")
 
@@ -115,7 +116,10 @@ class DecodeCore(WorkerCore[protocol.Handoff]):
                 self.metrics.request_decode_time.observe(time.time() - entry.admitted)
         return effects
 
-    @staticmethod
-    def _partial_keys(entry: InFlight) -> list[str]:
+    def _partial_keys(self, entry: InFlight) -> list[str]:
+        """The request's keys to delete once it is done: its partial block, a hybrid's state."""
         key = entry.handoff.partial_block_key
-        return [key] if key else []
+        keys = [key] if key else []
+        if self.engine.runtime.has_state_layers:
+            keys.append(state_key(entry.handoff.request_id))
+        return keys

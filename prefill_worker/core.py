@@ -148,6 +148,8 @@ class PrefillCore(WorkerCore[protocol.PrefillRequest]):
                 self.metrics.blocks_computed.inc(save.num_full_blocks - out.num_cached_tokens // bs)
                 if save.partial is not None:
                     effects.partial_puts.append(save.partial)
+                if save.state is not None:  # a hybrid's state: keyed by request, written (and deleted) like the partial
+                    effects.partial_puts.append(save.state)
                 effects.handoffs.append(protocol.Handoff(
                     request_id=out.request_id, gateway_id=request.gateway_id,
                     prompt_token_ids=request.prompt_token_ids, output_token_ids=list(handoff.output_token_ids),

@@ -147,6 +147,22 @@ def test_child_command_lines_pass_flags_through():
     assert specs[0].env["OMP_NUM_THREADS"] == "2" and specs[1].env["OMP_NUM_THREADS"] == "1"
 
 
+def test_the_prefill_kv_pool_flag_reaches_the_prefill_workers_only():
+    """--prefill-kv-cache-memory is each prefill worker's --kv-cache-memory; --kv-cache-memory stays
+    the decode workers' (a prefill worker given the decode pool's size would hold it all privately)."""
+    args = _serve_args("--prefill-kv-cache-memory", "512MiB", "--kv-cache-memory", "2GiB", "--prefill-workers", "2")
+    specs = build_child_specs(args, Path("/m"), "redis://127.0.0.1:1/0", ThreadPlan([1, 1], [1], cpus=3), python="py")
+    pre0, pre1, dec, gw = (s.argv for s in specs)
+    for pre in (pre0, pre1):
+        assert pre[pre.index("--kv-cache-memory") + 1] == "512MiB" and pre.count("--kv-cache-memory") == 1
+    assert dec[dec.index("--kv-cache-memory") + 1] == "2GiB" and dec.count("--kv-cache-memory") == 1
+    assert "--prefill-kv-cache-memory" not in " ".join(pre0 + dec + gw)
+    # neither given (build_child_specs alone: `baton serve` fills in the prefill default first)
+    plain = build_child_specs(_serve_args(), Path("/m"), "redis://127.0.0.1:1/0", ThreadPlan([1], [1], cpus=2),
+                              python="py")
+    assert all("--kv-cache-memory" not in s.argv for s in plain)
+
+
 def test_served_model_names_and_strict_api_reach_the_gateway_only(monkeypatch):
     from gateway.__main__ import parse_args
 

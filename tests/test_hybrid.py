@@ -32,6 +32,9 @@ DELTANET = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_hea
 # a state layer first (the runner must not take layer 0 for an attention layer), one attention layer
 LAYER_TYPES = ["linear_attention", "linear_attention", "full_attention", "linear_attention"]
 ROPE = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}
+GRANITE = dict(layer_types=["mamba", "mamba", "attention", "mamba"], mamba_n_heads=8, mamba_n_groups=2,
+               mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=16, shared_intermediate_size=128,
+               embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.3, logits_scaling=2.0)
 HYBRIDS: dict[str, tuple[str, str, dict[str, Any]]] = {
     # MoE on layers 0, 2, 3 (4 experts, top 2, renormalised) with the gated shared expert; layer 1 dense
     "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(
@@ -46,6 +49,14 @@ HYBRIDS: dict[str, tuple[str, str, dict[str, Any]]] = {
         layer_types=["conv", "conv", "full_attention", "conv"], rope_parameters={"rope_type": "default",
                                                                                  "rope_theta": 10000.0},
         conv_L_cache=3, block_multiple_of=32)),
+    # Granite 4.0-H: Mamba-2 state layers (2 groups of 4 heads, 16-token scan chunks: prompts span
+    # several) beside rotary attention, Granite's multipliers off 1, every MLP the dense shared one
+    "granitemoehybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", dict(
+        **GRANITE, num_local_experts=0, position_embedding_type="rope")),
+    # the MoE form (4 experts, top 2, beside the shared MLP), attention without rotary (the config
+    # class's default); its config.json says model_type granitemoehybrid like the dense one
+    "granitemoehybrid_moe": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", dict(
+        **GRANITE, num_local_experts=4, num_experts_per_tok=2, intermediate_size=32)),
 }
 # the vision-language checkpoints served text only: (text family, config class, model class)
 VISION_LANGUAGE = {"qwen3_5": ("qwen3_5_text", "Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
@@ -63,7 +74,8 @@ def build_hybrid(family: str, out: Path, tokenizer_dir: Path) -> Path:
 
     text_family = VISION_LANGUAGE[family][0] if family in VISION_LANGUAGE else family
     config_name, model_name, overrides = HYBRIDS[text_family]
-    deltanet = {} if text_family == "lfm2" else {**DELTANET, "layer_types": LAYER_TYPES, "rope_parameters": ROPE}
+    own_layers = text_family == "lfm2" or text_family.startswith("granite")  # their overrides name the layer kinds
+    deltanet = {} if own_layers else {**DELTANET, "layer_types": LAYER_TYPES, "rope_parameters": ROPE}
     text = {**SMALL, "num_hidden_layers": 4, **deltanet, **overrides}
     if text_family == "qwen3_5_moe_text":
         del text["intermediate_size"]  # as released: no dense MLP, no dense size
@@ -173,6 +185,47 @@ def test_short_conv_in_pieces_equals_transformers_whole():
     torch.testing.assert_close(torch.cat([first[7:], second[11:]]), expected[1], atol=1e-4, rtol=1e-4)
 
 
+def test_mamba2_in_pieces_equals_transformers_whole():
+    """Granite 4.0-H's Mamba-2 mixer, fed in pieces from its state slot (prefill chunks shorter than
+    its conv state and longer than a scan chunk, then decode tokens through the recurrent update),
+    computes what transformers' layer computes over each whole sequence (its chunked SSD scan)."""
+    import transformers
+    from transformers.models.granitemoehybrid.modeling_granitemoehybrid import GraniteMoeHybridMambaLayer
+
+    from baton.model.gated_deltanet import StateMeta, StatePool
+    from baton.model.mamba2 import Mamba2Dims, Mamba2Mixer
+
+    config = transformers.GraniteMoeHybridConfig(hidden_size=64, num_hidden_layers=1, layer_types=["mamba"],
+                                                 mamba_n_heads=8, mamba_n_groups=2, mamba_d_state=16,
+                                                 mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=16)
+    torch.manual_seed(3)
+    reference = GraniteMoeHybridMambaLayer(config, 0).eval()
+    with torch.no_grad():
+        for param in reference.parameters():
+            param.normal_(0.0, 0.3)
+    dims = Mamba2Dims(hidden_size=64, num_heads=8, head_dim=16, n_groups=2, state_size=16, conv_kernel=4,
+                      chunk_size=16, conv_bias=True, proj_bias=False, eps=config.rms_norm_eps)
+    layer = Mamba2Mixer(dims, state_index=0)
+    layer.load_state_dict(reference.state_dict(), strict=True)  # the checkpoint's names under `mamba.`
+    x = torch.randn(2, 90, 64)
+    none = torch.zeros(0, dtype=torch.long)
+    with torch.no_grad():
+        expected = reference(x)
+        pool = StatePool(dims, 1, 4, torch.float32, torch.device("cpu"))
+        assert pool.recurrent is not None and pool.recurrent.shape[2:] == (8, 16, 16)  # the SSM state, fp32
+        a, b = pool.slot("a", starting=True), pool.slot("b", starting=True)
+        first = layer(torch.cat([x[0, :37], x[1, :2]]), pool, StateMeta(none, [(0, 37, a), (37, 2, b)]))
+        second = layer(torch.cat([x[0, 37:88], x[1, 2:90]]), pool, StateMeta(none, [(0, 51, a), (51, 88, b)]))
+        decode = [layer(x[0, t:t + 1], pool, StateMeta(torch.tensor([a]), [])) for t in (88, 89)]
+    assert expected.abs().max() > 1.0
+    torch.testing.assert_close(torch.cat([first[:37], second[:51], *decode]), expected[0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(torch.cat([first[37:], second[51:]]), expected[1], atol=1e-4, rtol=1e-4)
+    # a slot taken again from the start is zeroed: the same output as a fresh one
+    with torch.no_grad():
+        again = layer(x[0, :37], pool, StateMeta(none, [(0, 37, pool.slot("a", starting=True))]))
+    torch.testing.assert_close(again, expected[0, :37], atol=1e-4, rtol=1e-4)
+
+
 # ------------------------------------------------------------------ greedy parity, float32
 
 @pytest.mark.parametrize("family", list(HYBRIDS))
@@ -250,7 +303,7 @@ def test_multi_token_prediction_tensors_are_skipped_by_name(hybrid_dir, prompts,
 # Qwen3-Next's tiny MoE model is left out: there transformers' own bf16 misses its float32 argmax
 # by 4.5% of the logit spread on the 17-token prompt's first token (a routing flip), so the
 # criterion would judge bf16 itself, not Baton
-@pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_5_moe_text", "lfm2"])
+@pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_5_moe_text", "lfm2", "granitemoehybrid"])
 def test_bf16_greedy_is_transformers_but_at_near_ties(family, hybrid_dir, prompts):  # noqa: F811
     """The serving dtype (as tests/test_families.py checks every family): each of 16 greedy bf16
     tokens is transformers' float32 argmax after the same tokens, or within 3% of the row's logit
@@ -286,12 +339,17 @@ def test_bf16_runs_and_speculative_decoding_is_refused(hybrid_dir, prompts):  # 
 # ------------------------------------------------------------------ baton serve: prefill and decode workers
 
 def test_baton_serve_gives_transformers_greedy_tokens(hybrid_dir, prompts):  # noqa: F811
-    """The whole system on Qwen3.5 (gateway, a prefill and a decode worker, Redis): the state at the
-    end of the prompt is not in the handoff yet, so the prefill worker stores no blocks and the
-    decode worker recomputes the prompt; the tokens are transformers', and the deployment ends idle."""
+    """The whole system on Qwen3.5 (gateway, a prefill and a decode worker, Redis): the prefill
+    worker hands over the prompt's KV blocks and the state at the end of the prompt; the decode
+    worker loads both instead of recomputing the prompt (every prompt's full blocks fetched: a
+    missing or foreign state would have it fetch none and recompute), and the tokens are
+    transformers'; the deployment ends idle."""
     from tests.test_serve_families import assert_served_as_transformers
 
-    assert_served_as_transformers(hybrid_dir("qwen3_5_text"), prompts)
+    # 16-token blocks (the default): the longer prompts have full blocks (the streamed chat's may add some)
+    full_blocks = sum(len(p) // 16 for p in prompts)
+    assert full_blocks > 0
+    assert_served_as_transformers(hybrid_dir("qwen3_5_text"), prompts, min_blocks_fetched=full_blocks)
 
 
 # ------------------------------------------------------------------ configs as released
@@ -376,3 +434,43 @@ def test_released_lfm2_and_qwen3_5_moe_configs_resolve_as_transformers_reads_the
     assert moe.layer_deltanet == [t == "linear_attention" for t in text.layer_types]
     assert (moe.num_experts, moe.moe_intermediate_size, moe.shared_expert_intermediate_size) == (256, 512, 512)
     assert all(moe.is_moe(i) for i in range(40)) and moe.norm_topk_prob
+
+
+def test_released_granite_4_h_config_resolves_as_transformers_reads_it(tmp_path):
+    """A Granite 4.0-H MoE config shaped as released (the legacy `mamba` / `attention` layer names,
+    no rotary, `mamba_d_head` given, the infinite time-step limit as transformers 5 writes it):
+    the layer kinds, the Mamba-2 sizes, the multipliers and the MLP sizes come out as
+    transformers' GraniteMoeHybridConfig makes them."""
+    from transformers import AutoConfig
+
+    from baton.model.config import ModelConfig
+    from baton.model.mamba2 import Mamba2Dims
+    from baton.model.short_conv import state_dims
+
+    kinds = ["mamba"] * 5 + ["attention"] + ["mamba"] * 3 + ["attention"]
+    raw = {"model_type": "granitemoehybrid", "architectures": ["GraniteMoeHybridForCausalLM"], "vocab_size": 100352,
+           "hidden_size": 1536, "intermediate_size": 512, "shared_intermediate_size": 1024, "num_hidden_layers": 10,
+           "num_attention_heads": 12, "num_key_value_heads": 4, "layer_types": kinds, "mamba_n_heads": 48,
+           "mamba_d_head": 64, "mamba_d_state": 128, "mamba_n_groups": 1, "mamba_d_conv": 4, "mamba_expand": 2,
+           "mamba_chunk_size": 256, "num_local_experts": 64, "num_experts_per_tok": 6,
+           "position_embedding_type": "nope", "embedding_multiplier": 12.0, "residual_multiplier": 0.22,
+           "attention_multiplier": 0.0078125, "logits_scaling": 6.0, "rms_norm_eps": 1e-5,
+           "time_step_limit": [0.0, {"__float__": "Infinity"}], "tie_word_embeddings": True}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    hf = AutoConfig.from_pretrained(tmp_path)
+    config = ModelConfig.from_dir(tmp_path)
+    assert config.layer_deltanet == [t == "linear_attention" for t in hf.layer_types]
+    assert config.attention_layers == [5, 9]
+    dims = state_dims(config.deltanet)
+    assert isinstance(dims, Mamba2Dims)
+    assert (dims.num_heads, dims.head_dim, dims.state_size, dims.n_groups, dims.conv_kernel, dims.chunk_size) == (
+        hf.mamba_n_heads, hf.mamba_d_head, hf.mamba_d_state, hf.mamba_n_groups, hf.mamba_d_conv, hf.mamba_chunk_size)
+    assert (dims.dt_min, dims.dt_max) == tuple(hf.time_step_limit) == (0.0, float("inf"))
+    assert dims.conv_dim == 48 * 64 + 2 * 128 and dims.recurrent_shape == (48, 64, 128)
+    assert not any(config.uses_rope(i) for i in range(10))  # position_embedding_type is not "rope"
+    assert (config.embedding_multiplier, config.residual_multiplier, config.attention_scale, config.logits_scaling) == (
+        hf.embedding_multiplier, hf.residual_multiplier, hf.attention_multiplier, hf.logits_scaling)
+    assert (config.intermediate_size, config.moe_intermediate_size) == (hf.shared_intermediate_size,
+                                                                          hf.intermediate_size)
+    assert (config.num_experts, config.num_experts_per_tok, config.norm_topk_prob) == (64, 6, True)
+    assert config.rms_norm_eps == hf.rms_norm_eps and config.tie_word_embeddings is True

@@ -144,7 +144,7 @@ def test_baton_serve_hands_an_int8_cache_from_prefill_to_decode(tiny_model_dir):
 
 
 def _metrics(port: int) -> dict[str, float]:
-    """A worker's Prometheus samples, `name{labels}` without the model_name label -> value."""
+    """A worker's Prometheus samples, `name{labels}` without the model_name and worker_kind labels -> value."""
     import re
 
     samples: dict[str, float] = {}
@@ -152,7 +152,7 @@ def _metrics(port: int) -> dict[str, float]:
         if line.startswith("#") or not line.strip():
             continue
         name, value = line.rsplit(" ", 1)
-        name = re.sub(r'model_name="[^"]*",?', "", name).replace("{}", "").replace(",}", "}")
+        name = re.sub(r'(model_name|worker_kind)="[^"]*",?', "", name).replace("{}", "").replace(",}", "}")
         samples[name] = samples.get(name, 0.0) + float(value)
     return samples
 

@@ -22,8 +22,8 @@ import torch
 from baton.cli.redis_server import free_port
 from baton.engine.kv_types import BlockLoad, KVLoad
 from baton.worker.kv_transfer import StoreKVTransfer
-from kvstore.codec import decode_block, encode_block
-from kvstore.keys import block_key
+from kvstore.codec import decode_block, decode_state, encode_block, encode_state
+from kvstore.keys import block_key, partial_key, state_key
 from kvstore.memory_backend import InMemoryBlockStore
 from tests.test_gateway_support import wait_until
 from tests.test_workers import Gateway, wait_heartbeats
@@ -89,6 +89,63 @@ async def test_fetch_keeps_the_valid_prefix_and_counts_the_rejected_block(kind, 
         assert [list(kv.shape) for kv in result.kv] == [shape]
         # logged once, with its key: a poisoned popular prefix is met by every request sharing it
         assert [keys[1] in r.getMessage() for r in caplog.records] == ([True] if attempt == 0 else [])
+
+
+def test_a_state_round_trips_through_the_codec():
+    """A hybrid's state (conv in the model's dtype, recurrent in fp32) comes back bit for bit, with
+    the kind and the tokens it was computed over."""
+    conv = torch.randn(3, 24, 3, dtype=torch.bfloat16)
+    recurrent = torch.randn(3, 4, 8, 8)
+    value = encode_state("gated_deltanet", [5, 6, 7], {"conv": conv, "recurrent": recurrent})
+    kind, tokens, tensors = decode_state(value)
+    assert (kind, tokens) == ("gated_deltanet", [5, 6, 7])
+    assert tensors["conv"].dtype == torch.bfloat16 and torch.equal(tensors["conv"], conv)
+    assert torch.equal(tensors["recurrent"], recurrent)
+    good = msgpack.unpackb(encode_state("gated_deltanet", [5], {"conv": conv}), raw=False)
+    good["tensors"]["conv"]["data"] = good["tensors"]["conv"]["data"][:-2]  # fewer bytes than it says
+    with pytest.raises(ValueError, match="wrong number of bytes"):
+        decode_state(msgpack.packb(good, use_bin_type=True))
+
+
+STATE_LAYOUT = {"conv": ([2, 24, 3], torch.float32), "recurrent": ([2, 4, 8, 8], torch.float32)}
+
+
+@pytest.mark.parametrize("case", ["whole", "shape", "dtype", "kind", "tokens", "absent", "block missing"])
+async def test_a_handed_off_state_loads_with_all_its_blocks_or_nothing(case, caplog):
+    """A load with a state (a hybrid's handoff) gets every block and the state, or nothing (the
+    decode worker then recomputes the prompt): a state of another shape, dtype, kind or tokens is a
+    miss, counted, and deleted; never a crash, never blocks without their state."""
+    shape = [2, 2, BLOCK_SIZE, 3, 8]
+    prompt = list(range(BLOCK_SIZE + 5))
+    full, tail = prompt[:BLOCK_SIZE], prompt[BLOCK_SIZE:]
+    state = {name: torch.randn(s, dtype=d) for name, (s, d) in STATE_LAYOUT.items()}
+    kind = "gated_deltanet"
+    if case == "shape":
+        state["recurrent"] = torch.randn(2, 4, 8, 4)
+    elif case == "dtype":
+        state["conv"] = state["conv"].to(torch.bfloat16)
+    elif case == "kind":
+        kind = "short_conv"
+    store = InMemoryBlockStore()
+    store.values.update({block_key("h0"): encode_block(full, torch.ones(shape)),
+                         partial_key("req"): encode_block(tail, torch.ones([2, 2, BLOCK_SIZE, 3, 8]))})
+    if case != "absent":
+        store.values[state_key("req")] = encode_state(kind, prompt[:-1] if case == "tokens" else prompt, state)
+    if case == "block missing":
+        del store.values[partial_key("req")]
+    transfer = StoreKVTransfer(store, shape, "gated_deltanet", STATE_LAYOUT)
+    load = KVLoad("req", (BlockLoad(1, tuple(full), "h0"), BlockLoad(2, tuple(tail), None, partial_key("req"))),
+                  state_key("req"), tuple(prompt))
+    result = await transfer.load(load)
+    if case == "whole":
+        assert result.num_tokens == len(prompt) and len(result.kv) == 2 and result.num_state_misses == 0
+        assert all(torch.equal(result.state[n], state[n]) for n in state)
+        return
+    assert (result.num_tokens, result.kv, result.state, result.num_state_misses) == (0, [], None, 1)
+    assert result.block_hashes == [] and result.num_missing == 2
+    foreign = case in ("shape", "dtype", "kind", "tokens")
+    assert result.num_rejected == int(foreign)
+    assert (state_key("req") in store.values) == (case == "block missing")
 
 
 def start_worker(module: str, model_dir, redis_url: str, log_path, *extra: str) -> subprocess.Popen:

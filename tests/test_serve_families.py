@@ -74,9 +74,10 @@ def test_baton_serve_gives_transformers_greedy_tokens(family, tmp_path, default_
     assert_served_as_transformers(model_dir, prompts)
 
 
-def assert_served_as_transformers(model_dir, prompts) -> None:
+def assert_served_as_transformers(model_dir, prompts, min_blocks_fetched: int = 0) -> None:
     """`baton serve` of `model_dir` (float32) gives transformers' greedy tokens for `prompts` and a
-    streamed chat of 12 tokens, and ends idle: no budget and no decode blocks held."""
+    streamed chat of 12 tokens, and ends idle: no budget and no decode blocks held, and at least
+    `min_blocks_fetched` full blocks loaded from the store by the decode workers (not recomputed)."""
     expected = [hf_greedy(model_dir, p) for p in prompts]
     with ServeProcess(["--model", str(model_dir), "--dtype", "float32"]) as serve:
         texts = asyncio.run(_completions(serve.base_url, prompts))
@@ -95,7 +96,9 @@ def assert_served_as_transformers(model_dir, prompts) -> None:
             stats = httpx.get(serve.base_url + "/stats", timeout=10).json()
             assert stats["token_budget"]["in_use"] == 0
             used = [w["num_kv_blocks_used"] for w in stats["workers"]["decode"]]
-            if used and not any(used):
+            fetched = sum(w.get("num_blocks_fetched", 0) for w in stats["workers"]["decode"])
+            if used and not any(used) and fetched >= min_blocks_fetched:
                 break
-            assert time.monotonic() < deadline, f"decode workers still hold KV blocks: {used}"
+            assert time.monotonic() < deadline, (f"decode workers still hold KV blocks ({used}) or fetched "
+                                                 f"{fetched} < {min_blocks_fetched}")
             time.sleep(0.2)

@@ -17,11 +17,12 @@ from pathlib import Path
 
 import pytest
 
-from baton.cli.preflight import MemoryEstimate, PreflightError, kv_pool_bytes, mem_available
+from baton.cli.preflight import (MemoryEstimate, PreflightError, check_model, context_tokens,
+                                 default_prefill_kv_bytes, kv_pool_bytes, mem_available)
 from baton.cli.serve import wait_until_ready
 from baton.model.families import FAMILIES
 from baton.model.runtime import ModelConfig
-from tests.test_cli import _children_records, _free_port, _start_serve, _wait_for, baton_cmd
+from tests.test_cli import _children_records, _free_port, _serve_args, _start_serve, _wait_for, baton_cmd
 from tests.test_cli import fake_services  # noqa: F401  (a fixture: pytest finds it by its name)
 
 GIB = 1 << 30
@@ -136,6 +137,50 @@ def test_kv_pool_bytes_follow_the_flags_a_worker_gets(fake_services):
     assert kv_pool_bytes(config, None, "float32", "auto", None, None) == GIB  # the workers' default
     with pytest.raises(PreflightError, match="--kv-cache-memory: not a size"):
         kv_pool_bytes(config, None, "float32", "auto", None, "lots")
+
+
+def test_the_prefill_pool_default_holds_two_full_context_prompts(fake_services, tmp_path):
+    config = ModelConfig.from_dir(fake_services["model"])  # fp32 KV: 2 layers x K,V x 2 heads x 16 x 4 = 512 B a token
+    per_token = 2 * 2 * 2 * 16 * 4
+    assert default_prefill_kv_bytes(config, 2048, 16, "float32", "auto") == 256 << 20  # 2 MiB: the floor
+    assert default_prefill_kv_bytes(config, 1 << 20, 16, "float32", "auto") == 2 * (1 << 20) * per_token
+    assert default_prefill_kv_bytes(config, 1 << 20, 16, "bfloat16", "auto") == (1 << 20) * per_token
+    # a prompt's last partial block takes a whole block
+    assert default_prefill_kv_bytes(config, (1 << 20) + 1, 16, "float32", "auto") == 2 * ((1 << 20) + 16) * per_token
+
+    # the context: --max-model-len where given, else the model's own
+    long_model = _model_with_config(tmp_path, "long", {**json.loads((fake_services["model"] / "config.json").read_text()),
+                                                        "max_position_embeddings": 1 << 20})
+    assert context_tokens(long_model, config, _serve_args()) == 1 << 20
+    assert context_tokens(long_model, config, _serve_args("--max-model-len", "4096")) == 4096
+    assert context_tokens(fake_services["model"], config, _serve_args()) == config.max_position_embeddings
+
+    # the memory estimate counts what the prefill workers will be given
+    check = check_model(long_model, _serve_args("--dtype", "float32", "--prefill-workers", "2", "--kv-cache-memory", "64MiB"))
+    assert check.prefill_kv_cache_memory == "1024MiB"
+    assert check.memory.kv_pool_bytes == [GIB, GIB, 64 << 20]
+    given = check_model(long_model, _serve_args("--prefill-kv-cache-memory", "300MiB"))
+    assert given.prefill_kv_cache_memory == "300MiB" and given.memory.kv_pool_bytes[0] == 300 << 20
+    with pytest.raises(PreflightError, match="--prefill-kv-cache-memory: not a size"):
+        check_model(long_model, _serve_args("--prefill-kv-cache-memory", "lots"))
+
+
+def test_serve_gives_each_prefill_worker_its_own_pool_size(fake_services):
+    """The default, sized to the context asked for, reaches the prefill worker's command line; the
+    decode worker keeps --kv-cache-memory."""
+    proc, out, err = _start_serve(fake_services, "--max-model-len", str(1 << 19), "--kv-cache-memory", "64MiB")
+    try:
+        assert _wait_for(lambda: any("Baton is serving" in line for line in out) or proc.poll() is not None, 60), err
+        assert proc.poll() is None, "".join(err)
+        argv = {r["argv"][0].split(os.sep)[-2]: r["argv"] for r in _children_records(fake_services["logs"])}
+        prefill, decode = argv["prefill_worker"], argv["decode_worker"]
+        # 2 prompts x 2^19 tokens x 512 B (--dtype auto counts as fp32)
+        assert prefill[prefill.index("--kv-cache-memory") + 1] == "512MiB"
+        assert decode[decode.index("--kv-cache-memory") + 1] == "64MiB"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+    assert proc.returncode == 0
 
 
 def test_serve_warns_when_the_workers_may_not_fit_and_serves_anyway(fake_services):

@@ -339,8 +339,8 @@ def test_engine_with_the_measured_policy_is_exact_and_reports_metrics(tiny_model
     metrics.spec_decode(stats.spec_num_drafts, stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens,
                         stats.spec_accepted_per_pos)
     text = generate_latest(registry).decode()
-    assert f'baton:worker_spec_decode_num_draft_tokens_total{{model_name="tiny"}} {float(stats.spec_num_draft_tokens)}' in text
-    assert 'baton:worker_spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny",position="0"}' in text
+    assert f'baton:worker_spec_decode_num_draft_tokens_total{{model_name="tiny",worker_kind="decode"}} {float(stats.spec_num_draft_tokens)}' in text
+    assert 'baton:worker_spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny",position="0",worker_kind="decode"}' in text
     assert_pool_all_free(llm)
 
 

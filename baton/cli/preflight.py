@@ -184,7 +184,7 @@ class MemoryEstimate:
             return None
         kv = sum(self.kv_pool_bytes)
         # the fix that helps most: the larger of the two parts
-        smaller = ("a smaller --kv-cache-memory (or --num-kv-blocks, or --kv-cache-dtype int8)"
+        smaller = ("a smaller --kv-cache-memory or --prefill-kv-cache-memory (or --num-kv-blocks, or --kv-cache-dtype int8)"
                    if kv >= self.weights_bytes * self.num_workers else "--quantization int8 or int4")
         return (f"{self.num_workers} workers may need about {format_bytes(self.total_bytes)} "
                 f"({self.num_workers} x {format_bytes(self.weights_bytes)} of weights + {format_bytes(kv)} of "
@@ -193,9 +193,10 @@ class MemoryEstimate:
 
 
 def kv_pool_bytes(config, block_size: int | None, dtype: str, kv_cache_dtype: str,  # config: a ModelConfig
-                  num_kv_blocks: int | None, kv_cache_memory: str | None) -> int:
+                  num_kv_blocks: int | None, kv_cache_memory: str | None, flag: str = "--kv-cache-memory") -> int:
     """One worker's KV pool as its flags size it: --num-kv-blocks blocks of the model's block bytes,
-    else --kv-cache-memory (the worker's own default when neither is given)."""
+    else --kv-cache-memory (the worker's own default when neither is given). `flag`: the `baton serve`
+    flag `kv_cache_memory` came from, for the message when it is not a size."""
     from baton.worker.args import parse_bytes
 
     defaults = _worker_defaults()
@@ -208,7 +209,43 @@ def kv_pool_bytes(config, block_size: int | None, dtype: str, kv_cache_dtype: st
     try:
         return parse_bytes(kv_cache_memory)
     except argparse.ArgumentTypeError as exc:
-        raise PreflightError(f"--kv-cache-memory: {exc}") from None
+        raise PreflightError(f"{flag}: {exc}") from None
+
+
+# A prefill worker's pool holds the prompts it computes at once and its local prefix cache: room for
+# this many full-context prompts, and never less than the floor (small models' pools cost little).
+PREFILL_KV_FULL_PROMPTS = 2
+PREFILL_KV_FLOOR_BYTES = 256 << 20
+
+
+def context_tokens(model_dir: Path, config, args: argparse.Namespace) -> int:
+    """The longest request the gateway will admit: --max-model-len (or TGI's --max-total-tokens) where
+    given, else the model's own context (as the gateway derives it), else its config's positions."""
+    from baton.common.context_length import model_context_length
+
+    given = [n for n in (getattr(args, "max_model_len", None), getattr(args, "max_total_tokens", None)) if n]
+    if given:
+        return min(given)
+    return model_context_length(model_dir) or config.max_position_embeddings
+
+
+def default_prefill_kv_bytes(config, context: int, block_size: int | None, dtype: str,
+                             kv_cache_dtype: str) -> int:
+    """`baton serve`'s default prefill KV pool: PREFILL_KV_FULL_PROMPTS prompts of `context` tokens
+    (whole blocks of the model's block bytes, known without loading it), at least the floor. Not the
+    workers' 1 GiB default, which is most of a prefill worker's private memory on a small model and
+    too little for one full prompt on a long-context one."""
+    from baton.model.runtime import kv_block_bytes
+
+    block_size = block_size or int(_worker_defaults()["block_size"])  # type: ignore[arg-type]
+    blocks = -(-context // block_size)
+    prompt_bytes = blocks * kv_block_bytes(config, block_size, dtype, kv_cache_dtype)
+    return max(PREFILL_KV_FLOOR_BYTES, PREFILL_KV_FULL_PROMPTS * prompt_bytes)
+
+
+def size_flag_value(n: int) -> str:
+    """Bytes as a --kv-cache-memory value a person reads in `ps`: whole MiB, rounded up."""
+    return f"{-(-n // (1 << 20))}MiB"
 
 
 def _worker_defaults() -> dict[str, object]:
@@ -227,6 +264,7 @@ class ModelCheck:
     config: object  # the ModelConfig the workers will read
     weights: list[Path]
     memory: MemoryEstimate
+    prefill_kv_cache_memory: str  # what each prefill worker gets as --kv-cache-memory
 
     def weights_label(self) -> str:
         """'model.safetensors 538.1 MiB' (or the GGUF served, or 'N files 12.0 GiB')."""
@@ -240,9 +278,16 @@ def check_model(model_dir: Path, args: argparse.Namespace) -> ModelCheck:
     weights = weight_files(model_dir, args.dtype, args.quantization)
     weights_bytes = sum(path.stat().st_size for path in weights)
     kv_dtype = getattr(args, "kv_cache_dtype", "auto")
-    # prefill workers get no KV pool flags from `baton serve` (DECODE_FLAGS): their own default
-    prefill_pool = kv_pool_bytes(config, args.block_size, args.dtype, kv_dtype, None, None)
+    # prefill workers get --prefill-kv-cache-memory as their --kv-cache-memory, by default room for
+    # a few full-context prompts (DECODE_FLAGS' pool flags reach the decode workers only)
+    prefill_flag = getattr(args, "prefill_kv_cache_memory", None)
+    if prefill_flag is None:
+        default = default_prefill_kv_bytes(config, context_tokens(model_dir, config, args), args.block_size,
+                                           args.dtype, kv_dtype)
+        prefill_flag = size_flag_value(default)
+    prefill_pool = kv_pool_bytes(config, args.block_size, args.dtype, kv_dtype, None, prefill_flag,
+                                 "--prefill-kv-cache-memory")
     decode_pool = kv_pool_bytes(config, args.block_size, args.dtype, kv_dtype, args.num_kv_blocks,
                                 args.kv_cache_memory)
     pools = [prefill_pool] * args.prefill_workers + [decode_pool] * args.decode_workers
-    return ModelCheck(config, weights, MemoryEstimate(weights_bytes, pools, mem_available()))
+    return ModelCheck(config, weights, MemoryEstimate(weights_bytes, pools, mem_available()), prefill_flag)

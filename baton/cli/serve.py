@@ -231,6 +231,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     for flag, typ, help_ in WORKER_FLAGS + PREFILL_FLAGS + DECODE_FLAGS:
         kwargs = {"choices": ["no-evict", "max-utilization"]} if flag == "--scheduler-policy" else {}
         group.add_argument(flag, *FLAG_ALIASES.get(flag, ()), type=typ, default=None, help=help_, **kwargs)
+    group.add_argument("--prefill-kv-cache-memory", default=None, metavar="SIZE",
+                       help="prefill worker: KV pool size, e.g. 512MiB (its prompts in flight and its prefix cache; "
+                            "default: 2 full-context prompts of KV, at least 256MiB)")
 
 
 def _choices(flag: str) -> dict[str, list[str]]:
@@ -269,6 +272,9 @@ def build_child_specs(args: argparse.Namespace, model_dir: Path, redis_url: str,
         argv = [python, "-m", PREFILL_MODULE, *common, "--threads", str(threads), "--dtype", args.dtype,
                 "--quantization", args.quantization, "--kv-cache-dtype", getattr(args, "kv_cache_dtype", "auto")]
         argv += _passthrough(args, WORKER_FLAGS + PREFILL_FLAGS)
+        # its own pool size, under the worker's name for it (--kv-cache-memory is the decode workers')
+        if getattr(args, "prefill_kv_cache_memory", None) is not None:
+            argv += ["--kv-cache-memory", str(args.prefill_kv_cache_memory)]
         if metrics_port is not None:
             argv += ["--metrics-port", str(metrics_port + i)]
         if core_share_fd is not None:
@@ -455,6 +461,7 @@ def run(args: argparse.Namespace) -> int:
     except PreflightError as exc:
         log(str(exc))
         return 2
+    args.prefill_kv_cache_memory = model_check.prefill_kv_cache_memory  # the default, sized to the context
     if warning := model_check.memory.warning():
         log(f"warning: {warning}")
     if not args.served_model_name:  # a Hub model is served as its repo id, not its snapshot's hash

@@ -40,6 +40,10 @@ class KVLoad:
 
     request_id: str
     blocks: tuple[BlockLoad, ...]
+    # a hybrid model's state at the end of exactly these blocks' tokens (a handoff's): the load is
+    # all or nothing, since the blocks without the state (or a state without all of them) resume nothing
+    state_key: str | None = None
+    state_token_ids: tuple[int, ...] = ()  # the tokens the state must have been computed over
 
 
 @dataclass
@@ -54,6 +58,8 @@ class LoadedKV:
     num_missing: int = 0  # blocks of the load that did not arrive intact (computed instead)
     num_rejected: int = 0  # of those, the one found unreadable or of the wrong dtype, shape or size
     rejected_keys: list[str] = field(default_factory=list)  # its key: to delete, so a good block can land
+    state: dict[str, torch.Tensor] | None = None  # the state of a load with a state_key, when it arrived whole
+    num_state_misses: int = 0  # 1 when the load's state was missing, malformed or foreign (all recomputed)
 
 
 @dataclass(frozen=True)
@@ -65,7 +71,9 @@ class KVSave:
     refresh: tuple[str, ...] = ()  # ids already in the store: TTL refreshed only
     num_full_blocks: int = 0  # full blocks of the prompt, including those the store already had
     block_hashes: tuple[str, ...] = ()  # ids of those full blocks, in order (the handoff carries them)
+    state: tuple[str, bytes] | None = None  # (store key, value): a hybrid's state at the end of the prompt
 
     @property
     def num_bytes(self) -> int:
-        return sum(len(v) for _, v in self.full) + (len(self.partial[1]) if self.partial else 0)
+        return (sum(len(v) for _, v in self.full) + (len(self.partial[1]) if self.partial else 0)
+                + (len(self.state[1]) if self.state else 0))

@@ -113,7 +113,7 @@ class LLMEngine:
         self.block_manager = BlockManager(self.pool, self.model_config.model_id, prefix_caching,
                                           window=freeable_window(self.model_config))
         self.connector = (KVConnectorScheduler(config.block_size, self.model_config.model_id,
-                                               hands_kv=not self.runtime.has_state_layers)
+                                               self.runtime.state_kind if self.runtime.has_state_layers else None)
                           if config.kv_connector else None)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.scheduler_policy,
@@ -296,7 +296,9 @@ class LLMEngine:
         handoff = None
         if reason is FinishReason.HANDOFF:
             assert self.connector is not None, "remote_decode needs a KV connector"
-            save = self.connector.build_save(seq, seq.num_prompt_tokens, self.runtime.read_block)
+            # a hybrid's state slot is read here, before `release_state` below frees it
+            save = self.connector.build_save(seq, seq.num_prompt_tokens, self.runtime.read_block,
+                                             self.runtime.read_state if self.runtime.has_state_layers else None)
             self.scheduler.free_finished(seq)
             handoff = KVHandoff(tuple(seq.output_token_ids), seq.first_token_time or time.time(), save)
         if reason is not None:
@@ -371,9 +373,15 @@ class LLMEngine:
             seq = self.scheduler.loading.get(result.request_id)
             if seq is None:
                 continue
+            if self.runtime.has_state_layers and result.state is None:
+                # blocks without the state at their end resume nothing: the prompt is recomputed
+                self.scheduler.finish_kv_load(result.request_id, 0)
+                continue
             first = seq.num_computed_tokens // self.block_size
             for offset, kv in enumerate(result.kv):
                 self.runtime.write_block(seq.block_table[first + offset], kv)
+            if result.state is not None:
+                self.runtime.write_state(result.request_id, result.state)
             self.scheduler.finish_kv_load(result.request_id, result.num_tokens)
 
     def stats(self) -> EngineStats:

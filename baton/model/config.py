@@ -223,6 +223,8 @@ class ModelConfig:
             fields.update(_deltanet_fields(raw, spec, num_layers))
         if spec.short_conv:
             fields.update(_short_conv_fields(raw, num_layers))
+        if spec.mamba2:
+            fields.update(_mamba2_fields(raw, num_layers))
         if spec.mtp_layers_key:
             fields["mtp_layers"] = int(raw.get(spec.mtp_layers_key) or 0)
         if spec.query_scale == "llama4":
@@ -366,6 +368,41 @@ def _short_conv_fields(raw: dict[str, Any], num_layers: int) -> dict[str, Any]:
                              bias=bool(raw.get("conv_bias", False)), layout="short_conv"),
             "intermediate_size": intermediate, "rms_norm_eps": float(raw.get("norm_eps", 1e-5)),
             "tie_word_embeddings": bool(raw.get("tie_word_embeddings", raw.get("tie_embedding", True)))}
+
+
+def _mamba2_fields(raw: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    # transformers' GraniteMoeHybridConfig: `layer_types` (or the older `layers_block_type`) with
+    # its legacy names ("mamba", "attention"), every layer Mamba-2 when absent; the defaults are the
+    # config class's
+    types = raw.get("layer_types") or raw.get("layers_block_type") or ["linear_attention"] * num_layers
+    types = [{"mamba": "linear_attention", "attention": "full_attention"}.get(t, t) for t in types]
+    unknown = sorted(set(types) - {"full_attention", "linear_attention"})
+    if unknown:
+        raise ValueError(f"unsupported layer types {unknown} in granitemoehybrid (Baton runs mamba, attention)")
+    hidden, heads = int(raw["hidden_size"]), int(raw.get("mamba_n_heads", 128))
+    head_dim = raw.get("mamba_d_head", "auto")
+    head_dim = int(raw.get("mamba_expand", 2)) * hidden // heads if head_dim == "auto" else int(head_dim)
+    # transformers 5 writes the infinite limit as {"__float__": "Infinity"} (JSON has no inf)
+    dt_min, dt_max = [float(v["__float__"]) if isinstance(v, dict) else float(v)
+                      for v in raw.get("time_step_limit") or (0.0, float("inf"))]
+    # the state layers ride in the Gated DeltaNet's fields (`layout` names the kind:
+    # baton.model.short_conv.state_dims)
+    dims = dict(hidden_size=hidden, num_heads=heads, head_dim=head_dim, n_groups=int(raw.get("mamba_n_groups", 1)),
+                state_size=int(raw.get("mamba_d_state", 256)), conv_kernel=int(raw.get("mamba_d_conv", 4)),
+                chunk_size=int(raw.get("mamba_chunk_size", 256)), conv_bias=bool(raw.get("mamba_conv_bias", True)),
+                proj_bias=bool(raw.get("mamba_proj_bias", False)), eps=float(raw.get("rms_norm_eps", 1e-6)),
+                dt_min=dt_min, dt_max=dt_max, layout="mamba2")
+    out: dict[str, Any] = {
+        "layer_deltanet": [t == "linear_attention" for t in types[:num_layers]], "deltanet": dims,
+        # every layer's dense MLP is the shared MLP (`shared_intermediate_size`); `intermediate_size`
+        # sizes the routed experts
+        "intermediate_size": int(raw.get("shared_intermediate_size", 1024)),
+        "rms_norm_eps": float(raw.get("rms_norm_eps", 1e-6)),
+        "attention_scale": float(raw.get("attention_multiplier", 1.0)),
+    }
+    if raw.get("position_embedding_type") != "rope":  # the config class's default: no rotary
+        out["layer_rope"] = [False] * num_layers
+    return out
 
 
 def _deltanet_fields(raw: dict[str, Any], spec: FamilySpec, num_layers: int) -> dict[str, Any]:

@@ -105,6 +105,10 @@ class FamilySpec:
     # LFM2's gated short-convolution state layers (`layer_types` "conv", or every layer not in
     # `full_attn_idxs`) beside plain GQA attention with per-head q/k norm (baton.model.short_conv)
     short_conv: bool = False
+    # Granite 4.0-H's Mamba-2 state layers (`layer_types` "mamba" / "linear_attention") beside plain
+    # attention (rotary only when `position_embedding_type` is "rope"); the MLP a dense shared MLP,
+    # plus routed experts when `num_local_experts` > 0 (baton.model.mamba2)
+    mamba2: bool = False
     # the name prefix of multi-token-prediction tensors stored beside the model (Qwen3-Next and
     # Qwen3.5: `mtp.*`; transformers ignores them on load); Baton does not run them: skipped by name
     mtp_prefix: str = ""
@@ -152,6 +156,8 @@ FAMILIES: dict[str, FamilySpec] = {s.model_type: s for s in (
     # LFM2: short-conv state layers and GQA attention layers (q/k norm), its MLP sized by the
     # `block_*` keys, final norm `embedding_norm`, head tied by default
     FamilySpec("lfm2", qk_norm="head", bias="none", rope_theta=1_000_000.0, short_conv=True, display="LFM2"),
+    FamilySpec("granitemoehybrid", embed_scale="embedding_multiplier", multipliers=True, router="softmax_topk",
+               renormalize_topk="always", moe_module="block_sparse_moe", mamba2=True, display="Granite 4.0-H"),
     FamilySpec("granite", mlp_bias=True, embed_scale="embedding_multiplier", multipliers=True, display="Granite"),
     FamilySpec("smollm3", mlp_bias=True, window="layer_types", no_rope_layers=True, display="SmolLM3"),
     # Llama 4 text: chunked attention with L2 q/k norm on the rotary layers, every 4th layer without

@@ -121,6 +121,24 @@ class StatePool:
         if slot is not None:
             self.free.append(slot)
 
+    def _tensors(self) -> dict[str, torch.Tensor]:
+        return {"conv": self.conv} | ({"recurrent": self.recurrent} if self.recurrent is not None else {})
+
+    def slot_layout(self) -> dict[str, tuple[list[int], torch.dtype]]:
+        """One slot's tensors as `read` returns them: name -> ([layers, ...], dtype)."""
+        return {name: ([t.shape[0], *t.shape[2:]], t.dtype) for name, t in self._tensors().items()}
+
+    def read(self, request_id: str) -> dict[str, torch.Tensor]:
+        """A copy (on the CPU) of the request's slot: what a handoff carries to the decode worker."""
+        slot = self.owner[request_id]
+        return {name: t[:, slot].to("cpu", copy=True) for name, t in self._tensors().items()}
+
+    def write(self, request_id: str, tensors: dict[str, torch.Tensor]) -> None:
+        """Resume the request from a handed-off state (of `slot_layout`, checked by the caller)."""
+        slot = self.slot(request_id, starting=True)
+        for name, t in self._tensors().items():
+            t[:, slot].copy_(tensors[name])
+
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)

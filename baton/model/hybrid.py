@@ -10,7 +10,10 @@ of a dense one's). Gemma-style norms ((1 + w) weights), as the reference's. Qwen
 `baton.model.moe.SparseMoE` with its shared expert behind a sigmoid gate (`GatedSharedExpert`), as
 is Qwen3.5-MoE's. LFM2 is the same decoder with other state layers: gated short convolutions
 (`baton.model.short_conv`, a conv state per request in the same pool) beside plain GQA attention
-with per-head q/k norm, its checkpoint's names mapped by `hybrid_recipes`.
+with per-head q/k norm, its checkpoint's names mapped by `hybrid_recipes`. Granite 4.0-H is the
+same decoder with Mamba-2 state layers (`baton.model.mamba2`) beside plain attention (rotary or
+none), Granite's embedding / residual / logits multipliers, and a dense shared MLP on every layer
+(plus top-k routed experts where `num_local_experts` > 0).
 
 The native bf16 kernels do not run these layers: every dtype takes the torch path.
 """
@@ -23,6 +26,7 @@ from torch import nn
 from baton.model.attention import AttentionMetadata
 from baton.model.config import ModelConfig
 from baton.model.gated_deltanet import DeltaNetDims, GatedDeltaNet, StateMeta, StatePool
+from baton.model.mamba2 import Mamba2Dims, Mamba2Mixer
 from baton.model.model import MLP, Attention, LlamaModel, RMSNorm, apply_rope, set_op
 from baton.model.moe import SparseMoE
 from baton.model.short_conv import ShortConv, ShortConvDims, state_dims
@@ -66,23 +70,32 @@ class HybridLayer(nn.Module):
     """Pre-norm: x += mixer(input_ln(x)); x += mlp(post_attention_ln(x)); the mixer a Gated DeltaNet
     (`linear_attn`) or a gated attention (`self_attn`) over its slice of the KV cache (`kv_index`)."""
 
-    def __init__(self, config: ModelConfig, layer_index: int, dims: DeltaNetDims | ShortConvDims) -> None:
+    def __init__(self, config: ModelConfig, layer_index: int, dims: DeltaNetDims | ShortConvDims | Mamba2Dims
+                 ) -> None:
         super().__init__()
+        self.residual_multiplier = config.residual_multiplier  # Granite scales each branch
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_kind)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_kind)
         self.self_attn: Attention | None = None
-        self.linear_attn: GatedDeltaNet | ShortConv | None = None
+        self.linear_attn: GatedDeltaNet | ShortConv | Mamba2Mixer | None = None
         if config.layer_deltanet[layer_index]:
             state_index = sum(config.layer_deltanet[:layer_index])
-            self.linear_attn = (ShortConv(dims, state_index) if isinstance(dims, ShortConvDims) else
-                                GatedDeltaNet(dims, config.hidden_size, config.rms_norm_eps, state_index))
+            if isinstance(dims, ShortConvDims):
+                self.linear_attn = ShortConv(dims, state_index)
+            elif isinstance(dims, Mamba2Dims):
+                self.linear_attn = Mamba2Mixer(dims, state_index)
+            else:
+                self.linear_attn = GatedDeltaNet(dims, config.hidden_size, config.rms_norm_eps, state_index)
             self.kv_index = -1
         else:
-            # LFM2's attention is the plain one (GQA, per-head q/k norm); the Qwens' is gated
-            self.self_attn = (Attention(config, layer_index) if isinstance(dims, ShortConvDims) else
-                              GatedAttention(config, layer_index))
+            # LFM2's and Granite's attention is the plain one (GQA); the Qwens' is gated
+            self.self_attn = (GatedAttention(config, layer_index) if isinstance(dims, DeltaNetDims) else
+                              Attention(config, layer_index))
             self.kv_index = config.attention_layers.index(layer_index)
-        if config.is_moe(layer_index):
+        if isinstance(dims, Mamba2Dims) and config.is_moe(layer_index):
+            # Granite: the routed experts plus the dense shared MLP, ungated
+            self.mlp = SparseMoE(config, MLP(config))
+        elif config.is_moe(layer_index):
             shared = GatedSharedExpert(config) if config.shared_expert_intermediate_size else None
             self.mlp: nn.Module = SparseMoE(config, shared)
         else:
@@ -92,12 +105,15 @@ class HybridLayer(nn.Module):
                 meta: AttentionMetadata, pool: StatePool, state: StateMeta) -> torch.Tensor:
         h = self.input_layernorm(x)
         if self.linear_attn is not None:
-            x += self.linear_attn(h, pool, state)
+            self._add(x, self.linear_attn(h, pool, state))
         else:
             assert self.self_attn is not None
-            x += self.self_attn(h, cos, sin, kv_cache[self.kv_index], meta)
-        x += self.mlp(self.post_attention_layernorm(x))
+            self._add(x, self.self_attn(h, cos, sin, kv_cache[self.kv_index], meta))
+        self._add(x, self.mlp(self.post_attention_layernorm(x)))
         return x
+
+    def _add(self, x: torch.Tensor, branch: torch.Tensor) -> None:
+        x += branch * self.residual_multiplier if self.residual_multiplier != 1.0 else branch
 
 
 class HybridModel(LlamaModel):
@@ -157,10 +173,22 @@ class HybridModel(LlamaModel):
         assert state is not None, "a hybrid model's step needs its rows' state slots"
         pool, state_meta = state
         x = self.embed(input_ids)
+        if self.config.embedding_multiplier != 1.0:
+            x = x * self.config.embedding_multiplier  # Granite's (a float, as the reference)
         cos, sin = self.rope(positions, max_position)
         for layer in self.layers:
             x = layer(x, cos, sin, kv_cache, meta, pool, state_meta)
         return self._with_hidden(self.norm(x), logits_indices, hidden_indices)
+
+    def _with_hidden(self, normed: torch.Tensor, logits_indices: torch.Tensor,
+                     hidden_indices: torch.Tensor | None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        out = super()._with_hidden(normed, logits_indices, hidden_indices)
+        if self.config.logits_scaling == 1.0:
+            return out
+        # Granite divides the logits by `logits_scaling`
+        if isinstance(out, tuple):
+            return out[0] / self.config.logits_scaling, out[1]
+        return out / self.config.logits_scaling
 
 
 def hybrid_recipes(model: HybridModel, config: ModelConfig, expert_names: tuple[str, str, str]
@@ -186,6 +214,9 @@ def hybrid_recipes(model: HybridModel, config: ModelConfig, expert_names: tuple[
         if isinstance(model.dims, ShortConvDims):
             _lfm2_layer_names(out, p, layer)
             continue
+        if isinstance(model.dims, Mamba2Dims):
+            _granite_layer_names(out, p, layer)
+            continue
         mlp = p + "mlp."
         if isinstance(layer.mlp, MLP):
             dense(mlp, mlp)
@@ -204,6 +235,25 @@ def hybrid_recipes(model: HybridModel, config: ModelConfig, expert_names: tuple[
     if config.tie_word_embeddings:
         out.pop("lm_head.weight", None)
     return out
+
+
+def _granite_layer_names(out: dict[str, list[list[list[str]]]], p: str, layer: HybridLayer) -> None:
+    # Granite 4.0-H's checkpoint names: the Mamba-2 mixer under `mamba.`, the dense MLP as
+    # shared_mlp.input_linear (gate|up, fused as Baton's) / output_linear, the experts under
+    # block_sparse_moe
+    if layer.linear_attn is not None:
+        for name, _ in layer.linear_attn.named_parameters():
+            out[f"{p}linear_attn.{name}"] = [[[f"{p}mamba.{name}"]]]
+    own = f"{p}mlp.shared_experts." if isinstance(layer.mlp, SparseMoE) else f"{p}mlp."
+    out[f"{own}gate_up_proj.weight"] = [[[f"{p}shared_mlp.input_linear.weight"]]]
+    out[f"{own}down_proj.weight"] = [[[f"{p}shared_mlp.output_linear.weight"]]]
+    if isinstance(layer.mlp, SparseMoE):
+        # as released (and as transformers 5 saves): router.layer, input_linear [E, 2I, H] (gate|up),
+        # output_linear [E, H, I]; or transformers 5's in-memory names
+        moe = p + "block_sparse_moe."
+        out[f"{p}mlp.gate.weight"] = [[[f"{moe}router.layer.weight"]], [[f"{moe}router.weight"]]]
+        out[f"{p}mlp.experts_gate_up"] = [[[f"{moe}input_linear.weight"]], [[f"{moe}experts.gate_up_proj"]]]
+        out[f"{p}mlp.experts_down"] = [[[f"{moe}output_linear.weight"]], [[f"{moe}experts.down_proj"]]]
 
 
 def _lfm2_layer_names(out: dict[str, list[list[list[str]]]], p: str, layer: HybridLayer) -> None:

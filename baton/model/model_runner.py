@@ -133,6 +133,14 @@ class ModelRunner:
             self.state_pool = StatePool(state_dims(config.deltanet), sum(config.layer_deltanet),
                                         max(1, max_num_seqs), self.dtype, self.device)
 
+    def read_state(self, request_id: str) -> dict[str, torch.Tensor]:
+        assert self.state_pool is not None
+        return self.state_pool.read(request_id)
+
+    def write_state(self, request_id: str, tensors: dict[str, torch.Tensor]) -> None:
+        assert self.state_pool is not None
+        self.state_pool.write(request_id, tensors)
+
     def release_state(self, request_id: str) -> None:
         """A request finished, was aborted or preempted: its state slot is free (recompute rebuilds it)."""
         if self.state_pool is not None:

@@ -120,6 +120,24 @@ class ModelRuntime:
         dims = state_dims(self.config.deltanet)
         return max_num_seqs * StatePool.bytes_per_slot(dims, sum(self.config.layer_deltanet), self.dtype)
 
+    @property
+    def state_kind(self) -> str:
+        """Which kind of state layers keep the state (what a handed-off state must have been made by)."""
+        return str(self.config.deltanet.get("layout") or "gated_deltanet")
+
+    def state_layout(self) -> dict[str, tuple[list[int], torch.dtype]]:
+        """One request's state tensors: name -> (shape, dtype) ({} without state layers)."""
+        pool = self._runner.state_pool if self._runner is not None else None
+        return pool.slot_layout() if pool is not None else {}
+
+    def read_state(self, request_id: str) -> dict[str, torch.Tensor]:
+        """A copy of the request's state (its slot), on the CPU."""
+        return self.runner.read_state(request_id)
+
+    def write_state(self, request_id: str, tensors: dict[str, torch.Tensor]) -> None:
+        """Resume the request's state layers from `tensors` (of `state_layout`)."""
+        self.runner.write_state(request_id, tensors)
+
     def release_state(self, request_id: str) -> None:
         """Free a finished, aborted or preempted request's state slot (no-op without state layers)."""
         if self._runner is not None:

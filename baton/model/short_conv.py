@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from baton.model.gated_deltanet import DeltaNetDims, StateMeta, StatePool
+from baton.model.mamba2 import Mamba2Dims
 
 
 @dataclass(frozen=True)
@@ -39,9 +40,12 @@ class ShortConvDims:
         return ()
 
 
-def state_dims(spec: dict[str, Any]) -> DeltaNetDims | ShortConvDims:
+def state_dims(spec: dict[str, Any]) -> DeltaNetDims | ShortConvDims | Mamba2Dims:
     """The state layers' sizes from `ModelConfig.deltanet` (its `layout` says which kind)."""
-    return ShortConvDims(**spec) if spec.get("layout") == "short_conv" else DeltaNetDims(**spec)
+    layout = spec.get("layout")
+    if layout == "mamba2":
+        return Mamba2Dims(**spec)
+    return ShortConvDims(**spec) if layout == "short_conv" else DeltaNetDims(**spec)
 
 
 class ShortConv(nn.Module):

@@ -5,16 +5,22 @@ Every block read is untrusted bytes: its tokens, dtype, shape and size are check
 block that is missing, unreadable, malformed or foreign ends the valid prefix (it and the blocks
 after it are computed instead). A malformed block is deleted, so the block computed instead can land
 (full blocks are written with SET NX).
+
+A load with a state (a hybrid model's handoff) is all or nothing: every block and the state must
+arrive, the state made by this model's kind of state layers over exactly the expected tokens, in
+its shapes and dtypes; otherwise nothing is loaded and the prompt is recomputed (a state miss).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence as Seq
+from collections.abc import Mapping, Sequence as Seq
 from typing import Protocol
 
+import torch
+
 from baton.engine.kv_types import KVLoad, LoadedKV
-from kvstore.codec import decode_block, logical_shape
+from kvstore.codec import decode_block, decode_state, logical_shape, state_mismatch
 from kvstore.keys import block_key
 
 logger = logging.getLogger("baton.kv_connector")
@@ -53,16 +59,20 @@ class StoreKVTransfer:
     """`KVConnectorWorker` over a block store, for an engine whose blocks are `block_shape`
     ([layers, 2, block_size, kv_heads, head_dim] in any cache format; None: any shape)."""
 
-    def __init__(self, store: BlockStore, block_shape: Seq[int] | None = None) -> None:
+    def __init__(self, store: BlockStore, block_shape: Seq[int] | None = None, state_kind: str | None = None,
+                 state_layout: Mapping[str, tuple[Seq[int], torch.dtype]] | None = None) -> None:
         self.store = store
         self.block_shape = list(block_shape) if block_shape is not None else None
+        # a hybrid model's state: its kind and its tensors' (shape, dtype), what a handed-off state must match
+        self.state_kind = state_kind
+        self.state_layout = {name: (list(shape), dtype) for name, (shape, dtype) in (state_layout or {}).items()}
 
     async def load(self, load: KVLoad) -> LoadedKV:
         """Read a load's blocks (one round trip) and keep the leading ones that hold the expected
         tokens as well-formed blocks of this engine's shape; delete a malformed one."""
         result = LoadedKV(load.request_id, num_missing=len(load.blocks))
         keys = [_key(b.block_hash, b.partial_key) for b in load.blocks]
-        values = await self.store.get(keys)
+        values = await self.store.get(keys + ([load.state_key] if load.state_key is not None else []))
         for block, key, value in zip(load.blocks, keys, values):
             if value is None:
                 break
@@ -85,8 +95,38 @@ class StoreKVTransfer:
             result.num_bytes += len(value)
             if block.block_hash is not None:
                 result.block_hashes.append(block.block_hash)
+        if load.state_key is not None:
+            result = self._with_state(load, result, values[-1])
         await self.store.delete(result.rejected_keys)
         return result
+
+    def _with_state(self, load: KVLoad, blocks: LoadedKV, value: bytes | None) -> LoadedKV:
+        """`blocks` with the load's state, or nothing loaded (a state miss) when either is incomplete."""
+        key = str(load.state_key)
+        reason = None
+        if blocks.num_missing:
+            reason = "its blocks did not all arrive"
+        elif value is None:
+            reason = "no state in the store"
+        else:
+            try:
+                kind, tokens, tensors = decode_state(value)
+                if self.state_kind is None:
+                    raise ValueError("this model keeps no state")
+                reason = state_mismatch(kind, tensors, self.state_kind, self.state_layout)
+                if reason is None and tokens != list(load.state_token_ids):
+                    reason = "it was computed over other tokens"
+                if reason is None:
+                    blocks.state = tensors
+                    blocks.num_bytes += len(value)
+                    return blocks
+            except Exception as exc:  # untrusted bytes: a miss, never a crash
+                reason = f"{type(exc).__name__}: {exc}"
+            blocks.rejected_keys.append(key)
+            _reject(key, reason)
+        logger.info("state %s not resumed (%s): recomputing request %s's prompt", key, reason, load.request_id)
+        return LoadedKV(load.request_id, num_missing=len(load.blocks), num_rejected=blocks.num_rejected
+                        + (key in blocks.rejected_keys), rejected_keys=blocks.rejected_keys, num_state_misses=1)
 
     async def probe(self, block_hashes: Seq[str]) -> list[str]:
         found: list[str] = []

@@ -1,9 +1,10 @@
-"""Prometheus metrics of a worker process (vLLM's names under `baton:worker_`, with a model_name label).
+"""Prometheus metrics of a worker process (vLLM's names under `baton:worker_`, with model_name and worker_kind labels).
 
 Every worker series is named `baton:worker_*`, every gateway series `baton:*` without it: the same
 quantity seen by both (requests running, prompt and generated tokens) must not share a name, or a
 plain `sum()` over all scraped processes counts it twice. As rendered by prometheus_client
-(counters get `_total`; the worker kind is Prometheus' `job`):
+(counters get `_total`; every series carries `worker_kind="prefill"|"decode"`, so a dashboard or
+an alert selects a kind whatever the scrape config names its jobs: compose's, Kubernetes' pods):
 
     baton:worker_num_requests_running, baton:worker_num_requests_waiting,
     baton:worker_kv_cache_usage_perc                                                     gauges
@@ -34,7 +35,8 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histo
 
 from baton.common.finish_reason import WIRE_REASONS, FinishReason
 
-LABELS = ["model_name"]
+# worker_kind: the process's own kind, not Prometheus' `job`, which only a scrape config sets.
+LABELS = ["model_name", "worker_kind"]
 _TIME_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
@@ -42,8 +44,10 @@ class WorkerMetrics:
     def __init__(self, model_name: str, kind: str, registry: CollectorRegistry = REGISTRY) -> None:
         """`registry`: a private one lets several workers' metrics live in one process (tests)."""
         self.model_name = model_name
+        self.kind = kind
         r = registry
-        lbl = {"model_name": model_name}
+        lbl = {"model_name": model_name, "worker_kind": kind}
+        self._labels = lbl
         self.num_requests_running = Gauge("baton:worker_num_requests_running", "Requests in the engine's batch", LABELS, registry=r).labels(**lbl)
         self.num_requests_waiting = Gauge("baton:worker_num_requests_waiting", "Requests waiting in the engine", LABELS, registry=r).labels(**lbl)
         self.kv_cache_usage_perc = Gauge("baton:worker_kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)", LABELS, registry=r).labels(**lbl)
@@ -89,9 +93,9 @@ class WorkerMetrics:
 
         # Every label value up front, so the series exist (at 0) from the first scrape.
         for direction in ("fetched", "written"):
-            self.handoff_bytes.labels(model_name=model_name, direction=direction)
+            self.handoff_bytes.labels(**lbl, direction=direction)
         for reason in sorted(WIRE_REASONS):
-            self.requests_finished.labels(model_name=model_name, finished_reason=str(reason))
+            self.requests_finished.labels(**lbl, finished_reason=str(reason))
 
     def spec_decode(self, drafts: int, draft_tokens: int, accepted: int, per_pos: tuple[int, ...]) -> None:
         """Advance the spec_decode counters to the engine's cumulative counts (EngineStats.spec_*)."""
@@ -101,13 +105,13 @@ class WorkerMetrics:
         self.spec_accepted_tokens.inc(accepted - seen_accepted)
         for position, count in enumerate(per_pos):
             before = seen_pos[position] if position < len(seen_pos) else 0
-            series = self.spec_accepted_per_pos.labels(model_name=self.model_name, position=str(position))
+            series = self.spec_accepted_per_pos.labels(**self._labels, position=str(position))
             series.inc(count - before)
         self._spec_seen = (drafts, draft_tokens, accepted, tuple(per_pos))
 
     def bytes(self, direction: str, n: int) -> None:
-        self.handoff_bytes.labels(model_name=self.model_name, direction=direction).inc(n)
+        self.handoff_bytes.labels(**self._labels, direction=direction).inc(n)
 
     def finished(self, reason: FinishReason) -> None:
-        self.requests_finished.labels(model_name=self.model_name, finished_reason=str(reason)).inc()
+        self.requests_finished.labels(**self._labels, finished_reason=str(reason)).inc()
 

@@ -77,7 +77,9 @@ class WorkerShell:
         self.core = self.core_class(self.engine, self.worker_id, self.metrics)
         self.redis = redis
         self.store = store if store is not None else RedisBlockStore(redis)
-        self.kv = StoreKVTransfer(self.store, engine.block_shape)
+        runtime = engine.runtime
+        self.kv = StoreKVTransfer(self.store, engine.block_shape,
+                                  runtime.state_kind if runtime.has_state_layers else None, runtime.state_layout())
         self.cancels = CancelWatcher(self.redis)
         self.gateways = GatewayWatch(args.gateway_grace)
         self.stopping = asyncio.Event()  # SIGTERM: take nothing new, drain
