@@ -109,6 +109,17 @@ def hybrid_dir(tmp_path_factory, default_model_dir):
 
 # ------------------------------------------------------------------ the layer, fed in pieces
 
+def random_layer(layer_class: Any, config: Any, seed: int) -> Any:
+    """transformers' layer 0 of `layer_class`, its parameters drawn N(0, 0.3) (off their init, so a
+    weight read wrong shows), in eval mode."""
+    torch.manual_seed(seed)
+    layer = layer_class(config, 0).eval()
+    with torch.no_grad():
+        for param in layer.parameters():
+            param.normal_(0.0, 0.3)
+    return layer
+
+
 @pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_text"])  # the two layouts (Qwen3.5-MoE's is Qwen3.5's)
 def test_gated_deltanet_in_pieces_equals_transformers_whole(family):
     import transformers
@@ -122,11 +133,7 @@ def test_gated_deltanet_in_pieces_equals_transformers_whole(family):
         from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet as Reference
     else:
         from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet as Reference
-    torch.manual_seed(7)
-    reference = Reference(config, 0).eval()
-    with torch.no_grad():
-        for param in reference.parameters():
-            param.normal_(0.0, 0.3)
+    reference = random_layer(Reference, config, seed=7)
     dims = DeltaNetDims(2, 4, 16, 8, 4, "grouped" if family == "qwen3_next" else "split")
     layer = GatedDeltaNet(dims, 64, config.rms_norm_eps, state_index=0)
     layer.load_state_dict(reference.state_dict(), strict=True)  # the checkpoint's names, as is
@@ -162,11 +169,7 @@ def test_short_conv_in_pieces_equals_transformers_whole():
     from baton.model.short_conv import ShortConv, ShortConvDims
 
     config = transformers.Lfm2Config(hidden_size=64, num_hidden_layers=1, layer_types=["conv"], conv_L_cache=3)
-    torch.manual_seed(11)
-    reference = Lfm2ShortConv(config, 0).eval()
-    with torch.no_grad():
-        for param in reference.parameters():
-            param.normal_(0.0, 0.3)
+    reference = random_layer(Lfm2ShortConv, config, seed=11)
     dims = ShortConvDims(64, 3, bias=False)
     layer = ShortConv(dims, state_index=0)
     layer.load_state_dict(reference.state_dict(), strict=True)  # the checkpoint's names under `conv.`
@@ -198,11 +201,7 @@ def test_mamba2_in_pieces_equals_transformers_whole():
     config = transformers.GraniteMoeHybridConfig(hidden_size=64, num_hidden_layers=1, layer_types=["mamba"],
                                                  mamba_n_heads=8, mamba_n_groups=2, mamba_d_state=16,
                                                  mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=16)
-    torch.manual_seed(3)
-    reference = GraniteMoeHybridMambaLayer(config, 0).eval()
-    with torch.no_grad():
-        for param in reference.parameters():
-            param.normal_(0.0, 0.3)
+    reference = random_layer(GraniteMoeHybridMambaLayer, config, seed=3)
     dims = Mamba2Dims(hidden_size=64, num_heads=8, head_dim=16, n_groups=2, state_size=16, conv_kernel=4,
                       chunk_size=16, conv_bias=True, proj_bias=False, eps=config.rms_norm_eps)
     layer = Mamba2Mixer(dims, state_index=0)

@@ -66,6 +66,18 @@ def _tanh(x):
 
 
 @triton.jit
+def _load_kv_tile(cache_ptr, table_ptr, row, pos, pm, kvh, d, dm,
+                  stride_ckv, stride_ch, stride_cs, stride_tb, block_size):
+    # K and V of positions `pos` (masked by `pm`) of request `row`, read in place through its block
+    # table: slot = block * block_size + offset. [BLOCK_N, BLOCK_D] each, in the cache's dtype.
+    block = tl.load(table_ptr + row * stride_tb + pos // block_size, mask=pm, other=0).to(tl.int64)
+    slot = block * block_size + pos % block_size
+    k_ptrs = cache_ptr + kvh * stride_ch + slot[:, None] * stride_cs + d[None, :]
+    kv_mask = pm[:, None] & dm[None, :]
+    return tl.load(k_ptrs, mask=kv_mask, other=0.0), tl.load(k_ptrs + stride_ckv, mask=kv_mask, other=0.0)
+
+
+@triton.jit
 def _decode_split_kernel(q_ptr, cache_ptr, table_ptr, lens_ptr,
                          part_acc_ptr, part_m_ptr, part_l_ptr,
                          stride_qb, stride_qh, stride_ckv, stride_ch, stride_cs, stride_tb,
@@ -97,12 +109,9 @@ def _decode_split_kernel(q_ptr, cache_ptr, table_ptr, lens_ptr,
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         pm = pos < end
-        block = tl.load(table_ptr + b * stride_tb + pos // block_size, mask=pm, other=0).to(tl.int64)
-        slot = block * block_size + pos % block_size
-        k_ptrs = cache_ptr + kvh * stride_ch + slot[:, None] * stride_cs + d[None, :]
-        kv_mask = pm[:, None] & dm[None, :]
-        k = tl.load(k_ptrs, mask=kv_mask, other=0.0).to(tl.float32)
-        v = tl.load(k_ptrs + stride_ckv, mask=kv_mask, other=0.0).to(tl.float32)
+        k, v = _load_kv_tile(cache_ptr, table_ptr, b, pos, pm, kvh, d, dm,
+                             stride_ckv, stride_ch, stride_cs, stride_tb, block_size)
+        k, v = k.to(tl.float32), v.to(tl.float32)
         scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [BLOCK_G, BLOCK_N]
         if HAS_SOFTCAP:
             scores = softcap * _tanh(scores / softcap)
@@ -189,12 +198,8 @@ def _prefill_kernel(q_ptr, cache_ptr, table_ptr, q_starts_ptr, q_lens_ptr, ctx_l
     for n0 in range(lo, hi, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         pm = pos < hi
-        block = tl.load(table_ptr + seq * stride_tb + pos // block_size, mask=pm, other=0).to(tl.int64)
-        slot = block * block_size + pos % block_size
-        k_ptrs = cache_ptr + kvh * stride_ch + slot[:, None] * stride_cs + d[None, :]
-        kv_mask = pm[:, None] & dm[None, :]
-        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
-        v = tl.load(k_ptrs + stride_ckv, mask=kv_mask, other=0.0)
+        k, v = _load_kv_tile(cache_ptr, table_ptr, seq, pos, pm, kvh, d, dm,
+                             stride_ckv, stride_ch, stride_cs, stride_tb, block_size)
         if FP32_DOT:  # fp32: the exact products (the parity path), not TF32
             scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee") * scale
         else:
