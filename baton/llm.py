@@ -12,7 +12,7 @@ from baton.engine.llm_engine import EngineConfig, LLMEngine
 from baton.common.finish_reason import FinishReason
 from baton.engine.outputs import EngineOutput
 from baton.engine.pooling import Pooling, normalize as normalize_vector
-from baton.engine.spec_config import SpeculativeConfig, parse_speculative_config, with_draft_dir
+from baton.engine.speculative_config import SpeculativeConfig, parse_speculative_config, with_draft_dir
 from baton.common.model_files import resolve_model
 from baton.common.sampling_params import SamplingParams
 

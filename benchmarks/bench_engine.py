@@ -193,39 +193,26 @@ def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
 
 
 def run_baton(llm, requests: list[Request]) -> tuple[float, int, list[list[int]], list[tuple[int, int, float]]]:
-    """Generate; returns wall seconds, generated tokens, the tokens, and per step (prefill tokens,
-    decode tokens, seconds), recorded by wrapping the live engine's `step` and scheduler."""
+    """Generate through the engine's own API (`add_request`, `step`, `stats`); returns wall seconds,
+    generated tokens, the tokens, and per step (prefill tokens, decode tokens, seconds)."""
     engine = llm.engine
     steps: list[tuple[int, int, float]] = []
-    plans = []
-    schedule, step = engine.scheduler.schedule, engine.step
-
-    def recording_schedule():
-        plan = schedule()
-        plans.append(plan)
-        return plan
-
-    def timed_step():
-        t0 = time.perf_counter()
-        out = step()
-        seconds = time.perf_counter() - t0
-        scheduled = plans[-1].scheduled if plans else []
-        decode = sum(1 for _, n in scheduled if n == 1)
-        steps.append((sum(n for _, n in scheduled) - decode, decode, seconds))
-        plans.clear()
-        return out
-
-    engine.scheduler.schedule, engine.step = recording_schedule, timed_step
-    prompts = [r.prompt for r in requests]
-    params = [greedy(r.max_tokens) for r in requests]
-    try:
-        t0 = time.perf_counter()
-        outputs = llm.generate(prompts, params)
-        seconds = time.perf_counter() - t0
-    finally:
-        del engine.scheduler.schedule, engine.step  # the instance attributes: the methods are back
-    tokens = [o.outputs[0].token_ids for o in outputs]
-    return seconds, sum(len(t) for t in tokens), tokens, steps
+    tokens: dict[str, list[int]] = {}
+    ids = [f"bench-{i}" for i in range(len(requests))]
+    t0 = time.perf_counter()
+    for request_id, request in zip(ids, requests):
+        engine.add_request(request_id, request.prompt, greedy(request.max_tokens))
+        tokens[request_id] = []
+    while engine.has_unfinished():
+        started = time.perf_counter()
+        for out in engine.step():
+            tokens[out.request_id].extend(out.new_token_ids)
+        seconds = time.perf_counter() - started
+        stats = engine.stats()
+        steps.append((stats.num_batched_tokens - stats.num_decode_tokens, stats.num_decode_tokens, seconds))
+    seconds = time.perf_counter() - t0
+    generated = [tokens[request_id] for request_id in ids]
+    return seconds, sum(len(t) for t in generated), generated, steps
 
 
 def describe_steps(steps: list[tuple[int, int, float]]) -> str:

@@ -78,9 +78,9 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--skip-engine", action="store_true")
     args = parser.parse_args()
-    if args.no_amx:  # read by oneDNN and the native kernel at their first use: set before torch loads
-        os.environ["ONEDNN_MAX_CPU_ISA"] = "AVX512_CORE_BF16"
-        os.environ["BATON_GEMV_AMX"] = "0"
+    if args.no_amx:  # oneDNN reads its variable at first use: set before torch loads; the engines'
+        os.environ["ONEDNN_MAX_CPU_ISA"] = "AVX512_CORE_BF16"  # RuntimeConfig.gemv_amx defaults to
+        os.environ["BATON_GEMV_AMX"] = "0"  # BATON_GEMV_AMX (the matmuls below pick the kernel themselves)
     import torch
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -92,6 +92,8 @@ def main() -> int:
     if native is None or not native.gemv_available():
         print("no native bf16 matmul on this CPU (it needs AVX512-BF16): nothing to compare")
         return 1
+    if args.no_amx:
+        native.gemv_kernel("avx512bf16")
     torch.set_num_threads(1)
     print(f"CPU: {cpu_model()}; native kernel: {native.gemv_kernel('')}; oneDNN limited to AVX512-BF16: "
           f"{args.no_amx}")

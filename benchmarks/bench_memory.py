@@ -29,7 +29,8 @@ from baton.common.model_files import resolve_model
 from baton.worker.shell import build_engine
 args = argparse.Namespace(model=resolve_model(sys.argv[1] or None), dtype="bfloat16", device=None, block_size=16,
                           num_kv_blocks=16, kv_cache_memory=0, max_num_seqs=16, max_num_batched_tokens=512,
-                          threads=1, quantization=sys.argv[2])
+                          threads=1, quantization=sys.argv[2], kv_cache_dtype="auto",
+                          scheduler_policy="max-utilization", speculative_config=None)
 engine = build_engine(args)
 from baton.model.plan_report import held_bytes
 held = held_bytes(engine.runtime.model)  # every weight in whatever forms it is held, each storage once

@@ -29,7 +29,8 @@ import argparse, json, sys
 from baton.worker.shell import build_engine
 args = argparse.Namespace(model=sys.argv[1], dtype="bfloat16", device=None, block_size=16,
                           num_kv_blocks=int(sys.argv[2]), kv_cache_memory=0, max_num_seqs=16,
-                          max_num_batched_tokens=512, threads=1, quantization="auto")
+                          max_num_batched_tokens=512, threads=1, quantization="auto", kv_cache_dtype="auto",
+                          scheduler_policy="max-utilization", speculative_config=None)
 engine = build_engine(args)
 print(json.dumps({"scheme": engine.quantization}), flush=True)
 sys.stdin.read()  # held until the parent has read every worker's memory

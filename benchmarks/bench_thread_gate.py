@@ -1,4 +1,4 @@
-"""What the thread gate (baton/model/thread_gate.py) costs a decode step that keeps its lent threads.
+"""What the thread gate (baton/worker/ledger_gate.py) costs a decode step that keeps its lent threads.
 
 A borrowing decode step looks at its lender's state before each layer (decode_layers.cpp) and twice
 from Python. This times the default model's decode step (its GGUF's own blocks, bf16, context 256)
@@ -31,10 +31,10 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from baton.common.model_files import resolve_model
-    from baton.model.thread_gate import ThreadGate
     from baton.llm import LLM
-    from baton.worker import core_share
-    from baton.worker.core_share import Ledger, LenderState, run_with_threads
+    from baton.worker import thread_lending
+    from baton.worker.ledger_gate import LedgerGate
+    from baton.worker.thread_lending import Ledger, LenderState, run_with_threads
     from benchmarks.bench_engine import DecodeBatch, cpu_model, loadavg
 
     batches = [int(b) for b in args.batches.split(",")]
@@ -44,9 +44,9 @@ def main(argv: list[str] | None = None) -> int:
               enable_prefix_caching=False, num_kv_blocks=max(batches) * 30 + 8)
     engine = llm.engine
     with tempfile.TemporaryDirectory() as tmp:
-        ledger = Ledger(core_share.create(os.path.join(tmp, "core-share"), prefill_workers=1, decode_workers=1))
+        ledger = Ledger(thread_lending.create(os.path.join(tmp, "core-share"), prefill_workers=1, decode_workers=1))
         ledger.write_lender(0, LenderState.LENDING, 1, time.monotonic())
-        gate = ThreadGate(ledger.words(), open_value=int(LenderState.LENDING))
+        gate = LedgerGate(ledger.words(), open_value=int(LenderState.LENDING))
         for batch in batches:
             decode = DecodeBatch(engine, batch, 256, 2 * args.rounds + 4, 0)
             decode.step()

@@ -26,25 +26,27 @@ from starlette.middleware import Middleware
 from baton.common import heartbeats
 from baton.common.redis_client import REDIS_FAILURES, connect as connect_redis
 from baton.common.urls import redact_url
-from gateway import dashboard, routes_misc, routes_openai, routes_tgi, routes_tokenize
-from gateway import routes_anthropic
-from gateway import routes_responses
-from gateway import pooling_config, routes_embeddings
-from gateway import sampling_defaults
+from gateway import dashboard, routes_misc, sampling_defaults
 from gateway.admission import Admission
+from gateway.anthropic import routes as anthropic_routes
 from gateway.auth import ApiKeyMiddleware
 from gateway.backend import InMemoryBackend, RedisBackend
 from gateway.cluster import Cluster
 from gateway.config import Settings
+from gateway.embeddings import pooling_config, routes as embeddings_routes
 from gateway.errors import ApiError, handle_api_error, handle_http_exception, handle_unexpected
 from gateway.hosts import HostCheckMiddleware, allowed_names
 from gateway.http_metrics import HttpMetricsMiddleware
 from gateway.metrics import GatewayMetrics
+from gateway.openai import routes as openai_routes
 from gateway.request_ids import RequestIdMiddleware
 from gateway.request_scope import ReleaseOnExitMiddleware
-from gateway.response_store import ResponseStore
+from gateway.responses import routes as responses_routes
+from gateway.responses.store import ResponseStore
 from gateway.router import TokenRouter
 from gateway.services import Services
+from gateway.tgi import routes as tgi_routes
+from gateway.tokenize import routes as tokenize_routes
 from gateway.tokenizer import PromptTokenizer
 
 log = logging.getLogger(__name__)
@@ -82,8 +84,8 @@ def create_app(settings: Settings, tokenizer: PromptTokenizer | None = None,
             yield
 
     app = Starlette(
-        routes=[*routes_tgi.routes, *routes_openai.routes, *routes_tokenize.routes, *routes_misc.routes,
-                *routes_anthropic.routes, *routes_responses.routes, *routes_embeddings.routes, *dashboard.routes],
+        routes=[*tgi_routes.routes, *openai_routes.routes, *tokenize_routes.routes, *routes_misc.routes,
+                *anthropic_routes.routes, *responses_routes.routes, *embeddings_routes.routes, *dashboard.routes],
         middleware=[Middleware(RequestIdMiddleware),  # first: even a refused Host gets its id back
                     Middleware(HttpMetricsMiddleware),  # counts the refused ones too, by route
                     Middleware(HostCheckMiddleware, allowed=allowed_names(settings)),

@@ -23,7 +23,7 @@ from gateway.generation import ClientGone, Generation, GenerationFailed, Step, s
 from gateway.request_scope import own
 from gateway.respond import client_gone_response, rejection_reason, services
 from gateway.siblings import sampling_for, send_after_first_tokens
-from gateway.spec import GenerationSpec
+from gateway.generation_spec import GenerationSpec
 from gateway.tokenizer import apply_limits
 from gateway.validation import read_json_body
 

@@ -1,4 +1,5 @@
-"""Gateway settings: one dataclass, filled by `python -m gateway` or by tests directly."""
+"""Gateway settings: one frozen dataclass, filled by `python -m gateway` from its flags or from the JSON
+`baton serve` hands it (`to_json` / `from_json`), or by tests directly."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from baton.common.context_length import model_context_length
+from baton.common.service_config import config_from_json, config_to_json
 
 # the context when neither the flags nor the model's config.json say one
 FALLBACK_CONTEXT = 2048
@@ -17,8 +19,13 @@ def _random_gateway_id() -> str:
     return uuid.uuid4().hex[:12]
 
 
+# Left out of the JSON: secrets, which travel in REDIS_URL and BATON_API_KEY, and the gateway's
+# identity, which each process takes anew (a restarted gateway must not inherit its predecessor's
+# token stream and heartbeat: the workers drop that one's requests as orphans).
+NOT_IN_JSON = ("redis_url", "api_key", "gateway_id")
 
-@dataclass
+
+@dataclass(frozen=True)
 class Settings:
     model_dir: Path
     model_name: str = ""  # the first served name (metrics, /info); set from served_model_names
@@ -82,7 +89,7 @@ class Settings:
     # False (vLLM's behaviour): an unknown request field is ignored, logged once per name and listed
     # in the x-baton-ignored-fields header; True: it is a 4xx naming it (a typo never goes unseen).
     strict_api: bool = False
-    # Embeddings (gateway.pooling_config): --pooling last|mean|cls and --normalize/--no-normalize;
+    # Embeddings (gateway.embeddings.pooling_config): --pooling last|mean|cls and --normalize/--no-normalize;
     # None: what the checkpoint's sentence-transformers files say, else last + normalized.
     pooling: str | None = None
     normalize: bool | None = None
@@ -99,28 +106,45 @@ class Settings:
     responses_ttl: int = 3600
     # Bytes all stored Responses answers may take in Redis together (their JSON, plus 200 each),
     # shared by the gateways of one Redis: past it the soonest to expire are dropped; one larger
-    # than all of it is answered with `store: false` (gateway.response_store).
+    # than all of it is answered with `store: false` (gateway.responses.store).
     responses_max_bytes: int = 64 << 20
     # set by __post_init__: the context the model's config.json declares (None: it declares none)
     model_context: int | None = field(init=False, default=None)
     _conflicting_lengths: bool = field(init=False, default=False, repr=False)
 
     def __post_init__(self) -> None:
-        self.model_dir = Path(self.model_dir)
+        # frozen: what is derived here is set through object.__setattr__, once
+        resolve = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
+        resolve("model_dir", Path(self.model_dir))
         names = [n for n in self.served_model_names if n] or [self.model_name or self.model_dir.name]
-        self.served_model_names = tuple(dict.fromkeys(names))  # duplicates dropped, order kept
-        self.model_name = self.served_model_names[0]
-        self.model_context = model_context_length(self.model_dir)  # what the model's config declares
+        resolve("served_model_names", tuple(dict.fromkeys(names)))  # duplicates dropped, order kept
+        resolve("model_name", self.served_model_names[0])
+        if self.allowed_hosts is not None:  # a list, from JSON
+            resolve("allowed_hosts", tuple(self.allowed_hosts))
+        resolve("model_context", model_context_length(self.model_dir))  # what the model's config declares
         total = self.max_total_tokens or self.max_model_len
         if total is None:  # the model's, within a fixed budget when one is set (one request must fit it)
             total = self.model_context or FALLBACK_CONTEXT
             if self.max_batch_total_tokens is not None:
                 total = min(total, self.max_batch_total_tokens)
-        self._conflicting_lengths = bool(self.max_total_tokens and self.max_model_len
-                                         and self.max_total_tokens != self.max_model_len)
-        self.max_total_tokens = self.max_model_len = total
+        resolve("_conflicting_lengths", bool(self.max_total_tokens and self.max_model_len
+                                             and self.max_total_tokens != self.max_model_len))
+        resolve("max_total_tokens", total)
+        resolve("max_model_len", total)
         if self.max_input_tokens is None:
-            self.max_input_tokens = max(1, total - 1)
+            resolve("max_input_tokens", max(1, total - 1))
+
+    def to_json(self) -> str:
+        """These settings as `baton serve` hands them to a gateway (without NOT_IN_JSON). Only
+        settings that validate travel: the lengths are resolved here, and a conflict between
+        --max-model-len and --max-total-tokens could not be seen again from the JSON."""
+        self.validate()
+        return config_to_json(self, NOT_IN_JSON)
+
+    @classmethod
+    def from_json(cls, text: str, *, redis_url: str, api_key: str | None) -> Settings:
+        """`to_json`'s settings back, with the secrets from where they travel (a new gateway_id)."""
+        return config_from_json(cls, text, redis_url=redis_url, api_key=api_key)
 
     def validate(self) -> None:
         """Refuse settings that would make some valid-looking request impossible to serve."""

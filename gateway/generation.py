@@ -39,7 +39,7 @@ from gateway.lifecycle import AT_WORKERS, State, transition
 from gateway.request_ids import client_request_id
 from gateway.router import Routed, StreamLost
 from gateway.services import Services
-from gateway.spec import GenerationSpec
+from gateway.generation_spec import GenerationSpec
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +125,7 @@ class Generation:
         self.spec = spec
         self.prompt_ids = prompt_ids
         self.sampling = sampling  # what goes on the wire: the request's, with this one's length and seed
-        # An embeddings job (gateway.embedding_job): a prefill alone, admitted in the embeddings
+        # An embeddings job (gateway.embeddings.job): a prefill alone, admitted in the embeddings
         # lane; its events bring pooled vectors instead of tokens.
         self.pooling = pooling
         self.max_new_tokens = 0 if pooling else sampling.max_tokens

@@ -1,7 +1,10 @@
-"""The hand-written OpenAPI 3 description of every gateway endpoint (served at /openapi.json).
+"""The OpenAPI 3 description of every gateway endpoint (served at /openapi.json).
 
 Hand-written on purpose: the wire formats are dictated by the clients (TGI, OpenAI), not derived
-from our code, so this file states the contract and tests check the endpoints against it.
+from our code, so this file states the contract and tests check the endpoints against it. Where a
+validator checks fields from a table, the schema is written from that table instead, so the two
+cannot drift apart: TGI's scalar `parameters` (gateway.tgi.parameters). The APIs with a part of
+their own part (each API's package: gateway.tgi, gateway.openai, ...) give their paths and schemas here.
 """
 
 from __future__ import annotations
@@ -9,20 +12,20 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from gateway.anthropic.openapi import MESSAGES_SCHEMAS, messages_paths
 from gateway.auth import COOKIE_ROUTES, is_open
 from gateway.config import Settings
 from gateway.dashboard_login import COOKIE_NAME, LOGIN_PATH
-from gateway.openapi_embeddings import EMBEDDINGS_SCHEMAS, embeddings_paths
-from gateway.openapi_responses import RESPONSES_SCHEMAS, responses_paths
+from gateway.embeddings.openapi import EMBEDDINGS_SCHEMAS, embeddings_paths
+from gateway.openai.openapi import OPENAI_SCHEMAS, openai_paths
 from gateway.openapi_schemas import _INT, SCHEMAS, _ref
+from gateway.responses.openapi import RESPONSES_SCHEMAS, responses_paths
+from gateway.tgi.openapi import TGI_SCHEMAS, tgi_paths
+from gateway.tokenize.openapi import TOKENIZE_SCHEMAS, tokenize_paths
 
 
 def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
     return {"description": description, "content": {"application/json": {"schema": schema}}}
-
-
-def _sse(description: str) -> dict[str, Any]:
-    return {"description": description, "content": {"text/event-stream": {"schema": {"type": "string"}}}}
 
 
 def _tgi_errors() -> dict[str, Any]:
@@ -46,10 +49,6 @@ _IGNORED_HEADER = {"x-baton-ignored-fields": {
     "description": "Unknown request fields that were ignored, comma-separated (percent-encoded; nested "
                    "ones prefixed, e.g. `parameters.foo`). Absent when there were none.",
     "schema": {"type": "string"}}}
-
-
-def _with_header(response: dict[str, Any]) -> dict[str, Any]:
-    return {**response, "headers": _IGNORED_HEADER}
 
 
 def _openai_errors() -> dict[str, Any]:
@@ -84,12 +83,7 @@ def _anthropic_errors() -> dict[str, Any]:
 
 
 def openapi_spec(settings: Settings) -> dict[str, Any]:
-    tgi_body = {"required": True, "content": {"application/json": {"schema": _ref("TgiRequest")}}}
     generation_security: list[dict[str, list[str]]] = [{"bearer": []}] if settings.api_key else []
-    stream_doc = ("SSE: one `data:{TgiStreamEvent}` per token; the last carries generated_text and "
-                  "details; an error mid-stream is `data:{\"error\", \"error_type\": \"generation\"}`.")
-    openai_stream_doc = ("SSE when stream=true: `data: {chunk}` events, then `data: [DONE]`; "
-                         "with stream_options.include_usage a last chunk has `choices: []` and usage.")
 
     def op(summary: str, responses: dict[str, Any], body: dict[str, Any] | None = None,
            secured: bool = False) -> dict[str, Any]:
@@ -100,56 +94,16 @@ def openapi_spec(settings: Settings) -> dict[str, Any]:
             out["security"] = generation_security
         return out
 
-    def openai_body(name: str) -> dict[str, Any]:
-        return {"required": True, "content": {"application/json": {"schema": _ref(name)}}}
-
     paths = {
-        "/generate": {"post": op("TGI: generate text", {
-            "200": _with_header(_json(_ref("TgiResponse"), "Generated text (details when asked).")),
-            **_tgi_errors()},
-            tgi_body, True)},
-        "/generate_stream": {"post": op("TGI: generate text as a token stream", {
-            "200": _with_header(_sse(stream_doc)), **_tgi_errors()}, tgi_body, True)},
-        "/": {"post": op("TGI compat route (huggingface_hub posts here): `stream` picks the mode", {
-            "200": {"description": "stream=false: a JSON list of one TgiResponse; stream=true: " + stream_doc,
-                    "headers": _IGNORED_HEADER,
-                    "content": {"application/json": {"schema": {"type": "array", "items": _ref("TgiResponse")}},
-                                "text/event-stream": {"schema": {"type": "string"}}}},
-            **_tgi_errors()}, tgi_body, True)},
-        "/v1/completions": {"post": op("OpenAI completions", {
-            "200": {"description": "A completion, or " + openai_stream_doc, "headers": _IGNORED_HEADER, "content": {
-                "application/json": {"schema": _ref("CompletionResponse")},
-                "text/event-stream": {"schema": {"type": "string"}}}}, **_openai_errors()},
-            openai_body("CompletionRequest"), True)},
-        "/v1/chat/completions": {"post": op("OpenAI chat completions", {
-            "200": {"description": "A chat completion, or " + openai_stream_doc, "headers": _IGNORED_HEADER,
-                    "content": {
-                "application/json": {"schema": _ref("ChatResponse")},
-                "text/event-stream": {"schema": {"type": "string"}}}}, **_openai_errors()},
-            openai_body("ChatRequest"), True)},
+        **tgi_paths(op, _json, _tgi_errors(), _IGNORED_HEADER),
+        **openai_paths(op, _openai_errors(), _IGNORED_HEADER),
         "/v1/models": {"get": op("OpenAI: the served model names", {"200": _json(
             {"type": "object", "properties": {"object": {"type": "string"}, "data": {"type": "array", "items": {
                 "type": "object", "properties": {"id": {"type": "string"}, "object": {"type": "string"},
                                                  "root": {"type": "string"}, "max_model_len": _INT}}}}},
             "One entry per --served-model-name, the default (first) one first.")}, secured=True)},
-        "/tokenize": {"post": op("vLLM: a prompt's (or chat's) token ids, as generation would run them", {
-            "200": _with_header(_json(_ref("TokenizeResponse"), "The token ids and their count.")),
-            **_openai_errors()}, openai_body("TokenizeRequest"), True)},
-        "/detokenize": {"post": op("vLLM: token ids back to text (special tokens kept)", {
-            "200": _with_header(_json(_ref("DetokenizeResponse"), "The text.")),
-            **_openai_errors()}, openai_body("DetokenizeRequest"), True)},
-        "/v1/messages": {"post": op("Anthropic Messages (what Claude Code and the anthropic SDK speak)", {
-            "200": {"description": "A message, or with stream=true SSE `event: <type>` + `data: {...}`: message_start, "
-                    "ping, content_block_start / content_block_delta (text_delta, thinking_delta, input_json_delta) "
-                    "/ content_block_stop per block, message_delta (stop_reason, usage), message_stop; an error "
-                    "after the stream started is `event: error`.", "headers": _IGNORED_HEADER, "content": {
-                "application/json": {"schema": _ref("MessagesResponse")},
-                "text/event-stream": {"schema": {"type": "string"}}}}, **_anthropic_errors()},
-            openai_body("MessagesRequest"), True)},
-        "/v1/messages/count_tokens": {"post": op("Anthropic: the prompt's token count, as generation templates it", {
-            "200": _with_header(_json({"type": "object", "required": ["input_tokens"],
-                                       "properties": {"input_tokens": _INT}}, "The count.")),
-            **_anthropic_errors()}, openai_body("MessagesCountTokensRequest"), True)},
+        **tokenize_paths(op, _json, _openai_errors(), _IGNORED_HEADER),
+        **messages_paths(op, _json, _anthropic_errors(), _IGNORED_HEADER),
         "/version": {"get": op("The baton package version", {"200": _json(
             {"type": "object", "required": ["version"], "properties": {"version": {"type": "string"}}},
             "vLLM's shape.")})},
@@ -218,7 +172,8 @@ def _mark_security(paths: dict[str, Any]) -> None:
 
 def _schemas(settings: Settings) -> dict[str, Any]:
     """SCHEMAS with this gateway's served names as the values `model` may take."""
-    schemas = copy.deepcopy({**SCHEMAS, **RESPONSES_SCHEMAS, **EMBEDDINGS_SCHEMAS})
+    schemas = copy.deepcopy({**SCHEMAS, **TGI_SCHEMAS, **OPENAI_SCHEMAS, **TOKENIZE_SCHEMAS, **MESSAGES_SCHEMAS,
+                             **RESPONSES_SCHEMAS, **EMBEDDINGS_SCHEMAS})
     schemas["OpenAICommon"]["properties"]["model"]["enum"] = list(settings.served_model_names)
     schemas["MessagesCountTokensRequest"]["properties"]["model"]["enum"] = list(settings.served_model_names)
     return schemas

@@ -18,7 +18,7 @@ from transformers import AutoTokenizer
 from gateway.config import Settings
 from gateway.errors import ApiError, ContextOverflow, context_length_exceeded, validation_error
 from gateway.tools import choose_parser, for_template
-from gateway.spec import GenerationSpec
+from gateway.generation_spec import GenerationSpec
 from gateway.loop_gate import LoopGate
 
 T = TypeVar("T")
@@ -43,7 +43,7 @@ class PromptTokenizer:
         # The longest token's spelling in the vocabulary (a byte-level token spells each byte with
         # one character, so no token covers more characters of a text than this): a text longer
         # than n times this has more than n tokens, which a request's size is checked against
-        # before anything is tokenized (gateway.validation_embeddings).
+        # before anything is tokenized (gateway.embeddings.validation).
         self.max_token_chars = max(1, max(map(len, self.hf.get_vocab()), default=1))
 
     def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:

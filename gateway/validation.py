@@ -1,4 +1,4 @@
-"""Request bodies -> checked fields for a `GenerationSpec` (gateway.spec), or a clear 4xx ApiError.
+"""Request bodies -> checked fields for a `GenerationSpec` (gateway.generation_spec), or a clear 4xx ApiError.
 
 Nothing a client sends may reach the tokenizer or a worker unchecked: bodies are size-capped and
 must be UTF-8 JSON objects without lone surrogates (the tokenizer would crash on them), and every field

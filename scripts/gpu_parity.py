@@ -49,6 +49,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -194,9 +195,10 @@ def make_engine(model_dir: Path, dtype: str, **overrides) -> LLMEngine:
 _ids = iter(range(1 << 62))
 
 
-def generate(engine: LLMEngine, prompts: list[list[int]], n: int) -> tuple[list[list[int]], list[list[float]], list[int]]:
-    """Greedy: every prompt added at once, stepped to the end (LLM.generate's loop). Returns tokens,
-    log-probabilities and cached prompt tokens per prompt."""
+def generate(engine: LLMEngine, prompts: list[list[int]], n: int,
+             on_step: Callable[[], None] | None = None) -> tuple[list[list[int]], list[list[float]], list[int]]:
+    """Greedy: every prompt added at once, stepped to the end (LLM.generate's loop; `on_step` after
+    each step). Returns tokens, log-probabilities and cached prompt tokens per prompt."""
     params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
     ids = [f"r{next(_ids)}" for _ in prompts]
     for request_id, prompt in zip(ids, prompts):
@@ -212,6 +214,8 @@ def generate(engine: LLMEngine, prompts: list[list[int]], n: int) -> tuple[list[
             cached[out.request_id] = out.num_cached_tokens
             if out.error:
                 errors.append(f"{out.request_id}: {out.error}")
+        if on_step is not None:
+            on_step()
     if errors:
         raise RuntimeError("; ".join(errors))
     return [tokens[i] for i in ids], [logprobs[i] for i in ids], [cached[i] for i in ids]
@@ -255,15 +259,8 @@ def run_path(path: str, model_dir: Path, dtype: str, prompts: list[list[int]], n
         problem = problem or pool_problem(engine)
     elif path == "chunked":
         engine = make_engine(model_dir, dtype, max_num_batched_tokens=8)
-        steps, schedule = [], engine.scheduler.schedule
-
-        def recording_schedule():
-            plan = schedule()
-            steps.append(plan.num_batched_tokens)
-            return plan
-
-        engine.scheduler.schedule = recording_schedule
-        tokens, logprobs, _ = generate(engine, prompts, n)
+        steps: list[int] = []
+        tokens, logprobs, _ = generate(engine, prompts, n, on_step=lambda: steps.append(engine.stats().num_batched_tokens))
         note = f"{len(steps)} steps, max {max(steps)} tokens/step"
         if max(steps) > 8:
             problem = f"a step computed {max(steps)} tokens (> 8)"

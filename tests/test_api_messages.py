@@ -9,7 +9,7 @@ import anthropic
 import httpx
 import pytest
 
-from gateway.anthropic_reply import _Blocks
+from gateway.anthropic.reply import _Blocks
 from gateway.errors import error_body, overloaded, unavailable
 from gateway.tokenizer import PromptTokenizer
 from tests.test_gateway_support import start_gateway, wait_until

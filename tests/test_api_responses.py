@@ -317,7 +317,7 @@ def test_unknown_fields_are_ignored_and_named(gw_server, gw_worker):
 def test_reasoning_content_becomes_a_reasoning_item():
     """Chat's `reasoning_content` (a reasoning parser's) -> a `reasoning` item before the message,
     streamed as reasoning_text deltas; every event is valid for the SDK's own types."""
-    from gateway.responses_output import ResponseBuilder
+    from gateway.responses.output import ResponseBuilder
 
     builder = ResponseBuilder({"id": "resp_1", "model": "m", "tools": [], "tool_choice": "auto",
                                "parallel_tool_calls": True})

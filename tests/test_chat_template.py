@@ -81,21 +81,19 @@ def test_a_bad_chat_template_stops_the_gateway_at_start(default_model_dir, value
 def test_serve_passes_the_template_to_the_gateway_only(template_file, monkeypatch):
     from baton.cli.cli import build_parser
     from baton.cli.serve import ThreadPlan, build_child_specs
+    from tests.test_cli import child_config
 
     monkeypatch.chdir(template_file.parent)
 
-    def gateway_and_workers(*flags: str) -> tuple[list[str], list[list[str]]]:
+    def gateway_template(*flags: str) -> str | None:
         args = build_parser().parse_args(["serve", *flags])
         specs = build_child_specs(args, Path("/m"), "redis://127.0.0.1:1/0", ThreadPlan([1], [1], cpus=2))
-        return specs[-1].argv, [s.argv for s in specs[:-1]]
+        return child_config(specs[-1]).chat_template
 
-    gateway, workers = gateway_and_workers("--chat-template", template_file.name)  # relative to the cwd
-    assert gateway[gateway.index("--chat-template") + 1] == str(template_file)  # made absolute
-    assert not any("--chat-template" in argv for argv in workers)
-    gateway, _ = gateway_and_workers("--chat-template", TEMPLATE)
-    assert gateway[gateway.index("--chat-template") + 1] == TEMPLATE
-    gateway, _ = gateway_and_workers()
-    assert "--chat-template" not in gateway
+    # the gateway's config holds the template's text, read here (a file relative to the cwd)
+    assert gateway_template("--chat-template", template_file.name) == template_file.read_text()
+    assert gateway_template("--chat-template", TEMPLATE) == TEMPLATE
+    assert gateway_template() is None
 
 
 def test_serve_refuses_a_bad_template_before_starting_anything(tiny_model_dir):

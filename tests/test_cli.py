@@ -21,6 +21,9 @@ from urllib.parse import urlsplit
 import pytest
 
 from baton.cli.serve import ThreadPlan, add_serve_arguments, build_child_specs, plan_threads, probe_host
+from baton.common.service_config import SERVICE_CONFIG_ENV
+from baton.worker.args import parse_worker_config
+from baton.worker.config import WorkerConfig
 
 VENV_BIN = Path(sys.executable).parent
 BATON = str(VENV_BIN / "baton") if (VENV_BIN / "baton").exists() else None
@@ -108,79 +111,157 @@ def _serve_args(*argv: str) -> argparse.Namespace:
     return parser.parse_args(list(argv))
 
 
-def test_child_command_lines_pass_flags_through():
+def child_config(spec):
+    """What a child of `baton serve` reads at start, as the real one reads it (from its environment)."""
+    from gateway.__main__ import load_settings
+
+    if spec.role == "gateway":
+        return load_settings([], environ=spec.env)
+    return parse_worker_config(spec.role, [], environ=spec.env)
+
+
+def test_each_child_gets_its_config_from_the_flags():
     args = _serve_args("--host", "0.0.0.0", "--port", "8123", "--dtype", "bfloat16", "--quantization", "int8",
                        "--kv-cache-dtype", "fp8", "--max-concurrent-requests", "64", "--max-queue-wait", "2.5", "--api-key", "k",
-                       "--num-kv-blocks", "512", "--scheduler-policy", "max-utilization",
-                       "--max-num-batched-tokens", "256", "--block-size", "16",
+                       "--num-kv-blocks", "512", "--scheduler-policy", "no-evict",
+                       "--max-num-batched-tokens", "256", "--block-size", "32",
                        "--worker-metrics-port", "9100", "--decode-workers", "2",
                        "--log-format", "json", "--shutdown-grace", "12",
-                       "--max-embedding-tokens", "4096", "--pooling-step-tokens", "32")
+                       "--max-embedding-tokens", "4096", "--pooling-step-tokens", "32",
+                       "--responses-max-bytes", "1MiB")
     plan = ThreadPlan([2], [1, 1], cpus=4)
     specs = build_child_specs(args, Path("/m"), "redis://127.0.0.1:1/0", plan, python="py")
     assert [s.name for s in specs] == ["prefill_worker[0]", "decode_worker[0]", "decode_worker[1]", "gateway"]
-    pre, dec0, dec1, gw = (s.argv for s in specs)
+    # no flags: the whole config travels in one variable
+    assert [s.argv for s in specs] == [["py", "-m", m] for m in ("prefill_worker", "decode_worker", "decode_worker",
+                                                                 "gateway")]
+    pre, dec0, dec1, gw = (child_config(s) for s in specs)
+    defaults = WorkerConfig.from_args(_worker_defaults("decode"))
 
-    def flag(argv, name):
-        return argv[argv.index(name) + 1]
-
-    assert pre[:3] == ["py", "-m", "prefill_worker"] and flag(pre, "--threads") == "2"
-    assert flag(pre, "--max-num-batched-tokens") == "256" and "--num-kv-blocks" not in pre
-    assert flag(pre, "--metrics-port") == "9100" and flag(dec0, "--metrics-port") == "9101"
-    assert flag(dec1, "--metrics-port") == "9102"
-    assert dec0[:3] == ["py", "-m", "decode_worker"] and flag(dec0, "--threads") == "1"
-    assert flag(dec0, "--num-kv-blocks") == "512" and flag(dec0, "--scheduler-policy") == "max-utilization"
-    assert flag(dec0, "--block-size") == "16" and flag(pre, "--block-size") == "16"
-    assert flag(dec0, "--dtype") == "bfloat16" and "--max-num-batched-tokens" not in dec0
-    assert flag(pre, "--quantization") == "int8" and flag(dec1, "--quantization") == "int8"
-    assert flag(pre, "--kv-cache-dtype") == "fp8" and flag(dec1, "--kv-cache-dtype") == "fp8"
-    assert gw[:3] == ["py", "-m", "gateway"] and flag(gw, "--port") == "8123"
-    assert flag(gw, "--host") == "0.0.0.0" and flag(gw, "--max-concurrent-requests") == "64"
-    assert flag(gw, "--max-queue-wait") == "2.5"
-    assert "--threads" not in gw and "--max-input-tokens" not in gw
-    assert float(flag(gw, "--shutdown-grace")) == 12 and "--shutdown-grace" not in pre
-    assert flag(gw, "--max-embedding-tokens") == "4096" and "--max-embedding-tokens" not in pre
-    assert flag(pre, "--pooling-step-tokens") == "32" and "--pooling-step-tokens" not in dec0
-    for argv in (pre, dec0, dec1, gw):
-        assert flag(argv, "--model") == "/m"
-        assert flag(argv, "--log-format") == "json"  # every process logs the same way
+    assert pre.threads == 2 and dec0.threads == 1
+    assert pre.max_num_batched_tokens == 256 and pre.num_kv_blocks is None
+    assert dec0.max_num_batched_tokens == defaults.max_num_batched_tokens  # the prefill workers' budget only
+    assert (pre.metrics_port, dec0.metrics_port, dec1.metrics_port) == (9100, 9101, 9102)
+    assert dec0.num_kv_blocks == 512 and dec0.scheduler_policy == "no-evict"
+    assert pre.scheduler_policy == defaults.scheduler_policy
+    assert dec0.block_size == 32 and pre.block_size == 32
+    assert {c.dtype for c in (pre, dec0, dec1)} == {"bfloat16"}
+    assert {c.quantization for c in (pre, dec0, dec1)} == {"int8"}
+    assert {c.kv_cache_dtype for c in (pre, dec0, dec1)} == {"fp8"}
+    assert pre.pooling_step_tokens == 32 and dec0.pooling_step_tokens is None
+    assert pre.drain_timeout == defaults.drain_timeout  # what serve does not set: the worker's own default
+    assert gw.port == 8123 and gw.host == "0.0.0.0" and gw.max_concurrent_requests == 64
+    assert gw.max_queue_wait == 2.5 and gw.shutdown_grace == 12 and gw.max_embedding_tokens == 4096
+    assert gw.responses_max_bytes == 1 << 20
+    assert gw.max_input_tokens == gw.max_total_tokens - 1  # not given: the gateway derives it
+    for config in (pre, dec0, dec1, gw):
+        assert str(getattr(config, "model_dir", None) or config.model) == "/m"
+        assert config.log_format == "json"  # every process logs the same way
     assert specs[0].env["OMP_NUM_THREADS"] == "2" and specs[1].env["OMP_NUM_THREADS"] == "1"
 
 
+def test_serve_parses_each_gateway_flag_as_the_gateway_does():
+    """Their values go into the gateway's Settings as they are: a size must be bytes, not its text."""
+    from baton.cli.child_configs import GATEWAY_FLAGS
+    from gateway.flags import build_parser
+
+    gateway = {action.dest: action.type or str for action in build_parser()._actions}
+    for flag, parse, _help in GATEWAY_FLAGS:
+        assert gateway[flag[2:].replace("-", "_")] is parse, flag
+
+
+def _worker_defaults(kind: str) -> argparse.Namespace:
+    from baton.worker.args import worker_parser
+
+    return worker_parser(kind).parse_args([])
+
+
+def test_the_children_configs_round_trip_through_json():
+    """A serve-built worker config and gateway Settings come back from their JSON equal; the secrets
+    are not in it, but where they travel; the gateway's identity is each process's own."""
+    import dataclasses
+
+    from gateway.config import Settings
+
+    spec = '{"method": "ngram", "num_speculative_tokens": 3}'
+    args = _serve_args("--speculative-config", spec, "--kv-cache-memory", "2GiB", "--api-key", "k3y",
+                       "--served-model-name", "a", "b", "--chat-template", "{{ messages }}", "--no-normalize")
+    url = "redis://:pw@127.0.0.1:1/0"
+    specs = build_child_specs(args, Path("/m"), url, ThreadPlan([1], [1], cpus=2), python="py", core_share_fd=None)
+    decode = WorkerConfig.from_json(specs[1].env[SERVICE_CONFIG_ENV], redis_url=url)
+    assert WorkerConfig.from_json(decode.to_json(), redis_url=url) == decode
+    assert decode.speculative_config.num_speculative_tokens == 3 and decode.kv_cache_memory == 2 << 30
+    prefill = child_config(specs[0])
+    assert WorkerConfig.from_json(prefill.to_json(), redis_url=url) == prefill and prefill.redis_url == url
+    gateway = child_config(specs[-1])
+    assert gateway.api_key == "k3y" and gateway.redis_url == url
+    again = Settings.from_json(gateway.to_json(), redis_url=url, api_key="k3y")
+    assert dataclasses.replace(again, gateway_id=gateway.gateway_id) == gateway
+    assert again.gateway_id != gateway.gateway_id  # a restarted gateway is a new one
+    assert gateway.served_model_names == ("a", "b") and gateway.chat_template == "{{ messages }}"
+    assert gateway.normalize is False
+    for spec_ in specs:
+        assert "pw" not in spec_.env[SERVICE_CONFIG_ENV] and "k3y" not in spec_.env[SERVICE_CONFIG_ENV]
+
+
+def test_the_children_defaults_take_baton_variables_but_not_one_process_identity(monkeypatch):
+    """As when the children parsed their own flags: BATON_MAX_NUM_SEQS reaches every worker, but
+    BATON_WORKER_ID or BATON_METRICS_PORT set for `baton serve` would give all of them the same one."""
+    monkeypatch.setenv("BATON_WORKER_ID", "same-for-all")
+    monkeypatch.setenv("BATON_METRICS_PORT", "9999")
+    monkeypatch.setenv("BATON_MAX_NUM_SEQS", "7")
+    monkeypatch.setenv("BATON_EVENT_TIMEOUT", "12.5")
+    specs = build_child_specs(_serve_args(), Path("/m"), "redis://127.0.0.1:1/0", ThreadPlan([1], [1, 1], cpus=3),
+                              python="py")
+    workers = [child_config(spec) for spec in specs[:-1]]
+    assert {(w.worker_id, w.metrics_port, w.max_num_seqs) for w in workers} == {(None, None, 7)}
+    assert child_config(specs[-1]).event_timeout == 12.5
+
+
+def test_a_child_reads_its_config_from_the_environment_and_refuses_flags_beside_it():
+    import dataclasses
+
+    from gateway.__main__ import load_settings
+
+    config = dataclasses.replace(WorkerConfig.from_args(_worker_defaults("decode")), model="/m",
+                                 redis_url="redis://r:1/0")
+    environ = {SERVICE_CONFIG_ENV: config.to_json(), "REDIS_URL": "redis://r:1/0"}
+    assert parse_worker_config("decode", [], environ=environ) == config
+    with pytest.raises(SystemExit):  # the config is whole: a flag beside it is a usage error
+        parse_worker_config("decode", ["--threads", "2"], environ=environ)
+    with pytest.raises(SystemExit):  # and so is a setting no worker has
+        parse_worker_config("decode", [], environ={SERVICE_CONFIG_ENV: '{"no_such_setting": 1}'})
+    # without it, the flags as always
+    assert parse_worker_config("decode", ["--threads", "3"], environ={}).threads == 3
+    with pytest.raises(ValueError, match="no flags are taken"):
+        load_settings(["--port", "1"], environ={SERVICE_CONFIG_ENV: "{}"})
+
+
 def test_the_prefill_kv_pool_flag_reaches_the_prefill_workers_only():
-    """--prefill-kv-cache-memory is each prefill worker's --kv-cache-memory; --kv-cache-memory stays
-    the decode workers' (a prefill worker given the decode pool's size would hold it all privately)."""
+    """--prefill-kv-cache-memory is each prefill worker's KV pool; --kv-cache-memory stays the decode
+    workers' (a prefill worker given the decode pool's size would hold it all privately)."""
     args = _serve_args("--prefill-kv-cache-memory", "512MiB", "--kv-cache-memory", "2GiB", "--prefill-workers", "2")
     specs = build_child_specs(args, Path("/m"), "redis://127.0.0.1:1/0", ThreadPlan([1, 1], [1], cpus=3), python="py")
-    pre0, pre1, dec, gw = (s.argv for s in specs)
-    for pre in (pre0, pre1):
-        assert pre[pre.index("--kv-cache-memory") + 1] == "512MiB" and pre.count("--kv-cache-memory") == 1
-    assert dec[dec.index("--kv-cache-memory") + 1] == "2GiB" and dec.count("--kv-cache-memory") == 1
-    assert "--prefill-kv-cache-memory" not in " ".join(pre0 + dec + gw)
+    pre0, pre1, dec, _gw = (child_config(s) for s in specs)
+    assert pre0.kv_cache_memory == pre1.kv_cache_memory == 512 << 20
+    assert dec.kv_cache_memory == 2 << 30
     # neither given (build_child_specs alone: `baton serve` fills in the prefill default first)
     plain = build_child_specs(_serve_args(), Path("/m"), "redis://127.0.0.1:1/0", ThreadPlan([1], [1], cpus=2),
                               python="py")
-    assert all("--kv-cache-memory" not in s.argv for s in plain)
+    default = _worker_defaults("decode").kv_cache_memory
+    assert [child_config(s).kv_cache_memory for s in plain[:2]] == [default, default]
 
 
-def test_served_model_names_and_strict_api_reach_the_gateway_only(monkeypatch):
-    from gateway.__main__ import parse_args
-
+def test_served_model_names_and_strict_api_reach_the_gateway(monkeypatch):
     args = _serve_args("--served-model-name", "a", "b/c", "--strict-api")
     specs = build_child_specs(args, Path("/m"), "redis://127.0.0.1:1/0", ThreadPlan([1], [1], cpus=2), python="py")
-    *workers, gw = (s.argv for s in specs)
-    for argv in workers:
-        assert "--served-model-name" not in argv and "--strict-api" not in argv
-    # The gateway's own parser reads back exactly what baton serve passed.
-    monkeypatch.setattr("baton.common.model_files.resolve_model", lambda model: Path("/m"))
-    settings = parse_args(gw[3:])
+    settings = child_config(specs[-1])
     assert settings.served_model_names == ("a", "b/c") and settings.model_name == "a"
     assert settings.strict_api is True
-    plain = build_child_specs(_serve_args(), Path("/m"), "redis://127.0.0.1:1/0", ThreadPlan([1], [1], cpus=2),
-                              python="py")[-1].argv
-    assert "--served-model-name" not in plain and "--strict-api" not in plain
     monkeypatch.delenv("BATON_STRICT_API", raising=False)
-    settings = parse_args(plain[3:])
+    plain = build_child_specs(_serve_args(), Path("/m"), "redis://127.0.0.1:1/0", ThreadPlan([1], [1], cpus=2),
+                              python="py")
+    settings = child_config(plain[-1])
     assert settings.served_model_names == ("m",) and settings.strict_api is False
 
 
@@ -191,9 +272,8 @@ def test_child_secrets_travel_in_the_environment_not_on_argv():
     args = _serve_args("--api-key", "k3y-value", "--decode-workers", "2")
     specs = build_child_specs(args, Path("/m"), url, ThreadPlan([1], [1, 1], cpus=4), python="py")
     for spec in specs:
-        text = " ".join(spec.argv)
-        assert "--redis-url" not in text and "s3cret-pw" not in text, spec.argv
-        assert "--api-key" not in text and "k3y-value" not in text, spec.argv
+        text = " ".join(spec.argv) + spec.env[SERVICE_CONFIG_ENV]
+        assert "s3cret-pw" not in text and "k3y-value" not in text, spec.argv
         assert spec.env["REDIS_URL"] == url
         assert spec.env.get("BATON_API_KEY") == ("k3y-value" if spec.role == "gateway" else None)
 
@@ -233,6 +313,8 @@ def test_baton_plan_prints_each_step_kinds_path_and_one_copy_of_the_weights(tiny
     out = capsys.readouterr().out
     assert "decode-only step:" in out and "prefill step:" in out
     assert "head     x1   torch F.linear (torch.float32)" in out
+    # the forward-path choices of its RuntimeConfig (BATON_* defaults: baton/model/runtime_env.py)
+    assert "batch invariance: " in out and "native kernels: on" in out and "Triton attention: off" in out
     held = float(out.split("weights held in all: ")[1].split(" MiB")[0])
     params = json.loads((tiny_model_dir / "config.json").read_text())
     embedding_mib = params["vocab_size"] * params["hidden_size"] * 4 / (1 << 20)
@@ -253,16 +335,13 @@ import msgpack, redis
 from baton.common import heartbeats
 
 KIND = {kind!r}
-parser = argparse.ArgumentParser()
-parser.add_argument("--model"); parser.add_argument("--threads")
-parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL"))  # as the real services do
-parser.add_argument("--host"); parser.add_argument("--port", type=int)
-args, _ = parser.parse_known_args()
+# as the real services: the whole config in BATON_SERVICE_CONFIG, the secrets in their own variables
+config = json.loads(os.environ["BATON_SERVICE_CONFIG"])
 with open(os.path.join(os.environ["FAKE_LOG_DIR"], f"{{KIND}}-{{os.getpid()}}.json"), "w") as f:
     json.dump({{"argv": sys.argv, "pid": os.getpid(), "env_redis": os.environ.get("REDIS_URL"),
-               "env_api_key": os.environ.get("BATON_API_KEY"),
+               "env_api_key": os.environ.get("BATON_API_KEY"), "config": config,
                "omp": os.environ.get("OMP_NUM_THREADS")}}, f)
-client = redis.Redis.from_url(args.redis_url)
+client = redis.Redis.from_url(os.environ["REDIS_URL"])
 signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))
 die_after = float(os.environ.get("FAKE_DIE_" + KIND.upper(), "0") or 0)
 started = time.monotonic()
@@ -290,7 +369,7 @@ if KIND == "gateway":
             self.send_response(503 if missing else 200); self.end_headers()
             self.wfile.write(json.dumps({{"missing": missing}}).encode())
         def log_message(self, *a): pass
-    server = HTTPServer((args.host, args.port), H)
+    server = HTTPServer((config["host"], config["port"]), H)
     threading.Thread(target=server.serve_forever, daemon=True).start()
 # a decode worker's heartbeat carries its KV pool, as the real one's does
 beat = {{"num_kv_blocks_total": 100, "block_size": 16}} if KIND == "decode" else {{}}
@@ -408,7 +487,7 @@ def test_serve_starts_reports_and_stops_cleanly(fake_services):
 
         with pytest.raises(redis.AuthenticationError):  # NOAUTH: the private Redis wants the password
             redis.Redis(port=urlsplit(redis_url).port, socket_timeout=5).ping()
-        threads = [int(r["argv"][r["argv"].index("--threads") + 1]) for r in records if "--threads" in r["argv"]]
+        threads = [r["config"]["threads"] for r in records if "threads" in r["config"]]
         assert len(threads) == 3 and (sum(threads) <= (os.cpu_count() or 1) or set(threads) == {1})
         pids = [r["pid"] for r in records]
         assert all(_alive(pid) for pid in pids)
@@ -503,9 +582,8 @@ def test_vllm_style_serve_command_lines(tmp_path):
     assert args.model_positional == "some/model" and args.kv_cache_memory == "2GiB"
     assert args.enable_auto_tool_choice is True
     specs = build_child_specs(args, Path("/m"), "redis://127.0.0.1:1/0", ThreadPlan([1], [1], cpus=2), python="py")
-    decode, gateway = specs[1].argv, specs[-1].argv
-    assert decode[decode.index("--kv-cache-memory") + 1] == "2GiB"
-    assert gateway[gateway.index("--max-model-len") + 1] == "4096"
+    assert child_config(specs[1]).kv_cache_memory == 2 << 30
+    assert child_config(specs[-1]).max_model_len == 4096
     # two different models: refused at once, before anything starts
     from baton.cli.serve import run
 

@@ -138,7 +138,7 @@ def write_st_checkpoint(path, modes: dict, normalize: bool, config: bool = True)
 @pytest.mark.parametrize("mode, pooling", [("pooling_mode_lasttoken", "last"), ("pooling_mode_mean_tokens", "mean"),
                                            ("pooling_mode_cls_token", "cls")])
 def test_checkpoint_pooling_config_is_read(tmp_path, mode, pooling):
-    from gateway.pooling_config import resolve
+    from gateway.embeddings.pooling_config import resolve
 
     write_st_checkpoint(tmp_path, {"pooling_mode_mean_tokens": False, mode: True}, normalize=pooling != "cls")
     config = resolve(tmp_path)
@@ -152,7 +152,7 @@ def test_checkpoint_pooling_config_is_read(tmp_path, mode, pooling):
 def test_pooling_defaults_and_refusals(tmp_path):
     import json
 
-    from gateway.pooling_config import resolve
+    from gateway.embeddings.pooling_config import resolve
 
     (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 48}))
     assert resolve(tmp_path) == resolve(tmp_path, None, None)
@@ -485,14 +485,14 @@ def test_baton_serve_passes_the_embedding_flags_to_the_gateway():
 
     from baton.cli.serve import ThreadPlan, add_serve_arguments, build_child_specs
     from gateway.__main__ import parse_args
+    from tests.test_cli import child_config
 
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)
     args = parser.parse_args(["--pooling", "cls", "--no-normalize"])
-    gateway = build_child_specs(args, Path("/m"), "redis://127.0.0.1:1/0", ThreadPlan([1], [1], cpus=2),
-                                python="py")[-1].argv
-    assert gateway[gateway.index("--pooling") + 1] == "cls" and "--no-normalize" in gateway
-    assert "--normalize" not in gateway
+    gateway = child_config(build_child_specs(args, Path("/m"), "redis://127.0.0.1:1/0", ThreadPlan([1], [1], cpus=2),
+                                             python="py")[-1])
+    assert gateway.pooling == "cls" and gateway.normalize is False
     with pytest.raises(SystemExit):  # the gateway refuses a pooling it does not run, at startup
         parse_args(["--model", "/m", "--pooling", "max"])
     # and so does baton serve, before any worker loads the model (the parsers' names too)

@@ -23,7 +23,7 @@ import pytest
 from tests.test_gateway_support import free_port, wait_until
 
 from baton.common.structured import InvalidStructure, compiled_grammar
-from gateway import openai_reply
+from gateway.openai import reply as openai_reply
 from gateway.siblings import sibling_seed
 from gateway.tools import ToolCalling, ToolStream
 

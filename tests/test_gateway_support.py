@@ -207,7 +207,7 @@ class EchoWorker:
             i += len(chunk)
 
     def _embedding(self, prompt_ids: list[int]) -> list[float]:
-        from gateway.pooling_config import hidden_size
+        from gateway.embeddings.pooling_config import hidden_size
 
         size = hidden_size(Path(self.tok.name_or_path))  # the served model's, as the gateway expects
         return [((sum(prompt_ids) + i) % 7) - 3.0 for i in range(size)]

@@ -4,7 +4,6 @@ selectors, the image, probe ports and paths, secrets, and grace periods longer t
 
 from __future__ import annotations
 
-import argparse
 import base64
 import copy
 import hashlib
@@ -204,8 +203,7 @@ def test_baton_containers_run_the_image_with_probes_on_real_endpoints(docs):
 
 
 def test_the_containers_arguments_parse_and_grace_periods_outlast_the_drains(docs, default_model_dir):
-    from baton.worker.args import add_common_args
-    from decode_worker.__main__ import _decode_args
+    from baton.worker.args import worker_parser
     from gateway.__main__ import parse_args as gateway_args
 
     deployments = by_kind(docs, "Deployment")
@@ -213,11 +211,7 @@ def test_the_containers_arguments_parse_and_grace_periods_outlast_the_drains(doc
         d = deployments[f"baton-{kind}"]
         [c] = containers(d)
         assert c["command"] == ["python", "-m", f"{kind}_worker"]
-        parser = argparse.ArgumentParser()
-        add_common_args(parser, kind)
-        if kind == "decode":
-            _decode_args(parser)
-        args = parser.parse_args(c["args"])  # an unknown or misspelt flag exits here
+        args = worker_parser(kind).parse_args(c["args"])  # an unknown or misspelt flag exits here
         assert args.metrics_port == 9100 and args.metrics_host == "0.0.0.0"
         assert args.drain_timeout >= WORKER_DRAIN_S
         assert d["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > args.drain_timeout + 5

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from baton.model import kernels
-from baton.model.attention import DecodeGroup, TorchAttention
+from baton.model.attention import DecodeGroup, PagedAttention
 from baton.engine.sampling import greedy_pick
 
 native = kernels.load()
@@ -39,7 +39,7 @@ def test_paged_decode_kernel_equals_torch_path_for_every_grouping(heads, kv_head
     # column passes whose width depends on it
     lengths = [3, 31, 200]
     cache, q, group = paged(len(lengths), lengths, 128, torch.bfloat16, heads=heads, kv_heads=kv_heads)
-    expected = TorchAttention(heads, kv_heads, 128).decode(q.float(), cache.float(), group, 16)
+    expected = PagedAttention(heads, kv_heads, 128).decode(q.float(), cache.float(), group, 16)
     got = native.paged_decode(q, cache[0], cache[1], group.block_ids.view(len(lengths), -1), group.context_lens,
                               16, 128**-0.5)
     assert (got.float() - expected).abs().max() < 2e-2
@@ -51,7 +51,7 @@ def test_paged_decode_kernel_equals_torch_path_for_every_grouping(heads, kv_head
 def test_paged_decode_kernel_equals_torch_path(head_dim, dtype):
     lengths = [1, 15, 16, 17, 100, 257]
     cache, q, group = paged(len(lengths), lengths, head_dim, dtype)
-    torch_path = TorchAttention(9, 3, head_dim)
+    torch_path = PagedAttention(9, 3, head_dim)
     expected = torch_path.decode(q.float(), cache.float(), group, 16)  # fp32 SDPA over the padded gather
     got = native.paged_decode(q, cache[0], cache[1], group.block_ids.view(len(lengths), -1), group.context_lens,
                               16, head_dim**-0.5)
@@ -207,7 +207,7 @@ def test_fused_rope_kv_write_decode_equals_the_separate_ops():
 
     from baton.model.model import apply_rope
 
-    separate = TorchAttention(heads, kv_heads, head_dim)
+    separate = PagedAttention(heads, kv_heads, head_dim)
     separate.use_native_kernel(native)
     expected_cache = cache.clone()
     x = qkv.view(batch, heads + 2 * kv_heads, head_dim)

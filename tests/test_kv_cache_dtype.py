@@ -252,7 +252,7 @@ def test_every_fp8_code_reads_as_its_value(kernel):
 def test_the_torch_decode_over_codes_is_attention_over_their_values(dtype):
     """Where no native kernel is built, decode multiplies the codes and scales the scores and the
     probabilities: the same attention as over the dequantized values (fp32 SDPA)."""
-    from baton.model.attention import DecodeGroup, TorchAttention
+    from baton.model.attention import DecodeGroup, PagedAttention
 
     torch.manual_seed(2)
     heads, kv_heads, d, block_size = 6, 2, 64, 16
@@ -264,11 +264,11 @@ def test_the_torch_decode_over_codes_is_attention_over_their_values(dtype):
     group = DecodeGroup(start=0, count=2, num_blocks=3, block_ids=tables.flatten(), context_lens=lens,
                         bias=bias.view(1, 2, 1, length), mask=attend.view(2, 1, 1, length))
     q = torch.randn(2, heads, d).to(torch.bfloat16)
-    attention = TorchAttention(heads, kv_heads, d)
+    attention = PagedAttention(heads, kv_heads, d)
     attention.use_kv_dtype(dtype)
     assert attention.paged_kernel is None
     got = attention.decode(q, cache, group, block_size)
-    reference = TorchAttention(heads, kv_heads, d).decode(q.float(), dequantize_rows(cache, torch.float32), group,
+    reference = PagedAttention(heads, kv_heads, d).decode(q.float(), dequantize_rows(cache, torch.float32), group,
                                                           block_size)
     assert got.dtype == torch.bfloat16
     # bf16's rounding of outputs up to ~4 (the bf16 path over the dequantized values is as far off)

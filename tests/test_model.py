@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from baton.model.attention import DecodeGroup, TorchAttention, group_by_context
+from baton.model.attention import DecodeGroup, PagedAttention, group_by_context
 from baton.model.config import ModelConfig
 from baton.model.linear import PackedLinear, make_linear_op, packing_supported
 from baton.model.model import apply_rope, rope_inv_freq, rope_table
@@ -63,7 +63,7 @@ def reference(q: torch.Tensor, dense) -> torch.Tensor:
 def test_paged_decode_equals_unpadded_reference(dtype):
     lengths = [1, 7, 16, 30, 37]
     cache, q, group, dense = paged_case(lengths, dtype)
-    backend = TorchAttention(6, 2, 16)
+    backend = PagedAttention(6, 2, 16)
     got = backend.decode(q, cache, group, BLOCK).float()
     expected = reference(q, dense)
     tolerance = 1e-5 if dtype == torch.float32 else 3e-2
@@ -75,7 +75,7 @@ def test_paged_decode_equals_unpadded_reference(dtype):
 
 
 def test_write_kv_lands_in_head_major_slots():
-    backend = TorchAttention(6, 2, 16)
+    backend = PagedAttention(6, 2, 16)
     cache = torch.zeros(2, 2, 8 * BLOCK, 16)
     k, v = torch.randn(3, 2, 16), torch.randn(3, 2, 16)
     slots = torch.tensor([5, 9, 30])

@@ -231,8 +231,9 @@ def test_an_unsupported_dtype_is_a_clear_error(tiny_model_dir, capsys):
 def test_serve_passes_float16_to_both_workers():
     from baton.cli.cli import build_parser
     from baton.cli.serve import ThreadPlan, build_child_specs
+    from tests.test_cli import child_config
 
     args = build_parser().parse_args(["serve", "--dtype", "float16"])
     specs = build_child_specs(args, Path("/m"), "redis://127.0.0.1:1/0", ThreadPlan([1], [1], cpus=2), python="py")
-    dtypes = {s.name: s.argv[s.argv.index("--dtype") + 1] for s in specs if "--dtype" in s.argv}
+    dtypes = {s.name: child_config(s).dtype for s in specs if s.role != "gateway"}
     assert dtypes == {"prefill_worker[0]": "float16", "decode_worker[0]": "float16"}

@@ -151,7 +151,7 @@ def test_work_streams_are_trimmed_and_responses_stored_on_a_cluster(servers):
     from baton.worker.runtime import ensure_group, trim_acknowledged
     from gateway.backend import RedisBackend
     from gateway.errors import ApiError
-    from gateway.response_store import ResponseStore
+    from gateway.responses.store import ResponseStore
 
     async def scenario() -> None:
         client = redis_client.connect(servers.url)

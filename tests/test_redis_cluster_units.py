@@ -116,7 +116,7 @@ def test_a_cluster_clients_lost_connections_are_connection_errors():
 async def test_a_failed_read_during_a_step_keeps_the_steps_output():
     """The decode worker reads new handoffs while the engine steps; when that read failed (the
     streams' master was just killed), the step's tokens were dropped with the raised error."""
-    from baton.worker.core_share import StepCores
+    from baton.worker.thread_lending import StepCores
     from baton.worker.shell import WorkerShell
 
     class Engine:

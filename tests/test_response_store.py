@@ -16,7 +16,7 @@ import redis.asyncio as aioredis
 
 from baton.cli.redis_server import start_private_redis
 from gateway.errors import ApiError
-from gateway.response_store import INDEX, KEY_PREFIX, SIZES, USED, ResponseStore, response_key
+from gateway.responses.store import INDEX, KEY_PREFIX, SIZES, USED, ResponseStore, response_key
 from kvstore.redis_backend import RedisBlockStore, block_key
 from tests.test_gateway_api import MODEL
 from tests.test_gateway_support import start_gateway
@@ -199,13 +199,13 @@ def test_the_flag_reaches_the_gateway_from_baton_serve_and_its_variable(monkeypa
 
     from baton.cli.serve import ThreadPlan, build_child_specs
     from gateway.__main__ import parse_args
-    from tests.test_cli import _serve_args
+    from tests.test_cli import _serve_args, child_config
 
     monkeypatch.setattr("baton.common.model_files.resolve_model", lambda model: Path("/m"))
     monkeypatch.delenv("BATON_RESPONSES_MAX_BYTES", raising=False)
     specs = build_child_specs(_serve_args("--responses-max-bytes", "256MiB"), Path("/m"), "redis://127.0.0.1:1/0",
                               ThreadPlan([1], [1], cpus=2), python="py")
-    assert parse_args(specs[-1].argv[3:]).responses_max_bytes == 256 << 20
+    assert child_config(specs[-1]).responses_max_bytes == 256 << 20
     assert parse_args([]).responses_max_bytes == 64 << 20
     monkeypatch.setenv("BATON_RESPONSES_MAX_BYTES", "1MB")
     assert parse_args([]).responses_max_bytes == 1_000_000

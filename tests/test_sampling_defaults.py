@@ -248,15 +248,17 @@ def test_the_start_up_line_names_the_defaults_and_a_bad_file_stops_start_up(
 def test_the_flag_reaches_the_gateway_from_baton_serve(qwen_like_dir: Path) -> None:
     from baton.cli.serve import ThreadPlan, add_serve_arguments, build_child_specs
     from gateway.__main__ import parse_args
+    from tests.test_cli import child_config
 
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)
     args = parser.parse_args(["--generation-config", "vllm"])
     gateway = build_child_specs(args, qwen_like_dir, "redis://127.0.0.1:1/0", ThreadPlan([1], [1], cpus=2),
-                                python="py")[-1].argv
-    assert gateway[gateway.index("--generation-config") + 1] == "vllm"
-    assert "--generation-config" not in build_child_specs(parser.parse_args([]), qwen_like_dir, "redis://x",
-                                                          ThreadPlan([1], [1], cpus=2), python="py")[-1].argv
+                                python="py")[-1]
+    assert child_config(gateway).generation_config == "vllm"
+    plain = build_child_specs(parser.parse_args([]), qwen_like_dir, "redis://x", ThreadPlan([1], [1], cpus=2),
+                              python="py")[-1]
+    assert child_config(plain).generation_config == "auto"  # the gateway's own default
     with pytest.raises(SystemExit):  # a typo fails in `baton serve`, before any worker loads the model
         parser.parse_args(["--generation-config", "hf"])
 

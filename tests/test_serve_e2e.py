@@ -55,12 +55,22 @@ def _processes() -> dict[int, tuple[int, str]]:
     return found
 
 
+def _service_config(pid: int) -> dict:
+    """The config `baton serve` handed its child `pid`: JSON in its BATON_SERVICE_CONFIG ({}: none)."""
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return {}
+    prefix = b"BATON_SERVICE_CONFIG="
+    return next((json.loads(v[len(prefix):]) for v in environ if v.startswith(prefix)), {})
+
+
 def _left_behind(serve_pid: int, child_pids: set[int], model_dir: Path) -> list[str]:
     left = []
     for pid, (ppid, cmdline) in _processes().items():
         if pid in child_pids or ppid == serve_pid:
             left.append(f"{pid}: {cmdline}")
-        elif str(model_dir) in cmdline and any(f"-m {s}" in cmdline for s in SERVICES):
+        elif any(f"-m {s}" in cmdline for s in SERVICES) and str(model_dir) in json.dumps(_service_config(pid)):
             left.append(f"{pid}: {cmdline}")
     return left
 
@@ -216,7 +226,7 @@ def test_baton_serve_end_to_end(tiny_model_dir):
 
         # One core each (2 cores): while the prefill worker is idle, the decode worker's steps run
         # on its thread too (through the core-share ledger: a memfd serve made, nothing on disk).
-        ledger = next(cmd.split("--core-share ")[1].split()[0] for _, cmd in _processes().values()
+        ledger = next(_service_config(pid)["core_share"] for pid, (_, cmd) in _processes().items()
                       if "-m decode_worker" in cmd)
         assert ledger.startswith("/proc/self/fd/"), ledger
         if available_cpus() >= 2:

@@ -166,17 +166,16 @@ def test_the_prefill_pool_default_holds_two_full_context_prompts(fake_services, 
 
 
 def test_serve_gives_each_prefill_worker_its_own_pool_size(fake_services):
-    """The default, sized to the context asked for, reaches the prefill worker's command line; the
-    decode worker keeps --kv-cache-memory."""
+    """The default, sized to the context asked for, reaches the prefill worker's config; the decode
+    worker keeps --kv-cache-memory."""
     proc, out, err = _start_serve(fake_services, "--max-model-len", str(1 << 19), "--kv-cache-memory", "64MiB")
     try:
         assert _wait_for(lambda: any("Baton is serving" in line for line in out) or proc.poll() is not None, 60), err
         assert proc.poll() is None, "".join(err)
-        argv = {r["argv"][0].split(os.sep)[-2]: r["argv"] for r in _children_records(fake_services["logs"])}
-        prefill, decode = argv["prefill_worker"], argv["decode_worker"]
+        config = {r["argv"][0].split(os.sep)[-2]: r["config"] for r in _children_records(fake_services["logs"])}
         # 2 prompts x 2^19 tokens x 512 B (--dtype auto counts as fp32)
-        assert prefill[prefill.index("--kv-cache-memory") + 1] == "512MiB"
-        assert decode[decode.index("--kv-cache-memory") + 1] == "64MiB"
+        assert config["prefill_worker"]["kv_cache_memory"] == 512 << 20
+        assert config["decode_worker"]["kv_cache_memory"] == 64 << 20
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)

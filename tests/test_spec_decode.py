@@ -24,9 +24,9 @@ from baton.common.finish_reason import FinishReason
 from baton.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from baton.engine.sequence import Sequence, SequenceStatus
 from baton.engine.sampling import sample
-from baton.engine.spec_config import SpeculativeConfig, parse_speculative_config
-from baton.engine.spec_ngram import NgramIndex, propose
-from baton.engine.spec_policy import RETRY_STEPS, RowSpec, StepCostModel
+from baton.engine.speculative_config import SpeculativeConfig, parse_speculative_config
+from baton.engine.ngram_proposer import NgramIndex, propose
+from baton.engine.speculation_policy import RETRY_STEPS, RowPolicy, StepCostModel
 from tests.test_engine_tiny import assert_pool_all_free, tokens_of
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -102,26 +102,26 @@ def test_config_parses_vllms_shape_and_refuses_what_it_cannot_run():
 
 
 def test_decode_worker_flag_and_baton_serve_pass_the_config(monkeypatch):
-    from baton.cli.serve import DECODE_FLAGS, _passthrough
-    from baton.common.env_flags import apply_env
-    from decode_worker.__main__ import _decode_args
+    from pathlib import Path
 
-    parser = argparse.ArgumentParser()
-    _decode_args(parser)
+    from baton.cli.serve import ThreadPlan, add_serve_arguments, build_child_specs
+    from baton.worker.args import worker_parser
+    from tests.test_cli import child_config
+
+    parser = worker_parser("decode")
     assert parser.parse_args(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}']
                              ).speculative_config == SpeculativeConfig("ngram", 2, 4, 2)
     with pytest.raises(SystemExit):
         parser.parse_args(["--speculative-config", '{"method": "eagle", "num_speculative_tokens": 2}'])
     monkeypatch.setenv("BATON_SPECULATIVE_CONFIG", '{"method": "ngram", "num_speculative_tokens": 6}')
-    env_parser = argparse.ArgumentParser()
-    _decode_args(env_parser)
-    apply_env(env_parser)
-    assert env_parser.parse_args([]).speculative_config.num_speculative_tokens == 6
-    text = '{"method": "ngram", "num_speculative_tokens": 3}'
-    args = argparse.Namespace(speculative_config=text)
-    assert "--speculative-config" in [flag for flag, _, _ in DECODE_FLAGS]
-    assert _passthrough(args, [f for f in DECODE_FLAGS if f[0] == "--speculative-config"]) == \
-        ["--speculative-config", text]
+    assert worker_parser("decode").parse_args([]).speculative_config.num_speculative_tokens == 6
+    monkeypatch.delenv("BATON_SPECULATIVE_CONFIG")
+    serve = argparse.ArgumentParser()
+    add_serve_arguments(serve)
+    args = serve.parse_args(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'])
+    specs = build_child_specs(args, Path("/m"), "redis://127.0.0.1:1/0", ThreadPlan([1], [1], cpus=2), python="py")
+    assert child_config(specs[1]).speculative_config == SpeculativeConfig("ngram", 3, 4, 2)
+    assert child_config(specs[0]).speculative_config is None  # the decode workers' only
 
 
 # ------------------------------------------------------------------ the proposer
@@ -213,7 +213,7 @@ def test_scheduler_emits_nothing_after_eos_in_an_accepted_run():
     plan = sched.schedule()
     sched.update_from_output(plan, *_sampled(plan, [5]))  # the prompt, then its first token: 5
     plan = sched.schedule()
-    assert seq.spec_token_ids == [7, 2, 8] and plan.scheduled == [(seq, 4)]
+    assert seq.speculation.proposals == [7, 2, 8] and plan.scheduled == [(seq, 4)]
     outs = sched.update_from_output(plan, [], [], [], None, [(seq, [7, 2, 8, 9], [0.0] * 4, [[]] * 4)])
     assert outs[0].new_token_ids == [7, 2] and outs[0].finished and seq.finish_reason is FinishReason.STOP
     assert seq.status is SequenceStatus.FINISHED and pool.num_free_blocks == pool.num_blocks - 1
@@ -236,7 +236,7 @@ def test_rejected_slots_are_released_and_only_accepted_blocks_cached():
     sched.update_from_output(plan, *_sampled(plan, [2]))  # tokens: 1 2 3 1 2 3 1 2 (8, two blocks)
     free_before = pool.num_free_blocks
     plan = sched.schedule()
-    assert seq.spec_token_ids == [3, 1, 2, 3] and len(seq.block_table) == 3  # 8 + 4 slots: 3 blocks
+    assert seq.speculation.proposals == [3, 1, 2, 3] and len(seq.block_table) == 3  # 8 + 4 slots: 3 blocks
     # the target agrees with 3 only: emitted 3 and its own 9; 10 tokens, 9 computed
     sched.update_from_output(plan, [], [], [], None, [(seq, [3, 9, 9, 9, 9], [0.0] * 5, [[]] * 5)])
     assert seq.token_ids[8:] == [3, 9] and seq.num_computed_tokens == 9
@@ -277,7 +277,7 @@ def test_verify_rule_keeps_the_target_distribution_and_a_wrong_rule_is_caught():
     for seed in range(n):
         params = SamplingParams(temperature=1.0, seed=seed)
         token = sample(logits, [params], [[]], [3])[0][0]
-        accepted = token == proposal  # the verify rule (baton.engine.spec_decode)
+        accepted = token == proposal  # the verify rule (baton.engine.speculator)
         emitted = proposal if accepted else token
         ours[emitted] = ours.get(emitted, 0) + 1
         always[proposal] = always.get(proposal, 0) + 1
@@ -313,7 +313,7 @@ def test_cost_model_verifies_only_where_it_is_cheaper_per_token():
 
 
 def test_a_row_that_keeps_failing_stops_proposing_for_a_while():
-    row = RowSpec(index=None)
+    row = RowPolicy()
     for _ in range(10):
         row.observe(4, 0)
         if row.skip:

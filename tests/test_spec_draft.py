@@ -17,7 +17,7 @@ import shutil
 import pytest
 
 from baton import LLM, SamplingParams
-from baton.engine.spec_draft import CATCH_UP_TOKENS
+from baton.engine.draft_cursor import CATCH_UP_TOKENS
 from tests.test_engine_tiny import assert_pool_all_free, tokens_of
 from tests.test_spec_decode import greedy, hf_greedy, prompts  # noqa: F401  (a fixture)
 

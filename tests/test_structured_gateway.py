@@ -109,7 +109,7 @@ def test_answers_and_streams():
 
 def test_tool_messages_through_templates(default_model_dir):
     from gateway.tokenizer import PromptTokenizer
-    from gateway.validation_openai import parse_messages
+    from gateway.openai.validation import parse_messages
 
     messages = parse_messages([
         {"role": "user", "content": "add 1 and 2"},

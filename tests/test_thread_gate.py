@@ -1,4 +1,4 @@
-"""Lent threads given back between decode layers (baton/model/thread_gate.py, decode_layers.cpp):
+"""Lent threads given back between decode layers (baton/worker/ledger_gate.py behind baton/model/thread_gate.py, decode_layers.cpp):
 a decode step that borrowed a prefill worker's core lets it go at the next layer once the prefill
 worker asks for it, with the same tokens, and a long step may borrow when only its ungated part is
 short. The gate's words are a real core-share ledger file, mapped as the workers map it."""
@@ -11,15 +11,15 @@ import pytest
 import torch
 
 from baton.model.layers_plan import LayersPlan
-from baton.model.thread_gate import ThreadGate
-from baton.worker import core_share
-from baton.worker.core_share import (LEND_AFTER_S, MAX_BORROWING_STEP_S, Borrower, Ledger, LenderState,
-                                     StepCores, run_with_threads)
+from baton.worker import thread_lending
+from baton.worker.ledger_gate import LedgerGate
+from baton.worker.thread_lending import (LEND_AFTER_S, MAX_BORROWING_STEP_S, Borrower, Ledger, LenderState,
+                                         StepCores, run_with_threads)
 
 
 @pytest.fixture
 def ledger(tmp_path):
-    return Ledger(core_share.create(tmp_path / "core-share", prefill_workers=1, decode_workers=1))
+    return Ledger(thread_lending.create(tmp_path / "core-share", prefill_workers=1, decode_workers=1))
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +48,7 @@ def _greedy(n: int):
 PROMPTS = ["The capital of France is", "Écris un poème sur la mer", "数学は"]
 
 
-class _ReclaimedDuringLayers(ThreadGate):
+class _ReclaimedDuringLayers(LedgerGate):
     """A gate whose owner asks for its cores back just after the step's look before the layers:
     only the native loop between layers can see it."""
 
@@ -58,7 +58,7 @@ class _ReclaimedDuringLayers(ThreadGate):
             self.words[word] = int(LenderState.BUSY)
 
 
-def _spy_on_layers(model, seen: list[tuple[int, list[int]]], gate: ThreadGate) -> LayersPlan:
+def _spy_on_layers(model, seen: list[tuple[int, list[int]]], gate: LedgerGate) -> LayersPlan:
     plan = model.layers_plan
 
     class Spy:
@@ -71,7 +71,7 @@ def _spy_on_layers(model, seen: list[tuple[int, list[int]]], gate: ThreadGate) -
     return plan
 
 
-def _generate_on_threads(llm, threads: int, gate: ThreadGate | None, arm) -> list[list[int]]:
+def _generate_on_threads(llm, threads: int, gate: LedgerGate | None, arm) -> list[list[int]]:
     """Greedy tokens of PROMPTS, each engine step run as a worker runs it: on `threads` threads,
     the gate armed before the step by `arm()`."""
     engine = llm.engine
@@ -86,7 +86,7 @@ def _generate_on_threads(llm, threads: int, gate: ThreadGate | None, arm) -> lis
     return [tokens[f"r{i}"] for i in range(len(PROMPTS))]
 
 
-def _run_gated(llm, gate: ThreadGate, arm) -> tuple[list[list[int]], list[tuple[int, list[int]]]]:
+def _run_gated(llm, gate: LedgerGate, arm) -> tuple[list[list[int]], list[tuple[int, list[int]]]]:
     """Greedy tokens of PROMPTS on 2 threads with `gate` installed, and for each all-layers call
     the thread count and the release words it left."""
     before = torch.get_num_threads()
@@ -122,7 +122,7 @@ def test_the_layers_give_lent_threads_back_once_the_lender_asks_with_the_same_to
 
 
 def test_a_step_that_sees_the_lender_reclaiming_before_its_layers_runs_on_its_own_threads(planned_llm, ledger):
-    gate = ThreadGate(ledger.words(), open_value=int(LenderState.LENDING))
+    gate = LedgerGate(ledger.words(), open_value=int(LenderState.LENDING))
 
     def arm() -> None:  # lent, then reclaimed before the step reaches its layers
         ledger.write_borrowed(0, 0b1)
@@ -135,7 +135,7 @@ def test_a_step_that_sees_the_lender_reclaiming_before_its_layers_runs_on_its_ow
 
 
 def test_an_open_gate_keeps_the_lent_threads_for_the_whole_step(planned_llm, ledger):
-    gate = ThreadGate(ledger.words(), open_value=int(LenderState.LENDING))
+    gate = LedgerGate(ledger.words(), open_value=int(LenderState.LENDING))
 
     def arm() -> None:
         ledger.write_lender(0, LenderState.LENDING, 1, time.monotonic())
@@ -148,7 +148,7 @@ def test_an_open_gate_keeps_the_lent_threads_for_the_whole_step(planned_llm, led
 
 
 def test_a_long_step_borrows_when_its_ungated_part_is_short(ledger):
-    from baton.worker.core_share import Lender
+    from baton.worker.thread_lending import Lender
 
     lender = Lender(ledger, 0, threads=1)
     borrower = Borrower(ledger, 0)

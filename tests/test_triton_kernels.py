@@ -30,7 +30,7 @@ pytest.importorskip("triton", exc_type=ImportError,
                            "(it is in the 'test' extra: pip install -e '.[test]')")
 
 from baton.model import triton_kernels as tk  # noqa: E402
-from baton.model.attention import AttentionMetadata, DecodeGroup, PrefillSpan, TorchAttention  # noqa: E402
+from baton.model.attention import AttentionMetadata, DecodeGroup, PrefillSpan, PagedAttention  # noqa: E402
 from baton.model.triton_attention import (  # noqa: E402
     TritonAttention, attention_backend, to_triton, triton_available)
 
@@ -112,7 +112,7 @@ def test_write_kv_matches_the_torch_backend() -> None:
     cache_t, cache_tr = _cache(2, 64), _cache(2, 64)
     k, v = torch.randn(3, 2, 64, device=DEVICE), torch.randn(3, 2, 64, device=DEVICE)
     meta = AttentionMetadata(torch.tensor([17, 4, 60], device=DEVICE), [], [], BLOCK_SIZE)
-    TorchAttention(4, 2, 64).write_kv(cache_t, k, v, meta)
+    PagedAttention(4, 2, 64).write_kv(cache_t, k, v, meta)
     TritonAttention(4, 2, 64).write_kv(cache_tr, k, v, meta)
     assert torch.equal(cache_t, cache_tr)
 
@@ -214,7 +214,7 @@ def test_bf16_kernels_stay_within_bf16_rounding_of_the_fp32_reference() -> None:
 
 def test_triton_backend_equals_the_torch_backend_on_runner_metadata() -> None:
     """The backend methods the model calls, on metadata shaped as the model runner builds it (long
-    block ids padded with block 0, masks for the padded path), give what TorchAttention gives."""
+    block ids padded with block 0, masks for the padded path), give what PagedAttention gives."""
     heads, kv_heads, d = 4, 2, 64
     cache = _cache(kv_heads, d)
     lens = [10, 3]
@@ -227,7 +227,7 @@ def test_triton_backend_equals_the_torch_backend_on_runner_metadata() -> None:
     group = DecodeGroup(0, 2, width, ids, torch.tensor(lens, device=DEVICE), bias.view(1, 2, 1, -1).to(DEVICE),
                         mask.view(2, 1, 1, -1).to(DEVICE))
     q = torch.randn(2, heads, d, device=DEVICE)
-    torch_out = TorchAttention(heads, kv_heads, d).decode(q, cache, group, BLOCK_SIZE)
+    torch_out = PagedAttention(heads, kv_heads, d).decode(q, cache, group, BLOCK_SIZE)
     triton_out = TritonAttention(heads, kv_heads, d).decode(q, cache, group, BLOCK_SIZE)
     torch.testing.assert_close(triton_out, torch_out, rtol=1e-4, atol=1e-5)
     # a second chunk of 6 after a prefix of 7 (the chunk's K/V already in the cache, as the model writes it)
@@ -237,15 +237,15 @@ def test_triton_backend_equals_the_torch_backend_on_runner_metadata() -> None:
                        block_size=BLOCK_SIZE)
     qp = torch.randn(6, heads, d, device=DEVICE)
     k_new, v_new = cache[0][:, slots[7:]].transpose(0, 1), cache[1][:, slots[7:]].transpose(0, 1)
-    torch_p = TorchAttention(heads, kv_heads, d).prefill(qp, k_new, v_new, cache, span)
+    torch_p = PagedAttention(heads, kv_heads, d).prefill(qp, k_new, v_new, cache, span)
     triton_p = TritonAttention(heads, kv_heads, d).prefill(qp, k_new, v_new, cache, span)
     torch.testing.assert_close(triton_p, torch_p, rtol=1e-4, atol=1e-5)
 
 
 def test_cpu_devices_keep_the_torch_backend() -> None:
-    assert not triton_available("cpu")
-    backend = attention_backend("cpu", 4, 2, 64, softcap=30.0, window=8)
-    assert type(backend) is TorchAttention and backend.softcap == 30.0
+    assert not triton_available("cpu", requested=True)
+    backend = attention_backend("cpu", 4, 2, 64, softcap=30.0, window=8, triton=True)
+    assert type(backend) is PagedAttention and backend.softcap == 30.0
 
 
 def test_a_converted_window_layer_attends_only_its_window() -> None:
@@ -253,7 +253,7 @@ def test_a_converted_window_layer_attends_only_its_window() -> None:
     window's attention, not the whole context's."""
     cache = _cache(2, 64)
     tables, padded = _tables([20])
-    layer = to_triton(TorchAttention(4, 2, 64, scale=0.3, softcap=4.0), window=6)
+    layer = to_triton(PagedAttention(4, 2, 64, scale=0.3, softcap=4.0), window=6)
     assert (layer.scale, layer.softcap, layer.window) == (0.3, 4.0, 6)
     ids = padded.view(-1).long()
     group = DecodeGroup(0, 1, padded.shape[1], ids, torch.tensor([20], device=DEVICE), None, None)

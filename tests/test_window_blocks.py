@@ -20,7 +20,7 @@ from baton.common.finish_reason import FinishReason
 from baton.engine.block_manager import BlockManager, blocks_for
 from baton.engine.block_pool import BlockPool
 from baton.model.config import ModelConfig
-from baton.engine.pooling import Pooling
+from baton.engine.pooling import Pooling, PoolState
 from baton.engine.scheduler import SchedulerOutput
 from baton.engine.sequence import Sequence, SequenceStatus
 from baton.engine.window_blocks import freeable_window, num_dead_blocks, num_released
@@ -148,7 +148,7 @@ def test_released_entries_are_never_registered_under_a_hash():
 @pytest.mark.parametrize("kind", ["remote_decode", "pooling", "prompt_logprobs", "no window"])
 def test_what_is_never_freed_early(kind):
     pool, bm = make(window=None if kind == "no window" else W)
-    kwargs: dict[str, Any] = {"remote_decode": {"remote_decode": True}, "pooling": {"pooling": Pooling.LAST},
+    kwargs: dict[str, Any] = {"remote_decode": {"remote_decode": True}, "pooling": {"pooling": PoolState(Pooling.LAST, 60)},
                               "prompt_logprobs": {"prompt_logprobs": 1}, "no window": {}}[kind]
     seq = seq_of("a", 60, **kwargs)
     assert run_chunk(bm, seq, 60) == []

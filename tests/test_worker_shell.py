@@ -14,18 +14,19 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from baton.common import heartbeats, protocol
 from baton.common.sampling_params import SamplingParams
 from baton.worker.args import add_common_args
+from baton.worker.config import WorkerConfig
 from baton.worker.runtime import ensure_group
 from prefill_worker.worker import PrefillWorker
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def worker_args(model_dir, redis_url: str, *extra: str) -> argparse.Namespace:
+def worker_args(model_dir, redis_url: str, *extra: str) -> WorkerConfig:
     parser = argparse.ArgumentParser()
     add_common_args(parser, "prefill")
-    return parser.parse_args(["--model", str(model_dir), "--redis-url", redis_url, "--dtype", "float32",
-                              "--threads", "1", "--num-kv-blocks", "64", "--worker-id", f"prefill-{time.time_ns()}",
-                              *extra])
+    return WorkerConfig.from_args(parser.parse_args(
+        ["--model", str(model_dir), "--redis-url", redis_url, "--dtype", "float32", "--threads", "1",
+         "--num-kv-blocks", "64", "--worker-id", f"prefill-{time.time_ns()}", *extra]))
 
 
 def fail_transactions(client, count: int) -> list[int]:

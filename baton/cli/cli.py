@@ -72,7 +72,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     worker_args = SimpleNamespace(model=str(resolve_model(args.model)), dtype=args.dtype, device=None, block_size=16,
                                   num_kv_blocks=16, kv_cache_memory=None, max_num_seqs=1, max_num_batched_tokens=512,
                                   threads=None, quantization=args.quantization,
-                                  kv_cache_dtype=args.kv_cache_dtype)
+                                  kv_cache_dtype=args.kv_cache_dtype, scheduler_policy="max-utilization",
+                                  speculative_config=None)
     engine = build_engine(worker_args)
     print(engine.runtime.plan_report(), flush=True)
     return 0

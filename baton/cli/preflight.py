@@ -223,7 +223,7 @@ def context_tokens(model_dir: Path, config, args: argparse.Namespace) -> int:
     given, else the model's own context (as the gateway derives it), else its config's positions."""
     from baton.common.context_length import model_context_length
 
-    given = [n for n in (getattr(args, "max_model_len", None), getattr(args, "max_total_tokens", None)) if n]
+    given = [n for n in (args.max_model_len, args.max_total_tokens) if n]
     if given:
         return min(given)
     return model_context_length(model_dir) or config.max_position_embeddings
@@ -277,10 +277,10 @@ def check_model(model_dir: Path, args: argparse.Namespace) -> ModelCheck:
     config = read_model_config(model_dir)
     weights = weight_files(model_dir, args.dtype, args.quantization)
     weights_bytes = sum(path.stat().st_size for path in weights)
-    kv_dtype = getattr(args, "kv_cache_dtype", "auto")
+    kv_dtype = args.kv_cache_dtype
     # prefill workers get --prefill-kv-cache-memory as their --kv-cache-memory, by default room for
     # a few full-context prompts (DECODE_FLAGS' pool flags reach the decode workers only)
-    prefill_flag = getattr(args, "prefill_kv_cache_memory", None)
+    prefill_flag = args.prefill_kv_cache_memory
     if prefill_flag is None:
         default = default_prefill_kv_bytes(config, context_tokens(model_dir, config, args), args.block_size,
                                            args.dtype, kv_dtype)

@@ -7,7 +7,9 @@ pools may not fit the memory available. One model directory is resolved once (fe
 model if needed) and handed to every child. Unless a Redis URL is given, a private redis-server is
 started on a free port. Then the prefill workers, the decode workers and the gateway start as
 `python -m <service>` children, with a progress line for each step and a short summary once serving
-(`baton.cli.startup_report`).
+(`baton.cli.startup_report`). Each child gets its whole config at once: its config object (a
+`WorkerConfig`, the gateway's `Settings`), built here from this command's flags over the child's
+own defaults, as JSON in $BATON_SERVICE_CONFIG (baton.common.service_config).
 
 Threads are a budget (DESIGN.md): two processes each running 2 torch threads on 2 cores slow down
 catastrophically, so the workers' `--threads` add up to at most the cores this process may use.
@@ -18,9 +20,9 @@ and on Linux each child gets SIGTERM from the kernel if the supervisor itself di
 SIGKILL). A child that exits on its own is restarted with backoff; so is the private Redis, on the
 same port with the same password (it comes back empty: the workers recreate their consumer groups).
 
-Secrets never go on a child's command line, which every local user can read in `ps`: the Redis
-URL (with the private Redis's random password) and the API key travel in the environment
-(REDIS_URL, BATON_API_KEY), which the services read by default.
+Secrets never go on a child's command line, which every local user can read in `ps`, nor in its
+config JSON: the Redis URL (with the private Redis's random password) and the API key travel in
+their own variables (REDIS_URL, BATON_API_KEY), which the services read by default.
 """
 
 from __future__ import annotations
@@ -38,9 +40,11 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from baton.common.service_config import SERVICE_CONFIG_ENV
 from baton.common.urls import redact_url
-from baton.worker import core_share
-from baton.worker.core_share import path_of as core_share_path
+from baton.worker import thread_lending as core_share
+from baton.cli.child_configs import (DECODE_FLAGS, FLAG_ALIASES, GATEWAY_FLAGS, PREFILL_FLAGS, WORKER_FLAGS,
+                                     decode_worker_config, gateway_settings, prefill_worker_config)
 from baton.cli.preflight import PreflightError, check_model, check_ports, worker_metrics_ports
 from baton.cli.startup_report import fetch_json, model_origin, summary_lines
 from baton.cli.supervisor import API_KEY_ENV, ChildExited, ChildSpec, StopRequested, Supervisor
@@ -52,52 +56,8 @@ DECODE_MODULE = "decode_worker"
 GATEWAY_MODULE = "gateway"
 PROGRESS_EVERY = 10.0  # seconds between "waiting for ..." lines while the workers load
 
-# Flags passed through unchanged when given: (flag, argparse dest, type, help).
-GATEWAY_FLAGS: list[tuple[str, type, str]] = [
-    ("--max-concurrent-requests", int, "past this many requests in flight the gateway answers 429"),
-    ("--max-model-len", int, "the context: longest prompt + max_tokens (default: the model's, from its config.json)"),
-    ("--max-input-tokens", int, "longest prompt accepted, in tokens (default: the context - 1)"),
-    ("--max-total-tokens", int, "TGI's name for --max-model-len"),
-    ("--max-batch-total-tokens", int, "cluster token budget: admitted requests' input + max_new_tokens"),
-    ("--max-queue-size", int, "requests waiting for budget before 429"),
-    ("--max-queue-wait", float, "seconds a request may wait for budget before a 503"),
-    ("--shutdown-grace", float, "seconds requests in flight get to finish when the gateway stops (default 40)"),
-    ("--reasoning-parser", str, "deepseek_r1 | qwen3: split a thinking model's <think> block into reasoning_content"),
-    ("--tool-call-parser", str, "hermes | llama3_json | mistral | pythonic (default: from the chat template)"),
-    ("--generation-config", str, "auto: the model's generation_config.json sets the sampling defaults of "
-                                 "requests that leave them unset (temperature, top_p, top_k, min_p, "
-                                 "repetition_penalty); vllm: ignore them (default auto)"),
-    ("--responses-ttl", int, "seconds stored /v1/responses answers are kept (0: none; default 3600)"),
-    ("--responses-max-bytes", str, "bytes all stored /v1/responses answers may take, e.g. 256MiB (the oldest "
-                                   "are dropped past it; default 64MiB)"),
-    ("--pooling", str, "embeddings: last, mean or cls (default: the checkpoint's sentence-transformers config, else last)"),
-    ("--max-embedding-tokens", int, "embeddings: input tokens admitted at once, in their own lane beside the "
-                                    "generation budget (default 65536; also the largest request)"),
-]
 # Environment variables that carry secrets to the children (never argv: `ps` shows argv to all).
 REDIS_URL_ENV = "REDIS_URL"
-PREFILL_FLAGS: list[tuple[str, type, str]] = [
-    ("--max-num-batched-tokens", int, "prefill worker: token budget per iteration (chunked prefill)"),
-    ("--pooling-step-tokens", int, "prefill worker: embeddings input tokens per step beside chat prompts "
-                                   "(default: --max-num-batched-tokens / 8)"),
-]
-DECODE_FLAGS: list[tuple[str, type, str]] = [
-    ("--num-kv-blocks", int, "decode worker: KV blocks in its pool"),
-    ("--kv-cache-memory", str, "decode worker: KV pool size instead of --num-kv-blocks, e.g. 1GiB"),
-    ("--max-num-seqs", int, "decode worker: most requests in one batch"),
-    ("--scheduler-policy", str, "decode worker: no-evict | max-utilization"),
-    ("--speculative-config", str, "decode worker: speculative decoding, JSON in vLLM's shape, e.g. "
-                                  '\'{"method": "ngram", "num_speculative_tokens": 4}\''),
-]
-# vLLM's names for flags above, accepted as they are (passed on under the flag's own name)
-FLAG_ALIASES: dict[str, tuple[str, ...]] = {"--kv-cache-memory": ("--kv-cache-memory-bytes",)}
-WORKER_FLAGS: list[tuple[str, type, str]] = [
-    ("--block-size", int, "tokens per KV block (prefill and decode must agree)"),
-]
-
-
-def _dest(flag: str) -> str:
-    return flag.lstrip("-").replace("-", "_")
 
 
 # --------------------------------------------------------------------------------------------
@@ -209,7 +169,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-format", default=os.environ.get("BATON_LOG_FORMAT") or None, choices=["text", "json"],
                         help="every child's log lines: text or one JSON object per line (default: "
                              "$BATON_LOG_FORMAT, else text)")
-    group = parser.add_argument_group("gateway limits (passed to the gateway when given)")
+    group = parser.add_argument_group("gateway limits (the gateway's when given)")
     for flag, typ, help_ in GATEWAY_FLAGS:
         group.add_argument(flag, type=typ, default=None, help=help_, **_choices(flag))
     group.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
@@ -227,7 +187,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
                        help="require 'Authorization: Bearer KEY' on the API (default: $BATON_API_KEY; "
                             "prefer the variable: a flag is visible to every local user in `ps`)")
-    group = parser.add_argument_group("worker settings (passed to the workers when given)")
+    group = parser.add_argument_group("worker settings (the workers' when given)")
     for flag, typ, help_ in WORKER_FLAGS + PREFILL_FLAGS + DECODE_FLAGS:
         kwargs = {"choices": ["no-evict", "max-utilization"]} if flag == "--scheduler-policy" else {}
         group.add_argument(flag, *FLAG_ALIASES.get(flag, ()), type=typ, default=None, help=help_, **kwargs)
@@ -246,75 +206,39 @@ def _choices(flag: str) -> dict[str, list[str]]:
     return {"choices": list(known[flag])} if flag in known else {}
 
 
-def _passthrough(args: argparse.Namespace, flags: list[tuple[str, type, str]]) -> list[str]:
-    out: list[str] = []
-    for flag, _typ, _help in flags:
-        value = getattr(args, _dest(flag), None)
-        if value is not None:
-            out += [flag, str(value)]
-    return out
-
-
 def build_child_specs(args: argparse.Namespace, model_dir: Path, redis_url: str,
                       plan: ThreadPlan, python: str = sys.executable,
                       core_share_fd: int | None = None) -> list[ChildSpec]:
-    """The command lines of every child, in start order: prefill workers, decode workers, gateway.
-    The Redis URL and the API key go in each child's environment, not on its command line.
+    """Every child, in start order: prefill workers, decode workers, gateway. Each is `python -m
+    <service>` with its whole config as JSON in $BATON_SERVICE_CONFIG; the Redis URL and the API key
+    go in its environment apart (never in the JSON, never on its command line).
     `core_share_fd`: the descriptor of the ledger through which idle prefill workers lend their threads
     (inherited by the workers; None: none)."""
     specs: list[ChildSpec] = []
-    common = ["--model", str(model_dir)]
-    if getattr(args, "log_format", None):
-        common += ["--log-format", args.log_format]
     secret_env = {REDIS_URL_ENV: redis_url}
-    metrics_port = args.worker_metrics_port
+    first_port = args.worker_metrics_port
     for i, threads in enumerate(plan.prefill):
-        argv = [python, "-m", PREFILL_MODULE, *common, "--threads", str(threads), "--dtype", args.dtype,
-                "--quantization", args.quantization, "--kv-cache-dtype", getattr(args, "kv_cache_dtype", "auto")]
-        argv += _passthrough(args, WORKER_FLAGS + PREFILL_FLAGS)
-        # its own pool size, under the worker's name for it (--kv-cache-memory is the decode workers')
-        if getattr(args, "prefill_kv_cache_memory", None) is not None:
-            argv += ["--kv-cache-memory", str(args.prefill_kv_cache_memory)]
-        if metrics_port is not None:
-            argv += ["--metrics-port", str(metrics_port + i)]
-        if core_share_fd is not None:
-            argv += ["--core-share", core_share_path(core_share_fd), "--core-share-slot", str(i)]
-        specs.append(ChildSpec(f"prefill_worker[{i}]", argv, {**_thread_env(threads), **secret_env},
+        config = prefill_worker_config(args, model_dir, redis_url, threads,
+                                       None if first_port is None else first_port + i, core_share_fd, i)
+        specs.append(ChildSpec(f"prefill_worker[{i}]", [python, "-m", PREFILL_MODULE],
+                               {**_thread_env(threads), **secret_env, SERVICE_CONFIG_ENV: config.to_json()},
                                "prefill", _fds(core_share_fd)))
     for j, threads in enumerate(plan.decode):
-        argv = [python, "-m", DECODE_MODULE, *common, "--threads", str(threads), "--dtype", args.dtype,
-                "--quantization", args.quantization, "--kv-cache-dtype", getattr(args, "kv_cache_dtype", "auto")]
-        argv += _passthrough(args, WORKER_FLAGS + DECODE_FLAGS)
-        if metrics_port is not None:
-            argv += ["--metrics-port", str(metrics_port + len(plan.prefill) + j)]
-        if core_share_fd is not None:
-            argv += ["--core-share", core_share_path(core_share_fd), "--core-share-slot", str(j)]
-        specs.append(ChildSpec(f"decode_worker[{j}]", argv, {**_thread_env(threads), **secret_env},
+        port = None if first_port is None else first_port + len(plan.prefill) + j
+        config = decode_worker_config(args, model_dir, redis_url, threads, port, core_share_fd, j)
+        specs.append(ChildSpec(f"decode_worker[{j}]", [python, "-m", DECODE_MODULE],
+                               {**_thread_env(threads), **secret_env, SERVICE_CONFIG_ENV: config.to_json()},
                                "decode", _fds(core_share_fd)))
-    argv = [python, "-m", GATEWAY_MODULE, *common, "--host", args.host, "--port", str(args.port)]
-    argv += _passthrough(args, GATEWAY_FLAGS)
-    if getattr(args, "served_model_name", None):
-        argv += ["--served-model-name", *args.served_model_name]
-    if getattr(args, "strict_api", False):
-        argv.append("--strict-api")
-    argv += [flag for flag in ("--normalize", "--no-normalize") if getattr(args, _dest(flag), False)]
-    if getattr(args, "chat_template", None) is not None:
-        argv += ["--chat-template", _absolute_if_file(args.chat_template)]
-    gateway_env = {**_thread_env(1), **secret_env}
+    gateway_env = {**_thread_env(1), **secret_env,
+                   SERVICE_CONFIG_ENV: gateway_settings(args, model_dir, redis_url).to_json()}
     if args.api_key:
         gateway_env[API_KEY_ENV] = args.api_key
-    specs.append(ChildSpec("gateway", argv, gateway_env, "gateway"))
+    specs.append(ChildSpec("gateway", [python, "-m", GATEWAY_MODULE], gateway_env, "gateway"))
     return specs
 
 
 def _fds(fd: int | None) -> tuple[int, ...]:
     return () if fd is None else (fd,)
-
-
-def _absolute_if_file(value: str) -> str:
-    # A relative template path names a file from where `baton serve` was started.
-    path = Path(value).expanduser()
-    return str(path.resolve()) if path.is_file() else value
 
 
 def _thread_env(threads: int) -> dict[str, str]:
@@ -397,8 +321,8 @@ def serving_summary(args: argparse.Namespace, model_name: str, model_dir: Path) 
     url = f"http://{args.host}:{args.port}"
     probe = f"http://{probe_host(args.host)}:{args.port}"
     settings = (f"dtype {args.dtype}, quantization {args.quantization}, "
-                f"KV cache dtype {getattr(args, 'kv_cache_dtype', 'auto')}")
-    gguf_file = getattr(args, "gguf_file", None)
+                f"KV cache dtype {args.kv_cache_dtype}")
+    gguf_file = args.gguf_file
     from_hub = is_hub_model_name(args.model) or gguf_file is not None or hub_gguf_spec(args.model) is not None
     hub_name = f"{args.model} --gguf-file {gguf_file}" if gguf_file else args.model
     origin = model_origin(hub_name, model_dir, from_hub)
@@ -417,7 +341,7 @@ def run(args: argparse.Namespace) -> int:
     from gateway.sampling_defaults import load as load_sampling_defaults
 
     log = lambda msg: print(f"baton: {msg}", file=sys.stderr, flush=True)  # noqa: E731
-    positional = getattr(args, "model_positional", None)
+    positional = args.model_positional
     if positional is not None:
         if args.model is not None and args.model != positional:
             log(f"two models given: {positional} and --model {args.model}; give one")
@@ -441,7 +365,7 @@ def run(args: argparse.Namespace) -> int:
         log(str(exc))
         return 2
     try:
-        model_dir = Path(resolve_model(args.model, getattr(args, "gguf_file", None))).resolve()
+        model_dir = Path(resolve_model(args.model, args.gguf_file)).resolve()
     except (OSError, subprocess.CalledProcessError, StopIteration, ValueError) as exc:
         log(f"cannot load the model: {exc or type(exc).__name__}")
         return 2
@@ -452,7 +376,7 @@ def run(args: argparse.Namespace) -> int:
             log(str(exc))
             return 2
     try:  # a generation_config.json no request could follow: now too, not as a gateway that keeps dying
-        load_sampling_defaults(model_dir, getattr(args, "generation_config", None) or "auto")
+        load_sampling_defaults(model_dir, args.generation_config or "auto")
     except ValueError as exc:
         log(str(exc))
         return 2
@@ -465,8 +389,13 @@ def run(args: argparse.Namespace) -> int:
     if warning := model_check.memory.warning():
         log(f"warning: {warning}")
     if not args.served_model_name:  # a Hub model is served as its repo id, not its snapshot's hash
-        args.served_model_name = [model_display_name(args.model, model_dir, getattr(args, "gguf_file", None))]
+        args.served_model_name = [model_display_name(args.model, model_dir, args.gguf_file)]
     model_name = args.served_model_name[0]
+    try:  # settings the gateway would refuse (a context past the model's ...): refused now, as above
+        gateway_settings(args, model_dir, args.redis_url or "").validate()
+    except ValueError as exc:
+        log(str(exc))
+        return 2
     log(f"model {model_name} from {model_dir}")
     log(f"threads: prefill {plan.prefill}, decode {plan.decode} on {plan.cpus} cores")
 
@@ -490,7 +419,7 @@ def run(args: argparse.Namespace) -> int:
             sup.watch("redis-server", private_redis)
             log(f"redis: {private_redis.display_url} (private, pid {private_redis.process.pid})")
         # (not where the plan oversubscribes already: --threads-per-worker beyond the cores)
-        if not getattr(args, "no_core_share", False) and len(plan.prefill) <= 64 and plan.total <= plan.cpus:
+        if not args.no_core_share and len(plan.prefill) <= 64 and plan.total <= plan.cpus:
             ledger_fd = core_share.create_anonymous(len(plan.prefill), len(plan.decode))
         log(f"loading {model_name} in {len(plan.prefill)} prefill + {len(plan.decode)} decode worker(s) "
             f"(weights: {model_check.weights_label()})")

@@ -8,13 +8,9 @@ baton.engine.window_blocks) the blocks behind it are freed while the request run
 
 from __future__ import annotations
 
-from baton.engine.block_pool import BlockPool
+from baton.engine.block_pool import BlockPool, blocks_for
 from baton.engine.sequence import Sequence
 from baton.engine.window_blocks import NULL_BLOCK, may_release, num_dead_blocks, num_released
-
-
-def blocks_for(num_tokens: int, block_size: int) -> int:
-    return -(-num_tokens // block_size)
 
 
 class BlockManager:

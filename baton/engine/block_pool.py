@@ -12,6 +12,12 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """Blocks that hold `num_tokens` tokens."""
+    return -(-num_tokens // block_size)
+
+
 class BlockPool:
     def __init__(self, num_blocks: int, block_size: int) -> None:
         if num_blocks < 2:

@@ -11,7 +11,6 @@ resolved (downloaded, converted) by the caller.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Iterable, Sequence as Seq
 from dataclasses import dataclass
@@ -23,17 +22,18 @@ from baton.common.context_length import model_context_length
 from baton.common.finish_reason import FinishReason
 from baton.engine.block_manager import BlockManager
 from baton.engine.logprobs import token_logprobs
-from baton.model.runtime import PromptRows, RuntimeConfig, ThreadGate, load_runtime, return_freed_memory
+from baton.model.runtime import PromptRows, RowKind, RuntimeConfig, ThreadGate, load_runtime, return_freed_memory
 from baton.engine.block_pool import BlockPool
 from baton.engine.sampling import sample, suppress_early_stops
 from baton.engine.kv_connector import KVConnectorScheduler
 from baton.engine.kv_types import KVLoad, LoadedKV, RemoteKV
 from baton.engine.outputs import EngineOutput, EngineStats, KVHandoff
-from baton.engine.pooling import Pooling
+from baton.engine.pooling import Pooling, PoolState
 from baton.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, StepOutput
-from baton.engine.spec_config import SpeculativeConfig, parse_speculative_config
-from baton.engine.spec_decode import verify_rows
-from baton.engine.spec_draft import DraftModel, check_same_tokenizer
+from baton.engine.speculative_config import SpeculativeConfig, parse_speculative_config
+from baton.engine.speculator import DraftJob, proposals_of, verify_rows
+from baton.engine.drafter import Drafter, check_same_tokenizer
+from baton.engine.step_input import build_step_batch
 from baton.engine.window_blocks import freeable_window
 from baton.engine.structured import StructuredOutput
 from baton.engine.sequence import Sequence
@@ -59,7 +59,7 @@ class EngineConfig:
     kv_connector: bool = False  # load from and save to a block store (the workers)
     quantization: str = "auto"  # auto, none, int8, int4: the projections' weights (baton.model.quant)
     kv_cache_dtype: str = "auto"  # auto (the model's dtype), int8, fp8: the KV cache (baton.model.kv_quant)
-    # speculative decoding (baton.engine.spec_decode): a SpeculativeConfig, its dict or JSON; None: off
+    # speculative decoding (baton.engine.speculator): a SpeculativeConfig, its dict or JSON; None: off
     speculative_config: SpeculativeConfig | dict | str | None = None
     # free each projection's loaded weight as soon as its op holds the copy it reads, so that loading
     # peaks near one copy of the weights (the workers); LLM keeps them (`prepare()` may run again)
@@ -118,13 +118,14 @@ class LLMEngine:
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.scheduler_policy,
                             max_model_len),
-            self.block_manager, self.model_config.eos_token_ids, self.connector, speculative, self.drafter,
+            self.block_manager, self.model_config.eos_token_ids, self.connector, speculative,
         )
         self.runtime.allocate(num_blocks, config.block_size, config.max_num_seqs)
         self.structured = StructuredOutput(self.model_dir, self.model_config.vocab_size, self.eos_token_ids)
         self.num_steps = 0
         self.num_generated_tokens = 0
         self.last_num_batched_tokens = 0
+        self.last_num_decode_tokens = 0
         self._kv_loads: list[KVLoad] = []
         self._requests: dict[str, Sequence] = {}  # unfinished, by id
         logger.info("engine ready: %s (%s%s, %s), %d KV blocks of %d tokens%s (%.0f MiB%s), policy %s",
@@ -135,14 +136,15 @@ class LLMEngine:
                     self.kv_cache_bytes / 2**20, " with the draft's" if self.drafter is not None else "",
                     config.scheduler_policy)
 
-    def _load_drafter(self, draft_dir: Path, device: torch.device) -> DraftModel:
+    def _load_drafter(self, draft_dir: Path, device: torch.device) -> Drafter:
         """The draft model of a draft_model config (a directory: callers resolve names), in the
-        target's dtype; its KV cache, indexed by the target's block ids (baton.engine.spec_draft),
+        target's dtype; its KV cache, indexed by the target's block ids (baton.engine.draft_cursor),
         is allocated once the block count is known."""
         if not (draft_dir / "config.json").is_file():
             raise FileNotFoundError(f"speculative_config.model {draft_dir} is not a model directory (no config.json)")
         check_same_tokenizer(self.model_dir, draft_dir)
-        drafter = DraftModel(draft_dir, self.dtype, device, self.config.block_size, self.model_config.vocab_size)
+        drafter = Drafter(draft_dir, str(self.dtype).removeprefix("torch."), str(device), self.config.block_size,
+                          self.model_config.vocab_size)
         return_freed_memory()
         logger.info("draft model %s: %d layers, hidden %d, proposing %s tokens a step", draft_dir.name,
                     drafter.config.num_layers, drafter.config.hidden_size,
@@ -190,7 +192,7 @@ class LLMEngine:
         seq = Sequence(request_id, list(prompt_token_ids), params, arrival_time=arrival_time,
                        output_token_ids=list(output_token_ids), remote_kv=remote_kv,
                        remote_decode=remote_decode, block_hashes=None if block_hashes is None else list(block_hashes),
-                       pooling=pooling)
+                       pooling=PoolState(pooling, len(prompt_token_ids)) if pooling is not None else None)
         seq.first_token_time = first_token_time
         self._add(seq)
 
@@ -232,24 +234,41 @@ class LLMEngine:
         self._kv_loads.extend(plan.kv_loads)
         outputs = [StepOutput(seq, finished=True) for seq in plan.failed]
         self.last_num_batched_tokens = plan.num_batched_tokens
+        self.last_num_decode_tokens = 0
+        if plan.draft is not None:
+            self._run_draft(plan.draft)
         if plan.scheduled:
             outputs += self._run(plan)
         return [self._output(out) for out in outputs]
+
+    def _run_draft(self, job: DraftJob) -> None:
+        """The draft model proposes into the slots the schedule reserved (after the schedule, as
+        vLLM orders it: the scheduler and its speculation policy run no model)."""
+        assert self.drafter is not None and self.scheduler.speculator is not None
+        started = time.perf_counter()
+        self.drafter.run(job)
+        self.scheduler.speculator.add_draft_seconds(time.perf_counter() - started)
 
     def _run(self, plan: SchedulerOutput) -> list[StepOutput]:
         speculator = self.scheduler.speculator
         if speculator is not None:
             speculator.start_step()
-        result = self.runtime.execute(plan.scheduled)
-        sample_seqs, all_logits, prompt_rows = result.sample_seqs, result.logits, result.prompt_rows
+        by_id = {seq.seq_id: seq for seq, _ in plan.scheduled}
+        batch = build_step_batch(plan.scheduled)
+        self.last_num_decode_tokens = sum(len(row.tokens) for row in batch.rows if row.kind is not RowKind.CHUNK)
+        result = self.runtime.execute(batch)
+        sample_seqs = [by_id[request_id] for request_id in result.sampled]
+        verify_seqs = [by_id[request_id] for request_id in result.verified]
+        all_logits, prompt_rows = result.logits, result.prompt_rows
         if result.hidden is not None:
             offset = 0
-            for rows in result.pool_rows:  # each pooling request folds in its chunk's rows
-                assert rows.seq.pool is not None
-                rows.seq.pool.add(result.hidden[offset:offset + rows.count])
-                offset += rows.count
+            for pooled in result.pool_rows:  # each pooling request folds in its chunk's rows
+                pooling = by_id[pooled.request_id].pooling
+                assert pooling is not None
+                pooling.add(result.hidden[offset:offset + pooled.count])
+                offset += pooled.count
         # one row per sampled request, then one per verified position of each speculating request
-        rows = [(s, 0) for s in sample_seqs] + verify_rows(result.verify_seqs)
+        rows = [(s, 0) for s in sample_seqs] + verify_rows(verify_seqs)
         logits = all_logits[:len(rows)]
         self.num_steps += 1
         tokens: list[int] = []
@@ -263,20 +282,20 @@ class LLMEngine:
             allowed = suppress_early_stops(logits, params, draws, self.eos_token_ids)
             tokens, logprobs = sample(
                 # grammar masks (a no-op when unconstrained); a verified position's after its proposals
-                self.structured.apply(seqs, allowed, [s.spec_token_ids[:j] for s, j in rows]),
+                self.structured.apply(seqs, allowed, [proposals_of(s)[:j] for s, j in rows]),
                 params,
-                [s.token_ids + s.spec_token_ids[:j] if s.sampling_params.edits_logits else [] for s, j in rows],
+                [s.token_ids + proposals_of(s)[:j] if s.sampling_params.edits_logits else [] for s, j in rows],
                 draws,
                 [s.num_prompt_tokens for s in seqs],
             )
             top_logprobs = self._requested_logprobs(seqs, logits, tokens, logprobs)
         if prompt_rows:
-            self._record_prompt_logprobs(prompt_rows, all_logits[len(rows):])
+            self._record_prompt_logprobs(prompt_rows, all_logits[len(rows):], by_id)
         num_sampled = len(sample_seqs)
         tops = top_logprobs if top_logprobs is not None else [[] for _ in rows]
         verified, offset = [], num_sampled
-        for seq in result.verify_seqs:
-            end = offset + 1 + len(seq.spec_token_ids)
+        for seq in verify_seqs:
+            end = offset + 1 + len(proposals_of(seq))
             verified.append((seq, tokens[offset:end], logprobs[offset:end], tops[offset:end]))
             offset = end
         step_outputs = self.scheduler.update_from_output(
@@ -305,7 +324,7 @@ class LLMEngine:
             self._requests.pop(seq.seq_id, None)
             self.runtime.release_state(seq.seq_id)
         first = seq.num_output_tokens == len(out.new_token_ids) and bool(out.new_token_ids)
-        embedding = tuple(seq.pool.result()) if seq.pool is not None and reason is FinishReason.STOP else None
+        embedding = tuple(seq.pooling.result()) if seq.pooling is not None and reason is FinishReason.STOP else None
         return EngineOutput(
             seq.seq_id, tuple(out.new_token_ids), tuple(out.new_logprobs), tuple(out.new_top_logprobs),
             reason, seq.error if reason is FinishReason.ERROR else None, seq.num_prompt_tokens,
@@ -329,12 +348,12 @@ class LLMEngine:
         return top_logprobs
 
     @staticmethod
-    def _record_prompt_logprobs(prompt_rows: list[PromptRows], logits: torch.Tensor) -> None:
+    def _record_prompt_logprobs(prompt_rows: list[PromptRows], logits: torch.Tensor, by_id: dict[str, Sequence]) -> None:
         """Store each prompt token's logprob (and top k) on its request. logits: [P, V], the rows of
         `prompt_rows` in order; the row of position p scores the token at p + 1."""
         offset = 0
         for rows in prompt_rows:
-            seq = rows.seq
+            seq = by_id[rows.request_id]
             k = seq.sampling_params.prompt_logprobs or 0
             scored = seq.token_ids[rows.start + 1:rows.start + 1 + rows.count]
             chosen, tops = token_logprobs(logits[offset:offset + rows.count], scored, [k] * rows.count)
@@ -394,7 +413,8 @@ class LLMEngine:
             kv_cache_usage=pool.usage(), block_size=pool.block_size, max_num_seqs=scheduler.config.max_num_seqs,
             policy=scheduler.config.policy,
             num_free_seqs=scheduler.config.max_num_seqs - scheduler.num_admitted - len(scheduler.waiting),
-            num_batched_tokens=self.last_num_batched_tokens, kv_cache_bytes=self.kv_cache_bytes, **self._spec_stats())
+            num_batched_tokens=self.last_num_batched_tokens, num_decode_tokens=self.last_num_decode_tokens,
+            kv_cache_bytes=self.kv_cache_bytes, **self._spec_stats())
 
     def _spec_stats(self) -> dict:
         speculator = self.scheduler.speculator
@@ -404,7 +424,3 @@ class LLMEngine:
         return {"spec_num_drafts": spec.num_drafts, "spec_num_draft_tokens": spec.num_draft_tokens,
                 "spec_num_accepted_tokens": spec.num_accepted_tokens,
                 "spec_accepted_per_pos": tuple(spec.accepted_per_pos)}
-
-
-def default_threads() -> int:
-    return max(1, os.cpu_count() or 1)

@@ -61,6 +61,7 @@ class EngineStats:
     policy: str
     num_free_seqs: int  # how many more requests it takes before it would queue them
     num_batched_tokens: int  # tokens the last step computed
+    num_decode_tokens: int = 0  # of those, decode rows' tokens (a verify row's count too); the rest: prompt chunks
     # bytes of every KV cache the blocks index (the target's and a draft model's): within the budget
     kv_cache_bytes: int = 0
     # speculative decoding (all 0 when off): verify rows, proposals verified, proposals accepted,

@@ -31,9 +31,8 @@ from baton.common.finish_reason import FinishReason
 from baton.engine.sequence import Sequence, SequenceStatus
 from baton.engine.kv_connector import KVConnectorScheduler
 from baton.engine.kv_types import KVLoad
-from baton.engine.spec_config import SpeculativeConfig
-from baton.engine.spec_decode import Speculator
-from baton.engine.spec_draft import DraftModel
+from baton.engine.speculative_config import SpeculativeConfig
+from baton.engine.speculator import DraftJob, Speculator, proposals_of
 
 logger = logging.getLogger("baton.engine.scheduler")
 
@@ -61,6 +60,7 @@ class SchedulerOutput:
     preempted: list[Sequence] = field(default_factory=list)
     kv_loads: list[KVLoad] = field(default_factory=list)  # for requests admitted into WAITING_FOR_KV
     failed: list[Sequence] = field(default_factory=list)  # finished with an error by this schedule
+    draft: DraftJob | None = None  # what a draft model computes before the step runs (the engine runs it)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -86,11 +86,10 @@ Verified = tuple[Sequence, list[int], list[float], list[list]]
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
                  eos_token_ids: list[int] | None = None, connector: KVConnectorScheduler | None = None,
-                 speculative: SpeculativeConfig | None = None, drafter: DraftModel | None = None) -> None:
+                 speculative: SpeculativeConfig | None = None) -> None:
         self.config = config
-        # proposes, reserves and rolls back speculative tokens (None: speculation off); `drafter`:
-        # the draft model of a draft_model config
-        self.speculator = (Speculator(speculative, block_manager, config.max_model_len, drafter)
+        # proposes, reserves and rolls back speculative tokens (None: speculation off)
+        self.speculator = (Speculator(speculative, block_manager, config.max_model_len)
                            if speculative is not None else None)
         self.block_manager = block_manager
         self.eos_token_ids = set(eos_token_ids or [])
@@ -165,7 +164,7 @@ class Scheduler:
             logger.error("request %s needs more KV blocks than the pool has", seq.seq_id)
         if self.speculator is not None and out.scheduled:
             leftover = self.config.max_num_batched_tokens - out.num_batched_tokens
-            out.scheduled = self.speculator.plan(out.scheduled, leftover, len(self.running))
+            out.scheduled, out.draft = self.speculator.plan(out.scheduled, leftover, len(self.running))
         # Decode tokens (one per request) first: the model batches them in one padded attention.
         out.scheduled.sort(key=lambda item: item[1] != 1)
         for seq, _ in out.scheduled:
@@ -179,7 +178,7 @@ class Scheduler:
             seq = self.waiting[0]
             assert not seq.block_table and seq.num_computed_tokens == 0, "waiting requests hold no blocks"
             # (pooling over every token needs the rows a cache hit would skip: computed anew)
-            every_row = seq.pool is not None and seq.pool.pooling.needs_every_token
+            every_row = seq.pooling is not None and seq.pooling.pooling.needs_every_token
             computed = [] if every_row else bm.get_computed_blocks(seq)
             num_local = len(computed) * bm.block_size
             num_external = self.connector.get_num_new_matched_tokens(seq, num_local) if self.connector else 0
@@ -258,8 +257,8 @@ class Scheduler:
         self.running.remove(seq)
         out.scheduled = [(s, n) for s, n in out.scheduled if s is not seq]
         self.block_manager.free(seq)
-        if seq.pool is not None:  # its chunks are computed again from the start
-            seq.pool.reset()
+        if seq.pooling is not None:  # its chunks are computed again from the start
+            seq.pooling.reset()
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -276,16 +275,16 @@ class Scheduler:
         running ones left behind a sliding window (`BlockManager.release_out_of_window`). A `remote_decode`
         request that does not stop finishes with "handoff", keeping its blocks until the engine has
         saved them (`free_finished`). `verified`: the speculating rows' samples, one per position
-        (see baton.engine.spec_decode); their accepted tokens are appended in order, each checked
+        (see baton.engine.speculator); their accepted tokens are appended in order, each checked
         for a stop (nothing after a stop is emitted)."""
         bm = self.block_manager
         outputs = []
         for seq, num_new in plan.scheduled:
-            if seq.spec_token_ids:
+            if proposals_of(seq):
                 continue  # advanced by what it accepts, below
             seq.num_computed_tokens += num_new
             bm.cache_full_blocks(seq)
-            if seq.pool is not None and seq.num_computed_tokens == seq.num_tokens:
+            if seq.pooling is not None and seq.num_computed_tokens == seq.num_tokens:
                 # a pooling request is done once its prompt is: its blocks are freed at once
                 self.finish(seq, FinishReason.STOP)
                 outputs.append(StepOutput(seq, finished=True))
@@ -294,8 +293,9 @@ class Scheduler:
         for seq, token, logprob, top in zip(sampled, token_ids, logprobs, tops):
             outputs.append(self._append(seq, [token], [logprob], [top], now))
         for seq, row_tokens, row_logprobs, row_tops in verified or []:
-            draft, seq.spec_token_ids = seq.spec_token_ids, []
-            assert self.speculator is not None and len(row_tokens) == len(draft) + 1
+            assert self.speculator is not None and seq.speculation is not None
+            draft, seq.speculation.proposals = seq.speculation.proposals, []
+            assert len(row_tokens) == len(draft) + 1
             accepted = self.speculator.num_accepted(draft, row_tokens)
             self.speculator.record(seq, len(draft), accepted)
             n = accepted + 1

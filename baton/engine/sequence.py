@@ -1,16 +1,27 @@
-"""A request inside an engine: its tokens, its block table and its counts (it owns them)."""
+"""A request inside an engine: its tokens, its block table and its counts (it owns them).
+
+A feature keeps its per-request state in a companion its own module defines (the grammar matcher in
+baton.engine.structured, the speculation in baton.engine.speculator, the pooling in
+baton.engine.pooling): this class only holds the slot, typed, so a feature touches its own files
+and the seams it needs, not this one. `remote_kv` and `remote_decode` are where the request's KV
+comes from and goes to (the disaggregated workers), the request's own routing.
+"""
 
 from __future__ import annotations
 
 import enum
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 from baton.common.finish_reason import FinishReason
 from baton.common.sampling_params import SamplingParams
 from baton.engine.kv_types import RemoteKV
-from baton.engine.pooling import Pooling, PoolState
 from kvstore.hashing import hash_block
+
+if TYPE_CHECKING:
+    from baton.engine.pooling import PoolState
+    from baton.engine.grammar_state import GrammarState
+    from baton.engine.speculation import Speculation
 
 
 class SequenceStatus(enum.Enum):
@@ -24,7 +35,7 @@ class Sequence:
     def __init__(self, seq_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  arrival_time: float | None = None, output_token_ids: list[int] | None = None,
                  remote_kv: RemoteKV | None = None, remote_decode: bool = False,
-                 block_hashes: list[str] | None = None, pooling: Pooling | None = None) -> None:
+                 block_hashes: list[str] | None = None, pooling: PoolState | None = None) -> None:
         if not prompt_token_ids:
             raise ValueError("a prompt needs at least one token")
         self.seq_id = seq_id
@@ -47,22 +58,20 @@ class Sequence:
         self.top_logprobs: list[list] = []  # per output token, when the request asks for logprobs
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
-        # Structured output: the grammar matcher (baton.engine.structured.GrammarState), built
-        # from the output tokens whenever this request is (re)created; why it failed, if it did.
-        self.grammar: Any = None
-        self.error: str | None = None
-        # Speculative decoding (baton.engine.spec_decode): this step's proposals (scheduled after
-        # the last token, never in token_ids until accepted) and the row's lookup/acceptance state.
-        self.spec_token_ids: list[int] = []
-        self.spec: Any = None
+        self.error: str | None = None  # why it ended with FinishReason.ERROR
+        # Structured output: the grammar matcher, built from the output tokens whenever this
+        # request is (re)created
+        self.grammar: GrammarState | None = None
+        # Speculative decoding: this step's proposals and the row's proposer and acceptance state
+        self.speculation: Speculation | None = None
+        # An embedding request: its prompt is pooled, nothing is sampled
+        self.pooling = pooling
         self._block_hashes: list[str] = []
         # What the block store holds of this request's leading tokens (the KV connector loads it).
         self.remote_kv = remote_kv
         # Finish after the first token with reason "handoff", saving the prompt's blocks: a prefill
         # worker's request, which a decode worker continues.
         self.remote_decode = remote_decode
-        # An embedding request (baton.engine.pooling): its prompt is pooled, nothing is sampled.
-        self.pool = PoolState(pooling, len(prompt_token_ids)) if pooling is not None else None
         if block_hashes is not None or remote_kv is not None:
             # Ids already chained over these tokens by the same model and block size (a prefill
             # worker's probe, a handoff's stored blocks) are not hashed again.

@@ -54,5 +54,5 @@ def may_release(seq: Sequence) -> bool:
     a pooling request (its blocks are freed as soon as its prompt is done anyway), or one asking
     for prompt logprobs (kept whole, as it is kept out of the prefix cache and the store: a rare
     path left exactly as it was)."""
-    return (not seq.remote_decode and seq.pool is None
+    return (not seq.remote_decode and seq.pooling is None
             and seq.sampling_params.prompt_logprobs is None)

@@ -11,7 +11,7 @@ last two dimensions (the earlier slot-major layout made every attention matmul c
 again). Block 0 is reserved and never allocated: padding of block tables points at it, and its
 columns are masked out.
 
-`TorchAttention` is the portable backend (CPU and CUDA, plain torch ops). Its bf16 decode gathers
+`PagedAttention` is the portable backend (CPU and CUDA, plain torch ops). Its bf16 decode gathers
 whole blocks with one `index_select` per K and V (a memcpy of `block_size * head_dim` elements per
 block and head), then one batched matmul / softmax / matmul with the query heads that share a KV
 head folded into the rows. Requests are grouped by context length so that one long request does
@@ -83,7 +83,7 @@ class AttentionMetadata:
     block_size: int
 
 
-class TorchAttention:
+class PagedAttention:
     """Paged attention in plain torch ops (CPU and CUDA); bf16 CPU decode through the native
     in-place kernel (`baton.model.kernels`) when one was built."""
 

@@ -1,7 +1,7 @@
 """Hybrid decoders: Gated DeltaNet state layers beside gated full-attention layers (Qwen3-Next,
 Qwen3.5 text), as transformers' modeling_qwen3_next.py / modeling_qwen3_5.py compute them.
 
-`HybridModel` is the one decoder (`LlamaModel`) with other layers: per layer either a Gated DeltaNet
+`HybridModel` is the one decoder (`CausalLM`) with other layers: per layer either a Gated DeltaNet
 (`baton.model.gated_deltanet`, its memory a state slot per request in the runner's `StatePool`) or
 a gated attention (q_proj doubled: each head's query and an output gate, sigmoid-gated before
 o_proj; per-head q/k norm; the family's partial rotary) over the paged KV cache, which holds the
@@ -27,7 +27,7 @@ from baton.model.attention import AttentionMetadata
 from baton.model.config import ModelConfig
 from baton.model.gated_deltanet import DeltaNetDims, GatedDeltaNet, StateMeta, StatePool
 from baton.model.mamba2 import Mamba2Dims, Mamba2Mixer
-from baton.model.model import MLP, Attention, LlamaModel, RMSNorm, apply_rope, set_op
+from baton.model.model import MLP, Attention, CausalLM, RMSNorm, apply_rope, set_op
 from baton.model.moe import SparseMoE
 from baton.model.short_conv import ShortConv, ShortConvDims, state_dims
 
@@ -116,7 +116,7 @@ class HybridLayer(nn.Module):
         x += branch * self.residual_multiplier if self.residual_multiplier != 1.0 else branch
 
 
-class HybridModel(LlamaModel):
+class HybridModel(CausalLM):
     """The decoder of a hybrid family (see the module docstring). `forward` takes the step's state
     pool and which slot each row continues from (`state`); the KV cache holds the attention layers."""
 
@@ -146,13 +146,14 @@ class HybridModel(LlamaModel):
 
     def prepare(self, fast_linears: bool = True, native_kernels: bool = True,
                 batch_invariant: bool | str | None = None, pack_projections: bool = True,
-                release_originals: bool = False) -> None:
-        # LlamaModel.prepare's matmul plan, over the attention layers only (it sets each layer's
+                release_originals: bool = False, gemv_amx: bool = True, triton: bool = False) -> None:
+        # CausalLM.prepare's matmul plan, over the attention layers only (it sets each layer's
         # attention backend); the native layer kernels never install (`native_unsupported`)
         layers = self.layers
         self.layers = nn.ModuleList(layer for layer in layers if layer.self_attn is not None)
         try:
-            super().prepare(fast_linears, native_kernels, batch_invariant, pack_projections, release_originals)
+            super().prepare(fast_linears, native_kernels, batch_invariant, pack_projections, release_originals,
+                            gemv_amx, triton)
         finally:
             self.layers = layers
         self.layers_plan = None

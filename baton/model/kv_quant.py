@@ -14,7 +14,7 @@ head_dim + 4 in the last dimension), so a block carries its format in its dtype:
 records it, and a worker of another format converts a block it reads (`convert_rows`).
 
 The native decode kernels read and write these rows in place (`kernels/paged_attention.cpp`:
-`paged_decode`, `rope_write_decode`); the torch path (`TorchAttention`) gathers them as bytes,
+`paged_decode`, `rope_write_decode`); the torch path (`PagedAttention`) gathers them as bytes,
 multiplies the codes in decode and dequantizes them for prefill chunks.
 """
 

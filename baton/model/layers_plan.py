@@ -2,9 +2,16 @@
 
 At batch 1 a step is ~8 native calls per layer once the matmuls stream at the machine's bandwidth;
 the Python around them (interpreter, argument parsing, tensor wrapping) was ~15% of the step. The
-plan holds what the C++ loop needs (the norms in order, each projection's native and oneDNN packs,
-the row counts up to which each projection takes the native kernel) and makes the same calls in the
-same order as `LlamaModel._forward_fused`, so the output is bit-identical (tests/test_kernels.py).
+plan holds what the C++ loop needs (the norms in order, each projection's pack: the native bf16
+few-row pack and the oneDNN pack, or the quantized blocks' pack; the row counts up to which each
+projection takes the native kernel) and makes the same calls in the same order as the Python loop of
+the native path (`CausalLM._forward_fused`), so the output is bit-identical (tests/test_kernels.py).
+
+`LayersPlan.build` makes one only for the plain Llama layer with the native kernels (`prepare`, and
+`quantize_model` again over the quantized packs): every projection bias-free and packed (bf16, or
+quantized with the native integer kernel), dense MLPs, and oneDNN callable from C++ on this torch;
+else it returns None and the Python loop runs. `run` also carries the step's thread gate
+(baton/model/thread_gate.py): lent threads the C++ loop gives back between layers when asked.
 """
 
 from __future__ import annotations
@@ -26,9 +33,9 @@ logger = logging.getLogger("baton.model.layers_plan")
 class LayersPlan:
     """Every decoder layer of a decode-only step as one native call (`kernels/decode_layers.cpp`): the
     calls `_forward_fused` makes per layer, made from C++ (at batch 1 the Python around ~240 native
-    calls per step was ~15% of it). Built where every projection is a bias-free prepacked bf16
-    matmul (`PackedLinear`, or `RowSplitLinear` with its native few-row kernel); otherwise, and for
-    steps with prefill chunks, the Python loop runs."""
+    calls per step was ~15% of it). Built where every projection is a bias-free packed matmul
+    (`PackedLinear`, `RowSplitLinear` with its native few-row kernel, or a `QuantizedLinear` the
+    native integer kernel runs); otherwise, and for steps with prefill chunks, the Python loop runs."""
 
     kernel: Any
     norms: list[torch.Tensor]  # 2L + 1 RMSNorm weights, in the order they apply
@@ -41,7 +48,7 @@ class LayersPlan:
 
     @staticmethod
     def build(model: torch.nn.Module, kernel: Any) -> LayersPlan | None:
-        # model: a baton.model.model.LlamaModel (not imported: that module imports this one)
+        # model: a baton.model.model.CausalLM (not imported: that module imports this one)
         if kernel is None or not hasattr(kernel, "decode_layers") or not model.layers:
             return None
         if not all(hasattr(layer.mlp, "gate_up") for layer in model.layers):

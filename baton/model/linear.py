@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -44,6 +43,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from baton.model import runtime_env
 
 logger = logging.getLogger("baton.model.linear")
 
@@ -62,7 +63,7 @@ _auto_said: set[str] = set()
 def batch_invariant_mode(kernels: Any = None, requested: str | None = None) -> str:
     """`BATON_BATCH_INVARIANT`: "full" (also 1/true/yes/on): every projection computes a row the
     same whatever the row count, and prefill queries attend as decode steps do (see
-    `TorchAttention.use_native_kernel`); "matmul": the projections only (prefill attention keeps
+    `PagedAttention.use_native_kernel`); "matmul": the projections only (prefill attention keeps
     SDPA, faster for long prompts, but a prompt's numbers then depend on how it was chunked);
     "off" (0/false/no): the fastest matmul kernel per row count, measured at load (two packs of each
     weight where the native kernel wins for few rows). "auto" (the default): "full" wherever the
@@ -71,7 +72,7 @@ def batch_invariant_mode(kernels: Any = None, requested: str | None = None) -> s
     native kernel runs as fast as oneDNN's AVX512-BF16 kernel at every row count (1-512 rows, both
     on vdpbf16ps; docs/performance.md), so the invariant mode costs decode nothing there either."""
     if requested is None:  # a caller with no config of its own (the runtime reads it into RuntimeConfig)
-        requested = os.environ.get("BATON_BATCH_INVARIANT", "auto")
+        requested = runtime_env.batch_invariant() or "auto"
     raw = requested.strip().lower() or "auto"
     if raw in ("1", "true", "yes", "on", "full"):
         return "full"
@@ -189,7 +190,7 @@ class RowSplitLinear:
 
 def drop_load_copies(op: LinearOp) -> None:
     """Let go of the unpacked original a PackedLinear keeps for RowSplitLinear's pack (the
-    nn.Linear's own tensor: `LlamaModel.release_load_copies` frees it, or a tied embedding keeps it).
+    nn.Linear's own tensor: `CausalLM.release_load_copies` frees it, or a tied embedding keeps it).
     Nothing else an op holds is a spare copy: the batch-invariant mode never makes a oneDNN pack, and
     the tuned split reads both of its packs."""
     large = op.large if isinstance(op, RowSplitLinear) else op if isinstance(op, PackedLinear) else None

@@ -28,7 +28,7 @@ from baton.model.config import ModelConfig
 from baton.model.families import TEXT_ONLY, family_spec
 from baton.model.gguf_checkpoint import GGUFCheckpoint
 from baton.model.hybrid import HybridModel, hybrid_recipes
-from baton.model.model import MLP, LlamaModel
+from baton.model.model import MLP, CausalLM
 from baton.model.mxfp4 import DequantizedView, has_packed
 
 logger = logging.getLogger("baton.model.loader")
@@ -145,7 +145,7 @@ class _Recipe:
         return [n for part in self.alternatives[alternative] for n in part]
 
 
-def _recipes(model: LlamaModel, config: ModelConfig) -> dict[str, _Recipe]:
+def _recipes(model: CausalLM, config: ModelConfig) -> dict[str, _Recipe]:
     spec = family_spec(config.model_type)
     if isinstance(model, HybridModel):  # state layers beside attention: its own names (baton.model.hybrid)
         return {name: _Recipe(alts) for name, alts in hybrid_recipes(model, config, spec.expert_names).items()}
@@ -274,7 +274,7 @@ def _build_state(recipes: dict[str, _Recipe], tensors: Mapping[str, torch.Tensor
 
 
 def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device: torch.device | str | None = None,
-               prepare: bool = True) -> tuple[LlamaModel, ModelConfig]:
+               prepare: bool = True) -> tuple[CausalLM, ModelConfig]:
     """The model of `model_dir` with its weights, `prepare()`d unless `prepare` is False (the
     engine prepares it itself, knowing whether its projections will be quantized)."""
     model_dir = Path(model_dir)
@@ -290,7 +290,7 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device:
         # is tied exactly when the checkpoint has none, as transformers 5 ends up doing
         config.tie_word_embeddings = "lm_head.weight" not in tensors
     with torch.device("meta"):
-        model = HybridModel(config) if config.has_state_layers else LlamaModel(config)
+        model = HybridModel(config) if config.has_state_layers else CausalLM(config)
     # a MoE's router where the reference keeps it in fp32 (GLM-4.5's) stays fp32
     fp32 = {f"layers.{i}.mlp.{name}" for i, layer in enumerate(model.layers)
             for name in getattr(layer.mlp, "fp32_parameters", lambda: ())()}

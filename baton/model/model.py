@@ -31,15 +31,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from baton.model.attention import AttentionMetadata, TorchAttention, windowed
+from baton.model.attention import AttentionMetadata, PagedAttention, windowed
 from baton.model.triton_attention import to_triton, triton_available
 from baton.model.config import ModelConfig
 from baton.model.layers_plan import LayersPlan
+from baton.model.plan_report import PathChoices
 from baton.model.thread_gate import ThreadGate
 from baton.model.moe import SparseMoE, activation
 from baton.model.rope import apply_rope, rope_inv_freq, rope_table
 
-__all__ = ["LlamaModel", "DecoderLayer", "Attention", "MLP", "RMSNorm", "set_op", "apply_rope", "rope_inv_freq",
+__all__ = ["CausalLM", "DecoderLayer", "Attention", "MLP", "RMSNorm", "set_op", "apply_rope", "rope_inv_freq",
            "rope_table"]  # the rope functions are re-exported (their home is baton.model.rope)
 from baton.model.linear import (BATCH_INVARIANT_MODES, BATCH_INVARIANT_SPELLINGS, LinearOp, QuantizedLinear, RowSplitLinear,
                                  batch_invariant_mode, drop_load_copies, make_linear_op, tune_row_split,
@@ -99,7 +100,7 @@ class Attention(nn.Module):
         self.use_rope = config.uses_rope(layer_index)
         self.local_rope = self.sliding and config.rope_theta_local is not None  # Gemma 3's local base
         self.scale = config.scale
-        self.backend = TorchAttention(config.num_heads, config.num_kv_heads, config.head_dim, config.scale,
+        self.backend = PagedAttention(config.num_heads, config.num_kv_heads, config.head_dim, config.scale,
                                       config.attn_logit_softcap)
         self.sinks: nn.Parameter | None = None  # gpt-oss: a logit per head in every softmax row
         if config.attention_sinks:
@@ -188,7 +189,7 @@ class MLP(nn.Module):
         # x: [T, H] -> [T, H]
         gate_up = self.gate_up(x)  # [T, 2I]
         if self.silu_mul is not None:
-            return self.down(self.silu_mul(gate_up))  # native, bf16 on the CPU (see LlamaModel.prepare)
+            return self.down(self.silu_mul(gate_up))  # native, bf16 on the CPU (see CausalLM.prepare)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down(self.act(gate) * up)
 
@@ -238,9 +239,9 @@ class DecoderLayer(nn.Module):
         x += branch
 
 
-class LlamaModel(nn.Module):
-    """The decoder (named for the family it began as; every family is this class, see the module
-    docstring). `path` says which forward runs: "native" (the bf16 CPU kernels) or "torch"."""
+class CausalLM(nn.Module):
+    """A causal language model of any family served (the family spec decides its layers, see the
+    module docstring). `path` says which forward runs: "native" (the bf16 CPU kernels) or "torch"."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -259,6 +260,7 @@ class LlamaModel(nn.Module):
         self.has_window = any(layer.self_attn.sliding for layer in self.layers)
         self.has_local_rope = any(layer.self_attn.local_rope for layer in self.layers)
         self.path = "torch"  # set by prepare: "native" where the native kernels run the layers
+        self.choices: PathChoices | None = None  # what prepare was asked and chose (`baton plan` states it)
         self.embed_rows: Any = None  # ids [T] -> [T, hidden]: lookups read a tied head's op (release_load_copies)
         self.native_unsupported = config.native_unsupported()
 
@@ -294,10 +296,13 @@ class LlamaModel(nn.Module):
 
     def prepare(self, fast_linears: bool = True, native_kernels: bool = True,
                 batch_invariant: bool | str | None = None, pack_projections: bool = True,
-                release_originals: bool = False) -> None:
+                release_originals: bool = False, gemv_amx: bool = True, triton: bool = False) -> None:
         """After the weights are loaded: pick the fastest matmul per projection (`baton.model.linear`) and,
         for bf16 on the CPU, the native paged-attention kernel (`baton.model.kernels`; built on first
-        use). batch_invariant (default: `BATON_BATCH_INVARIANT`, "auto"; True = "full", False = "off"):
+        use). `load_runtime` passes its `RuntimeConfig`'s choices (native_kernels, gemv_amx: the
+        native bf16 matmul on AMX where the CPU has it, triton: CUDA attention through the Triton
+        kernels, batch_invariant); the defaults are the environment's defaults (baton/model/runtime_env.py).
+        batch_invariant (default: `BATON_BATCH_INVARIANT`, "auto"; True = "full", False = "off"):
         one matmul kernel per projection for every row count and, with "full", prefill attention
         through the decode kernel, so that a row's numbers (and greedy tokens) do not depend on the
         batch, the chunking, or whether a token was computed in prefill or decode; "matmul": the
@@ -318,6 +323,8 @@ class LlamaModel(nn.Module):
             from baton.model import kernels
 
             kernel = kernels.load()
+        if kernel is not None:  # process-wide in the kernel: this model's config decides it from here on
+            kernel.gemv_kernel("amx" if gemv_amx else "avx512bf16")
         slots = self.projection_slots()
         if isinstance(batch_invariant, bool):
             mode = "full" if batch_invariant else "off"
@@ -338,21 +345,23 @@ class LlamaModel(nn.Module):
             set_op(owner, name, op)
         layer_kernel = kernel if not self.native_unsupported else None
         for layer in self.layers:
-            # batch-invariant: prefill queries attend as decode steps do (see TorchAttention)
+            # batch-invariant: prefill queries attend as decode steps do (see PagedAttention)
             layer.self_attn.backend.use_native_kernel(layer_kernel,
                                                       decode_style_prefill=fast_linears and mode == "full")
             if isinstance(layer.mlp, MLP):
                 layer.mlp.silu_mul = layer_kernel.silu_mul if layer_kernel is not None else None
-        if triton_available(param.device):  # CUDA: attention over the paged pool in place (BATON_TRITON=1)
+        use_triton = triton_available(param.device, triton)
+        if use_triton:  # CUDA: attention over the paged pool in place (RuntimeConfig.triton, BATON_TRITON=1)
             for layer in self.layers:
                 attn = getattr(layer, "self_attn", None)
                 # chunked window layers (Llama 4) keep the torch masks: the kernels know sliding windows only
-                if attn is not None and isinstance(attn.backend, TorchAttention) and not (
+                if attn is not None and isinstance(attn.backend, PagedAttention) and not (
                         attn.sliding and self.config.chunked_window):
                     attn.backend = to_triton(attn.backend, self.config.sliding_window if attn.sliding else None)
         self.fused_norm = layer_kernel.add_rms_norm if layer_kernel is not None else None
         self.layers_plan = LayersPlan.build(self, layer_kernel)
         self.path = "native" if layer_kernel is not None else "torch"
+        self.choices = PathChoices(mode, native_kernels, gemv_amx, use_triton)
 
     def drop_projection_weight(self, linear: nn.Linear) -> int:
         """Free a projection's own weight once its op holds the copy it reads (a pack, quantized

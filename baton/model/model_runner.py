@@ -1,14 +1,12 @@
 """Turns a step's scheduled rows into tensors, runs the model over the paged KV cache, returns logits.
 
-It reads a row through `ScheduledRow`, the part of the engine's request a forward pass needs, so the
-model layer never imports the engine's `Sequence` (the engine passes its own requests; the drafter
-passes its views of them)."""
+A step arrives as plain rows (`baton.model.step_batch`): the model layer never sees the engine's
+requests."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence as Seq
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
 
 import torch
 
@@ -17,48 +15,15 @@ from baton.model.attention import AttentionMetadata, DecodeGroup, PrefillSpan, g
 from baton.model.kv_quant import as_bytes, convert_rows, row_width
 from baton.model.gated_deltanet import StateMeta, StatePool
 from baton.model.short_conv import state_dims
-from baton.model.model import LlamaModel
-
-
-class RowPooling(Protocol):
-    """A pooling request's state as the runner reads it: which positions of a chunk are pooled."""
-
-    def positions(self, start: int, end: int) -> range: ...
-
-
-class RowParams(Protocol):
-    prompt_logprobs: int | None
-
-
-class ScheduledRow(Protocol):
-    """What `ModelRunner.execute` reads of a scheduled request (the engine's `Sequence` is one)."""
-
-    token_ids: Seq[int]
-    num_computed_tokens: int
-    block_table: Seq[int]
-
-    @property
-    def num_tokens(self) -> int: ...
-
-    @property
-    def num_prompt_tokens(self) -> int: ...
-
-    @property
-    def spec_token_ids(self) -> Seq[int]: ...
-
-    @property
-    def pool(self) -> RowPooling | None: ...
-
-    @property
-    def sampling_params(self) -> Any: ...
-
+from baton.model.model import CausalLM
+from baton.model.step_batch import RowKind, StepBatch, StepRow
 
 
 @dataclass
 class PromptRows:
     """Logits rows of positions [start, start + count) of a request's prompt (for prompt logprobs)."""
 
-    seq: ScheduledRow
+    request_id: str
     start: int
     count: int
 
@@ -67,16 +32,16 @@ class PromptRows:
 class PoolRows:
     """How many hidden-state rows of a pooling request this step returns (its chunk's pooled ones)."""
 
-    seq: ScheduledRow
+    request_id: str
     count: int
 
 
 @dataclass
 class _QueryRow:
-    """One decode-kernel query of a step: a request's token at `position` (sampled: a plain decode
-    row, whose logits are sampled; else a verified position of a speculating request)."""
+    """One decode-kernel query of a step: a request's token at `position` (sampled: a DECODE row,
+    whose logits are sampled; else a position of a VERIFY row)."""
 
-    seq: ScheduledRow
+    row: StepRow
     position: int
     token: int
     sampled: bool
@@ -86,14 +51,14 @@ class _QueryRow:
 class StepResult:
     """What one step of the model gave: see `ModelRunner.execute`."""
 
-    sample_seqs: list[ScheduledRow]
+    sampled: list[str]  # request ids whose next token is sampled: the first S logits rows, in order
     logits: torch.Tensor  # [S + V + P, vocab]
     prompt_rows: list[PromptRows]
     pool_rows: list[PoolRows]
     hidden: torch.Tensor | None  # [sum of pool_rows counts, hidden] fp32, None without pooling rows
-    # speculating rows (baton.engine.spec_decode), each with 1 + len(spec_token_ids) logits rows
-    # after the S sampled ones (V rows in all), one per verified position
-    verify_seqs: list[ScheduledRow] = field(default_factory=list)
+    # VERIFY rows' request ids, each with len(tokens) logits rows after the S sampled ones (V rows
+    # in all), one per verified position
+    verified: list[str] = field(default_factory=list)
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -103,13 +68,8 @@ def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype)
     return len(config.attention_layers) * 2 * block_size * config.num_kv_heads * row_bytes
 
 
-def _request_id(seq: ScheduledRow) -> str:
-    # the engine's Sequence carries its request id; a row without one (a view) is itself
-    return str(getattr(seq, "seq_id", id(seq)))
-
-
 class ModelRunner:
-    def __init__(self, model: LlamaModel, config: ModelConfig, num_blocks: int, block_size: int,
+    def __init__(self, model: CausalLM, config: ModelConfig, num_blocks: int, block_size: int,
                  kv_dtype: torch.dtype | None = None, max_num_seqs: int = 0) -> None:
         self.model = model
         self.config = config
@@ -146,16 +106,16 @@ class ModelRunner:
         if self.state_pool is not None:
             self.state_pool.release(request_id)
 
-    def _state_meta(self, rows: list[ScheduledRow], chunks: list[tuple[ScheduledRow, int, int]]) -> StateMeta:
-        # rows: the step's decode rows (first in the flattened batch); chunks: (row, first token, tokens)
+    def _state_meta(self, rows: list[StepRow], chunks: list[tuple[StepRow, int]]) -> StateMeta:
+        # rows: the step's decode rows (first in the flattened batch); chunks: (row, its first token's index)
         pool = self.state_pool
         assert pool is not None
-        decode = [pool.slot(_request_id(seq), starting=seq.num_computed_tokens == 0) for seq in rows]
-        spans = [(offset, length, pool.slot(_request_id(seq), starting=seq.num_computed_tokens == 0))
-                 for seq, offset, length in chunks]
+        decode = [pool.slot(row.request_id, starting=row.start == 0) for row in rows]
+        spans = [(offset, len(row.tokens), pool.slot(row.request_id, starting=row.start == 0))
+                 for row, offset in chunks]
         return StateMeta(torch.tensor(decode, dtype=torch.long, device=self.device), spans)
 
-    def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
+    def _slots(self, block_table: Sequence[int], start: int, end: int) -> list[int]:
         # slots of positions [start, end) of a request
         bs = self.block_size
         return [block_table[p // bs] * bs + p % bs for p in range(start, end)]
@@ -174,47 +134,36 @@ class ModelRunner:
         # the native kernel reads only each request's own blocks: one group, no padding cost
         return [(0, len(context_lens))] if context_lens else []
 
-    def execute(self, scheduled: list[tuple[ScheduledRow, int]]) -> StepResult:
-        """Run one step. Returns the requests that get a new token, the logits [S + P, vocab] (S rows
-        for them, then P rows of prompt positions whose logprobs were asked for), which request
-        and positions those P rows are (in order), and for pooling requests the final-norm hidden
-        states of their chunks' pooled rows (they are never sampled).
+    def execute(self, batch: StepBatch) -> StepResult:
+        """Run one step. Returns the requests that get a new token, the logits [S + V + P, vocab] (S rows
+        for them, V for the verified positions, then P rows of prompt positions whose logprobs were
+        asked for), which request and positions those P rows are (in order), and for pooling
+        requests the final-norm hidden states of their chunks' pooled rows (they are never sampled).
 
         Decode queries come first, reordered by context length so that queries of similar length
-        form one padded attention group: one per decode request (one new token each), and one per
-        verified position of a speculating request (its last token and each proposal, whose logits
-        are the V rows between the sampled and the prompt ones: a verify step is a decode step of
-        more rows, through the same kernels, so its logits are the ones plain decode steps give
-        wherever the kernels are row-invariant). Prefill chunks follow (a pooling request's last
-        chunk of one token too: it is no decode step).
+        form one padded attention group: one per DECODE row, and one per position of a VERIFY row
+        (its last token and each proposal, whose logits are the V rows between the sampled and the
+        prompt ones: a verify step is a decode step of more rows, through the same kernels, so its
+        logits are the ones plain decode steps give wherever the kernels are row-invariant). CHUNK
+        rows follow (a pooling request's last chunk of one token too: it is no decode step).
         """
         bs, device = self.block_size, self.device
-        # one query row per decode request, and per verified position of a speculating request
-        # (its last token, then each proposal: position p attends 0..p, exactly as a plain decode
-        # step at p would, through the same kernels: the verify logits are the decode logits)
-        rows = [_QueryRow(seq, seq.num_computed_tokens, seq.token_ids[seq.num_computed_tokens], sampled=True)
-                for seq, n in scheduled if n == 1 and seq.num_computed_tokens + 1 == seq.num_tokens
-                and seq.pool is None]
-        verify = [(seq, n) for seq, n in scheduled if seq.spec_token_ids]
-        verify_seqs = [seq for seq, _ in verify]
-        if verify_seqs and self.state_pool is not None:
+        # position p of a VERIFY row attends 0..p, exactly as a plain decode step at p would
+        rows = [_QueryRow(row, row.start, row.tokens[0], sampled=True) for row in batch.rows if row.kind is RowKind.DECODE]
+        verify = [row for row in batch.rows if row.kind is RowKind.VERIFY]
+        if verify and self.state_pool is not None:
             raise ValueError("speculative decoding is not supported for models with state layers")
-        for seq, n in verify:
-            start = seq.num_computed_tokens
-            assert n == 1 + len(seq.spec_token_ids) and start + 1 == seq.num_tokens
-            rows += [_QueryRow(seq, start + j, token, sampled=False)
-                     for j, token in enumerate([seq.token_ids[start], *seq.spec_token_ids])]
+        for row in verify:
+            rows += [_QueryRow(row, row.start + j, token, sampled=False) for j, token in enumerate(row.tokens)]
         rows.sort(key=lambda r: r.position)
-        row_ids = {id(r.seq) for r in rows}
-        chunks = [(seq, n) for seq, n in scheduled if id(seq) not in row_ids]
+        chunks = [row for row in batch.rows if row.kind is RowKind.CHUNK]
         input_ids = [r.token for r in rows]
         positions = [r.position for r in rows]
-        slots = [r.seq.block_table[r.position // bs] * bs + r.position % bs for r in rows]
+        slots = [r.row.block_table[r.position // bs] * bs + r.position % bs for r in rows]
         logits_indices = [i for i, r in enumerate(rows) if r.sampled]
-        sample_seqs = [r.seq for r in rows if r.sampled]
-        at = {(id(r.seq), r.position): i for i, r in enumerate(rows)}
-        verify_indices = [at[(id(seq), seq.num_computed_tokens + j)]
-                          for seq in verify_seqs for j in range(1 + len(seq.spec_token_ids))]
+        sampled = [r.row.request_id for r in rows if r.sampled]
+        at = {(r.row.request_id, r.position): i for i, r in enumerate(rows)}
+        verify_indices = [at[(row.request_id, p)] for row in verify for p in range(row.start, row.end)]
         prompt_rows: list[PromptRows] = []
         prompt_indices: list[int] = []
         pool_rows: list[PoolRows] = []
@@ -225,8 +174,8 @@ class ModelRunner:
             members = rows[start:start + count]
             num_blocks = -(-(members[-1].position + 1) // bs)
             block_ids = []
-            for row in members:
-                table = row.seq.block_table[:num_blocks]
+            for query in members:
+                table = query.row.block_table[:num_blocks]
                 block_ids.extend(table)
                 block_ids.extend([0] * (num_blocks - len(table)))  # padding -> reserved block 0
             lengths = torch.tensor(context_lens[start:start + count], dtype=torch.long)
@@ -238,37 +187,32 @@ class ModelRunner:
             block_ids_t = torch.tensor(block_ids, dtype=torch.long, device=device)
             groups.append(DecodeGroup(start, count, num_blocks, block_ids_t, lengths.to(device), bias, mask))
         prefills: list[PrefillSpan] = []
-        state_chunks: list[tuple[ScheduledRow, int, int]] = []
-        for seq, num_new in chunks:
-            start = seq.num_computed_tokens
-            end = start + num_new
+        state_chunks: list[tuple[StepRow, int]] = []
+        for row in chunks:
+            start, end, num_new = row.start, row.end, len(row.tokens)
             offset = len(input_ids)
-            state_chunks.append((seq, offset, num_new))
-            input_ids.extend(seq.token_ids[start:end])
+            state_chunks.append((row, offset))
+            input_ids.extend(row.tokens)
             positions.extend(range(start, end))
-            slots.extend(self._slots(seq.block_table, start, end))
+            slots.extend(self._slots(row.block_table, start, end))
             if start == 0:
                 gather, mask = None, None  # plain causal attention over the chunk itself
             else:
-                gather = torch.tensor(self._slots(seq.block_table, 0, end), dtype=torch.long, device=device)
+                gather = torch.tensor(self._slots(row.block_table, 0, end), dtype=torch.long, device=device)
                 # query i sits at position start + i and sees keys 0 .. start + i
                 mask = (torch.arange(end).unsqueeze(0) <= torch.arange(start, end).unsqueeze(1))
                 mask = mask.view(1, 1, num_new, end).to(device)
-            table = torch.tensor(seq.block_table[:-(-end // bs)], dtype=torch.long, device=device)
+            table = torch.tensor(row.block_table[:-(-end // bs)], dtype=torch.long, device=device)
             prefills.append(PrefillSpan(offset, num_new, end, gather, mask, block_ids=table, block_size=bs))
-            if seq.sampling_params.prompt_logprobs is not None:
-                # the logits at position p score the prompt token at p + 1
-                count = min(end, seq.num_prompt_tokens - 1) - start
-                if count > 0:
-                    prompt_rows.append(PromptRows(seq, start, count))
-                    prompt_indices.extend(range(offset, offset + count))
-            if seq.pool is not None:
-                pooled = seq.pool.positions(start, end)
-                pool_rows.append(PoolRows(seq, len(pooled)))
-                hidden_indices.extend(offset + p - start for p in pooled)
-            elif end == seq.num_tokens:  # computed: its next token is due
+            if row.prompt_logprob_rows:
+                prompt_rows.append(PromptRows(row.request_id, start, row.prompt_logprob_rows))
+                prompt_indices.extend(range(offset, offset + row.prompt_logprob_rows))
+            if row.pooled is not None:
+                pool_rows.append(PoolRows(row.request_id, len(row.pooled)))
+                hidden_indices.extend(offset + p - start for p in row.pooled)
+            elif row.sample:  # computed: its next token is due
                 logits_indices.append(offset + num_new - 1)
-                sample_seqs.append(seq)
+                sampled.append(row.request_id)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
             decode_groups=groups,
@@ -276,7 +220,7 @@ class ModelRunner:
             block_size=bs,
         )
         # a hybrid's rows continue from their state slots (decode rows come first in the batch)
-        state = ({"state": (self.state_pool, self._state_meta([r.seq for r in rows], state_chunks))}
+        state = ({"state": (self.state_pool, self._state_meta([r.row for r in rows], state_chunks))}
                  if self.state_pool is not None else {})
         out = self.model(
             torch.tensor(input_ids, dtype=torch.long, device=device),
@@ -289,7 +233,7 @@ class ModelRunner:
             **state,
         )
         logits, hidden = out if pool_rows else (out, None)
-        return StepResult(sample_seqs, logits, prompt_rows, pool_rows, hidden, verify_seqs)
+        return StepResult(sampled, logits, prompt_rows, pool_rows, hidden, [row.request_id for row in verify])
 
     # --- moving blocks in and out (the disaggregated workers hand KV through the store) ---
 

@@ -1,11 +1,13 @@
 """What a prepared model will run, per step kind and per projection: the plan `prepare()` chose.
 
-`prepare()` decides once (`baton.model.model.LlamaModel.prepare`): each projection's op (a
+`prepare()` decides once (`baton.model.model.CausalLM.prepare`): each projection's op (a
 oneDNN pack, the native few-row kernel up to some row count, quantized blocks, or plain torch), the
 layer path (the native layer kernels or the torch ops around the matmuls), and for decode-only steps
 whether one native call runs every layer (`LayersPlan`). The forward only reads those choices; this
 module reads the same objects and says them in words, with the bytes each weight holds, so that
-"one copy of each weight" can be checked by eye (`python -m baton.model.kernels --model M`).
+"one copy of each weight" can be checked by eye (`python -m baton.model.kernels --model M`). It first
+states the forward-path choices `prepare()` was given (`PathChoices`: the runtime config's fields,
+whose defaults are the environment's, baton/model/runtime_env.py).
 """
 
 from __future__ import annotations
@@ -16,6 +18,36 @@ import torch
 from torch import nn
 
 from baton.model.linear import ALL_ROWS, PackedLinear, QuantizedLinear, RowSplitLinear
+
+
+@dataclass(frozen=True)
+class PathChoices:
+    """What `CausalLM.prepare` was asked (RuntimeConfig's fields) and what it resolved them to."""
+
+    batch_invariant: str  # full, matmul or off (auto resolved)
+    native_kernels: bool  # asked for (BATON_NATIVE_KERNELS)
+    gemv_amx: bool  # asked for (BATON_GEMV_AMX)
+    triton: bool  # the attention runs the Triton kernels (asked for by BATON_TRITON, and on CUDA)
+
+
+def choice_lines(choices: PathChoices | None) -> list[str]:
+    """The forward-path choices in words (none for a model `prepare()` never ran on)."""
+    if choices is None:
+        return []
+    from baton.model import kernels
+
+    module = kernels.loaded()
+    if not choices.native_kernels:
+        native = "off (the torch path everywhere)"
+    elif module is None:
+        native = "on, none built or used here (float32, another device, or no compiler: the torch path)"
+    else:
+        matmul = module.gemv_kernel("")
+        native = f"on (bf16 matmul kernel: {matmul}, AMX {'allowed' if choices.gemv_amx else 'off'})"
+    return ["choices (RuntimeConfig; defaults from BATON_* variables, baton/model/runtime_env.py):",
+            f"  batch invariance: {choices.batch_invariant}",
+            f"  native kernels: {native}",
+            f"  Triton attention: {'on' if choices.triton else 'off'}"]
 
 
 @dataclass(frozen=True)
@@ -128,6 +160,7 @@ def report(model: nn.Module, quantization: str = "none") -> str:
     weights = "as loaded" if quantization == "none" else f"quantized at load ({quantization})"
     lines = [f"model: {model.describe()}, {next(model.parameters()).dtype} weights {weights}"]
     lines += [f"  {kind} step: {words}" for kind, words in step_plans(model).items()]
+    lines += choice_lines(getattr(model, "choices", None))
     lines.append("projections:")
     counted = _Bytes()
     others = other_weight_bytes(model, counted)  # first: a tied head's weight is the embedding

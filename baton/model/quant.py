@@ -1,21 +1,29 @@
-"""Quantized projections: int8 weights in GGUF's Q8_0 form (blocks of 32 along the input, one scale
-each: w = d * q) or 4-bit ones in Q4_1's (w = d * q + m, q in 0..15), multiplied by the native
-kernel (`kernels/qgemv.cpp`: integer dot products, AVX512-VNNI or AVX2, against activations
-quantized per block, as llama.cpp multiplies them).
+"""What the projections' weights load as, and their quantization at load.
 
-`quantize_model(model, quantization, gguf_source=...)`: "int8" / "int4" quantize each dense projection
-(q|k|v, o, gate|up, down; MoE experts stay in the model's dtype) and the LM head at load and replace
-its op by a `QuantizedLinear`, freeing the bf16/fp32 weight it replaced, so that each weight lives
-once in memory, quantized. "auto" (the default) serves a model converted from a GGUF in the GGUF's own
-quantization (`baton.model.gguf_weights`) and any other model as it is; "none" keeps the model's
-dtype (a GGUF then runs dequantized, in --dtype). `resolve_weights` is where --dtype and
---quantization become what loads (`--dtype float32` with auto: the GGUF's dequantized weights). The token embedding stays in the model's dtype (a lookup reads one row
-per token; it is the LM head's weight too when the two are tied, and the head's quantized copy is
-then the only other one).
+`resolve_weights` is where --dtype and --quantization become what loads: the dtype, and the
+quantization to ask `quantize_model` for (`--dtype auto` with quantized weights on the CPU: bf16
+wherever the native kernel runs, `auto_dtype`; `--dtype float32` with auto: a GGUF's dequantized
+weights). `describe_weights` is the start-up line naming what runs.
 
-Where the kernel cannot run (neither AVX512-VNNI nor AVX2, or native kernels off), `Q8Linear` dequantizes its
-weight for each call and multiplies in the activations' dtype: correct, and slow; `quantize_model`
-says so in the log once. The quantized weight is the same either way.
+`quantize_model(model, quantization, gguf_source=...)`, after `prepare()`, replaces each dense
+projection's op (q|k|v, o, gate|up, down, and the LM head; MoE experts stay in the model's dtype) by a
+`baton.model.linear.QuantizedLinear` and frees the weight it replaced, so each weight lives once in
+memory, quantized:
+- "int8": GGUF's Q8_0 form (blocks of 32 along the input, one scale each: w = d * q);
+- "int4": Q4_1's form (w = d * q + m, q in 0..15), the LM head in Q8_0 (its logits are what
+  sampling reads);
+- "auto" (the default): a model converted from a GGUF is served in the GGUF's own blocks, repacked
+  as they are (`baton.model.gguf_weights`), any other model as it is; "none" keeps the model's dtype
+  (a GGUF then runs dequantized, in --dtype).
+The native kernel (`kernels/qgemv.cpp`: integer dot products, AVX512-VNNI or AVX2, against activations
+quantized per block, as llama.cpp multiplies them) multiplies the packed blocks; afterwards the
+all-layers decode call (`LayersPlan`) is rebuilt over them. The token embedding stays in the model's
+dtype (a lookup reads one row per token; tied to the head, the head's quantized copy is the only other).
+
+Where the kernel cannot run (neither AVX512-VNNI nor AVX2, native kernels off: `native_kernels`, or no
+compiler), `QuantizedLinear` dequantizes its weight for each call and multiplies in the activations'
+dtype: correct, and slow; `quantize_model` says so in the log once. "auto" then serves a GGUF's
+dequantized weights instead. The quantized weight is the same either way.
 """
 
 from __future__ import annotations
@@ -42,17 +50,19 @@ def asks_for_quantized(quantization: str, gguf_source: Path | None) -> bool:
     return quantization != "none" and (quantization != "auto" or gguf_source is not None)
 
 
-def auto_dtype(quantization: str, gguf_source: Path | None, device: torch.device, kernels: Any = None) -> str:
+def auto_dtype(quantization: str, gguf_source: Path | None, device: torch.device, kernels: Any = None,
+               native_kernels: bool = True) -> str:
     """What `--dtype auto` loads as when the weights are served quantized on the CPU: bfloat16, on
     every CPU the native kernel runs on. The quantized matmuls take bf16 activations as they take
     fp32 ones, and the bf16 path runs the rest of the layer natively (fused norms, the paged decode
     kernel, the all-layers decode call), where fp32 is the torch parity path. Measured on an AVX2
     AMD EPYC (Zen 3, no bf16 instructions, 2 threads), the default model's Q4_1 blocks: 64 decode
     tokens at batch 1 in 733 ms (bf16) against 1470 ms (fp32), a 512-token prefill 1164 against
-    1151 ms. Otherwise "auto" (`baton.model.loader.resolve_dtype`: bf16 only with bf16 instructions)."""
+    1151 ms. Otherwise "auto" (`baton.model.loader.resolve_dtype`: bf16 only with bf16 instructions).
+    `native_kernels` False (RuntimeConfig.native_kernels): no native kernel is built or asked."""
     if not asks_for_quantized(quantization, gguf_source) or device.type != "cpu":
         return "auto"
-    if kernels is None:
+    if kernels is None and native_kernels:
         from baton.model import kernels as native
 
         kernels = native.load()
@@ -60,7 +70,7 @@ def auto_dtype(quantization: str, gguf_source: Path | None, device: torch.device
 
 
 def resolve_weights(dtype: str, quantization: str, gguf_source: Path | None, device: torch.device,
-                    kernels: Any = None) -> tuple[str, str]:
+                    kernels: Any = None, native_kernels: bool = True) -> tuple[str, str]:
     """The one decision of what the weights load as, from --dtype and --quantization: (the dtype to
     load, the quantization to ask `quantize_model` for).
 
@@ -71,7 +81,8 @@ def resolve_weights(dtype: str, quantization: str, gguf_source: Path | None, dev
     any other dtype (auto included) keeps the GGUF's blocks. `--dtype auto`: `auto_dtype`'s choice."""
     if dtype == "float32" and quantization == "auto" and gguf_source is not None:
         return dtype, "none"
-    return (auto_dtype(quantization, gguf_source, device, kernels) if dtype == "auto" else dtype), quantization
+    resolved = auto_dtype(quantization, gguf_source, device, kernels, native_kernels) if dtype == "auto" else dtype
+    return resolved, quantization
 
 
 def describe_weights(scheme: str, dtype: torch.dtype, requested_dtype: str, quantization: str,
@@ -97,10 +108,11 @@ def describe_weights(scheme: str, dtype: torch.dtype, requested_dtype: str, quan
 
 
 def quantize_model(model: nn.Module, quantization: str, kernels: Any = None,
-                   gguf_source: Path | None = None) -> str:
+                   gguf_source: Path | None = None, native_kernels: bool = True) -> str:
     """Quantize `model`'s projections in place (after `prepare()`) and return the scheme that now
     serves them: "none", "int8", "int4" or "gguf" (auto with `gguf_source`, the GGUF file the model
-    directory was converted from). `kernels`: the native module (None: `baton.model.kernels.load()`)."""
+    directory was converted from). `kernels`: the native module (None: `baton.model.kernels.load()`,
+    unless `native_kernels` is False: RuntimeConfig.native_kernels, then none)."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, not {quantization!r}")
     if not asks_for_quantized(quantization, gguf_source):
@@ -109,7 +121,7 @@ def quantize_model(model: nn.Module, quantization: str, kernels: Any = None,
         if quantization == "auto":
             return "none"  # the kernels are CPU ones: a GGUF on another device runs dequantized
         raise ValueError(f"--quantization {quantization} runs on the CPU only")
-    if kernels is None:
+    if kernels is None and native_kernels:
         from baton.model import kernels as native
 
         kernels = native.load()

@@ -3,8 +3,9 @@
 Every choice of what the forward path is, is made here, once, in one order, from one config: the
 weights' dtype and quantization (`quant.resolve_weights`), the load, the matmul plan (`prepare`), the
 quantized projections and the re-plan when no quantized kernel runs, the KV cache's dtype, the model
-id's suffixes that keep KV of other numbers apart, and the batch-invariance mode (read from the
-environment once, into the config, not deep inside a matmul). The engine above schedules; it asks
+id's suffixes that keep KV of other numbers apart, the batch-invariance mode, the native kernels, the
+native matmul's AMX path and the Triton attention (the environment's switches are the config's
+defaults, read once by `baton.model.runtime_env`, not deep inside a matmul). The engine above schedules; it asks
 the runtime for bytes per block, allocates the cache once it has sized it, and hands each step's
 rows to `execute`. Nothing in `baton/engine` imports another module of this layer (tests/test_layers.py).
 """
@@ -12,35 +13,36 @@ rows to `execute`. Nothing in `baton/engine` imports another module of this laye
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
-import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from baton.common.model_files import gguf_source
+from baton.model import runtime_env
 from baton.model.config import ModelConfig
 from baton.model.gated_deltanet import StatePool
 from baton.model.gguf_checkpoint import release_readers
 from baton.model.greedy import greedy_pick
 from baton.model.kv_quant import is_quantized, resolve_kv_cache_dtype
 from baton.model.loader import default_device, load_model, resolve_dtype
-from baton.model.model import LlamaModel
-from baton.model.model_runner import ModelRunner, PoolRows, PromptRows, ScheduledRow, StepResult, kv_bytes_per_block
+from baton.model.model import CausalLM
+from baton.model.draft import DraftRow, propose_greedy
+from baton.model.model_runner import ModelRunner, PoolRows, PromptRows, StepResult, kv_bytes_per_block
 from baton.model.quant import asks_for_quantized, describe_weights, quantize_model, resolve_weights
 from baton.model.short_conv import state_dims
-from baton.model.thread_gate import ThreadGate
+from baton.model.step_batch import RowKind, StepBatch, StepRow, step_row
+from baton.model.thread_gate import ThreadGate, no_gate_args
 
-__all__ = ["ModelConfig", "ModelRuntime", "PoolRows", "PromptRows", "RuntimeConfig", "ScheduledRow", "StepResult",
-           "ThreadGate", "default_device", "greedy_pick", "kv_block_bytes", "load_runtime", "return_freed_memory"]
+__all__ = ["DraftRow", "ModelConfig", "ModelRuntime", "PoolRows", "PromptRows", "RowKind", "RuntimeConfig", "StepBatch",
+           "StepResult", "StepRow", "step_row",
+           "ThreadGate", "default_device", "greedy_pick", "kv_block_bytes", "load_runtime", "no_gate_args",
+           "return_freed_memory"]
 
 logger = logging.getLogger("baton.model.runtime")
-
-
-def _env_batch_invariant() -> str | None:
-    raw = os.environ.get("BATON_BATCH_INVARIANT", "").strip()
-    return raw or None
 
 
 @dataclass(frozen=True)
@@ -55,8 +57,16 @@ class RuntimeConfig:
     # free each projection's loaded weight once its op holds the copy it reads (the workers): loading
     # peaks near one copy; `prepare()` cannot run again afterwards
     release_load_copies: bool = False
-    # full, matmul, off or auto (BATON_BATCH_INVARIANT, read once here; None: auto, said in the log)
-    batch_invariant: str | None = dataclasses.field(default_factory=_env_batch_invariant)
+    # The environment's forward-path switches are these fields' defaults, read once
+    # (baton/model/runtime_env.py has the table: variable, values, default, effect).
+    # full, matmul, off or auto (BATON_BATCH_INVARIANT; None: auto, said in the log)
+    batch_invariant: str | None = dataclasses.field(default_factory=runtime_env.batch_invariant)
+    # the native CPU kernels, built at first use (BATON_NATIVE_KERNELS); False: the torch path
+    native_kernels: bool = dataclasses.field(default_factory=runtime_env.native_kernels)
+    # the native bf16 matmul on AMX where the CPU has it (BATON_GEMV_AMX); False: AVX512-BF16
+    gemv_amx: bool = dataclasses.field(default_factory=runtime_env.gemv_amx)
+    # CUDA attention through the Triton kernels (BATON_TRITON; opt-in)
+    triton: bool = dataclasses.field(default_factory=runtime_env.triton)
 
 
 def kv_block_bytes(config: ModelConfig, block_size: int, dtype: str = "auto", kv_cache_dtype: str = "auto") -> int:
@@ -86,7 +96,7 @@ class ModelRuntime:
     (`ModelConfig`, its `model_id` suffixed by the quantization and a quantized cache's format);
     `description`: the start-up line naming the weights that run."""
 
-    def __init__(self, model: LlamaModel, config: ModelConfig, device: torch.device, quantization: str,
+    def __init__(self, model: CausalLM, config: ModelConfig, device: torch.device, quantization: str,
                  kv_dtype: torch.dtype, description: str) -> None:
         self.model = model
         self.config = config
@@ -148,9 +158,13 @@ class ModelRuntime:
         assert self._runner is not None, "ModelRuntime.allocate must run before a step"
         return self._runner
 
-    def execute(self, scheduled: list[tuple[ScheduledRow, int]]) -> StepResult:
-        """One forward step over (row, number of its tokens to compute) pairs: see `ModelRunner.execute`."""
-        return self.runner.execute(scheduled)
+    def execute(self, batch: StepBatch) -> StepResult:
+        """One forward step over plain rows: see `ModelRunner.execute`."""
+        return self.runner.execute(batch)
+
+    def propose(self, rows: Sequence[DraftRow], catch_up: Sequence[StepRow], vocab: int) -> tuple[list[list[int]], int]:
+        """As a draft model: k greedy proposals per row and the number of forwards (baton.model.draft)."""
+        return propose_greedy(self.runner.execute, rows, catch_up, vocab)
 
     @property
     def block_shape(self) -> list[int]:
@@ -181,15 +195,18 @@ def load_runtime(config: RuntimeConfig) -> ModelRuntime:
                                 "resolve a model name with baton.common.model_files.resolve_model first")
     device = torch.device(config.device) if config.device else default_device()
     source = gguf_source(model_dir)
-    dtype, quantization = resolve_weights(config.dtype, config.quantization, source, device)
+    dtype, quantization = resolve_weights(config.dtype, config.quantization, source, device,
+                                          native_kernels=config.native_kernels)
     model, model_config = load_model(model_dir, dtype, device, prepare=False)
     # projections about to be quantized get no bf16 pack first (it would be made and dropped)
     quantizing = asks_for_quantized(quantization, source) and device.type == "cpu"
     release = config.release_load_copies
-    model.prepare(pack_projections=not quantizing, release_originals=release, batch_invariant=config.batch_invariant)
-    scheme = quantize_model(model, quantization, gguf_source=source)
+    prepare = functools.partial(model.prepare, native_kernels=config.native_kernels, gemv_amx=config.gemv_amx,
+                                triton=config.triton, batch_invariant=config.batch_invariant)
+    prepare(pack_projections=not quantizing, release_originals=release)
+    scheme = quantize_model(model, quantization, gguf_source=source, native_kernels=config.native_kernels)
     if quantizing and scheme == "none":  # no quantized kernel here: serve the dtype, packed
-        model.prepare(release_originals=release, batch_invariant=config.batch_invariant)
+        prepare(release_originals=release)
     if scheme != "none":
         # KV computed with other weights is another model's: prefix hashes (and the block store's
         # keys) must not match across quantizations

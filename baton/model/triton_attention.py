@@ -1,39 +1,39 @@
-"""The attention backend for CUDA devices: `TorchAttention`'s interface over the Triton kernels of
+"""The attention backend for CUDA devices: `PagedAttention`'s interface over the Triton kernels of
 `baton.model.triton_kernels` (issue 43), so that a step reads the paged pool in place instead of
 gathering every request's KV into a contiguous copy per layer.
 
-`triton_available(device)` is the one switch: True only for a CUDA device with triton importable
-(and `BATON_TRITON` not "0"). The CPU path never takes this backend: a CPU device keeps
-`TorchAttention` and its native kernels exactly as before. What the kernels do not cover (a
+`triton_available(device, requested)` is the one switch: True only for a CUDA device with triton
+importable, when the runtime's config asks for it (`RuntimeConfig.triton`, default `BATON_TRITON`). The CPU path never takes this backend: a CPU device keeps
+`PagedAttention` and its native kernels exactly as before. What the kernels do not cover (a
 quantized int8/fp8 cache) falls back to the torch path method by method.
 
 Status: the kernels are checked against a first-principles torch reference and against
-`TorchAttention` on the CPU under Triton's interpreter (tests/test_triton_kernels.py); they have not
+`PagedAttention` on the CPU under Triton's interpreter (tests/test_triton_kernels.py); they have not
 yet run on a GPU (timings and the CUDA parity run are scripts/gpu_check.sh's job).
 """
 
 from __future__ import annotations
 
 import importlib.util
-import os
 from typing import Any
 
 import torch
 
-from baton.model.attention import AttentionMetadata, DecodeGroup, PrefillSpan, TorchAttention
+from baton.model.attention import AttentionMetadata, DecodeGroup, PrefillSpan, PagedAttention
 
 
 def triton_importable() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def triton_available(device: torch.device | str) -> bool:
-    """Whether attention on `device` should run the Triton kernels: CUDA with triton installed
-    (it ships with CUDA builds of torch) and BATON_TRITON=1. Opt-in until the compiled kernels have
-    passed scripts/gpu_check.sh on a GPU (they are verified under the interpreter only: issue 43).
-    Never for a CPU device: the interpreter is for tests, and the CPU path is unchanged."""
+def triton_available(device: torch.device | str, requested: bool) -> bool:
+    """Whether attention on `device` should run the Triton kernels: `requested` (RuntimeConfig.triton,
+    BATON_TRITON=1) and CUDA with triton installed (it ships with CUDA builds of torch). Opt-in until
+    the compiled kernels have passed scripts/gpu_check.sh on a GPU (they are verified under the
+    interpreter only: issue 43). Never for a CPU device: the interpreter is for tests, and the CPU
+    path is unchanged."""
     device = torch.device(device)
-    if device.type != "cuda" or os.environ.get("BATON_TRITON", "0") != "1":
+    if device.type != "cuda" or not requested:
         return False
     return triton_importable() and torch.cuda.is_available()
 
@@ -44,7 +44,7 @@ def _kernels() -> Any:
     return triton_kernels
 
 
-class TritonAttention(TorchAttention):
+class TritonAttention(PagedAttention):
     """Paged attention through the Triton kernels. `window` is the layer's sliding window (None for
     a global layer): the kernels take the window itself instead of the windowed masks.
 
@@ -58,7 +58,7 @@ class TritonAttention(TorchAttention):
         self.window = window
 
     def _sinks(self) -> torch.Tensor | None:
-        # gpt-oss's per-head sink logits ([heads]), where TorchAttention has them
+        # gpt-oss's per-head sink logits ([heads]), where PagedAttention has them
         return getattr(self, "sinks", None)
 
     def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
@@ -98,10 +98,10 @@ class TritonAttention(TorchAttention):
                                         window=self.window, sinks=self._sinks())
 
 
-def to_triton(backend: TorchAttention, window: int | None) -> TritonAttention:
+def to_triton(backend: PagedAttention, window: int | None) -> TritonAttention:
     """`backend` as a TritonAttention with the same heads, scale, soft-cap and KV dtype, for a layer
-    with sliding window `window` (None: global). The wiring point: `LlamaModel.prepare`, where the
-    parameters' device is known, would do for a CUDA model with `triton_available(device)`:
+    with sliding window `window` (None: global). The wiring point: `CausalLM.prepare`, where the
+    parameters' device is known, would do for a CUDA model with `triton_available(device, requested)`:
         layer.self_attn.backend = to_triton(layer.self_attn.backend,
                                             config.sliding_window if layer.self_attn.sliding else None)"""
     converted = TritonAttention(backend.num_heads, backend.num_kv_heads, backend.head_dim, backend.scale,
@@ -114,9 +114,9 @@ def to_triton(backend: TorchAttention, window: int | None) -> TritonAttention:
 
 def attention_backend(device: torch.device | str, num_heads: int, num_kv_heads: int, head_dim: int,
                       scale: float | None = None, softcap: float | None = None,
-                      window: int | None = None) -> TorchAttention:
-    """The backend a layer on `device` runs: Triton on CUDA when available, else the torch path
-    (CPU: always, unchanged). The wiring point for `baton.model.model.Attention`."""
-    if triton_available(device):
+                      window: int | None = None, triton: bool = False) -> PagedAttention:
+    """The backend a layer on `device` runs: Triton on CUDA when `triton` asks and it is available,
+    else the torch path (CPU: always, unchanged). The wiring point for `baton.model.model.Attention`."""
+    if triton_available(device, triton):
         return TritonAttention(num_heads, num_kv_heads, head_dim, scale, softcap, window)
-    return TorchAttention(num_heads, num_kv_heads, head_dim, scale, softcap)
+    return PagedAttention(num_heads, num_kv_heads, head_dim, scale, softcap)

@@ -1,17 +1,23 @@
-"""Command-line flags every worker takes."""
+"""Command-line flags every worker takes, and how a worker process reads its `WorkerConfig`."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
-from collections.abc import Callable
+import sys
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
+
+from baton.common.service_config import SERVICE_CONFIG_ENV
+from baton.worker.config import WorkerConfig
 
 if TYPE_CHECKING:
     from baton.worker.shell import WorkerShell
 
 
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"  # the services' (a local Redis), when $REDIS_URL is unset
 # What baton.model.loader.resolve_dtype loads weights as (auto: bf16 where it is fast, else fp32).
 DTYPE_CHOICES = ["auto", "float32", "bfloat16", "float16"]
 # baton.model.quant.QUANTIZATIONS (not imported here: parsing flags must not load torch)
@@ -39,7 +45,7 @@ def parse_bytes(text: str) -> int:
 def speculative_config_arg(text: str) -> object:
     """`--speculative-config` JSON -> a SpeculativeConfig (None when empty); argparse's error
     names what is wrong."""
-    from baton.engine.spec_config import parse_speculative_config  # no torch: plain parsing
+    from baton.engine.speculative_config import parse_speculative_config  # no torch: plain parsing
 
     try:
         return parse_speculative_config(text)
@@ -50,7 +56,7 @@ def speculative_config_arg(text: str) -> object:
 def add_common_args(parser: argparse.ArgumentParser, kind: str) -> None:
     parser.add_argument("--model", default=None,
                         help="model directory, .gguf, or Hub repo id (default: the default model)")
-    parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"),
+    parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL", DEFAULT_REDIS_URL),
                         help="redis[s]://, redis[s]+cluster:// or redis[s]+sentinel:// (default: $REDIS_URL, "
                              "else redis://127.0.0.1:6379/0)")
     parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
@@ -61,7 +67,7 @@ def add_common_args(parser: argparse.ArgumentParser, kind: str) -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (workers on one machine must share its cores)")
     parser.add_argument("--core-share", default=None, metavar="PATH",
                         help="the core-share ledger `baton serve` made for the workers of this machine: an idle "
-                             "prefill worker lends its threads to a decode worker (baton/worker/core_share.py)")
+                             "prefill worker lends its threads to a decode worker (baton/worker/thread_lending.py)")
     parser.add_argument("--core-share-slot", type=int, default=0, help="this worker's record in --core-share")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--num-kv-blocks", type=int, default=None)
@@ -87,37 +93,77 @@ def add_common_args(parser: argparse.ArgumentParser, kind: str) -> None:
                              "turned for this many seconds (default: $BATON_STALL_TIMEOUT, else 60)")
 
 
-def run_worker(worker_class: type[WorkerShell], argv: list[str] | None,
-               extra: Callable[[argparse.ArgumentParser], None] | None = None) -> None:
-    """Parse a worker's flags and run it on uvloop (`python -m prefill_worker` / `decode_worker`)."""
+def add_kind_args(parser: argparse.ArgumentParser, kind: str) -> None:
+    """The flags of one kind of worker only (here, not in its package: `baton serve` reads their
+    defaults without importing a worker, which loads torch)."""
+    if kind == "prefill":
+        parser.add_argument("--pooling-step-tokens", type=int, default=None,
+                            help="embeddings input tokens per engine step; a chat prompt that arrives meanwhile "
+                                 "waits for that step, then runs alone (default: --max-num-batched-tokens / 8)")
+    elif kind == "decode":
+        parser.add_argument("--scheduler-policy", default="max-utilization", choices=["max-utilization", "no-evict"])
+        parser.add_argument("--speculative-config", type=speculative_config_arg, default=None,
+                            help='speculative decoding as JSON in vLLM\'s shape, e.g. \'{"method": "ngram", '
+                                 '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' '
+                                 "(default: off)")
+    else:
+        raise ValueError(f"no worker kind {kind!r}")
+
+
+def worker_parser(kind: str, environ: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
+    """`python -m <kind>_worker`'s flags, each also a BATON_<FLAG> variable (of `environ`, default
+    this process's environment)."""
+    from baton.common.env_flags import apply_env
+
+    parser = argparse.ArgumentParser(prog=f"python -m {kind}_worker", description=f"Baton {kind} worker")
+    add_common_args(parser, kind)
+    add_kind_args(parser, kind)
+    apply_env(parser, environ)  # every flag as BATON_<FLAG> too
+    return parser
+
+
+def parse_worker_config(kind: str, argv: list[str] | None,
+                        environ: Mapping[str, str] | None = None) -> WorkerConfig:
+    """The worker's config: from $BATON_SERVICE_CONFIG when set (`baton serve` sets it; then no
+    flags are taken), else from its flags. A bad config exits with a usage error, as a bad flag does."""
+    environ = os.environ if environ is None else environ
+    parser = worker_parser(kind, environ)
+    text = environ.get(SERVICE_CONFIG_ENV)
+    if text is None:
+        return WorkerConfig.from_args(parser.parse_args(argv))
+    if sys.argv[1:] if argv is None else argv:
+        parser.error(f"no flags are taken with {SERVICE_CONFIG_ENV} set: it holds the whole config")
+    try:
+        return WorkerConfig.from_json(text, redis_url=environ.get("REDIS_URL", DEFAULT_REDIS_URL))
+    except ValueError as exc:
+        parser.error(str(exc))
+
+
+def run_worker(worker_class: type[WorkerShell], argv: list[str] | None) -> None:
+    """Read a worker's config and run it on uvloop (`python -m prefill_worker` / `decode_worker`)."""
     import asyncio
 
-    from baton.common.env_flags import apply_env
     from baton.common.logs import setup_logging
     from baton.common.model_files import resolve_model
     from baton.common.tracing import setup_tracing
 
     kind = worker_class.kind
-    parser = argparse.ArgumentParser(prog=f"python -m {kind}_worker", description=f"Baton {kind} worker")
-    add_common_args(parser, kind)
-    if extra is not None:
-        extra(parser)
-    apply_env(parser)  # every flag as BATON_<FLAG> too
-    args = parser.parse_args(argv)
-    setup_logging(args.log_level, args.log_format)
+    config = parse_worker_config(kind, argv)
+    setup_logging(config.log_level, config.log_format)
     setup_tracing(f"baton-{kind}-worker")  # only with an OTLP endpoint set and OpenTelemetry installed
     try:  # before the worker starts: an unknown model is a message, not a traceback from its loop
-        args.model = str(resolve_model(args.model))
-        if getattr(args, "speculative_config", None) is not None:  # a draft model: a name too
-            from baton.engine.spec_config import with_draft_dir
+        config = dataclasses.replace(config, model=str(resolve_model(config.model)))
+        if config.speculative_config is not None:  # a draft model: a name too
+            from baton.engine.speculative_config import with_draft_dir
 
-            args.speculative_config = with_draft_dir(args.speculative_config, resolve_model)
+            config = dataclasses.replace(config, speculative_config=with_draft_dir(config.speculative_config,
+                                                                                  resolve_model))
     except FileNotFoundError as exc:
-        parser.exit(2, f"error: {exc}\n")
+        worker_parser(kind).exit(2, f"error: {exc}\n")
     try:
         import uvloop
 
         uvloop.install()
     except ImportError:
         pass
-    asyncio.run(worker_class.from_args(args).run())
+    asyncio.run(worker_class.from_args(config).run())

@@ -151,9 +151,6 @@ class CancelWatcher:
         self.last_id = b"$"
         self.new_ids: list[str] = []  # cancels not yet applied by the worker's loop
 
-    def is_cancelled(self, request_id: str) -> bool:
-        return request_id in self.cancelled
-
     def pop_new(self) -> list[str]:
         new, self.new_ids = self.new_ids, []
         return new

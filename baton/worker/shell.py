@@ -10,7 +10,6 @@ nothing touches the engine while a step runs in its thread: the loop and the hea
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import time
@@ -25,8 +24,9 @@ from baton.engine.kv_types import KVLoad, LoadedKV
 from baton.engine.llm_engine import EngineConfig, LLMEngine
 from baton.engine.outputs import EngineOutput, EngineStats
 from baton.common.logs import request_extra
+from baton.worker.config import WorkerConfig
 from baton.worker.core import Effects, Opening, WorkerCore
-from baton.worker.core_share import StepCores, run_with_threads
+from baton.worker.thread_lending import StepCores, run_with_threads
 from baton.worker.health import LoopWatch, serve_metrics
 from baton.worker.metrics import WorkerMetrics
 from baton.common.redis_client import REDIS_RETRYABLE
@@ -40,16 +40,15 @@ from kvstore.redis_backend import RedisBlockStore
 logger = logging.getLogger("baton.worker")
 
 
-def build_engine(args: argparse.Namespace) -> LLMEngine:
+def build_engine(args: WorkerConfig) -> LLMEngine:
     """The worker's engine, holding each weight once (`RuntimeConfig.release_load_copies`)."""
     return LLMEngine(EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks, kv_cache_memory=args.kv_cache_memory,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        scheduler_policy=getattr(args, "scheduler_policy", "max-utilization"), num_threads=args.threads,
-        kv_connector=True, quantization=getattr(args, "quantization", "auto"),
-        kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
-        speculative_config=getattr(args, "speculative_config", None),  # decode workers only
+        scheduler_policy=args.scheduler_policy, num_threads=args.threads,
+        kv_connector=True, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+        speculative_config=args.speculative_config,  # decode workers only
         release_load_copies=True,
     ))
 
@@ -61,14 +60,14 @@ class WorkerShell:
     core_class: type[WorkerCore] = WorkerCore
     overlap_warned_at = 0.0  # monotonic: the last warning of a failed read during a step
 
-    def __init__(self, args: argparse.Namespace, engine: LLMEngine, redis: Any, store: RedisBlockStore | None = None,
+    def __init__(self, args: WorkerConfig, engine: LLMEngine, redis: Any, store: RedisBlockStore | None = None,
                  registry: CollectorRegistry = REGISTRY) -> None:
         """`store`: the block store (default: Redis' over `redis`); `registry`: a private one lets
         several workers live in one process (tests)."""
         self.args = args
         self.registry = registry
         # /health on the metrics port: the loop below stamps it every turn.
-        self.watch = LoopWatch(getattr(args, "stall_timeout", 60.0))
+        self.watch = LoopWatch(args.stall_timeout)
         self.metrics_server: Any = None
         self.engine = engine
         self.stats: EngineStats = engine.stats()
@@ -92,14 +91,13 @@ class WorkerShell:
         self.num_preemptions_seen = 0
         self.drain_deadline: float | None = None  # monotonic; set when a drain starts
         # cores lent by an idle prefill worker to a decode worker (`baton serve` on one machine)
-        self.cores = StepCores.from_args(self.kind, getattr(args, "core_share", None),
-                                         getattr(args, "core_share_slot", 0),
+        self.cores = StepCores.from_args(self.kind, args.core_share, args.core_share_slot,
                                          args.threads or torch.get_num_threads())
         self.engine.set_thread_gate(self.cores.gate)  # lent threads given back between layers
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace, registry: CollectorRegistry = REGISTRY) -> WorkerShell:
-        """The worker `python -m <kind>_worker` runs: its engine, Redis client and store from its flags."""
+    def from_args(cls, args: WorkerConfig, registry: CollectorRegistry = REGISTRY) -> WorkerShell:
+        """The worker `python -m <kind>_worker` runs: its engine, Redis client and store from its config."""
         return cls(args, build_engine(args), connect(args.redis_url), registry=registry)
 
     def state(self) -> dict:

@@ -15,7 +15,9 @@ under `$TORCH_EXTENSIONS_DIR` (default `~/.cache/torch_extensions`), keyed by th
 toolchain and this CPU's identity (it is compiled with -march=native, so a build from one CPU model
 must not be reused on another: `_cpu_signature` reads the identity lines of every architecture's
 /proc/cpuinfo, aarch64's "CPU part" as well as x86's "model name"). Where it cannot be built (no
-compiler, a slim image) or `BATON_NATIVE_KERNELS=0`, `load()` returns None and the torch path runs.
+compiler, a slim image), `load()` returns None and the torch path runs. Whether to use them at all is
+the runtime's choice (`RuntimeConfig.native_kernels`, default `BATON_NATIVE_KERNELS`): with it off,
+nothing calls `load()`.
 
 A build is serialised by an flock of ours (`baton.lock` in the build folder) around torch's builder.
 Torch's own lock is a file that exists while a build runs, and torch waits for it to disappear
@@ -43,6 +45,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+
+from baton.model import runtime_env
 
 logger = logging.getLogger("baton.model.kernels")
 
@@ -134,10 +138,6 @@ def kernels_extension() -> Extension:
     )
 
 
-def enabled() -> bool:
-    return os.environ.get("BATON_NATIVE_KERNELS", "1") not in ("0", "false", "no")
-
-
 def build_timeout() -> float:
     """Seconds to wait for another process's build of the same extension (BATON_KERNEL_BUILD_TIMEOUT)."""
     raw = os.environ.get("BATON_KERNEL_BUILD_TIMEOUT", "").strip()
@@ -160,13 +160,12 @@ def load() -> ModuleType | None:
         if "paged" in _loaded:
             return _loaded["paged"]
         module = None
-        if enabled():
-            try:
-                extension = kernels_extension()
-            except OSError as exc:  # a broken install (a source file missing): the torch path, and say why
-                logger.warning("native kernels' sources cannot be read (%s): the torch path runs", exc)
-            else:
-                module = build(extension)
+        try:
+            extension = kernels_extension()
+        except OSError as exc:  # a broken install (a source file missing): the torch path, and say why
+            logger.warning("native kernels' sources cannot be read (%s): the torch path runs", exc)
+        else:
+            module = build(extension)
         _loaded["paged"] = module
         return module
 
@@ -286,6 +285,9 @@ def build(ext: Extension, timeout_s: float | None = None) -> ModuleType | None:
 def main() -> int:
     """`python -m baton.model.kernels`: build (or find) the kernels now and say which path will run."""
     logging.basicConfig(level="INFO", format="%(message)s")
+    if not runtime_env.native_kernels():
+        print("native kernels: off (BATON_NATIVE_KERNELS); the torch fallback runs")
+        return 0
     module = load()
     if module is None:
         print("native kernels: not available here; the torch fallback runs")

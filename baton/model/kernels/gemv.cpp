@@ -99,12 +99,10 @@ bool amx_permitted() {
   return ok;
 }
 
+// AMX unless `gemv_kernel("avx512bf16")` said otherwise (the model's prepare() passes
+// RuntimeConfig.gemv_amx down through that call: the environment is read in Python, once)
 bool& amx_selected() {
-  static bool selected = [] {
-    const char* env = std::getenv("BATON_GEMV_AMX");
-    return !(env != nullptr && (std::strcmp(env, "0") == 0 || std::strcmp(env, "false") == 0 ||
-                                std::strcmp(env, "no") == 0));
-  }();
+  static bool selected = true;
   return selected;
 }
 
@@ -224,8 +222,8 @@ void gemv_amx(const c10::BFloat16* xp, int64_t M, int64_t K, const c10::BFloat16
 #endif
 
 // Which kernel `gemv` runs here: "amx" or "avx512bf16" (or "none"). `choice` "amx" / "avx512bf16"
-// selects one for the rest of the process (for benchmarks and tests; the default is AMX where it
-// is usable, unless BATON_GEMV_AMX=0); "" only asks.
+// selects one for the rest of the process (`CausalLM.prepare` makes RuntimeConfig.gemv_amx's choice
+// here; benchmarks and tests pick one too; the default is AMX where it is usable); "" only asks.
 std::string gemv_kernel(std::string choice) {
 #if defined(BATON_GEMV_AMX)
   if (choice == "amx" || choice == "avx512bf16") amx_selected() = choice == "amx";

@@ -1,0 +1,363 @@
+"""OpenAI request bodies (`/v1/completions`, `/v1/chat/completions`) -> GenerationSpec (gateway.generation_spec).
+
+OpenAI semantics: temperature defaults to 1.0 (sampling) and 0 means greedy (a sampling field the
+request leaves unset takes the model's generation_config.json default: gateway.sampling_defaults);
+`n` choices (and completions' `best_of`, batched prompts) up to MAX_CHOICES per prompt; `logprobs` (completions: the
+top-k count; chat: a flag with `top_logprobs`), completions' `echo` and vLLM's `prompt_logprobs`;
+`max_tokens` defaults to 16 for completions and to the room left (capped at 1024) for chat;
+`max_completion_tokens` (what aiperf sends) wins over `max_tokens`. `presence_penalty`,
+`frequency_penalty` and `logit_bias` are honoured, and a few vLLM extras that map onto our sampling
+options are accepted (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `stop_token_ids`).
+`model` must be one of the served names (else 404, as vLLM answers). Known fields we cannot honour
+are accepted only at their neutral value; unknown fields are ignored (see gateway.validation).
+Chat's `chat_template_kwargs` (vLLM's) are extra template variables: an object of at most
+MAX_TEMPLATE_KWARGS names (identifiers, none of apply_chat_template's own parameters), small
+once encoded; `enable_thinking: false` (or `thinking: false`) turns the reasoning parser off.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from gateway import sampling_defaults
+from gateway.config import Settings
+from gateway.errors import ApiError, ContextOverflow, context_length_exceeded, validation_error
+from baton.common.sampling_params import MAX_LOGPROBS
+from baton.common.structured import InvalidStructure, compiled_grammar
+from gateway.parsers.reasoning import think_first
+from gateway.structured import openai_structured
+from gateway.tools import message_extras, parse_tools
+from gateway.generation_spec import ApiView, Choices, GenerationSpec, Prompt, provisional_sampling
+from gateway.validation import MAX_SEED, MIN_SEED, Fields
+
+STATUS = 400  # OpenAI answers invalid requests with 400 invalid_request_error
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+CHAT_DEFAULT_MAX_TOKENS = 1024
+CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
+# Text parts of one message's content: no real client sends more than a handful.
+MAX_CONTENT_PARTS = 256
+MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
+MAX_CHOICES = 16  # n and best_of (each choice is a request's worth of work)
+MAX_BATCH_PROMPTS = 64  # prompts in one completions request (each with n choices)
+# What huggingface_hub's chat_completion sends as `model` when its "model" is a URL (TGI ignores
+# the field): served by the first name, or that client could never chat with us.
+PLACEHOLDER_MODELS = frozenset({"tgi", "dummy"})
+
+COMMON_FIELDS = {
+    "model", "max_tokens", "max_completion_tokens", "stream", "stream_options", "stop",
+    "temperature", "top_p", "seed", "n", "presence_penalty", "frequency_penalty", "logit_bias",
+    "user", "logprobs", "response_format",
+    # vLLM extras
+    "top_k", "min_p", "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids",
+    "use_beam_search", "prompt_logprobs", "guided_json", "guided_regex", "guided_choice",
+    "guided_grammar", "structured_outputs", "cache_salt",
+}
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of", "add_special_tokens"}
+CHAT_FIELDS = COMMON_FIELDS | {
+    "messages", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls", "functions",
+    "function_call", "store", "metadata", "service_tier", "echo", "chat_template_kwargs",
+}
+MAX_TEMPLATE_KWARGS = 32
+MAX_TEMPLATE_KWARGS_BYTES = 8192
+# apply_chat_template's own parameters: a template variable of that name would clash with them.
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+})
+# Known fields we cannot honour, with the values that mean "off" (null always does). Each other
+# value is a 400 naming the field: ignoring it would answer something the client did not ask for.
+COMMON_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "use_beam_search": (False,),
+}
+COMPLETION_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "suffix": ("",),
+}
+CHAT_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "functions": ([],),
+    "function_call": ("none", "auto"),
+    "echo": (False,),
+}
+
+
+@dataclass
+class _Common:
+    """The fields both OpenAI APIs share, checked; each API adds its own, then builds the spec."""
+
+    sampling: dict[str, Any]  # SamplingParams' fields
+    api: ApiView
+    n: int
+    max_new_tokens: int | None
+    default_max_new_tokens: int
+    stop: list[str]
+
+    def spec(self, prompt: Prompt, choices: Choices) -> GenerationSpec:
+        return GenerationSpec(prompt=prompt, api=self.api, choices=choices, max_new_tokens=self.max_new_tokens,
+                              default_max_new_tokens=self.default_max_new_tokens, stop=self.stop,
+                              sampling=provisional_sampling(self.max_new_tokens, self.default_max_new_tokens,
+                                                            **self.sampling))
+
+
+def parse_completion(body: dict[str, Any], settings: Settings, vocab_size: int) -> GenerationSpec:
+    f = Fields(body, STATUS)
+    ignored = f.unknown(COMPLETION_FIELDS, "the request", settings.strict_api)
+    for key, neutral in COMPLETION_NEUTRAL.items():
+        f.unsupported_unless(key, neutral)
+    common = _common(f, settings, vocab_size, COMPLETIONS_DEFAULT_MAX_TOKENS, ignored)
+    prompts = _prompts(body.get("prompt"), vocab_size, settings)
+    prompt = Prompt(input=prompts[0]) if len(prompts) == 1 else Prompt(batch=prompts)
+    prompt.add_special_tokens = f.boolean("add_special_tokens", True)  # vLLM's extra, for text prompts
+    # logprobs: the number of top alternatives per token (0: the chosen token's only)
+    sampling = common.sampling
+    sampling["logprobs"] = logprobs = f.integer("logprobs", lo=0, hi=MAX_LOGPROBS)
+    common.api.echo = f.boolean("echo", False)
+    if common.api.echo and logprobs is not None:
+        sampling["prompt_logprobs"] = max(sampling["prompt_logprobs"] or 0, logprobs)
+    choices = Choices(n=common.n)
+    best_of = f.integer("best_of", lo=1, hi=MAX_CHOICES)
+    if best_of is not None and best_of != common.n:
+        if best_of < common.n:
+            raise f.fail("best_of", f"must be at least n ({common.n}), got {best_of}")
+        if common.api.stream:
+            raise f.fail("best_of", "cannot be streamed: the best choices are known only at the end")
+        choices = Choices(n=best_of, keep=common.n)
+    return common.spec(prompt, choices)
+
+
+def parse_chat(body: dict[str, Any], settings: Settings, vocab_size: int) -> GenerationSpec:
+    f = Fields(body, STATUS)
+    ignored = f.unknown(CHAT_FIELDS, "the request", settings.strict_api)
+    for key, neutral in CHAT_NEUTRAL.items():
+        f.unsupported_unless(key, neutral)
+    common = _common(f, settings, vocab_size, CHAT_DEFAULT_MAX_TOKENS, ignored)
+    prompt = Prompt(messages=parse_messages(body.get("messages"), settings.max_chat_messages),
+                    chat_template_kwargs=template_kwargs(f))
+    sampling = common.sampling
+    common.api.tool_calling, tool_constraint = parse_tools(f, sampling["structured"] is not None)
+    if common.api.tool_calling is not None:
+        common.api.tool_calling.parser = settings.tool_call_parser  # None: the template's (gateway.tools)
+    sampling["structured"] = tool_constraint or sampling["structured"]
+    common.api.reasoning_parser = _reasoning_parser(settings, prompt.chat_template_kwargs, sampling)
+    top_logprobs = f.integer("top_logprobs", lo=0, hi=MAX_LOGPROBS)
+    if f.boolean("logprobs", False):
+        sampling["logprobs"] = top_logprobs or 0
+    elif top_logprobs:
+        raise f.fail("top_logprobs", "needs `logprobs` to be true")
+    return common.spec(prompt, Choices(n=common.n))
+
+
+def template_kwargs(f: Fields) -> dict[str, Any] | None:
+    """`chat_template_kwargs`, checked (see the module doc)."""
+    value = f.get("chat_template_kwargs")
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise f.fail("chat_template_kwargs", "must be an object of template variables")
+    if len(value) > MAX_TEMPLATE_KWARGS:
+        raise f.fail("chat_template_kwargs", f"has {len(value)} names; at most {MAX_TEMPLATE_KWARGS} are allowed")
+    for key in value:
+        if not key.isidentifier():
+            raise f.fail("chat_template_kwargs", f"names must be identifiers, got {json.dumps(key)[:80]}")
+        if key in RESERVED_TEMPLATE_KWARGS:
+            raise f.fail("chat_template_kwargs", f"cannot set {key!r}: the request's own fields do")
+    if len(json.dumps(value)) > MAX_TEMPLATE_KWARGS_BYTES:
+        raise f.fail("chat_template_kwargs", f"is larger than {MAX_TEMPLATE_KWARGS_BYTES} bytes as JSON")
+    return value
+
+
+def _reasoning_parser(settings: Settings, kwargs: dict[str, Any] | None, sampling: dict[str, Any]) -> str | None:
+    """The request's reasoning parser: the flag's, unless thinking is off; a JSON constraint then
+    allows a think block before the JSON (a regex, choice or grammar one leaves no room for it)."""
+    name = settings.reasoning_parser
+    if name is None or (kwargs and (kwargs.get("enable_thinking") is False or kwargs.get("thinking") is False)):
+        return None
+    if sampling["structured"] is not None:
+        wrapped = think_first(sampling["structured"], name)
+        if wrapped is None:
+            return None
+        try:  # the JSON compiled on its own; its grammar should too (checked, as every constraint is)
+            compiled_grammar(wrapped["kind"], wrapped["spec"])
+        except InvalidStructure:
+            return None  # the constraint as asked, on the whole output: no room for a thought
+        sampling["structured"] = wrapped
+    return name
+
+
+def _common(f: Fields, settings: Settings, vocab_size: int, default_max: int, ignored: list[str]) -> _Common:
+    for key, neutral in COMMON_NEUTRAL.items():
+        f.unsupported_unless(key, neutral)
+    f.string("user")
+    model = served_model(f, settings)
+    n = f.integer("n", lo=1, hi=MAX_CHOICES)
+    stream = f.boolean("stream", False)
+    include_usage = continuous_usage = False
+    options = f.get("stream_options")
+    if options is not None:
+        if not stream:
+            raise f.fail("stream_options", "is only allowed when `stream` is true")
+        if not isinstance(options, dict):
+            raise f.fail("stream_options", "must be an object")
+        so = Fields(options, STATUS, prefix="stream_options.")
+        ignored = ignored + so.unknown({"include_usage", "continuous_usage_stats"}, "`stream_options`",
+                                       settings.strict_api)
+        include_usage = so.boolean("include_usage", False)
+        # vLLM: usage on every chunk only when include_usage is set too
+        continuous_usage = include_usage and so.boolean("continuous_usage_stats", False)
+
+    max_tokens = f.integer("max_tokens", lo=1, hi=math.inf)  # checked against max_total_tokens below
+    max_completion_tokens = f.integer("max_completion_tokens", lo=1, hi=math.inf)
+    temperature = f.number("temperature", ge=0.0, le=2.0)
+    top_p = f.number("top_p", gt=0.0, le=1.0)
+    top_k = f.integer("top_k", lo=-1)
+    repetition_penalty = f.number("repetition_penalty", gt=0.0, le=100.0)
+    ignore_eos = f.boolean("ignore_eos", False)
+    min_tokens = f.integer("min_tokens", lo=0)
+    asked_max = max_completion_tokens if max_completion_tokens is not None else max_tokens
+    if min_tokens and asked_max is not None and min_tokens > asked_max:
+        raise f.fail("min_tokens", f"({min_tokens}) must be at most max_tokens ({asked_max})")
+    presence = f.number("presence_penalty", ge=-2.0, le=2.0)
+    frequency = f.number("frequency_penalty", ge=-2.0, le=2.0)
+    min_p = f.number("min_p", ge=0.0, le=1.0)
+    # What the request leaves unset takes the model's generation_config.json default (vLLM's rule).
+    sampling: dict[str, Any] = dict(
+        **sampling_defaults.for_settings(settings).fill(temperature=temperature, top_p=top_p, top_k=top_k,
+                                                        min_p=min_p, repetition_penalty=repetition_penalty),
+        seed=f.integer("seed", lo=MIN_SEED, hi=MAX_SEED),
+        ignore_eos=ignore_eos,
+        stop_token_ids=f.token_ids("stop_token_ids", vocab_size, settings.max_stop_token_ids),
+    )
+    stop = f.stop_strings("stop", settings.max_stop_sequences, settings.max_stop_length, allow_str=True)
+    sampling.update(
+        presence_penalty=presence if presence is not None else 0.0,
+        frequency_penalty=frequency if frequency is not None else 0.0,
+        logit_bias=_logit_bias(f, vocab_size),
+        min_tokens=min_tokens or 0,
+        prompt_logprobs=f.integer("prompt_logprobs", lo=0, hi=MAX_LOGPROBS),  # vLLM's extra
+        cache_salt=f.cache_salt(),  # vLLM's extra: this request's blocks are shared only under its salt
+    )
+    sampling["structured"] = openai_structured(f)  # response_format, guided_*, structured_outputs
+    if sampling["temperature"] == 0.0:  # greedy: the warpers have nothing to act on
+        sampling.update(top_p=1.0, top_k=-1, min_p=0.0)
+    api = ApiView(model=model, stream=stream, include_usage=include_usage, continuous_usage=continuous_usage,
+                  ignored_fields=ignored)
+    return _Common(sampling=sampling, api=api, n=n or 1, max_new_tokens=asked_max,
+                   default_max_new_tokens=default_max, stop=stop)
+
+
+def served_model(f: Fields, settings: Settings) -> str | None:
+    """The served name asked for; None (or "", as vLLM allows) means the first one."""
+    model = f.string("model")
+    if not model or model in PLACEHOLDER_MODELS:
+        return None
+    if model not in settings.served_model_names:
+        shown = model if len(model) <= 200 else model[:200] + "..."
+        raise ApiError(404, f"The model `{shown}` does not exist.", kind="model_not_found", param="model")
+    return model
+
+
+def _logit_bias(f: Fields, vocab_size: int) -> list[list[float]]:
+    """OpenAI's {"token id": bias} object -> [[id, bias], ...] (the wire's maps have str keys)."""
+    value = f.get("logit_bias")
+    if value is None:
+        return []
+    if not isinstance(value, dict):
+        raise f.fail("logit_bias", "must be an object mapping token ids (as strings) to biases in [-100, 100]")
+    if len(value) > MAX_LOGIT_BIAS:
+        raise f.fail("logit_bias", f"has {len(value)} entries; at most {MAX_LOGIT_BIAS} are allowed")
+    biases: dict[int, float] = {}
+    for key, bias in value.items():
+        # Digits only, and few of them: int() of a huge digit string is slow (and raises in 3.11+).
+        if not (key.isascii() and key.isdigit() and len(key) <= 12):
+            raise f.fail("logit_bias", f"keys must be token ids, got {json.dumps(key)[:40]}")
+        token = int(key)
+        if token >= vocab_size:
+            raise f.fail("logit_bias", f"contains token id {token} outside [0, {vocab_size})")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)):
+            raise f.fail("logit_bias", f"values must be numbers, got {json.dumps(bias)[:40]} for token {token}")
+        if not (isinstance(bias, int) or math.isfinite(bias)) or not -100 <= bias <= 100:
+            raise f.fail("logit_bias", f"values must be in [-100, 100], got {bias} for token {token}")
+        biases[token] = float(bias)
+    return [[token, bias] for token, bias in biases.items()]
+
+
+def _prompts(value: Any, vocab_size: int, settings: Settings) -> list[str | list[int]]:
+    """`prompt`: a string, a list of token ids, or a batch of either (a list of them)."""
+    if isinstance(value, list) and value and all(isinstance(p, (str, list)) for p in value):
+        if len(value) > MAX_BATCH_PROMPTS:
+            raise validation_error(f"`prompt` is a batch of {len(value)} prompts; at most {MAX_BATCH_PROMPTS} "
+                                   "are allowed", param="prompt", status=STATUS)
+        return [_prompt(p, vocab_size, settings) for p in value]
+    return [_prompt(value, vocab_size, settings)]
+
+
+def _prompt(value: Any, vocab_size: int, settings: Settings) -> str | list[int]:
+    """A prompt is a string or a list of token ids."""
+    if value is None:
+        raise validation_error("`prompt` is required", param="prompt", status=STATUS)
+    if isinstance(value, str):
+        if value == "":
+            raise validation_error("`prompt` cannot be empty", param="prompt", status=STATUS)
+        return value
+    if isinstance(value, list):
+        if not value:
+            raise validation_error("`prompt` cannot be empty", param="prompt", status=STATUS)
+        if isinstance(value[0], int) and len(value) > settings.max_input_tokens:  # could never be served
+            overflow = ContextOverflow(len(value), 0, settings.max_total_tokens, settings.max_input_tokens)
+            raise context_length_exceeded(overflow, param="prompt", status=STATUS)
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+            bad = [t for t in value if not 0 <= t < vocab_size]
+            if bad:
+                raise validation_error(f"`prompt` contains token id {bad[0]} outside [0, {vocab_size})",
+                                       param="prompt", status=STATUS)
+            return list(value)
+    raise validation_error("`prompt` must be a string or a list of token ids", param="prompt", status=STATUS)
+
+
+def parse_messages(value: Any, max_messages: int) -> list[dict[str, str]]:
+    """Chat messages -> [{role, content}] with text content only (what a text model can read)."""
+    if value is None:
+        raise validation_error("`messages` is required", param="messages", status=STATUS)
+    if not isinstance(value, list) or not value:
+        raise validation_error("`messages` must be a non-empty list", param="messages", status=STATUS)
+    if len(value) > max_messages:
+        # The chat template's cost grows with the message count, not the text: tens of thousands
+        # of empty messages fit in a small body and took seconds to template.
+        raise validation_error(f"`messages` has {len(value)} messages; at most {max_messages} are allowed",
+                               param="messages", status=STATUS)
+    out: list[dict[str, str]] = []
+    for i, message in enumerate(value):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise validation_error(f"`{where}` must be an object", param=where, status=STATUS)
+        role = message.get("role")
+        if not isinstance(role, str) or role not in CHAT_ROLES:
+            raise validation_error(f"`{where}.role` must be one of {sorted(CHAT_ROLES)}, got {role!r}",
+                                   param=f"{where}.role", status=STATUS)
+        out.append({"role": "system" if role == "developer" else role,
+                    "content": _content(message.get("content"), where),
+                    **message_extras(Fields(message, STATUS, prefix=where + "."))})  # tool calls, ids
+    return out
+
+
+def _content(content: Any, where: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        if len(content) > MAX_CONTENT_PARTS:
+            raise validation_error(f"`{where}.content` has {len(content)} parts; at most {MAX_CONTENT_PARTS} "
+                                   "are allowed", param=f"{where}.content", status=STATUS)
+        texts: list[str] = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise validation_error(f"`{where}.content[{j}]`: only text parts "
+                                       '({"type": "text", "text": ...}) are supported',
+                                       param=f"{where}.content", status=STATUS)
+            texts.append(part["text"])
+        return "".join(texts)
+    raise validation_error(f"`{where}.content` must be a string or a list of text parts",
+                           param=f"{where}.content", status=STATUS)
