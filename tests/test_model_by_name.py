@@ -193,9 +193,10 @@ def test_serve_resolves_a_repo_id_once_and_gives_every_child_the_snapshot(fake_s
         records = _children_records(fake_services["logs"])
         snapshot = str(Path(hf_env["HF_HOME"]) / "hub" / "models--org--tiny" / "snapshots" / COMMIT)
         assert len(records) == 3
-        assert all(r["argv"][r["argv"].index("--model") + 1] == snapshot for r in records)
-        [gateway] = [r["argv"] for r in records if r["argv"][0].endswith(os.path.join("gateway", "__main__.py"))]
-        assert gateway[gateway.index("--served-model-name") + 1] == "org/tiny"
+        # each child's config names the one snapshot (the gateway's as its model_dir)
+        assert all(r["config"].get("model", r["config"].get("model_dir")) == snapshot for r in records)
+        [gateway] = [r["config"] for r in records if r["argv"][0].endswith(os.path.join("gateway", "__main__.py"))]
+        assert gateway["served_model_names"][0] == "org/tiny"
     finally:
         proc.terminate()
         proc.wait(timeout=60)
