@@ -397,7 +397,8 @@ def test_thinking_and_blocks_stream_one_block_at_a_time():
 SAMPLES = {"model": MODEL, "max_tokens": 8, "messages": HELLO, "system": "Be brief.", "tools": [WEATHER],
            "tool_choice": {"type": "auto"}, "thinking": {"type": "enabled", "budget_tokens": 4},
            "output_config": {"effort": "low"}, "stream": False, "stop_sequences": ["\n\n"], "temperature": 0.7,
-           "top_p": 0.9, "top_k": 40, "metadata": {"user_id": "u"}, "cache_salt": "tenant-a"}
+           "top_p": 0.9, "top_k": 40, "metadata": {"user_id": "u"}, "cache_salt": "tenant-a",
+           "cache_control": {"type": "ephemeral"}}
 
 
 def test_every_documented_field_is_accepted_and_not_ignored(gw_server, gw_worker):

@@ -344,7 +344,11 @@ SAMPLES = {"model": MODEL, "input": "x", "instructions": "Be brief.", "tools": [
            "parallel_tool_calls": False, "text": {"format": {"type": "json_object"}, "verbosity": "low"},
            "max_output_tokens": 8, "temperature": 0.5, "top_p": 0.9, "stream": False, "store": False,
            "previous_response_id": None, "metadata": {"k": "v"}, "user": "u", "truncation": "disabled",
-           "reasoning": {"effort": "low", "summary": None}, "cache_salt": "tenant-a"}
+           "reasoning": {"effort": "low", "summary": None}, "cache_salt": "tenant-a",
+           # accepted without effect, and the not-implemented fields at their neutral value (documented too)
+           "include": ["reasoning.encrypted_content"], "prompt_cache_key": "k", "safety_identifier": "s",
+           "stream_options": {"include_usage": True}, "background": False, "service_tier": "auto", "top_logprobs": 0,
+           "max_tool_calls": None, "conversation": None, "prompt": None}
 
 
 def test_openapi_documents_the_routes_and_every_field_is_accepted(gw_server, gw_worker):

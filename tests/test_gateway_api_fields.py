@@ -442,10 +442,15 @@ SAMPLES = {
     "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
     "tool_choice": {"type": "function", "function": {"name": "f"}}, "parallel_tool_calls": False,
     "cache_salt": "tenant-a",
+    # documented as not implemented: accepted at their neutral value
+    "use_beam_search": False, "suffix": "",
 }
 # One output constraint per request: sent together, all but the first of these are left out.
 EXCLUSIVE = ["guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs", "tool_choice"]
-CHAT_SAMPLES = {"logprobs": True, "chat_template_kwargs": {"enable_thinking": False}}  # chat's logprobs is a flag
+CHAT_SAMPLES = {"logprobs": True, "chat_template_kwargs": {"enable_thinking": False},  # chat's logprobs is a flag
+                # accepted and unused, or not implemented and accepted at their neutral value
+                "store": False, "metadata": {"k": "v"}, "service_tier": "auto", "functions": [],
+                "function_call": "none", "echo": False}
 COMPANIONS = {"stream_options": {"stream": True}, "top_logprobs": {"logprobs": True},  # what a field needs
               "tool_choice": {"tools": SAMPLES["tools"]}}
 

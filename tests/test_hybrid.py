@@ -228,13 +228,11 @@ def test_mamba2_in_pieces_equals_transformers_whole():
 # ------------------------------------------------------------------ greedy parity, float32
 
 @pytest.mark.parametrize("family", list(HYBRIDS))
-def test_greedy_matches_transformers(family, hybrid_dir, prompts, caplog):  # noqa: F811
+def test_greedy_matches_transformers(family, hybrid_dir, prompts):  # noqa: F811
     model_dir = hybrid_dir(family)
     expected = [hf_greedy(model_dir, p) for p in prompts]
     assert len({t for r in expected for t in r}) >= 8  # not one repeated token: the model is fit for parity
-    with caplog.at_level("INFO", logger="baton.engine.llm_engine"):
-        llm = LLM(model=str(model_dir), dtype="float32", num_kv_blocks=128)
-    assert "prefix caching off" in caplog.text
+    llm = LLM(model=str(model_dir), dtype="float32", num_kv_blocks=128)
     runner = llm.engine.runtime.runner
     assert runner.kv_cache.shape[0] == 1 and runner.state_pool is not None  # KV for the one attention layer
     assert tokens_of(llm.generate(prompts, greedy())) == expected
@@ -245,11 +243,46 @@ def test_greedy_matches_transformers(family, hybrid_dir, prompts, caplog):  # no
     assert tokens_of(llm.generate(prompts, greedy())) == expected
     llm = LLM(model=str(model_dir), dtype="float32", num_kv_blocks=128, block_size=4, max_num_batched_tokens=6)
     assert tokens_of(llm.generate(prompts, greedy())) == expected
-    # preempted and recomputed: 4-token blocks, 21 in all (the 70-token request alone needs 20)
-    llm = LLM(model=str(model_dir), dtype="float32", block_size=4, num_kv_blocks=21)
-    assert tokens_of(llm.generate(prompts, greedy())) == expected
-    assert llm.engine.scheduler.num_preemptions > 0
+    # preempted and recomputed: 4-token blocks, 21 in all (the 70-token request alone needs 20);
+    # without the prefix cache from the first token, with it from the last state snapshot it reached
+    for caching in (False, True):
+        llm = LLM(model=str(model_dir), dtype="float32", block_size=4, num_kv_blocks=21,
+                  enable_prefix_caching=caching)
+        assert tokens_of(llm.generate(prompts, greedy())) == expected
+        assert llm.engine.scheduler.num_preemptions > 0
+        assert len(llm.engine.runtime.runner.state_pool.owner) == 0
+        assert (llm.engine.state_cache is not None and llm.engine.state_cache.num_resumed > 0) is caching
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_text", "lfm2", "granitemoehybrid"])  # the three kinds of state layer
+def test_a_shared_prefix_resumes_from_a_state_snapshot(family, hybrid_dir, prompts):  # noqa: F811
+    """Prefix caching with state: a prompt's state at its last full block is kept, and so is the
+    last full block a request reached while decoding. A second request with the same prompt and
+    more resumes from the first (cached tokens: every full block of the prompt), a chat's next
+    turn (the prompt, the answer, a new message) from the answer's last full block; both give
+    transformers' tokens, as they do with the cache off."""
+    model_dir = hybrid_dir(family)
+    prompt = prompts[3]  # 70 tokens: 17 full 4-token blocks, the state kept at token 68
+    llm = LLM(model=str(model_dir), dtype="float32", block_size=4, num_kv_blocks=256, max_num_batched_tokens=32)
+    first = llm.generate([prompt], greedy())[0]
+    assert first.num_cached_tokens == 0 and first.outputs[0].token_ids == hf_greedy(model_dir, prompt)
+    longer = prompt + prompts[1]
+    again = llm.generate([longer], greedy())[0]
+    assert again.num_cached_tokens == 68
+    assert again.outputs[0].token_ids == hf_greedy(model_dir, longer)
+    # the next turn: the 70-token prompt and its 8 answer tokens were computed but the last (77
+    # tokens): the decode passed block boundaries 72 and 76, and the request kept the state at 76
+    turn = prompt + first.outputs[0].token_ids + prompts[0]
+    nxt = llm.generate([turn], greedy())[0]
+    assert nxt.num_cached_tokens == 76
+    assert nxt.outputs[0].token_ids == hf_greedy(model_dir, turn)
+    cache = llm.engine.state_cache
+    assert cache is not None and cache.num_resumed == 2
     assert len(llm.engine.runtime.runner.state_pool.owner) == 0
+    # a prefix whose KV blocks are cached but whose state was never kept resumes nothing: block 8
+    # (tokens 32-35) ended no chunk of the first prompt (chunks of 32: 0-32, 32-64, 64-68)
+    mid = prompt[:36] + prompts[2]
+    assert llm.generate([mid], greedy())[0].num_cached_tokens == 32
 
 
 @pytest.mark.parametrize("family", list(VISION_LANGUAGE))
@@ -329,7 +362,9 @@ def test_bf16_runs_and_speculative_decoding_is_refused(hybrid_dir, prompts):  # 
     slot_bytes = 3 * (2 * 32 + 32) * 3 * 4 + 3 * 4 * 16 * 8 * 4  # 3 layers: conv [2*32+32, 3] + [4, 16, 8] fp32
     assert runtime.state_bytes(8) == 8 * slot_bytes and runtime.runner.state_pool.conv.shape[1] == 8
     assert runtime.block_bytes(16) == 1 * 2 * 16 * 2 * 16 * 4
-    assert engine.pool.num_blocks == ((4 << 20) - 8 * slot_bytes) // runtime.block_bytes(16)
+    # and the prefix cache's state snapshots: a quarter of what the slots leave, at most 4 per request
+    assert engine.state_cache is not None and engine.state_cache.capacity == 32
+    assert engine.pool.num_blocks == ((4 << 20) - (8 + 32) * slot_bytes) // runtime.block_bytes(16)
     with pytest.raises(ValueError, match="speculative decoding is not supported"):
         LLM(model=str(model_dir), dtype="float32", num_kv_blocks=16,
             speculative_config={"method": "ngram", "num_speculative_tokens": 2})
@@ -349,6 +384,36 @@ def test_baton_serve_gives_transformers_greedy_tokens(hybrid_dir, prompts):  # n
     full_blocks = sum(len(p) // 16 for p in prompts)
     assert full_blocks > 0
     assert_served_as_transformers(hybrid_dir("qwen3_5_text"), prompts, min_blocks_fetched=full_blocks)
+
+
+def test_a_decode_worker_killed_mid_stream_then_a_follow_up_turn(hybrid_dir):  # noqa: F811
+    """Qwen3.5 across processes (a prefill and two decode workers): 6 greedy streams, one decode
+    worker kill -9'd mid-stream; every stream ends with exactly the tokens of the engine alone (the
+    survivor resumes each orphan from the store: the prompt's blocks and its state, then the tokens
+    already sent). Then a chat's next turn (a prompt, its answer and a new message, as token ids)
+    hits the prefill worker's state snapshot at the prompt's last full block: cached_tokens > 0,
+    the same tokens."""
+    import httpx
+
+    from tests.cluster import Cluster
+    from tests.test_faults import WORDS, expected_ids, run_streams_and_kill
+
+    model_dir = hybrid_dir("qwen3_5_text")
+    reference = LLM(model=str(model_dir), dtype="float32", num_kv_blocks=256, enable_prefix_caching=False)
+    texts = [" ".join(WORDS[i:] + WORDS[:i]) for i in range(6)]  # 20-odd tokens: a full 16-token block each
+    with Cluster(model_dir, prefill=1, decode=2) as cluster:
+        got = run_streams_and_kill(cluster, texts, 40, "decode-0", after_tokens=60)
+        assert cluster.procs["decode-0"].poll() is not None
+        assert got == expected_ids(reference, texts, 40)
+        ids = httpx.post(cluster.base_url + "/tokenize", json={"prompt": texts[0]}).json()["tokens"]
+        turn = ids + got[0][:-1] + ids[:5]  # the answer (its end marker dropped), then a new message
+        r = httpx.post(cluster.base_url + "/v1/completions", timeout=60, json={
+            "prompt": turn, "max_tokens": 8, "temperature": 0, "logprobs": 0})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == len(ids) // 16 * 16 > 0
+        want = reference.generate([turn], SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].text
+        assert body["choices"][0]["text"] == want
 
 
 # ------------------------------------------------------------------ configs as released

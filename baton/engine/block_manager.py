@@ -3,25 +3,30 @@
 It only allocates and frees; what to run is the scheduler's decision. Every allocation either fits
 whole or returns None with nothing changed. With a window (every layer a sliding-window layer, see
 baton.engine.window_blocks) the blocks behind it are freed while the request runs
-(`release_out_of_window`): their table entries become the null block 0.
+(`release_out_of_window`): their table entries become the null block 0. A hybrid's prefix hit
+goes only as far as a state snapshot reaches (baton.engine.state_cache), and its prefill chunks end
+at the last full block boundary so that a snapshot exists there (`chunk_size`).
 """
 
 from __future__ import annotations
 
 from baton.engine.block_pool import BlockPool, blocks_for
 from baton.engine.sequence import Sequence
+from baton.engine.state_cache import StateCache, chunk_end
 from baton.engine.window_blocks import NULL_BLOCK, may_release, num_dead_blocks, num_released
 
 
 class BlockManager:
     def __init__(self, pool: BlockPool, model_id: str, enable_prefix_caching: bool = True,
-                 window: int | None = None) -> None:
+                 window: int | None = None, state_cache: StateCache | None = None) -> None:
         self.pool = pool
         self.block_size = pool.block_size
         self.model_id = model_id
         self.enable_prefix_caching = enable_prefix_caching
         # tokens every layer attends (window_blocks.freeable_window); None: no block is ever dead
         self.window = window
+        # a hybrid's state snapshots: a hit must end where one was kept (None: no state layers)
+        self.state_cache = state_cache
         self.num_released_blocks = 0  # table entries freed behind the window, all requests
         self.num_prefix_queries = 0  # tokens looked up in the prefix cache
         self.num_prefix_hits = 0  # of which found
@@ -43,7 +48,18 @@ class BlockManager:
             hits.append(block)
         if hits and len(hits) * bs >= seq.num_tokens:
             hits.pop()
+        if self.state_cache is not None:
+            hashes = seq.block_hashes(bs, self.model_id)
+            while hits and not self.state_cache.has(hashes[len(hits) - 1]):
+                hits.pop()
         return hits
+
+    def chunk_size(self, seq: Sequence, num_new: int) -> int:
+        """Tokens to compute for `seq` this step out of `num_new` allowed: a hybrid's prefill chunk
+        ends at the last full block boundary it would cross (where its state is snapshot)."""
+        if self.state_cache is None:
+            return num_new
+        return chunk_end(seq, num_new, self.block_size)
 
     def num_blocks_to_take(self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int]) -> int:
         """Free-list blocks that `allocate_slots` would consume (new blocks + revived cached ones)."""

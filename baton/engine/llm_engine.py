@@ -33,6 +33,7 @@ from baton.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, 
 from baton.engine.speculative_config import SpeculativeConfig, parse_speculative_config
 from baton.engine.speculator import DraftJob, proposals_of, verify_rows
 from baton.engine.drafter import Drafter, check_same_tokenizer
+from baton.engine.state_cache import StateCache
 from baton.engine.step_input import build_step_batch
 from baton.engine.window_blocks import freeable_window
 from baton.engine.structured import StructuredOutput
@@ -92,11 +93,14 @@ class LLMEngine:
         # come out of the one budget: a container sized by --kv-cache-memory holds both
         block_bytes = self.runtime.block_bytes(config.block_size)
         draft_block_bytes = self.drafter.block_bytes if self.drafter is not None else 0
-        # a hybrid's state slots (one per running request) come out of the same budget first
+        # a hybrid's state slots (one per running request) come out of the same budget first, then
+        # its prefix cache's state snapshots (a quarter of what is left; baton.engine.state_cache)
         state_bytes = self.runtime.state_bytes(config.max_num_seqs)
+        num_snapshots = self._num_state_snapshots(config, state_bytes)
+        snapshot_bytes = num_snapshots * self.runtime.state_bytes(1)
         num_blocks = config.num_kv_blocks or max(
-            2, (config.kv_cache_memory - state_bytes) // (block_bytes + draft_block_bytes))
-        self.kv_cache_bytes = num_blocks * (block_bytes + draft_block_bytes) + state_bytes
+            2, (config.kv_cache_memory - state_bytes - snapshot_bytes) // (block_bytes + draft_block_bytes))
+        self.kv_cache_bytes = num_blocks * (block_bytes + draft_block_bytes) + state_bytes + snapshot_bytes
         if self.drafter is not None:
             self.drafter.allocate(num_blocks)
         # the model's context as the gateway reads it (RoPE scaling included: baton.common.context_length)
@@ -105,13 +109,11 @@ class LLMEngine:
         self.pool = BlockPool(num_blocks, config.block_size)
         # an all-window model (Mistral) frees the blocks behind its window (baton.engine.window_blocks)
         prefix_caching = config.enable_prefix_caching
-        if prefix_caching and self.runtime.has_state_layers:
-            # a cached prefix's KV blocks are not enough: its state layers' state at that point is
-            # kept nowhere yet (no snapshots), so a hit could not resume them
-            logger.info("prefix caching off: %s has state layers (no state snapshots yet)", self.model_dir.name)
-            prefix_caching = False
+        self.state_cache = (StateCache(num_snapshots, config.block_size, self.model_config.model_id,
+                                       self.runtime.read_state, self.runtime.write_state, self.runtime.has_state)
+                            if num_snapshots else None)
         self.block_manager = BlockManager(self.pool, self.model_config.model_id, prefix_caching,
-                                          window=freeable_window(self.model_config))
+                                          window=freeable_window(self.model_config), state_cache=self.state_cache)
         self.connector = (KVConnectorScheduler(config.block_size, self.model_config.model_id,
                                                self.runtime.state_kind if self.runtime.has_state_layers else None)
                           if config.kv_connector else None)
@@ -211,7 +213,7 @@ class LLMEngine:
         for request_id in request_ids:
             if self._requests.pop(request_id, None) is not None:
                 self.scheduler.abort(request_id)
-                self.runtime.release_state(request_id)
+                self._release_state(request_id, keep=False)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -229,8 +231,8 @@ class LLMEngine:
         """
         self._finish_kv_loads(loaded)
         plan = self.scheduler.schedule()
-        for seq in plan.preempted:  # recomputed from its first token when it runs again
-            self.runtime.release_state(seq.seq_id)
+        for seq in plan.preempted:  # recomputed when it runs again (from its last state snapshot, if any)
+            self._release_state(seq.seq_id, keep=True)
         self._kv_loads.extend(plan.kv_loads)
         outputs = [StepOutput(seq, finished=True) for seq in plan.failed]
         self.last_num_batched_tokens = plan.num_batched_tokens
@@ -254,6 +256,8 @@ class LLMEngine:
         if speculator is not None:
             speculator.start_step()
         by_id = {seq.seq_id: seq for seq, _ in plan.scheduled}
+        if self.state_cache is not None:  # a prefix hit resumes from the state snapshot at its end
+            self.state_cache.resume(plan.scheduled)
         batch = build_step_batch(plan.scheduled)
         self.last_num_decode_tokens = sum(len(row.tokens) for row in batch.rows if row.kind is not RowKind.CHUNK)
         result = self.runtime.execute(batch)
@@ -303,6 +307,8 @@ class LLMEngine:
             None if top_logprobs is None else tops[:num_sampled], verified)
         self.num_generated_tokens += sum(len(out.new_token_ids) for out in step_outputs)
         self._end_broken_grammars(step_outputs)
+        if self.state_cache is not None:  # the states this step left at block boundaries
+            self.state_cache.after_step(plan.scheduled)
         if speculator is not None:
             speculator.end_step()
         return step_outputs
@@ -322,7 +328,7 @@ class LLMEngine:
             handoff = KVHandoff(tuple(seq.output_token_ids), seq.first_token_time or time.time(), save)
         if reason is not None:
             self._requests.pop(seq.seq_id, None)
-            self.runtime.release_state(seq.seq_id)
+            self._release_state(seq.seq_id, keep=reason in (FinishReason.STOP, FinishReason.LENGTH))
         first = seq.num_output_tokens == len(out.new_token_ids) and bool(out.new_token_ids)
         embedding = tuple(seq.pooling.result()) if seq.pooling is not None and reason is FinishReason.STOP else None
         return EngineOutput(
@@ -378,6 +384,27 @@ class LLMEngine:
             elif seq.finish_reason is FinishReason.HANDOFF:
                 self.scheduler.free_finished(seq)
             seq.finish_reason = FinishReason.ERROR
+
+    def _release_state(self, request_id: str, keep: bool) -> None:
+        """Free the request's state slot; `keep`: its last decode snapshot joins the prefix cache
+        (it finished, or was preempted and may resume from it)."""
+        if self.state_cache is not None:
+            if keep:
+                self.state_cache.publish(request_id)
+            else:
+                self.state_cache.drop(request_id)
+        self.runtime.release_state(request_id)
+
+    def _num_state_snapshots(self, config: EngineConfig, state_bytes: int) -> int:
+        """How many state snapshots the prefix cache keeps (0: no state layers or no prefix caching):
+        with a memory budget, a quarter of what the state slots leave; with a block count, two per
+        running request."""
+        if not (self.runtime.has_state_layers and config.enable_prefix_caching):
+            return 0
+        if config.num_kv_blocks:
+            return 2 * config.max_num_seqs
+        per_snapshot = self.runtime.state_bytes(1)
+        return max(2, min(4 * config.max_num_seqs, (config.kv_cache_memory - state_bytes) // 4 // per_snapshot))
 
     def take_kv_loads(self) -> list[KVLoad]:
         """The KV loads scheduled since the last call (the connector's worker side runs them; their

@@ -138,7 +138,7 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_new = bm.chunk_size(seq, min(seq.num_tokens - seq.num_computed_tokens, budget))
             while bm.allocate_slots(seq, num_new) is None:
                 victim = self._pick_victim(seq)
                 victim_index = self.running.index(victim)
@@ -203,7 +203,7 @@ class Scheduler:
                 continue  # it costs no budget until its KV is here
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            num_new = min(remaining, budget)
+            num_new = bm.chunk_size(seq, min(remaining, budget))
             out.scheduled.append((seq, num_new))
             budget -= num_new
 

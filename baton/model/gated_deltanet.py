@@ -102,14 +102,15 @@ class StatePool:
         return num_layers * (conv + recurrent)
 
     def slot(self, request_id: str, starting: bool) -> int:
-        """The request's slot, assigned on first sight; zeroed when the request starts (its first
+        """The request's slot, assigned when it starts; zeroed when the request starts (its first
         token is computed now: a new request, or one recomputed after preemption)."""
         slot = self.owner.get(request_id)
         if slot is None:
+            # a request continuing past its first token has a slot (its state was computed or written)
+            assert starting, f"request {request_id} continues without its state"
             if not self.free:
                 raise RuntimeError("no free state slot: more running requests than max_num_seqs")
             slot = self.owner[request_id] = self.free.pop()
-            starting = True
         if starting:
             self.conv[:, slot].zero_()
             if self.recurrent is not None:

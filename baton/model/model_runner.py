@@ -101,6 +101,9 @@ class ModelRunner:
         assert self.state_pool is not None
         self.state_pool.write(request_id, tensors)
 
+    def has_state(self, request_id: str) -> bool:
+        return self.state_pool is not None and request_id in self.state_pool.owner
+
     def release_state(self, request_id: str) -> None:
         """A request finished, was aborted or preempted: its state slot is free (recompute rebuilds it)."""
         if self.state_pool is not None:

@@ -148,6 +148,10 @@ class ModelRuntime:
         """Resume the request's state layers from `tensors` (of `state_layout`)."""
         self.runner.write_state(request_id, tensors)
 
+    def has_state(self, request_id: str) -> bool:
+        """Whether the request holds a state slot (it has started, or its state was written)."""
+        return self.runner.has_state(request_id)
+
     def release_state(self, request_id: str) -> None:
         """Free a finished, aborted or preempted request's state slot (no-op without state layers)."""
         if self._runner is not None:

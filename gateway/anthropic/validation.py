@@ -26,7 +26,6 @@ x-baton-ignored-fields, or a 400 with --strict-api.
 from __future__ import annotations
 
 import json
-import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,16 +34,12 @@ from gateway.openai import validation as openai_validation
 from gateway.config import Settings
 from gateway.errors import ApiError, validation_error
 from gateway.tools import MAX_TOOLS, NAME
+from gateway.anthropic.fields import COUNT_TOKENS, MESSAGES
 from gateway.validation import Fields
 
 STATUS = 400  # Anthropic answers invalid requests with 400 invalid_request_error
 MAX_BLOCKS = openai_validation.MAX_CONTENT_PARTS
 
-MESSAGES_FIELDS = {"model", "max_tokens", "messages", "system", "tools", "tool_choice", "stop_sequences",
-                   "temperature", "top_p", "top_k", "stream", "metadata", "thinking", "output_config",
-                   "cache_control", "cache_salt"}
-COUNT_FIELDS = {"model", "messages", "system", "tools", "tool_choice", "thinking", "output_config",
-                "cache_control"}
 # `cache_control` is a caching hint the request and every block may carry (Claude Code sends it):
 # accepted, unused (the KV store reuses prefixes by itself). So are the tool hints below.
 _TEXT_KEYS = {"type", "text", "cache_control", "citations"}
@@ -68,7 +63,8 @@ class MessagesRequest:
 def to_chat(body: dict[str, Any], settings: Settings, count_only: bool = False) -> MessagesRequest:
     """Check a Messages body (count_tokens' when `count_only`) and translate it to a chat body."""
     f = Fields(body, STATUS)
-    ignored = f.unknown(COUNT_FIELDS if count_only else MESSAGES_FIELDS, "the request", settings.strict_api)
+    table = COUNT_TOKENS if count_only else MESSAGES
+    ignored = table.unknown(f, "the request", settings.strict_api)
     model = f.get("model")
     if model is None:
         raise f.fail("model", "is required")
@@ -85,18 +81,17 @@ def to_chat(body: dict[str, Any], settings: Settings, count_only: bool = False) 
         return MessagesRequest(chat, ignored=ignored)
     if f.get("max_tokens") is None:
         raise f.fail("max_tokens", "is required")
-    chat["max_tokens"] = f.integer("max_tokens", lo=1, hi=math.inf)
+    chat["max_tokens"] = MESSAGES.read(f, "max_tokens")  # checked against the context once tokenized
     stop = f.stop_strings("stop_sequences", settings.max_stop_sequences, settings.max_stop_length, allow_str=False)
     if stop:
         chat["stop"] = stop
-    chat["temperature"] = f.number("temperature", ge=0.0, le=1.0)
-    chat["top_p"] = f.number("top_p", gt=0.0, le=1.0)
-    chat["top_k"] = f.integer("top_k", lo=0)
+    for name in ("temperature", "top_p", "top_k"):
+        chat[name] = MESSAGES.read(f, name)
     chat["cache_salt"] = f.cache_salt()  # vLLM's extra (chat's): blocks shared only under this salt
     metadata = f.get("metadata")
     if metadata is not None and not isinstance(metadata, dict):
         raise f.fail("metadata", "must be an object")
-    stream = f.boolean("stream", False)
+    stream = MESSAGES.read(f, "stream")
     return MessagesRequest({k: v for k, v in chat.items() if v is not None}, stream=stream, ignored=ignored)
 
 

@@ -8,8 +8,9 @@ vLLM's `truncate_prompt_tokens` keeps each input's last k tokens (else an input 
 max_input_tokens is a 400, as OpenAI answers). TEI's `POST /embed` (422s): `inputs` a string or a
 list of them, `normalize` (default: the server's, normalized unless --no-normalize), `truncate` (default false: a too-long input is a 422)
 with `truncation_direction` `right` (keep the start, TEI's default) | `left`; `prompt_name` needs the checkpoint's sentence-transformers prompts, which Baton
-does not apply, so any value is refused by name. Unknown fields: as every other endpoint
-(gateway.validation: ignored and listed in x-baton-ignored-fields, or a 4xx with --strict-api).
+does not apply, so any value is refused by name. Known fields and scalar bounds come from the tables
+`gateway.embeddings.fields.OPENAI` / `TEI`, which /openapi.json documents. Unknown fields: as every
+other endpoint (gateway.validation: ignored and listed in x-baton-ignored-fields, or a 4xx with --strict-api).
 """
 
 from __future__ import annotations
@@ -21,13 +22,10 @@ from gateway.config import Settings
 from gateway.errors import validation_error
 from gateway.validation import Fields
 from gateway.openai.validation import served_model
+from gateway.embeddings.fields import MAX_INPUTS, OPENAI, TEI
 
 OPENAI_STATUS = 400
 TEI_STATUS = 422
-MAX_INPUTS = 2048  # OpenAI's own cap on inputs per request
-
-_OPENAI_FIELDS = {"input", "model", "encoding_format", "dimensions", "user", "truncate_prompt_tokens"}
-_TEI_FIELDS = {"inputs", "normalize", "truncate", "truncation_direction", "prompt_name"}
 
 
 @dataclass
@@ -45,16 +43,17 @@ class EmbeddingSpec:
 
 def parse_openai(body: dict[str, Any], settings: Settings, vocab_size: int, hidden_size: int) -> EmbeddingSpec:
     f = Fields(body, OPENAI_STATUS)
-    ignored = f.unknown(_OPENAI_FIELDS, "an embeddings request", settings.strict_api)
+    ignored = OPENAI.unknown(f, "an embeddings request", settings.strict_api)
+    OPENAI.check_neutral(f)
     model = served_model(f, settings)
     encoding = f.string("encoding_format") or "float"
     if encoding not in ("float", "base64"):
         raise f.fail("encoding_format", f"must be \"float\" or \"base64\", got {encoding[:40]!r}")
-    dimensions = f.integer("dimensions", lo=1)
+    dimensions = OPENAI.read(f, "dimensions")
     if dimensions is not None and dimensions > hidden_size:
         raise f.fail("dimensions", f"must be <= {hidden_size} (this model's embedding size), got {dimensions}")
     f.string("user")
-    keep = f.integer("truncate_prompt_tokens", lo=1, hi=settings.max_input_tokens)
+    keep = OPENAI.read(f, "truncate_prompt_tokens", maximum=settings.max_input_tokens)
     inputs = _openai_inputs(f, vocab_size, settings.max_input_tokens if keep is None else None)
     return EmbeddingSpec(inputs, model, encoding == "base64", dimensions, None, keep, True, ignored)
 
@@ -96,7 +95,8 @@ def _openai_inputs(f: Fields, vocab_size: int, max_tokens: int | None) -> list[s
 
 def parse_tei(body: dict[str, Any], settings: Settings) -> EmbeddingSpec:
     f = Fields(body, TEI_STATUS)
-    ignored = f.unknown(_TEI_FIELDS, "an embed request", settings.strict_api)
+    ignored = TEI.unknown(f, "an embed request", settings.strict_api)
+    TEI.check_neutral(f)
     value = f.get("inputs")
     if isinstance(value, str):
         value = [value]
@@ -108,8 +108,8 @@ def parse_tei(body: dict[str, Any], settings: Settings) -> EmbeddingSpec:
     if empty:
         raise f.fail("inputs", f"input {empty[0]} is empty")
     # not given: the server's choice (--normalize / the checkpoint; normalized by default, as TEI)
-    normalize = f.boolean("normalize", True) if f.get("normalize") is not None else None
-    truncate = f.boolean("truncate", False)
+    normalize = TEI.read(f, "normalize") if f.get("normalize") is not None else None
+    truncate = TEI.read(f, "truncate")
     direction = (f.string("truncation_direction") or "right").lower()
     if direction not in ("left", "right"):
         raise f.fail("truncation_direction", f"must be \"left\" or \"right\", got {direction[:40]!r}")

@@ -25,42 +25,22 @@ from typing import Any
 from gateway import sampling_defaults
 from gateway.config import Settings
 from gateway.errors import ApiError, ContextOverflow, context_length_exceeded, validation_error
-from baton.common.sampling_params import MAX_LOGPROBS
 from baton.common.structured import InvalidStructure, compiled_grammar
 from gateway.parsers.reasoning import think_first
 from gateway.structured import openai_structured
 from gateway.tools import message_extras, parse_tools
 from gateway.generation_spec import ApiView, Choices, GenerationSpec, Prompt, provisional_sampling
-from gateway.validation import MAX_SEED, MIN_SEED, Fields
+from gateway.openai.fields import (CHAT, COMMON, COMPLETION, MAX_BATCH_PROMPTS,
+                                   MAX_CONTENT_PARTS, MAX_LOGIT_BIAS, MAX_TEMPLATE_KWARGS)
+from gateway.validation import Fields
 
 STATUS = 400  # OpenAI answers invalid requests with 400 invalid_request_error
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 CHAT_DEFAULT_MAX_TOKENS = 1024
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
-# Text parts of one message's content: no real client sends more than a handful.
-MAX_CONTENT_PARTS = 256
-MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
-MAX_CHOICES = 16  # n and best_of (each choice is a request's worth of work)
-MAX_BATCH_PROMPTS = 64  # prompts in one completions request (each with n choices)
 # What huggingface_hub's chat_completion sends as `model` when its "model" is a URL (TGI ignores
 # the field): served by the first name, or that client could never chat with us.
 PLACEHOLDER_MODELS = frozenset({"tgi", "dummy"})
-
-COMMON_FIELDS = {
-    "model", "max_tokens", "max_completion_tokens", "stream", "stream_options", "stop",
-    "temperature", "top_p", "seed", "n", "presence_penalty", "frequency_penalty", "logit_bias",
-    "user", "logprobs", "response_format",
-    # vLLM extras
-    "top_k", "min_p", "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids",
-    "use_beam_search", "prompt_logprobs", "guided_json", "guided_regex", "guided_choice",
-    "guided_grammar", "structured_outputs", "cache_salt",
-}
-COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of", "add_special_tokens"}
-CHAT_FIELDS = COMMON_FIELDS | {
-    "messages", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls", "functions",
-    "function_call", "store", "metadata", "service_tier", "echo", "chat_template_kwargs",
-}
-MAX_TEMPLATE_KWARGS = 32
 MAX_TEMPLATE_KWARGS_BYTES = 8192
 # apply_chat_template's own parameters: a template variable of that name would clash with them.
 RESERVED_TEMPLATE_KWARGS = frozenset({
@@ -68,19 +48,6 @@ RESERVED_TEMPLATE_KWARGS = frozenset({
     "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
     "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
 })
-# Known fields we cannot honour, with the values that mean "off" (null always does). Each other
-# value is a 400 naming the field: ignoring it would answer something the client did not ask for.
-COMMON_NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "use_beam_search": (False,),
-}
-COMPLETION_NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "suffix": ("",),
-}
-CHAT_NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "functions": ([],),
-    "function_call": ("none", "auto"),
-    "echo": (False,),
-}
 
 
 @dataclass
@@ -103,21 +70,20 @@ class _Common:
 
 def parse_completion(body: dict[str, Any], settings: Settings, vocab_size: int) -> GenerationSpec:
     f = Fields(body, STATUS)
-    ignored = f.unknown(COMPLETION_FIELDS, "the request", settings.strict_api)
-    for key, neutral in COMPLETION_NEUTRAL.items():
-        f.unsupported_unless(key, neutral)
+    ignored = COMPLETION.unknown(f, "the request", settings.strict_api)
+    COMPLETION.check_neutral(f)
     common = _common(f, settings, vocab_size, COMPLETIONS_DEFAULT_MAX_TOKENS, ignored)
     prompts = _prompts(body.get("prompt"), vocab_size, settings)
     prompt = Prompt(input=prompts[0]) if len(prompts) == 1 else Prompt(batch=prompts)
-    prompt.add_special_tokens = f.boolean("add_special_tokens", True)  # vLLM's extra, for text prompts
+    prompt.add_special_tokens = COMPLETION.read(f, "add_special_tokens")  # vLLM's extra, for text prompts
     # logprobs: the number of top alternatives per token (0: the chosen token's only)
     sampling = common.sampling
-    sampling["logprobs"] = logprobs = f.integer("logprobs", lo=0, hi=MAX_LOGPROBS)
-    common.api.echo = f.boolean("echo", False)
+    sampling["logprobs"] = logprobs = COMPLETION.read(f, "logprobs")
+    common.api.echo = COMPLETION.read(f, "echo")
     if common.api.echo and logprobs is not None:
         sampling["prompt_logprobs"] = max(sampling["prompt_logprobs"] or 0, logprobs)
     choices = Choices(n=common.n)
-    best_of = f.integer("best_of", lo=1, hi=MAX_CHOICES)
+    best_of = COMPLETION.read(f, "best_of")
     if best_of is not None and best_of != common.n:
         if best_of < common.n:
             raise f.fail("best_of", f"must be at least n ({common.n}), got {best_of}")
@@ -129,9 +95,8 @@ def parse_completion(body: dict[str, Any], settings: Settings, vocab_size: int) 
 
 def parse_chat(body: dict[str, Any], settings: Settings, vocab_size: int) -> GenerationSpec:
     f = Fields(body, STATUS)
-    ignored = f.unknown(CHAT_FIELDS, "the request", settings.strict_api)
-    for key, neutral in CHAT_NEUTRAL.items():
-        f.unsupported_unless(key, neutral)
+    ignored = CHAT.unknown(f, "the request", settings.strict_api)
+    CHAT.check_neutral(f)
     common = _common(f, settings, vocab_size, CHAT_DEFAULT_MAX_TOKENS, ignored)
     prompt = Prompt(messages=parse_messages(body.get("messages"), settings.max_chat_messages),
                     chat_template_kwargs=template_kwargs(f))
@@ -141,8 +106,8 @@ def parse_chat(body: dict[str, Any], settings: Settings, vocab_size: int) -> Gen
         common.api.tool_calling.parser = settings.tool_call_parser  # None: the template's (gateway.tools)
     sampling["structured"] = tool_constraint or sampling["structured"]
     common.api.reasoning_parser = _reasoning_parser(settings, prompt.chat_template_kwargs, sampling)
-    top_logprobs = f.integer("top_logprobs", lo=0, hi=MAX_LOGPROBS)
-    if f.boolean("logprobs", False):
+    top_logprobs = CHAT.read(f, "top_logprobs")
+    if CHAT.read(f, "logprobs"):
         sampling["logprobs"] = top_logprobs or 0
     elif top_logprobs:
         raise f.fail("top_logprobs", "needs `logprobs` to be true")
@@ -187,12 +152,10 @@ def _reasoning_parser(settings: Settings, kwargs: dict[str, Any] | None, samplin
 
 
 def _common(f: Fields, settings: Settings, vocab_size: int, default_max: int, ignored: list[str]) -> _Common:
-    for key, neutral in COMMON_NEUTRAL.items():
-        f.unsupported_unless(key, neutral)
     f.string("user")
     model = served_model(f, settings)
-    n = f.integer("n", lo=1, hi=MAX_CHOICES)
-    stream = f.boolean("stream", False)
+    n = COMMON.read(f, "n")
+    stream = COMMON.read(f, "stream")
     include_usage = continuous_usage = False
     options = f.get("stream_options")
     if options is not None:
@@ -207,25 +170,20 @@ def _common(f: Fields, settings: Settings, vocab_size: int, default_max: int, ig
         # vLLM: usage on every chunk only when include_usage is set too
         continuous_usage = include_usage and so.boolean("continuous_usage_stats", False)
 
-    max_tokens = f.integer("max_tokens", lo=1, hi=math.inf)  # checked against max_total_tokens below
-    max_completion_tokens = f.integer("max_completion_tokens", lo=1, hi=math.inf)
-    temperature = f.number("temperature", ge=0.0, le=2.0)
-    top_p = f.number("top_p", gt=0.0, le=1.0)
-    top_k = f.integer("top_k", lo=-1)
-    repetition_penalty = f.number("repetition_penalty", gt=0.0, le=100.0)
-    ignore_eos = f.boolean("ignore_eos", False)
-    min_tokens = f.integer("min_tokens", lo=0)
+    # The scalars are checked by their entries in gateway.openai.fields (/openapi.json's too);
+    # max_tokens is checked against max_total_tokens once the prompt is tokenized.
+    max_tokens, max_completion_tokens, temperature, top_p, top_k, repetition_penalty, ignore_eos, min_tokens = (
+        COMMON.read(f, name) for name in ("max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
+                                          "repetition_penalty", "ignore_eos", "min_tokens"))
     asked_max = max_completion_tokens if max_completion_tokens is not None else max_tokens
     if min_tokens and asked_max is not None and min_tokens > asked_max:
         raise f.fail("min_tokens", f"({min_tokens}) must be at most max_tokens ({asked_max})")
-    presence = f.number("presence_penalty", ge=-2.0, le=2.0)
-    frequency = f.number("frequency_penalty", ge=-2.0, le=2.0)
-    min_p = f.number("min_p", ge=0.0, le=1.0)
+    presence, frequency, min_p = (COMMON.read(f, name) for name in ("presence_penalty", "frequency_penalty", "min_p"))
     # What the request leaves unset takes the model's generation_config.json default (vLLM's rule).
     sampling: dict[str, Any] = dict(
         **sampling_defaults.for_settings(settings).fill(temperature=temperature, top_p=top_p, top_k=top_k,
                                                         min_p=min_p, repetition_penalty=repetition_penalty),
-        seed=f.integer("seed", lo=MIN_SEED, hi=MAX_SEED),
+        seed=COMMON.read(f, "seed"),
         ignore_eos=ignore_eos,
         stop_token_ids=f.token_ids("stop_token_ids", vocab_size, settings.max_stop_token_ids),
     )
@@ -235,7 +193,7 @@ def _common(f: Fields, settings: Settings, vocab_size: int, default_max: int, ig
         frequency_penalty=frequency if frequency is not None else 0.0,
         logit_bias=_logit_bias(f, vocab_size),
         min_tokens=min_tokens or 0,
-        prompt_logprobs=f.integer("prompt_logprobs", lo=0, hi=MAX_LOGPROBS),  # vLLM's extra
+        prompt_logprobs=COMMON.read(f, "prompt_logprobs"),  # vLLM's extra
         cache_salt=f.cache_salt(),  # vLLM's extra: this request's blocks are shared only under its salt
     )
     sampling["structured"] = openai_structured(f)  # response_format, guided_*, structured_outputs

@@ -1,5 +1,6 @@
 """The Responses API's part of /openapi.json: its paths (`responses_paths`, given gateway.openapi's
 helpers) and schemas (`RESPONSES_SCHEMAS`), hand-written like the rest: the wire format is OpenAI's.
+`ResponsesRequest` is written from the table the validator reads (gateway.responses.fields).
 """
 
 from __future__ import annotations
@@ -7,7 +8,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from gateway.openapi_schemas import CACHE_SALT, _ref
+from gateway.openapi_schemas import _ref
+from gateway.responses.fields import REQUEST
 
 _STR = {"type": "string"}
 _NULLABLE_STR = {"type": ["string", "null"]}
@@ -30,44 +32,7 @@ RESPONSES_SCHEMAS: dict[str, Any] = {
         "type": {"type": "string", "enum": ["function"]}, "name": _STR, "description": _NULLABLE_STR,
         "parameters": {"type": "object", "description": "A JSON schema (compiled: an invalid one is a 400)."},
         "strict": {"type": ["boolean", "null"]}}},
-    "ResponsesRequest": {"type": "object", "required": ["input"], "description": "Served by the chat pipeline "
-                         "(the same admission, budget, structured output and tool parsing as "
-                         "/v1/chat/completions). Accepted without effect: `reasoning` ({effort, summary}), "
-                         "`include`, `prompt_cache_key`, `safety_identifier`, `text.verbosity`, "
-                         "`stream_options`. Only at their neutral value (else a 400 naming them): "
-                         "`truncation` (\"disabled\"), `background` (false), `service_tier` (auto, default), "
-                         "`top_logprobs` (0), `max_tool_calls`, `conversation`, `prompt` (null). Unknown fields "
-                         "are ignored (x-baton-ignored-fields) or a 400 with --strict-api.", "properties": {
-        "model": {**_STR, "description": "A served name (else 404); the openai SDK requires it."},
-        "input": {"oneOf": [{**_STR, "description": "One user message."},
-                            {"type": "array", "minItems": 1, "items": _ref("ResponsesInputItem")}]},
-        "instructions": {**_NULLABLE_STR, "description": "The first (system) message; not carried over by "
-                         "previous_response_id (OpenAI's rule)."},
-        "tools": {"type": "array", "items": _ref("ResponsesTool")},
-        "tool_choice": {"oneOf": [{"type": "string", "enum": ["auto", "none", "required"]},
-                                  {"type": "object", "required": ["type", "name"], "properties": {
-                                      "type": {"type": "string", "enum": ["function"]}, "name": _STR}}]},
-        "parallel_tool_calls": {"type": "boolean", "default": True},
-        "text": {"type": "object", "properties": {"format": {"type": "object", "description": "{type: text} | "
-                 "{type: json_object} | {type: json_schema, name, schema, strict}: through the structured-output "
-                 "engine, as chat's response_format.", "properties": {
-                     "type": {"type": "string", "enum": ["text", "json_object", "json_schema"]},
-                     "name": _STR, "schema": {"type": "object"}, "strict": {"type": ["boolean", "null"]}}},
-                 "verbosity": _NULLABLE_STR}},
-        "max_output_tokens": {**_INT, "minimum": 1, "description": "Reached: status `incomplete`, "
-                              "incomplete_details.reason `max_output_tokens`."},
-        "temperature": {"type": "number", "minimum": 0, "maximum": 2},
-        "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
-        "stream": {"type": "boolean", "default": False},
-        "store": {"type": "boolean", "default": True, "description": "Keep the response (and its conversation) "
-                  "for --responses-ttl seconds (0: nothing is kept, and the response says store: false), within "
-                  "--responses-max-bytes for all (past it the oldest are dropped; one larger than all of it is "
-                  "answered with store: false)."},
-        "previous_response_id": {**_NULLABLE_STR, "description": "Continue a stored response's conversation: "
-                                 "404 if unknown or expired, 400 when storing is disabled."},
-        "metadata": {"type": "object", "additionalProperties": _STR, "maxProperties": 16},
-        "user": _STR, "truncation": {"type": "string", "enum": ["disabled"]}, "cache_salt": CACHE_SALT,
-        "reasoning": {"type": "object", "properties": {"effort": _NULLABLE_STR, "summary": _NULLABLE_STR}}}},
+    "ResponsesRequest": REQUEST.schema(),
     "ResponsesOutputItem": {"type": "object", "description": "`message` {id msg_..., role, status, content: "
                             "[{type: output_text, text, annotations}]}, `function_call` {id fc_..., call_id, name, "
                             "arguments, status} or `reasoning` {id rs_..., summary, content: [{type: "

@@ -12,12 +12,16 @@ Rules:
 - `tools` are function tools only (others are a 400 naming `tools[i].type`); `tool_choice`,
   `parallel_tool_calls`, `text.format` (-> chat's `response_format`), `max_output_tokens` (->
   `max_completion_tokens`), `temperature`, `top_p`, `model` and `user` pass to chat, whose checks
-  (schemas compiled, ranges) apply; `responses_error` renames the fields its errors name back to
-  this API's (`messages[3]` -> `input[2]`, `response_format` -> `text.format`, ...).
+  (schemas compiled, context) apply; the scalars are first checked here by the table
+  (gateway.responses.fields), so their 400s name this API's fields; `responses_error` renames the
+  fields chat's errors name back to this API's (`messages[3]` -> `input[2]`, `response_format` ->
+  `text.format`, ...).
 - Hints that change nothing here are accepted: `reasoning` ({effort, summary}), `include`,
   `prompt_cache_key`, `safety_identifier`, `metadata`, `text.verbosity`, `stream_options`. Known
   fields we cannot honour are accepted only at their neutral value (`truncation: "disabled"`,
-  `background: false`, ...). Unknown fields follow gateway.validation's policy.
+  `background: false`, ...). Known fields, neutral values and scalar bounds come from the table
+  `gateway.responses.fields.REQUEST`, which /openapi.json documents. Unknown fields follow
+  gateway.validation's policy.
 """
 
 from __future__ import annotations
@@ -32,23 +36,8 @@ from gateway.errors import ApiError
 from gateway.tools import MAX_TOOLS
 from gateway.validation import Fields
 from gateway.openai.validation import MAX_CONTENT_PARTS, STATUS
+from gateway.responses.fields import REQUEST
 
-FIELDS = {
-    "model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "text",
-    "max_output_tokens", "temperature", "top_p", "stream", "stream_options", "store",
-    "previous_response_id", "metadata", "user", "truncation", "reasoning", "include",
-    "prompt_cache_key", "safety_identifier", "background", "service_tier", "max_tool_calls",
-    "top_logprobs", "conversation", "prompt", "cache_salt",
-}
-NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "truncation": ("disabled",),
-    "background": (False,),
-    "service_tier": ("auto", "default"),
-    "top_logprobs": (0,),
-    "max_tool_calls": (),
-    "conversation": (),
-    "prompt": (),
-}
 RESPONSE_ID = re.compile(r"^resp_[A-Za-z0-9_-]{1,128}$")
 MESSAGE_ROLES = ("user", "assistant", "system", "developer")
 TEXT_PARTS = ("input_text", "output_text")
@@ -88,9 +77,8 @@ def check_response_id(value: Any, where: str) -> str:
 
 def parse_responses(body: dict[str, Any], settings: Settings) -> ResponsesRequest:
     f = Fields(body, STATUS)
-    ignored = f.unknown(FIELDS, "the request", settings.strict_api)
-    for key, neutral in NEUTRAL.items():
-        f.unsupported_unless(key, neutral)
+    ignored = REQUEST.unknown(f, "the request", settings.strict_api)
+    REQUEST.check_neutral(f)
     for key in ("user", "prompt_cache_key", "safety_identifier"):
         f.string(key)
     _string_list(f, "include")
@@ -105,16 +93,21 @@ def parse_responses(body: dict[str, Any], settings: Settings) -> ResponsesReques
     tool_choice = _tool_choice(f)
     response_format, text, text_ignored = _text(f, settings.strict_api)
     reasoning = _reasoning(f)
-    stream = f.boolean("stream", False)
+    # max_output_tokens, temperature, top_p and the flags, checked by the table (errors name them)
+    scalars = {name: REQUEST.read(f, name) for name in REQUEST.scalars()}
+    stream = scalars["stream"]
     chat: dict[str, Any] = {"stream": stream}
     salt = f.cache_salt()  # vLLM's extra (chat's): the prefix cache shares blocks only under this salt
     if salt is not None:
         chat["cache_salt"] = salt
-    for key in ("model", "temperature", "top_p", "parallel_tool_calls", "user"):
+    for key in ("model", "user"):
         if f.get(key) is not None:
             chat[key] = f.get(key)
-    if f.get("max_output_tokens") is not None:
-        chat["max_completion_tokens"] = f.get("max_output_tokens")
+    for key in ("temperature", "top_p", "parallel_tool_calls"):
+        if f.get(key) is not None:
+            chat[key] = scalars[key]
+    if scalars["max_output_tokens"] is not None:
+        chat["max_completion_tokens"] = scalars["max_output_tokens"]
     if tools:
         chat["tools"] = [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters")
                                                            if t.get(k) is not None}} for t in tools]
@@ -123,19 +116,19 @@ def parse_responses(body: dict[str, Any], settings: Settings) -> ResponsesReques
     if response_format is not None:
         chat["response_format"] = response_format
     # The response repeats the sampling that applies: the model's default where the request set none.
-    applied = sampling_defaults.for_settings(settings).fill(temperature=f.get("temperature"), top_p=f.get("top_p"))
+    applied = sampling_defaults.for_settings(settings).fill(temperature=scalars["temperature"], top_p=scalars["top_p"])
     echoed = {
         "instructions": instructions, "tools": tools, "tool_choice": tool_choice or "auto",
-        "parallel_tool_calls": f.boolean("parallel_tool_calls", True),
+        "parallel_tool_calls": scalars["parallel_tool_calls"],
         "temperature": applied["temperature"], "top_p": applied["top_p"],
-        "max_output_tokens": f.get("max_output_tokens"), "previous_response_id": previous,
+        "max_output_tokens": scalars["max_output_tokens"], "previous_response_id": previous,
         "text": text, "metadata": _metadata(f), "user": f.get("user"), "truncation": "disabled",
         "reasoning": reasoning, "background": False, "service_tier": "default", "top_logprobs": 0,
         "max_tool_calls": None, "prompt_cache_key": f.get("prompt_cache_key"),
         "safety_identifier": f.get("safety_identifier"),
     }
     return ResponsesRequest(chat=chat, input_messages=messages, input_origins=origins, instructions=instructions,
-                            previous_response_id=previous, store=f.boolean("store", True), stream=stream,
+                            previous_response_id=previous, store=scalars["store"], stream=stream,
                             settings=echoed, ignored=ignored + text_ignored)
 
 

@@ -1,46 +1,19 @@
 """TGI's part of /openapi.json: `POST /generate`, `/generate_stream` and `/` (`tgi_paths`, given
-gateway.openapi's helpers) and their schemas (`TGI_SCHEMAS`). The wire format is TGI's; the scalar
-`parameters` are written from the table the validator checks them with (gateway.tgi.parameters)."""
+gateway.openapi's helpers) and their schemas (`TGI_SCHEMAS`). The wire format is TGI's; the
+request body and its `parameters` are written from the tables the validator checks them with
+(gateway.tgi.parameters)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
 
-from gateway.openapi_schemas import _BOOL, _INT, _STR_LIST, CACHE_SALT, _ref, request_body
-from gateway.tgi.parameters import PARAMETERS
-
-
-def parameters_schema() -> dict[str, Any]:
-    """`TgiParameters`: the table's fields, then those with checks of their own."""
-    return {
-        "type": "object",
-        "description": "TGI generation parameters. Fields TGI defines but this server does not implement "
-                       "(typical_p, watermark, frequency_penalty, adapter_id) are accepted only at "
-                       "their neutral value (else 422 naming the "
-                       "field); unknown fields are ignored and listed in x-baton-ignored-fields (422 with "
-                       "--strict-api).",
-        "properties": {
-            **{name: parameter.schema() for name, parameter in PARAMETERS.items()},
-            "grammar": {"type": "object", "required": ["type", "value"], "properties": {
-                "type": {"type": "string", "enum": ["json", "regex", "json_schema"]}, "value": {}},
-                "description": "Structured output: JSON of a schema (an object or JSON text), a regex, or "
-                               "{\"name\", \"schema\"}. Invalid: 422 naming the field."},
-            "stop": {**_STR_LIST, "maxItems": 16, "description": "Stop sequences; the text is cut before the match."},
-            "cache_salt": CACHE_SALT,
-        },
-    }
-
+from gateway.openapi_schemas import _BOOL, _INT, _ref, request_body
+from gateway.tgi.parameters import PARAMETERS, REQUEST
 
 TGI_SCHEMAS: dict[str, Any] = {
-    "TgiParameters": parameters_schema(),
-    "TgiRequest": {
-        "type": "object", "required": ["inputs"],
-        "description": "Unknown fields are ignored and listed in x-baton-ignored-fields (422 with --strict-api).",
-        "properties": {"inputs": {"type": "string", "minLength": 1}, "parameters": _ref("TgiParameters"),
-                       "stream": {**_BOOL, "description": "Only for POST /: stream (SSE) or not."},
-                       "add_special_tokens": {**_BOOL, "default": True}},
-    },
+    "TgiParameters": PARAMETERS.schema(),
+    "TgiRequest": REQUEST.schema(),
     "TgiToken": {"type": "object", "properties": {
         "id": _INT, "text": {"type": "string"}, "logprob": {"type": ["number", "null"]}, "special": _BOOL}},
     "TgiDetails": {"type": "object", "properties": {

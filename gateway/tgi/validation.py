@@ -1,7 +1,7 @@
 """TGI request bodies (`/generate`, `/generate_stream`, `POST /`) -> GenerationSpec (gateway.generation_spec).
 
 TGI semantics kept here: a request samples when `do_sample` is true or any warper is set
-(`temperature` other than 1, `top_p` < 1, `top_k`, `typical_p` < 1), as TGI's NextTokenChooser
+(`temperature` other than 1, `top_p` < 1, `top_k`), as TGI's NextTokenChooser
 decides, and is greedy otherwise; `max_new_tokens` defaults to 100; a sampled request without a
 seed gets a random one, reported back in `details.seed`. Known TGI fields we cannot honour are
 accepted at their neutral value and rejected, by name, otherwise; fields TGI does not know are
@@ -20,38 +20,24 @@ from gateway.config import Settings
 from gateway.errors import validation_error
 from gateway.generation_spec import ApiView, Choices, GenerationSpec, Prompt, provisional_sampling
 from gateway.structured import tgi_structured
-from gateway.tgi.parameters import DEFAULT_MAX_NEW_TOKENS, PARAMETERS, read
+from gateway.tgi.parameters import DEFAULT_MAX_NEW_TOKENS, PARAMETERS, REQUEST
 from gateway.validation import Fields
 
 STATUS = 422  # TGI answers every validation error with 422
-
-TOP_LEVEL_FIELDS = {"inputs", "parameters", "stream", "add_special_tokens"}
-PARAMETER_FIELDS = {
-    *PARAMETERS, "adapter_id", "frequency_penalty", "grammar", "stop", "typical_p", "watermark",
-    "cache_salt",  # vLLM's, not TGI's: the prefix cache shares this request's blocks only under its salt
-}
-# Known TGI parameters we do not implement, with the values that mean "off".
-NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
-    "adapter_id": (),
-    "frequency_penalty": (0,),
-    "typical_p": (1,),
-    "watermark": (False,),
-}
-
 
 def parse_tgi(body: dict[str, Any], settings: Settings, streaming: bool) -> GenerationSpec:
     """`streaming`: whether the route streams (`/generate_stream`, or `POST /` with `stream: true`);
     the route decides, not the body: `/generate_stream` streams whatever `stream` says."""
     top = Fields(body, STATUS)
-    ignored = top.unknown(TOP_LEVEL_FIELDS, "the request", settings.strict_api)
+    ignored = REQUEST.unknown(top, "the request", settings.strict_api)
     inputs = top.string("inputs")
     if inputs is None:
         raise validation_error("`inputs` is required", param="inputs", status=STATUS)
     if inputs == "":
         raise validation_error("`inputs` cannot be empty", param="inputs", status=STATUS)
-    top.boolean("stream", False)  # checked; POST / reads it to pick the route
+    REQUEST.read(top, "stream")  # checked; POST / reads it to pick the route
     stream = streaming
-    add_special_tokens = top.boolean("add_special_tokens", True)
+    add_special_tokens = REQUEST.read(top, "add_special_tokens")
 
     raw = body.get("parameters")
     if raw is None:
@@ -59,27 +45,26 @@ def parse_tgi(body: dict[str, Any], settings: Settings, streaming: bool) -> Gene
     if not isinstance(raw, dict):
         raise validation_error("`parameters` must be an object", param="parameters", status=STATUS)
     p = Fields(raw, STATUS, prefix="parameters.")
-    ignored += p.unknown(PARAMETER_FIELDS, "`parameters`", settings.strict_api)
-    for key, neutral in NEUTRAL_VALUES.items():
-        p.unsupported_unless(key, neutral)
+    ignored += PARAMETERS.unknown(p, "`parameters`", settings.strict_api)
+    PARAMETERS.check_neutral(p)
 
     # The scalar fields are checked by their entries in gateway.tgi.parameters (/openapi.json's too).
-    do_sample = read(p, "do_sample")
-    temperature = read(p, "temperature")
-    top_p = read(p, "top_p")
-    top_k = read(p, "top_k")
-    repetition_penalty = read(p, "repetition_penalty")
-    seed = read(p, "seed")
-    max_new_tokens = read(p, "max_new_tokens")  # checked against max_total_tokens once tokenized
+    do_sample = PARAMETERS.read(p, "do_sample")
+    temperature = PARAMETERS.read(p, "temperature")
+    top_p = PARAMETERS.read(p, "top_p")
+    top_k = PARAMETERS.read(p, "top_k")
+    repetition_penalty = PARAMETERS.read(p, "repetition_penalty")
+    seed = PARAMETERS.read(p, "seed")
+    max_new_tokens = PARAMETERS.read(p, "max_new_tokens")  # checked against max_total_tokens once tokenized
     stop = p.stop_strings("stop", settings.max_stop_sequences, settings.max_stop_length, allow_str=False)
-    prompt = Prompt(input=inputs, add_special_tokens=add_special_tokens, truncate=read(p, "truncate"))
-    api = ApiView(stream=stream, details=read(p, "details"), return_full_text=read(p, "return_full_text"),
+    prompt = Prompt(input=inputs, add_special_tokens=add_special_tokens, truncate=PARAMETERS.read(p, "truncate"))
+    api = ApiView(stream=stream, details=PARAMETERS.read(p, "details"),
+                  return_full_text=PARAMETERS.read(p, "return_full_text"),
                   ignored_fields=ignored)
-    typical_p = p.number("typical_p", gt=0.0, le=1.0)
     # TGI samples when asked to or when any warper would change the distribution; a temperature
     # of exactly 1 or top_p of 1 changes nothing, so alone they leave the request greedy.
     warped = ((temperature is not None and temperature != 1.0) or (top_p is not None and top_p < 1.0)
-              or top_k is not None or (typical_p is not None and typical_p < 1.0))
+              or top_k is not None)
     # What the request leaves unset takes the model's generation_config.json default; those decide
     # how a request samples, never whether: that stays TGI's rule above (its own fields only).
     filled = sampling_defaults.for_settings(settings).fill(temperature=temperature, top_p=top_p, top_k=top_k,
@@ -104,14 +89,14 @@ def parse_tgi(body: dict[str, Any], settings: Settings, streaming: bool) -> Gene
 def _logprobs_and_best_of(p: Fields, sampling: dict[str, Any], stream: bool, greedy: bool) -> Choices:
     """top_n_tokens (details.top_tokens / each stream event's top_tokens), decoder_input_details
     (details.prefill with the prompt's logprobs) and best_of (as TGI: sampled, not streamed)."""
-    top_n = read(p, "top_n_tokens")
+    top_n = PARAMETERS.read(p, "top_n_tokens")
     if top_n:
         sampling["logprobs"] = top_n
-    if read(p, "decoder_input_details"):
+    if PARAMETERS.read(p, "decoder_input_details"):
         if stream:
             raise p.fail("decoder_input_details", "is not available when streaming (TGI's rule)")
         sampling["prompt_logprobs"] = 0
-    best_of = read(p, "best_of")
+    best_of = PARAMETERS.read(p, "best_of")
     if best_of is not None and best_of > 1:
         if greedy:
             raise p.fail("best_of", "needs sampling: set `do_sample` (greedy candidates would all be the same)")
