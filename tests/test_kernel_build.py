@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -205,6 +206,47 @@ def test_a_builder_that_never_finishes_is_waited_for_only_so_long(tmp_path, monk
         assert time.monotonic() - started < 10
     assert "BATON_KERNEL_BUILD_TIMEOUT" in caplog.text and "the torch path runs" in caplog.text
     assert not (build_dir / f"{NAME}.so").exists()
+
+
+@needs_compiler
+def test_a_compile_is_announced_before_and_timed_after_and_a_cached_build_says_nothing(tmp_path, monkeypatch,
+                                                                                       caplog):
+    """What a first start shows while a worker compiles (issue #42): one line before, one after."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    ext = kernels.Extension(name=NAME, cpp_sources=(TINY_SOURCE,), extra_cflags=("-O0",), implicit_headers=False)
+    build_dir = kernels.build_directory(ext)
+    assert kernels.needs_compile(build_dir, ext)
+    with caplog.at_level(logging.INFO, logger="baton.model.kernels"):
+        assert kernels.build(ext).add(2, 3) == 5
+    said = [record.getMessage() for record in caplog.records]
+    assert said[0] == "building the native CPU kernels (first start on this machine, takes a few minutes) ..."
+    assert len(said) == 2 and re.fullmatch(r"native kernels built in \d+s", said[1]), said
+    assert not kernels.needs_compile(build_dir, ext)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="baton.model.kernels"):
+        assert kernels.build(ext).add(2, 3) == 5
+    assert caplog.records == []  # cached: nothing to say (it loads in well under SLOW_BUILD_S)
+
+
+@pytest.mark.parametrize("other_build_s, lines", [(0.1, 0), (0.6, 2)], ids=["a moment", "longer"])
+def test_a_wait_for_another_builder_says_when_it_is_over(tmp_path, monkeypatch, caplog, other_build_s, lines):
+    """A wait past WAIT_NOTICE_S is said when it begins and when it ends; a moment's wait (the other
+    worker loading a cached build) is not worth a line."""
+    import fcntl
+    import threading
+
+    monkeypatch.setattr(kernels, "WAIT_NOTICE_S", 0.3)
+    with open(tmp_path / "baton.lock", "w") as held:  # another process's build
+        fcntl.flock(held, fcntl.LOCK_EX)
+        threading.Timer(other_build_s, fcntl.flock, args=(held, fcntl.LOCK_UN)).start()
+        with (caplog.at_level(logging.INFO, logger="baton.model.kernels"),
+              kernels._builder_lock(tmp_path, timeout_s=30) as got):
+            assert got
+    said = [record.getMessage() for record in caplog.records]
+    assert len(said) == lines, said
+    if lines:
+        assert said[0].startswith("another process is building"), said
+        assert re.fullmatch(rf"the other build of {tmp_path.name} is over \(waited \d+ s\)", said[1]), said
 
 
 def test_the_build_timeout_comes_from_the_environment(monkeypatch, caplog):

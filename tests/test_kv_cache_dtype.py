@@ -133,6 +133,7 @@ def test_baton_serve_hands_an_int8_cache_from_prefill_to_decode(tiny_model_dir):
 
         texts = asyncio.run(run())
         assert texts == [e.rstrip("\ufffd") for e in expected]
+        _assert_each_worker_said_its_load("".join(serve.err), tiny_model_dir.name)
         # the decode worker read the prefill worker's blocks (none rejected, none recomputed), at
         # int8's bytes: a head row of the tiny model is 16 codes + 4 scale bytes, fp32's 64 bytes
         decode = _metrics(metrics_port + 1)
@@ -141,6 +142,20 @@ def test_baton_serve_hands_an_int8_cache_from_prefill_to_decode(tiny_model_dir):
         tokens = sum(len(local.tokenizer.encode(p)) for p in prompts)
         row_bytes = 2 * 2 * 2 * (16 + 4)  # layers x (K, V) x kv_heads x row
         assert tokens * row_bytes <= fetched < tokens * row_bytes + 16 * row_bytes * len(prompts) + 4096, fetched
+
+
+def _assert_each_worker_said_its_load(log: str, model_name: str) -> None:
+    """`baton serve`'s terminal shows each worker's load as it happens (issue #42): a line naming the
+    worker, the model, its weights' size and the settings when it starts, one with the time taken,
+    what runs and the memory when it is done."""
+    import re
+
+    for kind in ("prefill", "decode"):
+        started = re.findall(rf"{kind} worker {kind}-\S+: loading {re.escape(model_name)} "
+                             r"\(model\.safetensors \d+ MB, dtype float32, quantization auto\) \.\.\.", log)
+        done = re.findall(rf"{kind} worker {kind}-\S+: loaded in \d+\.\ds \(float32; KV pool \d+ MiB"
+                          r"; resident memory \d+ MB\)", log)
+        assert len(started) == 1 and len(done) == 1, f"{kind} worker: {started} {done}\n{log}"
 
 
 def _metrics(port: int) -> dict[str, float]:

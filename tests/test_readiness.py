@@ -241,3 +241,27 @@ def test_sigterm_lets_streams_in_flight_finish_within_the_shutdown_grace(default
         assert last["generated_text"] == " ".join(["word"] * 24).strip() and len(events) == 25, (len(events), events[-1])
     else:
         assert len(events) < 25 and last.get("generated_text") is None, (len(events), events[-1])
+
+
+def test_probe_requests_leave_no_access_log_line_and_the_others_do():
+    """`baton serve` polls /ready twice a second while the workers load: those lines (and probes'
+    and scrapes' for ever after) would bury the workers' progress lines; a request's line stays."""
+    import logging.config
+
+    logging.config.dictConfig(logs.uvicorn_log_config("info"))
+    seen: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record.getMessage())
+
+    handler = Keep()
+    access = logging.getLogger("uvicorn.access")
+    access.addHandler(handler)
+    try:
+        for path in ("/ready", "/health?x=1", "/metrics", "/v1/completions", "/generate"):
+            access.info('%s - "%s %s HTTP/%s" %d', "127.0.0.1:5", "GET", path, "1.1", 200)
+    finally:
+        access.removeHandler(handler)
+        access.filters.clear()
+    assert [line.split('"')[1] for line in seen] == ["GET /v1/completions HTTP/1.1", "GET /generate HTTP/1.1"]

@@ -22,20 +22,9 @@ from tests.test_gguf_source import write_tiny_gguf
 
 PROMPT = [5, 10, 20, 30, 44, 7, 9, 8]
 
-# Loads the model as a worker does and reports its greedy tokens, the packed files it maps, how (the
-# permissions: shared, read-only) and how many of those mapped bytes are copies of its own (Anonymous:
-# copy-on-write pages) rather than the page cache's file pages.
-LOAD = """
-import json, logging, sys
-logging.basicConfig(level=logging.INFO, stream=sys.stderr)
-from baton.llm import LLM
-from baton.common.sampling_params import SamplingParams
-from baton.model.linear import QuantizedLinear
-
-llm = LLM(model=sys.argv[1], dtype="bfloat16", quantization="auto", num_kv_blocks=32, num_threads=1)
-[out] = llm.generate([json.loads(sys.argv[2])], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-model = llm.engine.runtime.model
-ops = [getattr(owner, name) for owner, name, _ in model.projection_slots()]
+# The packed files this process maps (from /proc/self/smaps): their permissions, resident KB, and how
+# many of those are copies of its own (Anonymous: copy-on-write pages) rather than the page cache's.
+READ_MAPS = """
 maps, current = {}, None
 for line in open("/proc/self/smaps"):
     fields = line.split()
@@ -49,7 +38,21 @@ for line in open("/proc/self/smaps"):
         maps[current]["anonymous_kb"] += int(fields[1])
 for m in maps.values():
     m["perms"] = sorted(m["perms"])
-print(json.dumps({"tokens": out.outputs[0].token_ids, "maps": maps,
+"""
+
+# Loads the model as a worker does and reports its greedy tokens and the packed files it maps.
+LOAD = """
+import json, logging, sys
+logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+from baton.llm import LLM
+from baton.common.sampling_params import SamplingParams
+from baton.model.linear import QuantizedLinear
+
+llm = LLM(model=sys.argv[1], dtype="bfloat16", quantization="auto", num_kv_blocks=32, num_threads=1)
+[out] = llm.generate([json.loads(sys.argv[2])], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+model = llm.engine.runtime.model
+ops = [getattr(owner, name) for owner, name, _ in model.projection_slots()]
+""" + READ_MAPS + """print(json.dumps({"tokens": out.outputs[0].token_ids, "maps": maps,
                   "quantized": sum(isinstance(op, QuantizedLinear) and op.native for op in ops)}))
 """
 
@@ -131,6 +134,57 @@ def test_two_workers_map_one_packed_file_and_answer_alike(tmp_path, monkeypatch,
     assert "mapped from" in third.stderr and list((cache / "packed").glob("*.bin")) == [packed_file]
 
     # and a worker with the shared file turned off packs its own copy, to the same tokens
+    private = subprocess.run(cmd, env={**env, "BATON_PACKED_CACHE": "off"}, cwd=cwd, capture_output=True,
+                             text=True, timeout=300)
+    assert private.returncode == 0, private.stderr[-3000:]
+    alone = json.loads(private.stdout.strip().splitlines()[-1])
+    assert alone["maps"] == {} and alone["tokens"] == results[0]["tokens"]
+
+
+# As LOAD, for bf16 weights (quantization none): the native bf16 matmul's packs are what is shared.
+LOAD_BF16 = """
+import json, logging, sys
+logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+from baton.llm import LLM
+from baton.common.sampling_params import SamplingParams
+
+llm = LLM(model=sys.argv[1], dtype="bfloat16", quantization="none", num_kv_blocks=32, num_threads=1)
+[out] = llm.generate([json.loads(sys.argv[2])], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+""" + READ_MAPS + """
+print(json.dumps({"tokens": out.outputs[0].token_ids, "maps": maps}))
+"""
+
+
+def test_bf16_workers_map_one_file_of_native_packs_and_answer_alike(tmp_path, monkeypatch):
+    """bf16 weights (issue 42): the first load writes the native bf16 matmul's packs to the cache, a
+    second maps them read-only (no page copied) and answers the same; with the cache off, a load
+    keeps private packs, to the same tokens."""
+    from baton.model import kernels
+    from baton.model.linear import native_gemv
+
+    if not native_gemv(kernels.load()):
+        pytest.skip("no native bf16 matmul on this CPU (AVX512-BF16): nothing is packed, so nothing is shared")
+    cache = tmp_path / "cache"
+    source = tmp_path / "tiny.gguf"
+    write_tiny_gguf(source)
+    env = {**os.environ, "BATON_CACHE": str(cache), "TOKENIZERS_PARALLELISM": "false"}
+    from baton.common.model_files import resolve_model
+
+    monkeypatch.setenv("BATON_CACHE", str(cache))
+    model_dir = resolve_model(str(source))
+    cmd = [sys.executable, "-c", LOAD_BF16, str(model_dir), json.dumps(PROMPT)]
+    cwd = Path(__file__).resolve().parents[1]
+    runs = [subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=300) for _ in range(2)]
+    results = []
+    for run in runs:
+        assert run.returncode == 0, run.stderr[-3000:]
+        results.append(json.loads(run.stdout.strip().splitlines()[-1]))
+    [packed_file] = list((cache / "packed").glob("bf16-*.bin"))
+    assert "written to" in runs[0].stderr and "mapped from" in runs[1].stderr
+    for result in results:
+        mapping = result["maps"][str(packed_file)]
+        assert mapping["perms"] == ["r--s"] and mapping["rss_kb"] > 0 and mapping["anonymous_kb"] == 0
+    assert results[0]["tokens"] == results[1]["tokens"]
     private = subprocess.run(cmd, env={**env, "BATON_PACKED_CACHE": "off"}, cwd=cwd, capture_output=True,
                              text=True, timeout=300)
     assert private.returncode == 0, private.stderr[-3000:]

@@ -144,9 +144,28 @@ def setup_logging(level: str = "INFO", fmt: str = "text") -> None:
     root.setLevel(level.upper())
 
 
+PROBE_PATHS = frozenset({"/health", "/ready", "/live", "/metrics", "/ping"})
+
+
+class ProbeAccessFilter(logging.Filter):
+    """Drops the access-log lines of probes and scrapes (`PROBE_PATHS`): `baton serve` polls /ready
+    twice a second while the workers load, and Kubernetes and Prometheus poll for ever; a line for
+    each buried what the log is for (the workers' progress, the requests). Their counts stay in the
+    gateway's own metrics."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args  # uvicorn's: (client, method, path, http version, status)
+        if isinstance(args, tuple) and len(args) >= 3 and isinstance(args[2], str):
+            return args[2].split("?", 1)[0] not in PROBE_PATHS
+        return True
+
+
 def uvicorn_log_config(level: str) -> dict[str, Any]:
     """uvicorn's own loggers (startup, errors, access) through the same handler as ours: their
-    records propagate to the root logger instead of uvicorn's default text handlers."""
+    records propagate to the root logger instead of uvicorn's default text handlers; probes'
+    access lines are dropped (`ProbeAccessFilter`)."""
     names = ("uvicorn", "uvicorn.error", "uvicorn.access")
+    loggers: dict[str, Any] = {name: {"handlers": [], "level": level.upper(), "propagate": True} for name in names}
+    loggers["uvicorn.access"]["filters"] = ["probes"]
     return {"version": 1, "disable_existing_loggers": False,
-            "loggers": {name: {"handlers": [], "level": level.upper(), "propagate": True} for name in names}}
+            "filters": {"probes": {"()": ProbeAccessFilter}}, "loggers": loggers}

@@ -38,7 +38,7 @@ from baton.model.layers_plan import LayersPlan
 from baton.model.plan_report import PathChoices
 from baton.model.thread_gate import ThreadGate
 from baton.model.moe import SparseMoE, activation
-from baton.model.rope import apply_rope, rope_inv_freq, rope_table
+from baton.model.rope import apply_rope, length_dependent, rope_inv_freq, rope_table
 
 __all__ = ["CausalLM", "DecoderLayer", "Attention", "MLP", "RMSNorm", "set_op", "apply_rope", "rope_inv_freq",
            "rope_table"]  # the rope functions are re-exported (their home is baton.model.rope)
@@ -193,6 +193,8 @@ class MLP(nn.Module):
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down(self.act(gate) * up)
 
+
+MIN_ROPE_TABLE = 4096  # positions a rope table holds at least (it doubles past them)
 
 # which norms a layer has, by placement (the checkpoint's names; see FamilySpec)
 _LAYER_NORMS = {
@@ -387,9 +389,14 @@ class CausalLM(nn.Module):
             drop_load_copies(op)
             freed += self.drop_projection_weight(linear)
         freed += self._embed_from_head()
-        if self.layers_plan is not None:  # rebuilt over what the ops hold now
-            self.layers_plan = LayersPlan.build(self, self.layers_plan.kernel)
+        self.rebuild_layers_plan()
         return freed
+
+    def rebuild_layers_plan(self) -> None:
+        """Build the layers plan again over what the ops hold now (after their weights were released
+        or their packs swapped for shared ones: the plan keeps references to them)."""
+        if self.layers_plan is not None:
+            self.layers_plan = LayersPlan.build(self, self.layers_plan.kernel)
 
     def _embed_from_head(self) -> int:
         """A tied head whose op reads rows (the native bf16 pack, quantized blocks) serves the
@@ -417,7 +424,12 @@ class CausalLM(nn.Module):
         # positions: [T] -> cos, sin_signed: [T, 1, rotary_dim] in the model's dtype
         table = self.rope_tables.get(local)
         if table is None or max_position >= table[0].shape[0]:
-            size = max(self.config.max_position_embeddings, 2 * (max_position + 1))
+            # grown by doubling as positions come (a 128k-context model's whole table, built in fp32
+            # at the first step, left ~200 MB on each worker's heap); a length-dependent type's is
+            # built for the whole context at once, as the reference computes it
+            size = max(MIN_ROPE_TABLE, 2 * (max_position + 1))
+            if length_dependent(self.config, local):
+                size = max(self.config.max_position_embeddings, size)
             param = self.embed_tokens.weight
             table = self.rope_tables[local] = rope_table(self.config, size, param.dtype, param.device, local)
         return table[0][positions].unsqueeze(1), table[1][positions].unsqueeze(1)

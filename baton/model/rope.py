@@ -128,6 +128,17 @@ def _cos_sin(inv_freq: torch.Tensor, scaling: float, positions: torch.Tensor) ->
     return emb.cos() * scaling, emb.sin() * scaling
 
 
+LENGTH_DEPENDENT = ("dynamic", "longrope")  # types whose frequencies depend on the table's length
+
+
+def length_dependent(config: ModelConfig, local: bool = False) -> bool:
+    """Whether the rope's frequencies depend on the sequence length (then a table is computed for
+    the whole context at once, as the reference computes it); the others' rows are the same
+    whatever the table's length, so a table need only reach the positions in use."""
+    scaling = (config.rope_scaling_local if local and config.rope_theta_local is not None else config.rope_scaling) or {}
+    return scaling.get("rope_type", scaling.get("type", "default")) in LENGTH_DEPENDENT
+
+
 def rope_table(config: ModelConfig, num_positions: int, dtype: torch.dtype, device: torch.device | str,
                local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sign-folded sin for positions [0, num_positions): [P, rotary_dim] each, in `dtype`.

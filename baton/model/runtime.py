@@ -33,6 +33,7 @@ from baton.model.model import CausalLM
 from baton.model.draft import DraftRow, propose_greedy
 from baton.model.model_runner import ModelRunner, PoolRows, PromptRows, StepResult, kv_bytes_per_block
 from baton.model.quant import asks_for_quantized, describe_weights, quantize_model, resolve_weights
+from baton.model.shared_bf16 import share_native_packs
 from baton.model.short_conv import state_dims
 from baton.model.step_batch import RowKind, StepBatch, StepRow, step_row
 from baton.model.thread_gate import ThreadGate, no_gate_args
@@ -215,6 +216,9 @@ def load_runtime(config: RuntimeConfig) -> ModelRuntime:
         # KV computed with other weights is another model's: prefix hashes (and the block store's
         # keys) must not match across quantizations
         model_config = dataclasses.replace(model_config, model_id=f"{model_config.model_id}+{scheme}")
+    if scheme == "none" and share_native_packs(model, model_dir, source):
+        # the layers plan holds the ops' packs: rebuilt over the shared ones (the private ones are freed)
+        model.rebuild_layers_plan()
     release_readers()  # the file's tensors are all read (or mapped as packs): its header is not needed
     weights_dtype = next(model.parameters()).dtype
     description = describe_weights(scheme, weights_dtype, config.dtype, config.quantization, source)

@@ -11,9 +11,12 @@ nothing touches the engine while a step runs in its thread: the loop and the hea
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,6 +27,7 @@ from baton.engine.kv_types import KVLoad, LoadedKV
 from baton.engine.llm_engine import EngineConfig, LLMEngine
 from baton.engine.outputs import EngineOutput, EngineStats
 from baton.common.logs import request_extra
+from baton.common.model_files import gguf_source
 from baton.worker.config import WorkerConfig
 from baton.worker.core import Effects, Opening, WorkerCore
 from baton.worker.thread_lending import StepCores, run_with_threads
@@ -51,6 +55,72 @@ def build_engine(args: WorkerConfig) -> LLMEngine:
         speculative_config=args.speculative_config,  # decode workers only
         release_load_copies=True,
     ))
+
+
+def weights_label(model_dir: Path, dtype: str, quantization: str) -> str:
+    """'SmolLM2-135M-Instruct.Q4_1.gguf 98 MB' (or 'model.safetensors ...', 'N files ...'): the files
+    the load reads, as baton.cli.preflight.weight_files picks them (the GGUF a directory was converted
+    from where `--quantization auto` serves its blocks, not with float32; else its safetensors)."""
+    source = gguf_source(model_dir) if quantization == "auto" and dtype != "float32" else None
+    files = [source] if source is not None else sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        return "no weight files found"
+    name = files[0].name if len(files) == 1 else f"{len(files)} files"
+    return f"{name} {sum(path.stat().st_size for path in files) / 1e6:.0f} MB"
+
+
+def resident_mb(status: Path = Path("/proc/self/status")) -> float | None:
+    """This process's resident memory (VmRSS) in MB; None where /proc does not say (not Linux)."""
+    try:
+        for line in status.read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024 / 1e6  # the kernel says kB (KiB)
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+class _Prefixed(logging.Filter):
+    """Puts `prefix: ` before each message of one logger (its records keep their level and args)."""
+
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self.prefix = prefix.replace("%", "%%")  # the message is a %-format string
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.msg = f"{self.prefix}: {record.msg}"
+        return True
+
+
+@contextmanager
+def _named_kernel_lines(name: str) -> Iterator[None]:
+    """While this worker loads, its native-kernel build lines name it: prefill and decode workers
+    build (or wait for each other's build) at the same time, and their lines reach one terminal."""
+    kernel_logger = logging.getLogger("baton.model.kernels")
+    prefixed = _Prefixed(name)
+    kernel_logger.addFilter(prefixed)
+    try:
+        yield
+    finally:
+        kernel_logger.removeFilter(prefixed)
+
+
+def load_engine(args: WorkerConfig, name: str) -> LLMEngine:
+    """`build_engine`, with a line when the load starts and one when it is done (elapsed seconds,
+    the KV pool, the process's resident memory): a load takes minutes on a first start (the native
+    kernels are compiled) or with a large model, and `baton serve` shows these lines as it waits."""
+    model_dir = Path(args.model or "")
+    logger.info("%s: loading %s (%s, dtype %s, quantization %s) ...", name, model_dir.name,
+                weights_label(model_dir, args.dtype, args.quantization), args.dtype, args.quantization)
+    started = time.monotonic()
+    with _named_kernel_lines(name):
+        engine = build_engine(args)
+    rss = resident_mb()
+    logger.info("%s: loaded in %.1fs (%s%s; KV pool %.0f MiB%s)", name, time.monotonic() - started,
+                str(engine.dtype).removeprefix("torch."),
+                "" if engine.quantization == "none" else f", {engine.quantization} weights",
+                engine.kv_cache_bytes / 2**20, "" if rss is None else f"; resident memory {rss:.0f} MB")
+    return engine
 
 
 class WorkerShell:
@@ -98,7 +168,10 @@ class WorkerShell:
     @classmethod
     def from_args(cls, args: WorkerConfig, registry: CollectorRegistry = REGISTRY) -> WorkerShell:
         """The worker `python -m <kind>_worker` runs: its engine, Redis client and store from its config."""
-        return cls(args, build_engine(args), connect(args.redis_url), registry=registry)
+        # its id now: the load's progress lines name the worker as its later lines do
+        args = dataclasses.replace(args, worker_id=args.worker_id or default_worker_id(cls.kind))
+        engine = load_engine(args, f"{cls.kind} worker {args.worker_id}")
+        return cls(args, engine, connect(args.redis_url), registry=registry)
 
     def state(self) -> dict:
         """What the heartbeat advertises (counts of this kind of worker, from `self.stats`)."""

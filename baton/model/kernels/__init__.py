@@ -12,12 +12,13 @@ Each file says what it measured.
 
 The build uses torch's own extension builder (a C++ compiler and ninja are needed) and is cached
 under `$TORCH_EXTENSIONS_DIR` (default `~/.cache/torch_extensions`), keyed by the source, the
-toolchain and this CPU's identity (it is compiled with -march=native, so a build from one CPU model
-must not be reused on another: `_cpu_signature` reads the identity lines of every architecture's
-/proc/cpuinfo, aarch64's "CPU part" as well as x86's "model name"). Where it cannot be built (no
-compiler, a slim image), `load()` returns None and the torch path runs. Whether to use them at all is
-the runtime's choice (`RuntimeConfig.native_kernels`, default `BATON_NATIVE_KERNELS`): with it off,
-nothing calls `load()`.
+toolchain (with the paths of this checkout and of torch, which torch's build.ninja names) and this
+CPU's identity (it is compiled with -march=native, so a build from one CPU model must not be reused
+on another: `_cpu_signature` reads the identity lines of every architecture's /proc/cpuinfo,
+aarch64's "CPU part" as well as x86's "model name"). Where it cannot be built (no compiler, a slim
+image), `load()` returns None and the torch path runs. Whether to use them at all is the runtime's
+choice (`RuntimeConfig.native_kernels`, default `BATON_NATIVE_KERNELS`): with it off, nothing calls
+`load()`.
 
 A build is serialised by an flock of ours (`baton.lock` in the build folder) around torch's builder.
 Torch's own lock is a file that exists while a build runs, and torch waits for it to disappear
@@ -60,6 +61,10 @@ _lock = threading.Lock()
 _loaded: dict[str, ModuleType | None] = {}
 
 DEFAULT_BUILD_TIMEOUT_S = 900.0
+SLOW_BUILD_S = 5.0  # a cached build loads in well under this; past it, torch is compiling
+# a wait for another builder said only past this: workers starting together wait a moment for each
+# other's load of a cached build every start, which is nothing to report
+WAIT_NOTICE_S = 2.0
 # /proc/cpuinfo keys that say which CPU this is (what -march=native compiles for), per architecture:
 # x86 (vendor_id .. flags), aarch64 (CPU implementer .. Features), RISC-V (isa, uarch, m*id), POWER
 # (cpu), MIPS (cpu model), s390 (vendor_id, features), LoongArch (model name, features). Per-core and
@@ -125,7 +130,10 @@ def kernels_extension() -> Extension:
     # --threads said (a Q4 8192x576 matmul at batch 1 on 2 threads: 144 us, now 63 us).
     cflags = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno")
     ldflags = ("-fopenmp",)
-    toolchain = f"{_compiler()} torch {torch.__version__} python {sys.version_info[:2]}"
+    # the paths torch's build.ninja names (this checkout's sources, this venv's torch): two checkouts
+    # sharing one cache under one name rewrote each other's build.ninja, and ninja rebuilt at every start
+    toolchain = (f"{_compiler()} torch {torch.__version__} {Path(torch.__file__).parent} python "
+                 f"{sys.version_info[:2]} {_DIR}")
     keyed = "\0".join([*sources, (_DIR / "vec.h").read_text(), *_FUNCTIONS, *cflags, *ldflags, toolchain])
     digest = hashlib.sha256(keyed.encode()).hexdigest()[:10]
     return Extension(
@@ -208,18 +216,22 @@ def _builder_lock(build_dir: Path, timeout_s: float) -> Iterator[bool]:
     path = build_dir / "baton.lock"
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        deadline = time.monotonic() + timeout_s
+        started = time.monotonic()
+        deadline = started + timeout_s
         waiting = False
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                if waiting:  # the wait said it began: say it ended, or the log reads as still waiting
+                    logger.info("the other build of %s is over (waited %.0f s)", build_dir.name,
+                                time.monotonic() - started)
                 break
             except BlockingIOError:  # another process holds it: it is building (or loading) now
                 pass
             if time.monotonic() >= deadline:
                 yield False
                 return
-            if not waiting:
+            if not waiting and time.monotonic() - started >= WAIT_NOTICE_S:
                 logger.info("another process is building %s: waiting for it (up to %.0f s)", build_dir.name,
                             timeout_s)
                 waiting = True
@@ -244,6 +256,39 @@ def _clear_stale_torch_lock(build_dir: Path) -> None:
                    "building again", stale)
 
 
+def needs_compile(build_dir: Path, ext: Extension) -> bool:
+    """Whether `ext` has no library in `build_dir` yet, so that the build about to run compiles
+    (minutes for the kernels at -O3) rather than loads what is there (well under a second)."""
+    return not (build_dir / f"{ext.name}.so").is_file()
+
+
+@contextmanager
+def _build_progress(build_dir: Path, ext: Extension) -> Iterator[None]:
+    """One line before a compile and one after it, at INFO: a first start spends minutes here, and a
+    worker that says nothing meanwhile reads as a hang. A build found cached says nothing. A rebuild
+    that `needs_compile` cannot foresee (ninja finds a stale object) is announced once it has run
+    for `SLOW_BUILD_S`."""
+    started = time.monotonic()
+    compiling = needs_compile(build_dir, ext)
+    late: threading.Timer | None = None
+    if compiling:
+        logger.info("building the native CPU kernels (first start on this machine, takes a few minutes) ...")
+    else:
+        late = threading.Timer(SLOW_BUILD_S, logger.info, args=(
+            "building the native CPU kernels again (the cached build is out of date, takes a few minutes) ...",))
+        late.daemon = True
+        late.start()
+    try:
+        yield
+    finally:
+        if late is not None:
+            late.cancel()
+    # (not reached when the build raised: `build` says that it failed instead)
+    elapsed = time.monotonic() - started
+    if compiling or elapsed >= SLOW_BUILD_S:
+        logger.info("native kernels built in %.0fs", elapsed)
+
+
 def build(ext: Extension, timeout_s: float | None = None) -> ModuleType | None:
     """Build (or find cached) and import `ext`, or None where it cannot be built: no compiler, a
     build error (logged with its cause), or another process still building it after `timeout_s`
@@ -265,17 +310,18 @@ def build(ext: Extension, timeout_s: float | None = None) -> ModuleType | None:
                                build_dir / "baton.lock", timeout_s)
                 return None
             _clear_stale_torch_lock(build_dir)
-            return load_inline(
-                name=ext.name,
-                cpp_sources=list(ext.cpp_sources),
-                functions=list(ext.functions) if ext.functions is not None else None,
-                extra_cflags=list(ext.extra_cflags),
-                extra_ldflags=list(ext.extra_ldflags),
-                extra_include_paths=list(ext.extra_include_paths),
-                build_directory=str(build_dir),
-                no_implicit_headers=not ext.implicit_headers,
-                verbose=False,
-            )
+            with _build_progress(build_dir, ext):
+                return load_inline(
+                    name=ext.name,
+                    cpp_sources=list(ext.cpp_sources),
+                    functions=list(ext.functions) if ext.functions is not None else None,
+                    extra_cflags=list(ext.extra_cflags),
+                    extra_ldflags=list(ext.extra_ldflags),
+                    extra_include_paths=list(ext.extra_include_paths),
+                    build_directory=str(build_dir),
+                    no_implicit_headers=not ext.implicit_headers,
+                    verbose=False,
+                )
     except Exception as exc:  # noqa: BLE001 - any build failure means: use the fallback, and say so
         logger.warning("native kernels %s could not be built (%s): the torch path runs", ext.name,
                        str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
