@@ -8,6 +8,15 @@ model's tokenizer (its ids are a subset of the vocabulary).
     python benchmarks/make_random_model.py /tmp/llama-1b-shapes
     python benchmarks/make_random_model.py --tiny /tmp/llama-tiny    # 2 layers, 6 MB: the engine's fixed part
     python benchmarks/bench_memory.py --model /tmp/llama-1b-shapes --schemes none,int8
+
+`--gguf q8_0` writes a GGUF instead (no llama.cpp needed): Llama-3.2-1B's layer shapes with the
+default model's tokenizer and 49152-token vocabulary (its `tokenizer.*` fields copied), every
+projection and the tied embedding as Q8_0 blocks of random int8 quants under one small fp16 scale,
+norms 1.0: 1.07B parameters, 1.14 GB. With `--tiny`, the same writer's 2-layer model (5 MB, mostly
+the tokenizer): bench_shared_weights.py's fixed cost of a worker.
+
+    python benchmarks/make_random_model.py --gguf q8_0 /tmp/llama-1b-shapes.Q8_0.gguf
+    python benchmarks/bench_shared_weights.py --model /tmp/llama-1b-shapes.Q8_0.gguf --workers 4
 """
 
 from __future__ import annotations
@@ -15,16 +24,92 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import numpy as np
+
+Q8_0_BLOCK = 32  # weights per Q8_0 block: an fp16 scale, then 32 int8 quants (34 bytes)
+
+
+def q8_0_random_blocks(rng: np.random.Generator, rows: int, cols: int, scale: float = 0.002) -> np.ndarray:
+    """Random Q8_0 blocks as the file stores them, [rows, cols / 32 * 34] bytes: the quants are drawn as int8
+    directly (no floats to quantize), every block under the same fp16 `scale`, so weights are +-0.25 at most."""
+    import numpy as np
+
+    blocks = np.empty((rows, cols // Q8_0_BLOCK, 2 + Q8_0_BLOCK), dtype=np.uint8)
+    blocks[:, :, :2] = np.frombuffer(np.float16(scale).tobytes(), dtype=np.uint8)
+    blocks[:, :, 2:] = rng.integers(-127, 128, size=(rows, cols // Q8_0_BLOCK, Q8_0_BLOCK), dtype=np.int8).view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+def write_q8_0_gguf(out: Path, tiny: bool, seed: int) -> int:
+    """Writes the GGUF and returns its parameter count; shapes are [rows, cols] as numpy sees them
+    (GGUF lists them reversed)."""
+    import gguf
+    import numpy as np
+
+    from baton.common.model_files import gguf_source, resolve_model
+
+    layers, hidden, ffn, heads, kv_heads = (2, 64, 128, 4, 2) if tiny else (16, 2048, 8192, 32, 8)
+    head_dim = hidden // heads
+    reader = gguf.GGUFReader(str(gguf_source(resolve_model(None))))
+    vocab = len(reader.fields["tokenizer.ggml.tokens"].contents())
+    writer = gguf.GGUFWriter(str(out), "llama")
+    writer.add_name("llama-tiny-random" if tiny else "llama-1b-shapes-random")
+    writer.add_context_length(131072 if not tiny else 2048)
+    writer.add_embedding_length(hidden)
+    writer.add_block_count(layers)
+    writer.add_feed_forward_length(ffn)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(500000.0)
+    writer.add_vocab_size(vocab)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
+    for field in reader.fields.values():
+        if not field.name.startswith("tokenizer."):
+            continue
+        kind = field.types[0]
+        extra = {"sub_type": field.types[-1]} if kind == gguf.GGUFValueType.ARRAY else {}
+        writer.add_key_value(field.name, field.contents(), kind, **extra)
+    rng = np.random.default_rng(seed)
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    params = vocab * hidden + (2 * layers + 1) * hidden
+    writer.add_tensor("token_embd.weight", q8_0_random_blocks(rng, vocab, hidden), raw_dtype=q8)
+    writer.add_tensor("output_norm.weight", np.ones(hidden, dtype=np.float32))
+    for i in range(layers):
+        shapes = {"attn_q": (hidden, hidden), "attn_k": (kv_heads * head_dim, hidden),
+                  "attn_v": (kv_heads * head_dim, hidden), "attn_output": (hidden, hidden),
+                  "ffn_gate": (ffn, hidden), "ffn_up": (ffn, hidden), "ffn_down": (hidden, ffn)}
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(hidden, dtype=np.float32))
+        writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(hidden, dtype=np.float32))
+        for name, (rows, cols) in shapes.items():
+            writer.add_tensor(f"blk.{i}.{name}.weight", q8_0_random_blocks(rng, rows, cols), raw_dtype=q8)
+            params += rows * cols
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return params
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("out", type=Path, help="directory to write the checkpoint to")
+    parser.add_argument("out", type=Path, help="directory to write the checkpoint to (with --gguf: the .gguf file)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tiny", action="store_true",
                         help="2 layers of hidden 64 and the default model's vocabulary: a worker's RSS with it is "
                              "what the engine holds besides the weights (kernels, tokenizer, KV pool)")
+    parser.add_argument("--gguf", choices=["q8_0"], default=None,
+                        help="write a GGUF of Q8_0 blocks (random quants) instead of a bf16 checkpoint")
     args = parser.parse_args()
+
+    if args.gguf:
+        params = write_q8_0_gguf(args.out, args.tiny, args.seed)
+        print(f"{args.out}: {params / 1e6:.1f}M parameters, {args.out.stat().st_size / 1e6:.1f} MB as Q8_0")
+        return 0
 
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
