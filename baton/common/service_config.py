@@ -28,15 +28,21 @@ def config_to_json(config: Any, leave_out: tuple[str, ...], encode: Mapping[str,
     return json.dumps(values, default=str)  # default=str: a Path is its text
 
 
-def config_from_json(cls: type[Config], text: str, **values: Any) -> Config:
-    """A `cls` from `config_to_json`'s text plus `values` (what the JSON leaves out). A key `cls`
-    does not have, or one it needs and lacks, is a ValueError naming it, as a misspelt flag is an error."""
+def json_object(text: str, what: str) -> dict[str, Any]:
+    """`text` parsed as a JSON object, or a ValueError naming `what` (a setting, a flag) and why."""
     try:
         loaded = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise ValueError(f"{SERVICE_CONFIG_ENV} is not valid JSON: {exc}") from None
+        raise ValueError(f"{what} is not valid JSON: {exc}") from None
     if not isinstance(loaded, dict):
-        raise ValueError(f"{SERVICE_CONFIG_ENV} must be a JSON object")
+        raise ValueError(f"{what} must be a JSON object, got {type(loaded).__name__}")
+    return loaded
+
+
+def config_from_json(cls: type[Config], text: str, **values: Any) -> Config:
+    """A `cls` from `config_to_json`'s text plus `values` (what the JSON leaves out). A key `cls`
+    does not have, or one it needs and lacks, is a ValueError naming it, as a misspelt flag is an error."""
+    loaded = json_object(text, SERVICE_CONFIG_ENV)
     known = {field.name for field in dataclasses.fields(cls) if field.init}  # type: ignore[arg-type]
     unknown = sorted(set(loaded) - known)
     if unknown:

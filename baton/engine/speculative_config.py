@@ -15,11 +15,12 @@ are refused by name, so a typo is not a silent no-op.
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from baton.common.service_config import json_object
 
 METHODS = ("ngram", "draft_model")
 NOT_YET = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp")
@@ -74,10 +75,7 @@ def parse_speculative_config(value: str | dict | SpeculativeConfig | None) -> Sp
     if isinstance(value, str):
         if not value.strip():
             return None
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"speculative_config is not valid JSON: {exc}") from None
+        value = json_object(value, "speculative_config")
     if not isinstance(value, dict):
         raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
     unknown = sorted(set(value) - KNOWN_KEYS)
