@@ -1,0 +1,85 @@
+"""Memory one request holds at a given context, as Baton allocates it, for models of released shapes.
+
+Computed, not timed: each model's config.json (the released shapes, through transformers' config
+classes and their defaults) is read by Baton's own `ModelConfig`, and the bytes are those its KV pool
+and state pool take (`kv_bytes_per_block`, `StatePool.bytes_per_slot`): KV blocks for the tokens of
+every attention layer, plus a hybrid's fixed state per request. For a model with sliding-window
+layers beside global ones (Gemma 3) it also prints what per-group block tables would hold (window
+layers: the window and one block; global layers: every token): Baton keeps every layer's blocks
+until the request ends there today (docs/design-decisions.md, 21).
+
+    python benchmarks/memory_per_request.py              # 8192 tokens, bf16
+    python benchmarks/memory_per_request.py --tokens 32768
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BLOCK = 16
+
+
+def released_configs() -> dict[str, object]:
+    from transformers import Gemma3TextConfig, LlamaConfig, Qwen3_5TextConfig
+
+    return {
+        # Llama-3.2-1B
+        "Llama-3.2-1B (dense, 16 layers)": LlamaConfig(
+            hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+            num_key_value_heads=8, head_dim=64, vocab_size=128256, max_position_embeddings=131072),
+        # Qwen3.5-0.8B's text model: 18 Gated DeltaNet layers, 6 gated attention layers
+        "Qwen3.5-0.8B (hybrid, 6 of 24 layers attention)": Qwen3_5TextConfig(
+            vocab_size=248320, hidden_size=1024, intermediate_size=3584, num_hidden_layers=24,
+            num_attention_heads=8, num_key_value_heads=2, head_dim=256, linear_num_value_heads=16,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25}),
+        # Gemma-3-1B: 5 sliding (512-token window) layers to 1 global
+        "Gemma-3-1B (26 layers, 512-token window on 5 of 6)": Gemma3TextConfig(
+            hidden_size=1152, intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4,
+            num_key_value_heads=1, head_dim=256, sliding_window=512, vocab_size=262144,
+            max_position_embeddings=32768),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, default=8192)
+    args = parser.parse_args()
+    sys.path.insert(0, str(ROOT))
+    import torch
+
+    from baton.model.config import ModelConfig
+    from baton.model.gated_deltanet import StatePool
+    from baton.model.model_runner import kv_bytes_per_block
+    from baton.model.short_conv import state_dims
+
+    blocks = -(-args.tokens // BLOCK)
+    print(f"memory per request at {args.tokens} tokens, bf16 weights and KV cache, {BLOCK}-token blocks "
+          "(MiB = 2^20 bytes)")
+    print("| model | KV blocks | state | total | with per-group block tables |")
+    print("| --- | --- | --- | --- | --- |")
+    for name, hf in released_configs().items():
+        with tempfile.TemporaryDirectory() as tmp:
+            (Path(tmp) / "config.json").write_text(json.dumps(hf.to_dict()))
+            config = ModelConfig.from_dir(tmp)
+        kv = blocks * kv_bytes_per_block(config, BLOCK, torch.bfloat16)
+        state = (StatePool.bytes_per_slot(state_dims(config.deltanet), sum(config.layer_deltanet), torch.bfloat16)
+                 if config.has_state_layers else 0)
+        grouped = "same"
+        if config.sliding_window and any(config.layer_sliding) and not all(config.layer_sliding):
+            per_layer = kv_bytes_per_block(config, BLOCK, torch.bfloat16) // len(config.attention_layers)
+            window_blocks = min(blocks, -(-config.sliding_window // BLOCK) + 1)
+            sliding = sum(config.layer_sliding)
+            global_layers = len(config.attention_layers) - sliding
+            grouped = f"{(blocks * global_layers + window_blocks * sliding) * per_layer / 2**20:.0f} MiB (not yet)"
+        print(f"| {name} | {kv / 2**20:.0f} MiB | {state / 2**20:.1f} MiB | {(kv + state) / 2**20:.0f} MiB | "
+              f"{grouped} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
