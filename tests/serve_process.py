@@ -20,9 +20,31 @@ def baton_command() -> list[str]:
 
 
 def free_port() -> int:
-    from baton.cli.redis_server import free_port as port
+    """A free port for a server a test starts (see `free_port_run`)."""
+    return free_port_run(1)
 
-    return port()
+
+def free_port_run(count: int) -> int:
+    """A port P such that P .. P + count - 1 are all free now (what `--worker-metrics-port P` takes:
+    one port per worker), drawn below the kernel's ephemeral range so that no outgoing connection
+    (Redis clients open dozens) takes one of them in the meantime, as a port the kernel handed out
+    can be (a CI run failed on the decode worker's P + 1, in use)."""
+    import random
+    import socket
+
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0]) \
+        if Path("/proc/sys/net/ipv4/ip_local_port_range").exists() else 32768
+    rng = random.Random()
+    for _ in range(200):
+        start = rng.randrange(10000, max(10001, low - count))
+        try:
+            for port in range(start, start + count):
+                with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                    sock.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return start
+    raise RuntimeError(f"no run of {count} free ports below {low}")
 
 
 class ServeProcess:

@@ -116,9 +116,9 @@ def test_baton_serve_hands_an_int8_cache_from_prefill_to_decode(tiny_model_dir):
     local = LLM(model=str(tiny_model_dir), dtype="float32", kv_cache_dtype="int8", max_num_seqs=1)
     expected = [o.outputs[0].text for o in local.generate(prompts, SamplingParams(max_tokens=12, temperature=0,
                                                                                  ignore_eos=True))]
-    from tests.serve_process import free_port
+    from tests.serve_process import free_port_run
 
-    metrics_port = free_port()  # prefill worker's; the decode worker's is the next
+    metrics_port = free_port_run(2)  # prefill worker's; the decode worker's is the next
     with ServeProcess(["--model", str(tiny_model_dir), "--dtype", "float32", "--kv-cache-dtype", "int8",
                        "--worker-metrics-port", str(metrics_port)]) as serve:
         async def run() -> list[str]:

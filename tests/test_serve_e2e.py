@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
-from tests.serve_process import baton_command, free_port
+from tests.serve_process import baton_command, free_port, free_port_run
 
 REPO = Path(__file__).resolve().parent.parent
 SERVICES = ("gateway", "prefill_worker", "decode_worker")
@@ -160,7 +160,7 @@ def test_baton_serve_end_to_end(tiny_model_dir):
     import httpx
 
     port = free_port()
-    metrics_port = free_port()  # prefill worker's; the decode worker's is the next one
+    metrics_port = free_port_run(2)  # prefill worker's; the decode worker's is the next one
     import redis
     from baton.cli.serve import available_cpus
 
