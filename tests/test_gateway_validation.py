@@ -68,6 +68,8 @@ BAD_JSON_BODIES = [
     ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400, "role"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400, "content"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
+     "image_url input is not served"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "picture"}]}]}, 400,
      "only text parts"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -1},
      400, "max_completion_tokens"),

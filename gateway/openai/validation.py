@@ -38,6 +38,8 @@ STATUS = 400  # OpenAI answers invalid requests with 400 invalid_request_error
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 CHAT_DEFAULT_MAX_TOKENS = 1024
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
+# content parts of other media (OpenAI's and vLLM's names): refused as such, not as malformed text
+MEDIA_PARTS = frozenset({"image_url", "input_image", "image", "input_audio", "audio_url", "video_url", "file"})
 # What huggingface_hub's chat_completion sends as `model` when its "model" is a URL (TGI ignores
 # the field): served by the first name, or that client could never chat with us.
 PLACEHOLDER_MODELS = frozenset({"tgi", "dummy"})
@@ -311,7 +313,12 @@ def _content(content: Any, where: str) -> str:
                                    "are allowed", param=f"{where}.content", status=STATUS)
         texts: list[str] = []
         for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in MEDIA_PARTS:
+                raise validation_error(f"`{where}.content[{j}]`: {kind} input is not served: this server runs the "
+                                       "text model only (a vision-language checkpoint's language model)",
+                                       param=f"{where}.content", status=STATUS)
+            if not isinstance(part, dict) or kind != "text" or not isinstance(part.get("text"), str):
                 raise validation_error(f"`{where}.content[{j}]`: only text parts "
                                        '({"type": "text", "text": ...}) are supported',
                                        param=f"{where}.content", status=STATUS)
