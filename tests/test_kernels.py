@@ -275,6 +275,8 @@ def test_released_load_copies_leave_one_copy_and_the_same_tokens(tiny_model_dir,
     from baton.common.sampling_params import SamplingParams
 
     monkeypatch.setenv("BATON_BATCH_INVARIANT", invariant)
+    # private packs: this is about the copies a worker holds itself (shared ones: tests/test_shared_packs.py)
+    monkeypatch.setenv("BATON_PACKED_CACHE", "off")
     # no prefix cache: the second pass must compute what the first did, not reuse its KV
     llm = LLM(model=str(tiny_model_dir), dtype="bfloat16", num_threads=1, enable_prefix_caching=False)
     model = llm.engine.runtime.model

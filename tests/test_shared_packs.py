@@ -28,8 +28,9 @@ READ_MAPS = """
 maps, current = {}, None
 for line in open("/proc/self/smaps"):
     fields = line.split()
-    if "-" in fields[0] and len(fields) >= 6:
-        current = fields[5] if fields[5].endswith(".bin") and "/packed/" in fields[5] else None
+    if not fields[0].endswith(":"):  # a mapping's header line (a path, or none: anonymous memory)
+        path = fields[5] if len(fields) >= 6 else ""
+        current = path if path.endswith(".bin") and "/packed/" in path else None
         if current:
             maps.setdefault(current, {"perms": set(), "rss_kb": 0, "anonymous_kb": 0})["perms"].add(fields[1])
     elif current and fields[0] == "Rss:":

@@ -146,14 +146,15 @@ class HybridModel(CausalLM):
 
     def prepare(self, fast_linears: bool = True, native_kernels: bool = True,
                 batch_invariant: bool | str | None = None, pack_projections: bool = True,
-                release_originals: bool = False, gemv_amx: bool = True, triton: bool = False) -> None:
+                release_originals: bool = False, gemv_amx: bool = True, triton: bool = False,
+                build_plan: bool = True) -> None:
         # CausalLM.prepare's matmul plan, over the attention layers only (it sets each layer's
         # attention backend); the native layer kernels never install (`native_unsupported`)
         layers = self.layers
         self.layers = nn.ModuleList(layer for layer in layers if layer.self_attn is not None)
         try:
             super().prepare(fast_linears, native_kernels, batch_invariant, pack_projections, release_originals,
-                            gemv_amx, triton)
+                            gemv_amx, triton, build_plan=False)
         finally:
             self.layers = layers
         self.layers_plan = None

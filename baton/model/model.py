@@ -257,6 +257,7 @@ class CausalLM(nn.Module):
         set_op(self, "head", self.lm_head)
         self.fused_norm: Any = None  # the native add + RMSNorm (bf16 on the CPU; see prepare)
         self.layers_plan: LayersPlan | None = None  # all layers in one native call (see LayersPlan)
+        self.layer_kernel: Any = None  # the native layer kernels `prepare` installed (None: the torch path)
         self.thread_gate: ThreadGate | None = None  # lent threads given back between layers (the plan's)
         self.rope_tables: dict[bool, tuple[torch.Tensor, torch.Tensor]] = {}  # local? -> cos, sin [P, r]
         self.has_window = any(layer.self_attn.sliding for layer in self.layers)
@@ -298,7 +299,8 @@ class CausalLM(nn.Module):
 
     def prepare(self, fast_linears: bool = True, native_kernels: bool = True,
                 batch_invariant: bool | str | None = None, pack_projections: bool = True,
-                release_originals: bool = False, gemv_amx: bool = True, triton: bool = False) -> None:
+                release_originals: bool = False, gemv_amx: bool = True, triton: bool = False,
+                build_plan: bool = True) -> None:
         """After the weights are loaded: pick the fastest matmul per projection (`baton.model.linear`) and,
         for bf16 on the CPU, the native paged-attention kernel (`baton.model.kernels`; built on first
         use). `load_runtime` passes its `RuntimeConfig`'s choices (native_kernels, gemv_amx: the
@@ -313,7 +315,8 @@ class CausalLM(nn.Module):
         made only to be dropped). release_originals: free each projection's nn.Linear weight as soon
         as its native pack is made, so that packing peaks at one projection above one copy (the
         workers; `prepare()` cannot run again afterwards); other ops' originals are freed by
-        `release_load_copies`.
+        `release_load_copies`. build_plan=False leaves the all-layers plan to `build_layers_plan`
+        (`load_runtime` builds it once, after quantization, sharing and releases changed the ops).
 
         The native layer kernels (fused norms, fused decode attention, the layer plan) are installed
         only for a plain Llama layer (`ModelConfig.native_unsupported()` empty); the matmul choice
@@ -361,9 +364,12 @@ class CausalLM(nn.Module):
                         attn.sliding and self.config.chunked_window):
                     attn.backend = to_triton(attn.backend, self.config.sliding_window if attn.sliding else None)
         self.fused_norm = layer_kernel.add_rms_norm if layer_kernel is not None else None
-        self.layers_plan = LayersPlan.build(self, layer_kernel)
+        self.layer_kernel = layer_kernel
         self.path = "native" if layer_kernel is not None else "torch"
         self.choices = PathChoices(mode, native_kernels, gemv_amx, use_triton)
+        self.layers_plan = None
+        if build_plan:
+            self.build_layers_plan()
 
     def drop_projection_weight(self, linear: nn.Linear) -> int:
         """Free a projection's own weight once its op holds the copy it reads (a pack, quantized
@@ -375,7 +381,7 @@ class CausalLM(nn.Module):
         linear.weight = nn.Parameter(torch.empty(0, dtype=linear.weight.dtype), requires_grad=False)
         return freed
 
-    def release_load_copies(self) -> int:
+    def release_load_copies(self, build_plan: bool = True) -> int:
         """After `prepare()` (and any quantization): free every copy of a projection's weight that
         its op never reads, so that each weight lives once (bf16 with the native kernel: its pack only;
         with the tuned split: the native and oneDNN packs; a prepacked op alone: its pack). The nn.Linear
@@ -389,14 +395,15 @@ class CausalLM(nn.Module):
             drop_load_copies(op)
             freed += self.drop_projection_weight(linear)
         freed += self._embed_from_head()
-        self.rebuild_layers_plan()
+        if build_plan:
+            self.build_layers_plan()
         return freed
 
-    def rebuild_layers_plan(self) -> None:
-        """Build the layers plan again over what the ops hold now (after their weights were released
-        or their packs swapped for shared ones: the plan keeps references to them)."""
-        if self.layers_plan is not None:
-            self.layers_plan = LayersPlan.build(self, self.layers_plan.kernel)
+    def build_layers_plan(self) -> None:
+        """The all-layers native decode call over what the ops hold now (None where it cannot run
+        them: the torch path, MoE layers, ops it does not take). It keeps references to the ops'
+        packs, so it is built after every change to them (`load_runtime`: once, at the end)."""
+        self.layers_plan = LayersPlan.build(self, self.layer_kernel) if self.path == "native" else None
 
     def _embed_from_head(self) -> int:
         """A tied head whose op reads rows (the native bf16 pack, quantized blocks) serves the

@@ -108,7 +108,7 @@ def describe_weights(scheme: str, dtype: torch.dtype, requested_dtype: str, quan
 
 
 def quantize_model(model: nn.Module, quantization: str, kernels: Any = None,
-                   gguf_source: Path | None = None, native_kernels: bool = True) -> str:
+                   gguf_source: Path | None = None, native_kernels: bool = True, build_plan: bool = True) -> str:
     """Quantize `model`'s projections in place (after `prepare()`) and return the scheme that now
     serves them: "none", "int8", "int4" or "gguf" (auto with `gguf_source`, the GGUF file the model
     directory was converted from). `kernels`: the native module (None: `baton.model.kernels.load()`,
@@ -147,9 +147,10 @@ def quantize_model(model: nn.Module, quantization: str, kernels: Any = None,
                              "--quantization none serves its dequantized weights") from exc
     else:
         _quantize_projections(model, quantization, kernels)
-    # the all-layers native decode call, rebuilt over the quantized packs (None where it cannot run them)
-    # (prepare may have built none: bf16 projections without a pack, as on a CPU without AVX-512)
-    model.layers_plan = LayersPlan.build(model, kernels) if model.path == "native" else None
+    # the all-layers native decode call, rebuilt over the quantized packs (None where it cannot run them;
+    # prepare may have built none: bf16 projections without a pack, as on a CPU without AVX-512);
+    # build_plan=False: the caller builds it once it has made its last change to the ops (load_runtime)
+    model.layers_plan = LayersPlan.build(model, kernels) if build_plan and model.path == "native" else None
     return quantization
 
 

@@ -208,17 +208,18 @@ def load_runtime(config: RuntimeConfig) -> ModelRuntime:
     release = config.release_load_copies
     prepare = functools.partial(model.prepare, native_kernels=config.native_kernels, gemv_amx=config.gemv_amx,
                                 triton=config.triton, batch_invariant=config.batch_invariant)
-    prepare(pack_projections=not quantizing, release_originals=release)
-    scheme = quantize_model(model, quantization, gguf_source=source, native_kernels=config.native_kernels)
+    # the all-layers plan is built once, at the end, over the ops as they are then
+    prepare(pack_projections=not quantizing, release_originals=release, build_plan=False)
+    scheme = quantize_model(model, quantization, gguf_source=source, native_kernels=config.native_kernels,
+                            build_plan=False)
     if quantizing and scheme == "none":  # no quantized kernel here: serve the dtype, packed
-        prepare(release_originals=release)
+        prepare(release_originals=release, build_plan=False)
     if scheme != "none":
         # KV computed with other weights is another model's: prefix hashes (and the block store's
         # keys) must not match across quantizations
         model_config = dataclasses.replace(model_config, model_id=f"{model_config.model_id}+{scheme}")
-    if scheme == "none" and share_native_packs(model, model_dir, source):
-        # the layers plan holds the ops' packs: rebuilt over the shared ones (the private ones are freed)
-        model.rebuild_layers_plan()
+    if scheme == "none":  # bf16: the native packs, one copy per machine
+        share_native_packs(model, model_dir, source)
     release_readers()  # the file's tensors are all read (or mapped as packs): its header is not needed
     weights_dtype = next(model.parameters()).dtype
     description = describe_weights(scheme, weights_dtype, config.dtype, config.quantization, source)
@@ -230,7 +231,8 @@ def load_runtime(config: RuntimeConfig) -> ModelRuntime:
         model_config = dataclasses.replace(
             model_config, model_id=f"{model_config.model_id}+kv_{str(kv_dtype).removeprefix('torch.')}")
     if release:
-        freed = model.release_load_copies()
+        freed = model.release_load_copies(build_plan=False)
         logger.info("one copy of each weight: %.0f MB of load-time copies freed", freed / 1e6)
+    model.build_layers_plan()
     return_freed_memory()
     return ModelRuntime(model, model_config, device, scheme, kv_dtype, description)
