@@ -71,6 +71,8 @@ BAD_JSON_BODIES = [
      "image_url input is not served"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "picture"}]}]}, 400,
      "only text parts"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": []}]}]}, 400,
+     "only text parts"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -1},
      400, "max_completion_tokens"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},

@@ -314,7 +314,7 @@ def _content(content: Any, where: str) -> str:
         texts: list[str] = []
         for j, part in enumerate(content):
             kind = part.get("type") if isinstance(part, dict) else None
-            if kind in MEDIA_PARTS:
+            if isinstance(kind, str) and kind in MEDIA_PARTS:
                 raise validation_error(f"`{where}.content[{j}]`: {kind} input is not served: this server runs the "
                                        "text model only (a vision-language checkpoint's language model)",
                                        param=f"{where}.content", status=STATUS)
