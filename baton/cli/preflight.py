@@ -17,7 +17,7 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from baton.common.model_files import gguf_source
+from baton.common.model_files import weight_files
 
 
 class PreflightError(Exception):
@@ -127,17 +127,6 @@ def read_model_config(model_dir: Path):  # -> ModelConfig (imported here: baton.
     except (ValueError, TypeError, OSError) as exc:
         why = str(exc)  # an unsupported model_type: family_spec's message names the supported ones
     raise PreflightError(f"cannot serve {model_dir}: {why}; pass --model with a checkpoint Baton runs")
-
-
-def weight_files(model_dir: Path, dtype: str, quantization: str) -> list[Path]:
-    """The files the workers' weights come from: the GGUF a directory was converted from where
-    `--quantization auto` serves its own blocks (not with --dtype float32: baton.model.quant.
-    resolve_weights), else the directory's safetensors."""
-    if quantization == "auto" and dtype != "float32":
-        source = gguf_source(model_dir)
-        if source is not None:
-            return [source]
-    return sorted(Path(model_dir).glob("*.safetensors"))
 
 
 def format_bytes(n: int) -> str:

@@ -167,6 +167,17 @@ def gguf_source(model_dir: Path) -> Path | None:
     return None
 
 
+def weight_files(model_dir: Path, dtype: str, quantization: str) -> list[Path]:
+    """The files the workers' weights come from: the GGUF a directory was converted from where
+    `--quantization auto` serves its own blocks (not with --dtype float32: baton.model.quant.
+    resolve_weights), else the directory's safetensors."""
+    if quantization == "auto" and dtype != "float32":
+        source = gguf_source(model_dir)
+        if source is not None:
+            return [source]
+    return sorted(Path(model_dir).glob("*.safetensors"))
+
+
 def _converted_gguf(gguf_path: Path, dir_name: str) -> Path:
     """The model directory made from `gguf_path` (made now unless the cache holds one of this file)."""
     out_dir = cache_root() / "models" / dir_name

@@ -27,7 +27,7 @@ from baton.engine.kv_types import KVLoad, LoadedKV
 from baton.engine.llm_engine import EngineConfig, LLMEngine
 from baton.engine.outputs import EngineOutput, EngineStats
 from baton.common.logs import request_extra
-from baton.common.model_files import gguf_source
+from baton.common.model_files import weight_files
 from baton.worker.config import WorkerConfig
 from baton.worker.core import Effects, Opening, WorkerCore
 from baton.worker.thread_lending import StepCores, run_with_threads
@@ -59,10 +59,8 @@ def build_engine(args: WorkerConfig) -> LLMEngine:
 
 def weights_label(model_dir: Path, dtype: str, quantization: str) -> str:
     """'SmolLM2-135M-Instruct.Q4_1.gguf 98 MB' (or 'model.safetensors ...', 'N files ...'): the files
-    the load reads, as baton.cli.preflight.weight_files picks them (the GGUF a directory was converted
-    from where `--quantization auto` serves its blocks, not with float32; else its safetensors)."""
-    source = gguf_source(model_dir) if quantization == "auto" and dtype != "float32" else None
-    files = [source] if source is not None else sorted(model_dir.glob("*.safetensors"))
+    the load reads (baton.common.model_files.weight_files)."""
+    files = weight_files(model_dir, dtype, quantization)
     if not files:
         return "no weight files found"
     name = files[0].name if len(files) == 1 else f"{len(files)} files"
