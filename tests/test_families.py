@@ -5,10 +5,11 @@ seeded), weights scaled up so that greedy is decided by clear margins (see conft
 `tiny_model_dir`), saved with `save_pretrained` next to the default model's tokenizer. Baton's
 greedy tokens (float32, the parity path) must equal `generate(do_sample=False)`'s, batched, in
 8-token prefill chunks, and through preemption and recompute; prompts are longer than every
-sliding window (and every Llama 4 chunk). A vision-language checkpoint (mistral3, gemma3, llama4) is
+sliding window (and every Llama 4 chunk). A vision-language checkpoint (mistral3, gemma3, llama4, gemma4) is
 built whole, with a tiny vision tower, and Baton serves its text model: greedy tokens equal those of
 transformers' model given text only (its language model and head). Also: a checkpoint with an unknown or a missing tensor is
-refused by name, tensors skipped by a named rule (a vision tower, GLM's MTP layer) are counted in
+refused by name, tensors skipped by a named rule (a vision tower, GLM's MTP layer, Gemma 4's
+KV-shared layers' K/V weights) are counted in
 the log, and each non-Llama family runs in bf16 on the torch path (the native kernels do the plain
 Llama layer only).
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -65,6 +67,37 @@ CHUNK = 16
 LLAMA4_TEXT = dict(num_hidden_layers=4, num_local_experts=4, num_experts_per_tok=1, intermediate_size=32,
                    intermediate_size_mlp=128, interleave_moe_layer_step=2, attention_chunk_size=CHUNK,
                    floor_scale=8, attn_scale=0.5)
+# DeepSeek V3: MLA (q through a rank-48 q_a/q_b, a rank-32 latent KV and an 8-dim interleaved rotary
+# key) and GLM-4.5's MoE: 8 experts in 4 groups, the best 2 eligible (V3's half: 4 of 8 groups), a
+# shared expert, layer 0 dense (with 2 groups, 1 eligible, a near-tie between the two groups at one
+# bf16 decode row flipped half the experts: a discontinuity of routing, not of MLA); YaRN with mscale_all_dim (the softmax scale grows with it) on a 64-token original context;
+# head_dim is the rotary width (DeepseekV3Config sets it so; SMALL's 16 would survive a reload)
+DEEPSEEK_V3 = dict(num_hidden_layers=4, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, n_group=4,
+                   topk_group=2, moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1,
+                   routed_scaling_factor=2.5, norm_topk_prob=True, kv_lora_rank=32, q_lora_rank=48,
+                   qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, head_dim=8,
+                   rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=8.0,
+                                        original_max_position_embeddings=64, beta_fast=32.0, beta_slow=1.0,
+                                        mscale=1.0, mscale_all_dim=0.707))
+# Gemma 4: layers 0, 1, 3, 4 slide (head_dim 16, 2 KV heads), 2 and 5 are full (head_dim 32, one KV
+# head, K = V, the proportional rotary on half of each half-head); layers 4 and 5 share the K/V of
+# layers 3 and 2 (the last unshared layer of their type) with double-wide MLPs; per-layer inputs of 8
+# per layer; final soft-capping
+GEMMA4_TEXT = dict(
+    num_hidden_layers=6, sliding_window=WINDOW, global_head_dim=32, num_global_key_value_heads=1,
+    layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention", "sliding_attention",
+                 "full_attention"],
+    attention_k_eq_v=True, num_kv_shared_layers=2, use_double_wide_mlp=True, hidden_size_per_layer_input=8,
+    vocab_size_per_layer_input=VOCAB, final_logit_softcapping=8.0,
+    rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                     "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.5,
+                                        "rope_theta": 1000000.0}})
+# Gemma 4's MoE block (4 experts, top-2) beside every layer's MLP; no per-layer inputs, no sharing,
+# full layers with their own v_proj (head_dim 32, 2 KV heads)
+GEMMA4_MOE = dict(
+    num_hidden_layers=4, sliding_window=WINDOW, global_head_dim=32, hidden_size_per_layer_input=0,
+    layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+    enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32)
 # a vision tower as small as its config class allows: served text only, it is never run
 TINY_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
                    patch_size=14)
@@ -106,6 +139,7 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
         n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
         use_qk_norm=True, attention_bias=True, num_hidden_layers=4)),
     "ministral3": ("Ministral3Config", "Ministral3ForCausalLM", dict(rope_parameters=MINISTRAL3_ROPE)),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", DEEPSEEK_V3),
     # layers 0 and 2 slide, 1 is full (the config class's alternation); attention sinks (spread out in
     # build_family), biases on q/k/v/o, the router and the experts; the SwiGLU clamped at 1 (so that
     # the clamp bites at this scale); YaRN as released, on a 64-token original context
@@ -122,12 +156,19 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "gemma3": ("Gemma3Config", "Gemma3ForConditionalGeneration", dict(
         mm_tokens_per_image=4, text_config=("Gemma3TextConfig", dict(GEMMA3_TEXT, final_logit_softcapping=8.0)),
         vision_config=("SiglipVisionConfig", TINY_VISION))),
+    "gemma4_text": ("Gemma4TextConfig", "Gemma4ForCausalLM", GEMMA4_TEXT),
+    "gemma4_text_moe": ("Gemma4TextConfig", "Gemma4ForCausalLM", GEMMA4_MOE),
+    # served text only: its vision tower (and its projection, embed_vision) skipped; no audio tower
+    "gemma4": ("Gemma4Config", "Gemma4ForConditionalGeneration", dict(
+        text_config=("Gemma4TextConfig", GEMMA4_TEXT),
+        vision_config=("Gemma4VisionConfig", dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                  num_attention_heads=2, num_key_value_heads=2, head_dim=16)))),
     "llama4": ("Llama4Config", "Llama4ForConditionalGeneration", dict(
         text_config=("Llama4TextConfig", LLAMA4_TEXT),
         vision_config=("Llama4VisionConfig", dict(TINY_VISION, vision_output_dim=64, projector_input_dim=64,
                                                   projector_output_dim=64)))),
 }
-VISION_LANGUAGE = ("mistral3", "gemma3", "llama4")
+VISION_LANGUAGE = ("mistral3", "gemma3", "llama4", "gemma4")
 # the spread of random biases; GLM's v bias passes through attention whole and, at 0.5, drowns the
 # token embeddings (every prompt's greedy output collapsed to one or two tokens)
 BIAS_STD: dict[str, float] = {"glm4_moe": 0.1}
@@ -162,9 +203,13 @@ def build_family(family: str, out: Path, tokenizer_dir: Path) -> Path:
                     param.add_(29.0 if gemma else 0.0).mul_(1.0 if gemma else 30.0)
             elif name.endswith("bias"):
                 param.normal_(0.0, BIAS_STD.get(family, 0.5))
+            elif name.endswith(("router.scale", "router.per_expert_scale")):  # Gemma 4: init 1; spread
+                param.add_(0.3 * torch.randn_like(param))
             elif name.endswith("self_attn.sinks"):  # gpt-oss: init near 0; spread, so a dropped sink shows
                 param.normal_(0.0, 1.0)
         for name, buffer in model.named_buffers():
+            if name.endswith("layer_scalar"):  # Gemma 4: init 1; spread, so a dropped one shows
+                buffer.uniform_(0.5, 1.5)
             if name.endswith("e_score_correction_bias"):  # GLM's router: the choice shifted per expert
                 buffer.normal_(0.0, 0.3)
     return save_with_tokenizer(model, out, tokenizer_dir)
@@ -440,11 +485,12 @@ def test_a_gemma3_config_written_by_transformers_4_reads_as_transformers_reads_i
 
 # ------------------------------------------------------------------ GLM-4.5's multi-token-prediction layer
 
-def test_glm_mtp_layer_tensors_are_skipped_by_name(family_dir, prompts, tmp_path, caplog):
-    """GLM-4.5 checkpoints carry their MTP layer (`num_nextn_predict_layers`) after the last layer;
-    Baton does not run it: its tensors are skipped, counted in the log, and the model is the same. A
-    layer past it is still an unknown tensor, refused by name."""
-    model_dir = family_dir("glm4_moe")
+@pytest.mark.parametrize("family", ["glm4_moe", "deepseek_v3"])
+def test_glm_mtp_layer_tensors_are_skipped_by_name(family, family_dir, prompts, tmp_path, caplog):
+    """GLM-4.5 (and DeepSeek V3) checkpoints carry their MTP layer (`num_nextn_predict_layers`) after
+    the last layer; Baton does not run it: its tensors are skipped, counted in the log, and the model
+    is the same. A layer past it is still an unknown tensor, refused by name."""
+    model_dir = family_dir(family)
     config = json.loads((model_dir / "config.json").read_text())
     assert config["num_hidden_layers"] == 4 and config["num_nextn_predict_layers"] == 1
     mtp = ["eh_proj.weight", "enorm.weight", "hnorm.weight", "self_attn.q_proj.weight", "shared_head.norm.weight"]
@@ -465,6 +511,95 @@ def test_glm_mtp_layer_tensors_are_skipped_by_name(family_dir, prompts, tmp_path
     bad = _edit_checkpoint(with_mtp, tmp_path / "beyond", add_beyond)
     with pytest.raises(ValueError, match=r"does not use: layers\.5\.eh_proj\.weight"):
         LLM(model=str(bad), dtype="float32", num_kv_blocks=16)
+
+
+# ------------------------------------------------------------------ DeepSeek V3: multi-head latent attention
+
+def test_mla_caches_the_latent_and_the_rotary_key_only(family_dir):
+    """A token's KV per layer is its latent and its rotary key, cached as one KV head of width
+    kv_lora_rank + qk_rope_head_dim (K, and the same vector as V): (32 + 8) * 2 values, where the
+    expanded K/V would be heads * (qk_head_dim + v_head_dim) = 4 * (24 + 16)."""
+    from baton.model.config import ModelConfig
+    from baton.model.runtime import kv_block_bytes
+
+    model_dir = family_dir("deepseek_v3")
+    config = ModelConfig.from_dir(model_dir)
+    assert (config.num_kv_heads, config.head_dim) == (1, 32 + 8)
+    per_token_layer = (32 + 8) * 2
+    assert kv_block_bytes(config, 16, dtype="float32") == 4 * 16 * per_token_layer * 4
+    runtime = LLM(model=str(model_dir), dtype="bfloat16", num_kv_blocks=16).engine.runtime
+    assert runtime.block_bytes(16) == 4 * 16 * per_token_layer * 2
+    assert list(runtime.block_shape) == [4, 2, 16, 1, 32 + 8]
+
+
+def test_mla_softmax_scale_is_transformers(family_dir):
+    """qk_head_dim ** -0.5 times YaRN's mscale(factor, mscale_all_dim) squared, as the reference."""
+    from baton.model.config import ModelConfig
+
+    model_dir = family_dir("deepseek_v3")
+    scale = ModelConfig.from_dir(model_dir).scale
+    assert scale == pytest.approx(hf_model(model_dir).model.layers[0].self_attn.scaling, rel=1e-12)
+    assert scale != pytest.approx((16 + 8) ** -0.5)  # the mscale is in this model
+
+
+def test_mla_interleaved_rotary_is_reordered_at_load(family_dir, prompts, monkeypatch):
+    """DeepSeek rotates interleaved pairs (2i, 2i + 1) of q_pe and k_pe; the loader reorders those
+    rows to Baton's half-split pairs: without it, Baton's tokens are not transformers'."""
+    from baton.model import loader
+
+    model_dir = family_dir("deepseek_v3")
+    expected = [hf_greedy(model_dir, p) for p in prompts]
+    monkeypatch.setattr(loader, "half_split_rows", lambda rows, width, rope: rows)
+    llm = LLM(model=str(model_dir), dtype="float32", num_kv_blocks=128)
+    assert tokens_of(llm.generate(prompts, greedy())) != expected
+
+
+def test_mla_with_a_direct_q_proj_biases_and_a_half_split_rotary(default_model_dir, prompts, tmp_path, monkeypatch):
+    """The other forms of the MLA layer: q_lora_rank None (one q_proj), attention biases (q_a/kv_a
+    and o), `rope_interleave` off; greedy float32 equal to transformers' with chunked prefill."""
+    variant = dict(DEEPSEEK_V3, q_lora_rank=None, attention_bias=True, rope_interleave=False)
+    monkeypatch.setitem(FAMILIES, "deepseek_v3_variant", ("DeepseekV3Config", "DeepseekV3ForCausalLM", variant))
+    monkeypatch.setitem(BIAS_STD, "deepseek_v3_variant", 0.1)
+    model_dir = build_family("deepseek_v3_variant", tmp_path / "variant", default_model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    assert config["q_lora_rank"] is None and config["rope_interleave"] is False
+    expected = [hf_greedy(model_dir, p) for p in prompts]
+    assert len({t for r in expected for t in r}) >= 8
+    llm = LLM(model=str(model_dir), dtype="float32", num_kv_blocks=128, max_num_batched_tokens=8)
+    assert tokens_of(llm.generate(prompts, greedy())) == expected
+
+
+def test_a_deepseek_v3_config_as_released_reads_as_transformers_reads_it(tmp_path):
+    """deepseek-ai/DeepSeek-V3's config.json (transformers 4.33's keys: rope_scaling with `type`):
+    the cache row (one head of 512 + 64), the softmax scale with YaRN's mscale_all_dim, the rotary
+    frequencies over qk_rope_head_dim, the routing and the dense first layers as transformers reads them."""
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, yarn_apply_mscale
+
+    from baton.model.config import ModelConfig
+    from baton.model.rope import rope_inv_freq
+
+    raw = {"architectures": ["DeepseekV3ForCausalLM"], "attention_bias": False, "bos_token_id": 0, "eos_token_id": 1,
+           "first_k_dense_replace": 3, "hidden_act": "silu", "hidden_size": 7168, "intermediate_size": 18432,
+           "kv_lora_rank": 512, "max_position_embeddings": 163840, "model_type": "deepseek_v3",
+           "moe_intermediate_size": 2048, "n_group": 8, "n_routed_experts": 256, "n_shared_experts": 1,
+           "norm_topk_prob": True, "num_attention_heads": 128, "num_experts_per_tok": 8, "num_hidden_layers": 61,
+           "num_key_value_heads": 128, "num_nextn_predict_layers": 1, "q_lora_rank": 1536, "qk_nope_head_dim": 128,
+           "qk_rope_head_dim": 64, "rms_norm_eps": 1e-06, "rope_theta": 10000, "routed_scaling_factor": 2.5,
+           "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                            "original_max_position_embeddings": 4096, "type": "yarn"},
+           "tie_word_embeddings": False, "topk_group": 4, "v_head_dim": 128, "vocab_size": 129280}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    hf = AutoConfig.from_pretrained(tmp_path)
+    config = ModelConfig.from_dir(tmp_path)
+    assert (config.num_kv_heads, config.head_dim, config.kv_lora_rank, config.q_lora_rank) == (1, 576, 512, 1536)
+    assert config.scale == pytest.approx(yarn_apply_mscale(hf.rope_parameters, hf.qk_head_dim ** -0.5), rel=1e-12)
+    assert config.rope_interleaved and config.mtp_layers == 1
+    assert (config.router, config.n_group, config.topk_group, config.num_shared_experts) == ("sigmoid_grouped", 8, 4, 1)
+    assert config.layer_moe == [i >= 3 for i in range(61)] and config.norm_topk_prob
+    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS["yarn"](hf, None)
+    got = rope_inv_freq(config)
+    assert got[0].shape == (32,) and torch.allclose(got[0], inv_freq) and got[1] == pytest.approx(attention_factor)
 
 
 # ------------------------------------------------------------------ RoPE scaling, as transformers computes it
@@ -513,17 +648,22 @@ def test_rope_frequencies_equal_transformers(case, tmp_path):
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "glm4_moe"])
-def test_int8_weights_run_on_the_torch_path_and_leave_moe_experts_alone(family, family_dir, prompts):
+def test_int8_weights_run_on_the_torch_path_with_moe_experts_in_q8_0(family, family_dir, prompts):
     """--quantization int8 on a family outside the native path: every dense projection is int8 (GLM's
-    shared experts too: a dense MLP), the routed experts stay in bf16 (run by baton.model.moe), and
-    generation works."""
+    shared experts too: a dense MLP), each routed expert's gate_up and down a Q8_0 op (run by
+    baton.model.moe) with no dense expert stack left, and generation works."""
     from baton.model.linear import QuantizedLinear
+    from baton.model.moe_quant import moe_layers
 
     llm = LLM(model=str(family_dir(family)), dtype="bfloat16", num_kv_blocks=128, quantization="int8")
     model = llm.engine.runtime.model
     assert all(isinstance(getattr(owner, name), QuantizedLinear) for owner, name, _ in model.projection_slots())
-    experts = [p for n, p in model.named_parameters() if n.endswith(("experts_gate_up", "experts_down"))]
-    assert (family != "qwen3") == bool(experts) and all(p.dtype == torch.bfloat16 and p.numel() for p in experts)
+    assert not [n for n, _ in model.named_parameters() if n.endswith(("experts_gate_up", "experts_down"))]
+    moes = moe_layers(model)
+    assert (family != "qwen3") == bool(moes)
+    assert all(moe.expert_ops is not None and len(moe.expert_ops) == moe.num_experts for moe in moes)
+    assert all(isinstance(op, QuantizedLinear) and op.scheme == "q8_0" for moe in moes for pair in moe.expert_ops
+               for op in pair)
     outputs = tokens_of(llm.generate(prompts, greedy()))
     assert all(len(t) == N and all(0 <= x < VOCAB for x in t) for t in outputs)
 
@@ -669,6 +809,30 @@ def test_llama4_interleaved_rotary_is_reordered_at_load(family_dir, prompts, mon
     assert tokens_of(llm.generate(prompts, greedy())) != expected
 
 
+def with_mxfp4_experts(model_dir: Path, out: Path, packed: dict[str, tuple[torch.Tensor, torch.Tensor]]
+                       ) -> tuple[Path, Path]:
+    """`model_dir`'s checkpoint with the expert tensors `packed` names as MXFP4 (`*_blocks` + `*_scales`,
+    quant_method mxfp4, as gpt-oss ships them: out/mxfp4), and the same model holding transformers'
+    dequantization of them as dense tensors (out/dequantized)."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    def to_mxfp4(tensors):
+        for name, (blocks, scales) in packed.items():
+            del tensors[name]
+            tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
+
+    def to_dequantized(tensors):
+        for name, (blocks, scales) in packed.items():
+            tensors[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+
+    mxfp4 = _edit_checkpoint(model_dir, out / "mxfp4", to_mxfp4)
+    config = json.loads((mxfp4 / "config.json").read_text())
+    (mxfp4 / "config.json").write_text(json.dumps({**config, "quantization_config": {
+        "quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                            "model.embed_tokens", "lm_head"]}}))
+    return mxfp4, _edit_checkpoint(model_dir, out / "dequantized", to_dequantized)
+
+
 def test_gpt_oss_mxfp4_experts_load_as_transformers_dequantizes_them(family_dir, prompts, tmp_path):
     """A checkpoint with MXFP4 experts (`*_blocks` + `*_scales`, quant_method mxfp4, as gpt-oss ships):
     Baton loads each expert weight equal to transformers' dequantization of it, and its greedy tokens
@@ -690,22 +854,7 @@ def test_gpt_oss_mxfp4_experts_load_as_transformers_dequantizes_them(family_dir,
             scales = torch.randint(120, 125, (experts, outputs, inputs // 32), dtype=torch.uint8, generator=generator)
             packed[name] = (blocks, scales)
     assert len(packed) == 2 * 3
-
-    def to_mxfp4(tensors):
-        for name, (blocks, scales) in packed.items():
-            del tensors[name]
-            tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
-
-    def to_dequantized(tensors):
-        for name, (blocks, scales) in packed.items():
-            tensors[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
-
-    mxfp4 = _edit_checkpoint(model_dir, tmp_path / "mxfp4", to_mxfp4)
-    config = json.loads((mxfp4 / "config.json").read_text())
-    (mxfp4 / "config.json").write_text(json.dumps({**config, "quantization_config": {
-        "quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
-                                                            "model.embed_tokens", "lm_head"]}}))
-    dequantized = _edit_checkpoint(model_dir, tmp_path / "dequantized", to_dequantized)
+    mxfp4, dequantized = with_mxfp4_experts(model_dir, tmp_path, packed)
 
     from baton.model.mxfp4 import dequantize
 
@@ -758,3 +907,152 @@ def test_a_gpt_oss_config_as_released_reads_as_transformers_reads_it(tmp_path):
     inv_freq, attention_factor = ROPE_INIT_FUNCTIONS["yarn"](hf, None)
     got = rope_inv_freq(config)
     assert torch.equal(got[0], inv_freq.float()) and got[1] == pytest.approx(attention_factor, rel=1e-12)
+
+
+# ------------------------------------------------------------------ Gemma 4: per-layer shapes, KV sharing, its cache
+
+def test_gemma4_caches_its_unshared_layers_each_in_its_own_shape(family_dir, prompts):
+    """Layers 4 and 5 attend the K/V of layers 3 and 2 (transformers' kv_sharing_modes) and keep no
+    cache; the 4 cached layers are packed each in its own (kv_heads, head_dim), no slot padded
+    (docs/design-decisions.md, decision 29), while a block in the store has every family's uniform
+    form, padded to the widest (2 KV heads of 32). An int8 cache (rows of head_dim + 4 scale bytes)
+    runs: its first two tokens (the second read from the cache) are float32's; one of its blocks,
+    handed to a float32 worker, holds there the values each layer read, and comes back from the store
+    form as it was."""
+    from transformers import AutoConfig
+
+    from baton.model.config import ModelConfig
+    from baton.model.kv_quant import dequantize_rows
+    from baton.model.layer_cache import layer_views
+    from baton.model.runtime import kv_block_bytes
+
+    model_dir = family_dir("gemma4_text")
+    hf = AutoConfig.from_pretrained(model_dir)
+    config = ModelConfig.from_dir(model_dir)
+    assert config.layer_head_dim == [hf.per_layer_config[i].head_dim for i in range(6)] == [16, 16, 32, 16, 16, 32]
+    assert config.layer_kv_heads == [hf.per_layer_config[i].num_key_value_heads for i in range(6)] == [2, 2, 1, 2, 2, 1]
+    assert config.layer_kv_source == [0, 1, 2, 3, 3, 2] and config.attention_layers == [0, 1, 2, 3]
+    assert [m == "reuse" for m in hf.kv_sharing_modes] == [s != i for i, s in enumerate(config.layer_kv_source)]
+    # 3 sliding layers of 2 x 16 and a full one of 1 x 32, K and V, 16 slots, fp32 (padded: 4 x 2 x 32)
+    assert kv_block_bytes(config, 16, dtype="float32") == (3 * 2 * 16 + 32) * 2 * 16 * 4
+    llm = LLM(model=str(model_dir), dtype="float32", num_kv_blocks=128)
+    assert list(llm.engine.runtime.block_shape) == [4, 2, 16, 2, 32]
+    assert "Gemma 4 layers" in llm.engine.runtime.model.describe()
+    full = tokens_of(llm.generate(prompts, greedy()))
+    int8 = LLM(model=str(model_dir), dtype="float32", num_kv_blocks=128, kv_cache_dtype="int8")
+    a, b = int8.engine.runtime.runner, llm.engine.runtime.runner
+    assert [tuple(v.shape[1:]) for v in layer_views(a.kv_cache, config)] == [(2, 128 * 16, 16 + 4)] * 2 + [
+        (1, 128 * 16, 32 + 4), (2, 128 * 16, 16 + 4)]
+    assert [t[:2] for t in tokens_of(int8.generate(prompts, greedy()))] == [t[:2] for t in full]
+    block, bs = 1, a.block_size
+    stored = a.read_block(block)
+    assert list(stored.shape) == [4, 2, bs, 2, 32 + 4]
+    b.write_block(block, stored)
+    a.write_block(block, stored)
+    assert torch.equal(a.read_block(block), stored)
+    for quantized, values in zip(layer_views(a.kv_cache, config), layer_views(b.kv_cache, config)):
+        quantized, values = quantized[:, :, bs:2 * bs], values[:, :, bs:2 * bs]
+        assert values.abs().sum() > 0 and torch.equal(dequantize_rows(quantized, torch.float32), values)
+
+
+def test_a_gemma4_checkpoint_skips_its_vision_tower_by_name(family_dir, tmp_path, caplog):
+    """The gemma4 vision-language checkpoint: its vision tower and embed_vision are skipped by the
+    named rule and counted, the audio tower's names by the same rule; K/V weights stored for a
+    KV-shared layer (which never runs them: transformers ignores them on load) are skipped by name
+    too; any other tensor is refused by name."""
+    from safetensors import safe_open
+
+    model_dir = family_dir("gemma4")
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
+        towers = [n for n in f.keys() if n.startswith(("model.vision_tower.", "model.embed_vision."))]
+    assert towers
+    with caplog.at_level("INFO", logger="baton.model.loader"):
+        LLM(model=str(model_dir), dtype="float32", num_kv_blocks=16)
+    assert f"skipping the vision and audio towers: {len(towers)} tensors" in caplog.text
+
+    def add_shared_kv(tensors):
+        tensors["model.audio_tower.proj.weight"] = torch.zeros(4, 64)
+        for layer, d in ((4, 16), (5, 32)):  # the shared layers (sliding, full)
+            tensors[f"model.language_model.layers.{layer}.self_attn.k_proj.weight"] = torch.zeros(32, 64)
+            tensors[f"model.language_model.layers.{layer}.self_attn.k_norm.weight"] = torch.zeros(d)
+
+    shared_kv = _edit_checkpoint(model_dir, tmp_path / "shared-kv", add_shared_kv)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="baton.model.loader"):
+        llm = LLM(model=str(shared_kv), dtype="float32", num_kv_blocks=16)
+    assert "skipping the KV-shared layers' K/V weights: 4 tensors" in caplog.text
+    assert f"skipping the vision and audio towers: {len(towers) + 1} tensors" in caplog.text
+    assert llm.engine.runtime.model.layers[4].self_attn.qkv_proj.weight.shape == (4 * 16, 64)  # q alone
+
+    def add_unknown(tensors):
+        tensors["model.language_model.layers.3.self_attn.mystery_gate.weight"] = torch.zeros(4, 64)
+
+    bad = _edit_checkpoint(model_dir, tmp_path / "extra", add_unknown)
+    with pytest.raises(ValueError, match=r"does not use: layers\.3\.self_attn\.mystery_gate\.weight$"):
+        LLM(model=str(bad), dtype="float32", num_kv_blocks=16)
+
+
+GEMMA4_RELEASED_STYLE = {
+    # no per_layer_config: the global_* keys (Gemma4TextConfig.__post_init__ turns them into one),
+    # every 5th layer full, the last 10 layers sharing K/V, K = V on the full layers
+    "e2b": {"hidden_size": 1536, "intermediate_size": 6144, "num_hidden_layers": 20, "num_attention_heads": 8,
+            "num_key_value_heads": 1, "head_dim": 256, "global_head_dim": 512, "num_kv_shared_layers": 10,
+            "layer_types": (["sliding_attention"] * 4 + ["full_attention"]) * 4, "hidden_size_per_layer_input": 256,
+            "use_double_wide_mlp": True, "final_logit_softcapping": 30.0},
+    "k_eq_v": {"hidden_size": 5376, "intermediate_size": 21504, "num_hidden_layers": 12, "num_attention_heads": 32,
+               "num_key_value_heads": 16, "head_dim": 256, "global_head_dim": 512, "num_global_key_value_heads": 4,
+               "attention_k_eq_v": True, "hidden_size_per_layer_input": 0, "sliding_window": 1024},
+    # the MoE block beside a narrow MLP (128 experts, top-8), no per-layer inputs, no sharing
+    "moe": {"hidden_size": 2816, "intermediate_size": 2112, "num_hidden_layers": 12, "num_attention_heads": 16,
+            "num_key_value_heads": 8, "head_dim": 256, "global_head_dim": 512, "num_global_key_value_heads": 2,
+            "attention_k_eq_v": True, "enable_moe_block": True, "num_experts": 128, "top_k_experts": 8,
+            "moe_intermediate_size": 704, "hidden_size_per_layer_input": 0, "num_kv_shared_layers": 0,
+            "sliding_window": 1024},
+}
+
+
+@pytest.mark.parametrize("case", list(GEMMA4_RELEASED_STYLE))
+def test_a_gemma4_config_without_per_layer_config_reads_as_transformers_reads_it(case, tmp_path):
+    """Head shapes, KV sources, the window and both rotaries (the sliding layers' default, the full
+    layers' proportional one: zero frequencies past the rotated quarter) as transformers resolves them."""
+    from transformers import AutoConfig
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4TextRotaryEmbedding
+
+    from baton.model.config import ModelConfig
+    from baton.model.gemma4 import gemma4_inv_freq
+
+    raw = {"architectures": ["Gemma4ForCausalLM"], "model_type": "gemma4_text", "vocab_size": 262144,
+           **GEMMA4_RELEASED_STYLE[case]}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    hf = AutoConfig.from_pretrained(tmp_path)
+    config = ModelConfig.from_dir(tmp_path)
+    layers = range(hf.num_hidden_layers)
+    assert config.layer_head_dim == [hf.per_layer_config[i].head_dim for i in layers]
+    assert config.layer_kv_heads == [hf.per_layer_config[i].num_key_value_heads for i in layers]
+    modes = hf.kv_sharing_modes
+    assert [s != i for i, s in enumerate(config.layer_kv_source)] == [m == "reuse" for m in modes]
+    assert all(modes[s] == "store" for i, s in enumerate(config.layer_kv_source) if s != i)
+    assert config.layer_sliding == [t == "sliding_attention" for t in hf.layer_types]
+    assert config.sliding_window == hf.sliding_window and config.tie_word_embeddings
+    assert (config.head_dim, config.num_kv_heads) == (512, max(config.layer_kv_heads))
+    assert config.gemma4["per_layer_input"] == hf.hidden_size_per_layer_input
+    assert (config.gemma4["moe"], config.gemma4["num_experts"], config.gemma4["top_k"],
+            config.gemma4["moe_intermediate_size"]) == (hf.enable_moe_block, hf.num_experts or 0, hf.top_k_experts or 0,
+                                                        hf.moe_intermediate_size or 0)
+    rotary = Gemma4TextRotaryEmbedding(hf)
+    for sliding, layer_type in ((True, "sliding_attention"), (False, "full_attention")):
+        d = hf.per_layer_config[layer_type].head_dim
+        assert torch.equal(gemma4_inv_freq(config, sliding, d), getattr(rotary, f"{layer_type}_inv_freq"))
+
+
+@pytest.mark.parametrize("change, named", [
+    (dict(use_bidirectional_attention="all"), "use_bidirectional_attention='all'"),
+    (dict(per_layer_config={"2": {"intermediate_size": 64}}), "per_layer_config keys ['intermediate_size']"),
+    (dict(attention_bias=True), "gemma4 with attention_bias"),
+    (dict(rope_parameters={"full_attention": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 2.0}}),
+     "rope type 'yarn'"),
+])
+def test_what_gemma4_does_not_run_is_refused_by_name(family_dir, tmp_path, change, named):
+    model_dir = _with_config(family_dir("gemma4_text"), tmp_path / "changed", **change)
+    with pytest.raises(ValueError, match=re.escape(named)):
+        LLM(model=str(model_dir), dtype="float32", num_kv_blocks=16)

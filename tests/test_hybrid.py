@@ -13,7 +13,6 @@ across blocks, and preempted and recomputed (its state slot rebuilt from scratch
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 from typing import Any

@@ -1,4 +1,5 @@
-"""`baton serve` on Qwen3, Gemma 3 and Qwen3-MoE: the whole system (gateway, a prefill and a decode
+"""`baton serve` on Qwen3, Gemma 3, Qwen3-MoE and DeepSeek V3 (MLA: latent KV blocks handed off as
+any family's): the whole system (gateway, a prefill and a decode
 worker, the KV handed off through Redis) gives transformers' greedy tokens.
 
 Each family's tiny random-init model is tests/test_families.py's (its transformers config class,
@@ -22,7 +23,7 @@ from tests.test_families import N, PROMPT_LENS, VOCAB, build_family, hf_greedy
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-SERVED = ("qwen3", "gemma3_text", "qwen3_moe")
+SERVED = ("qwen3", "gemma3_text", "qwen3_moe", "deepseek_v3")
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,6 @@ import signal
 import socket
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 

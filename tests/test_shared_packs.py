@@ -191,3 +191,38 @@ def test_bf16_workers_map_one_file_of_native_packs_and_answer_alike(tmp_path, mo
     assert private.returncode == 0, private.stderr[-3000:]
     alone = json.loads(private.stdout.strip().splitlines()[-1])
     assert alone["maps"] == {} and alone["tokens"] == results[0]["tokens"]
+
+
+def test_a_gguf_load_reads_each_served_projection_once_and_then_never(tmp_path, monkeypatch, kernels_or_skip):
+    """Issue 42 (GGUF without the detour): the projections the file's blocks serve are never loaded
+    as a dequantized model. The first load reads each one once, alone, to check its repack (streamed
+    into the shared file); a load that finds the file maps it and reads none of them; both serve the
+    blocks natively, with the same weights."""
+    from baton.common.model_files import resolve_model
+    from baton.model import gguf_checkpoint
+    from baton.model.runtime import RuntimeConfig, load_runtime
+
+    monkeypatch.setenv("BATON_CACHE", str(tmp_path / "cache"))
+    source = tmp_path / "tiny-q8.Q8_0.gguf"
+    write_q8_0_gguf(source)
+    model_dir = resolve_model(str(source))
+    read: list[str] = []
+    original = gguf_checkpoint.GGUFCheckpoint.__getitem__
+    monkeypatch.setattr(gguf_checkpoint.GGUFCheckpoint, "__getitem__",
+                        lambda self, name: read.append(name) or original(self, name))
+    config = RuntimeConfig(model_dir, dtype="bfloat16", quantization="auto", release_load_copies=True)
+
+    first = load_runtime(config)
+    projections = sorted(n for n in read if n.endswith("_proj.weight"))
+    layers = first.config.num_layers
+    assert len(projections) == layers * 7 and len(set(projections)) == len(projections)  # q k v o gate up down
+    assert "embed_tokens.weight" in read  # what is not served from blocks is read as before
+
+    read.clear()
+    second = load_runtime(config)
+    assert [n for n in read if n.endswith("_proj.weight")] == []
+    assert "embed_tokens.weight" in read
+    for runtime in (first, second):
+        assert runtime.quantization == "gguf"
+        assert not any(p.is_meta for p in runtime.model.parameters())
+    assert first.description == second.description

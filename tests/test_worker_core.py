@@ -157,6 +157,33 @@ def test_handoff_through_the_store_continues_exactly_where_prefill_stopped(tiny_
     assert_pool_free(decode)
 
 
+def test_a_gemma4_handoff_continues_exactly_where_prefill_stopped(default_model_dir, tmp_path):
+    """Gemma 4's cache (each layer a view of its own head shape on a slice padded to the widest, the
+    KV-shared layers without a slice: docs/design-decisions.md) hands off as any family's: the
+    decode worker loads the prompt's blocks (past the 24-token window) and continues with the
+    tokens of a colocated run (itself transformers' greedy: tests/test_families.py)."""
+    from tests.test_families import build_family
+
+    model_dir = build_family("gemma4_text", tmp_path / "gemma4", default_model_dir)
+    llm = LLM(model=str(model_dir), dtype="float32", enable_prefix_caching=False, num_kv_blocks=64)
+    [out] = llm.generate(PROMPT, greedy())
+    expected = out.outputs[0].token_ids
+    store = new_store()
+    effects, handoff, _ = prefill(model_dir, store)
+    assert [t for e in events_of(effects) for t in e.token_ids] == expected[:1] and len(handoff.block_hashes) == 3
+    decode = decode_core(model_dir)
+    assert list(decode.engine.block_shape) == [4, 2, BS, 2, 32]  # 4 of 6 layers cached, at the widest shape
+    opened = decode.open(fields_of(handoff), 1, set())
+    decode.admit(b"9-0", opened.message)
+    decode.engine.step()
+    loaded = fetch_loads(decode, store)
+    assert sum(r.num_tokens for r in loaded) == len(PROMPT)
+    effects, batched = drive(decode, store, loaded=loaded)
+    assert batched[0] == 1, "the prompt's KV came from the store: only the first token is computed"
+    assert [t for e in events_of(effects) for t in e.token_ids] == expected[1:]
+    assert_pool_free(decode)
+
+
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
 def test_a_speculating_decode_worker_continues_a_handoff_exactly(tiny_model_dir, reference, method):
     """The decode side drafts over KV it loaded from the store (the draft model computes its own

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from baton.model.families import ACTIVATIONS, ROPE_TYPES, TEXT_ONLY, FamilySpec, family_spec
+from baton.model.gemma4_config import gemma4_fields
 
 
 @dataclass
@@ -95,6 +97,22 @@ class ModelConfig:
     layer_deltanet: list[bool] = field(default_factory=list)
     deltanet: dict[str, Any] = field(default_factory=dict)
     shared_expert_intermediate_size: int = 0  # Qwen3-Next: one shared expert behind a sigmoid gate
+    # multi-head latent attention (DeepSeek V3; baton.model.mla), kv_lora_rank 0: none. The cache
+    # keeps one row per token of the latent c_kv and the shared rotary key, as one KV head of
+    # head_dim = kv_lora_rank + qk_rope_head_dim (num_kv_heads 1); q_lora_rank 0: a direct q_proj
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    # per-layer attention shapes (Gemma 4, its cache packed by baton.model.layer_cache; empty:
+    # head_dim / num_kv_heads everywhere, which are then the widest layer's, the uniform form of a
+    # block in the store); layer_kv_source[i]: the layer whose K/V layer i attends (itself, or an
+    # earlier one whose cache it shares: it keeps none of its own)
+    layer_head_dim: list[int] = field(default_factory=list)
+    layer_kv_heads: list[int] = field(default_factory=list)
+    layer_kv_source: list[int] = field(default_factory=list)
+    gemma4: dict[str, Any] = field(default_factory=dict)  # what else Gemma 4 adds (baton.model.gemma4_config)
 
     @property
     def scale(self) -> float:
@@ -117,7 +135,8 @@ class ModelConfig:
     @property
     def attention_layers(self) -> list[int]:
         """The layers that keep KV in the paged cache, in order (every layer but a hybrid's state layers)."""
-        return [i for i in range(self.num_layers) if not (self.layer_deltanet and self.layer_deltanet[i])]
+        return [i for i in range(self.num_layers) if not (self.layer_deltanet and self.layer_deltanet[i])
+                and not (self.layer_kv_source and self.layer_kv_source[i] != i)]
 
     def native_unsupported(self) -> list[str]:
         """What this model has that the native bf16 kernels (fused norms, fused decode, the layer
@@ -139,6 +158,8 @@ class ModelConfig:
             "attention sinks": self.attention_sinks,
             "chunked attention": self.chunked_window,
             "attention temperature": self.attn_temperature_scale != 0.0,
+            "multi-head latent attention": self.kv_lora_rank > 0,
+            "Gemma 4 layers": bool(self.gemma4),
         }
         reasons += [name for name, hit in checks.items() if hit]
         return reasons
@@ -196,7 +217,8 @@ class ModelConfig:
         if act not in ACTIVATIONS:
             raise ValueError(f"unsupported activation {act!r} for {model_type} (Baton runs {', '.join(ACTIVATIONS)})")
         fields["hidden_act"] = act
-        fields.update(_rope_fields(raw, spec))
+        if not spec.gemma4:  # its rotary per layer type is its own (gemma4_fields)
+            fields.update(_rope_fields(raw, spec))
         fields.update(_window_fields(raw, spec, num_layers))
         if spec.no_rope_layers:
             fields["layer_rope"] = _rope_layers(raw, num_layers)
@@ -227,6 +249,10 @@ class ModelConfig:
             fields.update(_mamba2_fields(raw, num_layers))
         if spec.mtp_layers_key:
             fields["mtp_layers"] = int(raw.get(spec.mtp_layers_key) or 0)
+        if spec.gemma4:
+            fields.update(gemma4_fields(raw, num_layers))
+        if spec.mla:
+            fields.update(_mla_fields(raw, fields["rope_scaling"]))
         if spec.query_scale == "llama4":
             fields.update(_llama4_query_scale(raw, fields))
         elif spec.query_scale == "temperature" and raw.get("attn_temperature_tuning", True):
@@ -340,6 +366,25 @@ def _moe_fields(raw: dict[str, Any], spec: FamilySpec, num_layers: int) -> dict[
         sparse = set(raw["moe_layers"] if raw.get("moe_layers") is not None else range(step - 1, num_layers, step))
         out["layer_moe"] = [i in sparse for i in range(num_layers)]
     return out
+
+
+def _mla_fields(raw: dict[str, Any], rope_scaling: dict[str, Any] | None) -> dict[str, Any]:
+    # transformers' DeepseekV3Config / DeepseekV3Attention: the cache holds the latent and the
+    # rotary key (one "KV head"); the softmax scale is qk_head_dim ** -0.5, times YaRN's
+    # mscale(factor, mscale_all_dim) squared where the rotary is scaled (yarn_apply_mscale)
+    latent, rope = int(raw.get("kv_lora_rank", 512)), int(raw.get("qk_rope_head_dim", 64))
+    nope = int(raw.get("qk_nope_head_dim", 128))
+    scale = (nope + rope) ** -0.5
+    mscale_all_dim = (rope_scaling or {}).get("mscale_all_dim")
+    factor = float((rope_scaling or {}).get("factor") or 1.0)
+    if mscale_all_dim and factor > 1:
+        mscale = 0.1 * float(mscale_all_dim) * math.log(factor) + 1.0
+        scale = scale * mscale * mscale
+    return {"kv_lora_rank": latent, "q_lora_rank": int(raw.get("q_lora_rank") or 0), "qk_nope_head_dim": nope,
+            "qk_rope_head_dim": rope, "v_head_dim": int(raw.get("v_head_dim", 128)),
+            "num_kv_heads": 1, "head_dim": latent + rope, "attention_scale": scale,
+            # DeepSeek's rotary pairs (2i, 2i + 1) unless the config says not (the loader reorders)
+            "rope_interleaved": bool(raw.get("rope_interleave", True))}
 
 
 def _short_conv_fields(raw: dict[str, Any], num_layers: int) -> dict[str, Any]:

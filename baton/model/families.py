@@ -112,6 +112,14 @@ class FamilySpec:
     # the name prefix of multi-token-prediction tensors stored beside the model (Qwen3-Next and
     # Qwen3.5: `mtp.*`; transformers ignores them on load); Baton does not run them: skipped by name
     mtp_prefix: str = ""
+    # multi-head latent attention (DeepSeek V3, baton.model.mla): q (through a low-rank q_a/q_b where
+    # `q_lora_rank`), a compressed latent KV (`kv_lora_rank`) and a shared rotary key, cached as one
+    # KV head; its rotary pairs (2i, 2i + 1) where the config's `rope_interleave` (reordered at load)
+    mla: bool = False
+    # Gemma 4 (baton.model.gemma4): head shapes per layer, K = V on full layers, KV shared by the
+    # last layers, per-layer inputs, a MoE block beside the MLP; its config keys read by
+    # `baton.model.gemma4_config` (the rotary per layer type, the window, caps and scales included)
+    gemma4: bool = False
     display: str = ""  # how the README / error messages name it
 
 
@@ -127,6 +135,10 @@ FAMILIES: dict[str, FamilySpec] = {s.model_type: s for s in (
     # GLM-4.5/4.6/4.7 (and -Air): shared experts, the first `first_k_dense_replace` layers dense
     FamilySpec("glm4_moe", qk_norm="config_head", bias="config_qkv", partial_rotary_factor=0.5,
                router="sigmoid_grouped", mtp_layers_key="num_nextn_predict_layers", display="GLM-4.5 MoE"),
+    # DeepSeek V3 / R1: MLA, GLM-4.5's MoE (sigmoid grouped routing with a correction bias, a routed
+    # scaling factor, shared experts, the first `first_k_dense_replace` layers dense) and its MTP layers
+    FamilySpec("deepseek_v3", router="sigmoid_grouped", mtp_layers_key="num_nextn_predict_layers",
+               mla=True, display="DeepSeek V3"),
     # gpt-oss: sliding and full layers by `layer_types`, attention sinks, biased q/k/v/o, biased router
     # and experts, YaRN (the config class's default rotary); MXFP4 experts dequantized at load
     FamilySpec("gpt_oss", window="layer_types", rope_theta=150000.0, router="topk_softmax", expert_form="gpt_oss",
@@ -138,6 +150,8 @@ FAMILIES: dict[str, FamilySpec] = {s.model_type: s for s in (
                window="layer_types", full_every=6, local_rope=True, rope_theta=1_000_000.0,
                local_rope_theta=10000.0, softcap=True, embed_scale="sqrt_hidden", query_pre_attn_scalar=True,
                display="Gemma 3 (text only)"),
+    FamilySpec("gemma4_text", placement="sandwich", qk_norm="head", bias="none", activation_key="hidden_activation",
+               gemma4=True, display="Gemma 4 (text only)"),
     FamilySpec("phi3", bias="none", window="all", display="Phi-3/3.5/4"),
     FamilySpec("olmo2", placement="post", qk_norm="full", display="OLMo 2"),
     # OLMo 3: OLMo 2's layer with sliding and full layers, each kind with its own rotary (YaRN on the
@@ -220,6 +234,12 @@ TEXT_ONLY: dict[str, TextOnlyForm] = {f.model_type: f for f in (
                                 ("max_position_embeddings", 131072), ("rms_norm_eps", 1e-6),
                                 ("query_pre_attn_scalar", 256), ("sliding_window", 4096),
                                 ("bos_token_id", 2), ("eos_token_id", 1))),
+    # Gemma 4 (text: gemma4_text); transformers 5 names the towers `model.vision_tower.*`,
+    # `model.audio_tower.*` and their projections into the text model `model.embed_vision.*`,
+    # `model.embed_audio.*`
+    TextOnlyForm("gemma4", text_model_type="gemma4_text",
+                 skipped_prefixes=("vision_tower.", "embed_vision.", "audio_tower.", "embed_audio."),
+                 skipped_what="the vision and audio towers"),
 )}
 
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")

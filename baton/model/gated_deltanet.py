@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from baton.model.model import set_op
+
 
 @dataclass(frozen=True)
 class DeltaNetDims:
@@ -248,16 +250,26 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(d.num_v_heads))
         self.norm = GatedRMSNorm(d.head_v_dim, eps)
         self.out_proj = nn.Linear(d.value_dim, hidden_size, bias=False)
+        # the large projections run through ops (`projection_slots`: packed or quantized by prepare and
+        # quantize_model); b and a (one row per value head) stay plain
+        big = {"grouped": ("in_proj_qkvz",), "split": ("in_proj_qkv", "in_proj_z")}[d.layout] + ("out_proj",)
+        self.op_names = tuple(name.removeprefix("in_proj_").replace("out_proj", "out") for name in big)
+        for name, op_name in zip(big, self.op_names):
+            set_op(self, op_name, getattr(self, name))
+        self._linear_names = big
+
+    def projection_slots(self) -> list[tuple[nn.Module, str, nn.Linear]]:
+        return [(self, op, getattr(self, name)) for name, op in zip(self._linear_names, self.op_names)]
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         # x: [T, H] -> q|k|v [T, conv_dim], z [T, Hv, Dv], b [T, Hv], a [T, Hv]
         d, t = self.dims, x.shape[0]
         if d.layout == "split":
-            return (self.in_proj_qkv(x), self.in_proj_z(x).view(t, d.num_v_heads, d.head_v_dim),
+            return (self.qkv(x), self.z(x).view(t, d.num_v_heads, d.head_v_dim),
                     self.in_proj_b(x), self.in_proj_a(x))
         # Qwen3-Next: per key head [q, k, v (rep heads), z (rep heads)] and [b (rep), a (rep)]
         rep = d.num_v_heads // d.num_k_heads
-        qkvz = self.in_proj_qkvz(x).view(t, d.num_k_heads, -1)
+        qkvz = self.qkvz(x).view(t, d.num_k_heads, -1)
         q, k, v, z = torch.split(qkvz, [d.head_k_dim, d.head_k_dim, rep * d.head_v_dim, rep * d.head_v_dim], dim=2)
         b, a = torch.split(self.in_proj_ba(x).view(t, d.num_k_heads, 2 * rep), [rep, rep], dim=2)
         qkv = torch.cat((q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)), dim=-1)
@@ -304,4 +316,4 @@ class GatedDeltaNet(nn.Module):
             rec_states[slot] = s[0]
             out[start:end] = o[0]
         normed = self.norm(out.reshape(-1, d.head_v_dim), z.reshape(-1, d.head_v_dim))
-        return self.out_proj(normed.view(x.shape[0], d.value_dim))
+        return self.out(normed.view(x.shape[0], d.value_dim))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import mmap
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,11 @@ logger = logging.getLogger("baton.model.gguf_checkpoint")
 
 _READERS: dict[tuple[str, int, int], Any] = {}
 
+# the embedding and the head: the largest tensors, which no architecture's processor reorders across
+# rows (llama.cpp's q/k permutation is the one that does), so they can be dequantized a slice at a time
+ROW_LOCAL = frozenset({"token_embd.weight", "output.weight"})
+ROWS_PER_SLICE = 4096
+
 
 def open_reader(path: Path) -> Any:
     """The file's `gguf.GGUFReader`, one per file content in a process: parsing the header (the
@@ -44,6 +50,22 @@ def open_reader(path: Path) -> Any:
         _READERS.clear()  # one model per process: never hold two files' maps
         _READERS[key] = gguf.GGUFReader(str(path))
     return _READERS[key]
+
+
+def drop_touched_pages(reader: Any) -> None:
+    """Unmap the pages of the file this process has read through `reader` (madvise DONTNEED on its
+    read-only shared map): they stay in the page cache, but no longer count in the worker's resident
+    memory, so that reading a file tensor by tensor never holds the whole file besides what was made
+    of it. A later read faults them back in from the page cache."""
+    mapping = getattr(reader.data, "_mmap", None)  # numpy.memmap's own mmap.mmap (None for a view)
+    if mapping is not None and hasattr(mapping, "madvise"):
+        mapping.madvise(mmap.MADV_DONTNEED)
+
+
+def drop_all_touched_pages() -> None:
+    """`drop_touched_pages` for every reader this process holds (after the loader read the weights)."""
+    for reader in _READERS.values():
+        drop_touched_pages(reader)
 
 
 def release_readers() -> None:
@@ -91,8 +113,27 @@ class GGUFCheckpoint(Mapping[str, torch.Tensor]):
         from gguf import dequantize
 
         tensor = self._tensors[name]
+        if tensor.name in ROW_LOCAL and tensor.data.ndim == 2:
+            return self._dequantized_by_rows(tensor)
         result = self._processor.process(weights=dequantize(tensor.data, tensor.tensor_type), name=tensor.name)
         return torch.from_numpy(np.array(result.weights, dtype=np.float32, copy=True))
+
+    def _dequantized_by_rows(self, tensor: Any) -> torch.Tensor:
+        """A large 2-D tensor dequantized a slice of rows at a time into one fp32 result: `gguf`'s
+        dequantize makes several temporaries the size of its input (measured: the default model's
+        113 MB fp32 embedding peaked 336 MB above the load), one slice's here."""
+        from gguf import dequantize
+
+        rows = tensor.data.shape[0]
+        out: np.ndarray | None = None
+        for start in range(0, rows, ROWS_PER_SLICE):
+            part = dequantize(tensor.data[start:start + ROWS_PER_SLICE], tensor.tensor_type)
+            part = np.asarray(self._processor.process(weights=part, name=tensor.name).weights, dtype=np.float32)
+            if out is None:
+                out = np.empty((rows, *part.shape[1:]), dtype=np.float32)
+            out[start:start + part.shape[0]] = part
+        assert out is not None
+        return torch.from_numpy(out)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._eager if self._eager is not None else self._tensors)

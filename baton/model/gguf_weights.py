@@ -27,7 +27,9 @@ ran when they were written), so N workers hold one copy of the projections, in t
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +42,8 @@ from baton.model.linear import QuantizedLinear
 from baton.model.packed_cache import PackedSlot, SharedPacks
 from baton.model.model import MLP, set_op
 from baton.model.q_blocks import quantize_q8_0
-from baton.model.gguf_checkpoint import open_reader
+from baton.model.gguf_checkpoint import drop_touched_pages, open_reader
+from baton.model.loader import UnreadWeights
 
 logger = logging.getLogger("baton.model.gguf_weights")
 
@@ -182,33 +185,55 @@ def _check(parts: tuple[torch.Tensor, ...], scheme: str, loaded: torch.Tensor,
 Slot = tuple[tuple[Any, str, Any], list[list[str]]]  # ((owner, name, linear), its tensors' alternatives)
 
 
-def load_gguf_projections(model: nn.Module, gguf_path: Path, kernels: Any) -> dict[str, int]:
+def gguf_projection_targets(model: nn.Module, gguf_path: Path) -> set[str]:
+    """The parameter names of the projections the GGUF's blocks will serve (every slot not wholly
+    dense in the file): the loader leaves them unread (`loader.load_model_deferring`), so that a
+    worker never holds the dequantized model beside its packs."""
+    config = model.config
+    source = GGUFTensors(gguf_path, config.num_heads, config.num_kv_heads)
+    slots, sources = model.projection_slots(), _slot_sources(model)
+    if len(slots) != len(sources):  # a layout this repack does not know: it says so when it runs
+        return set()
+    names = {id(module): name for name, module in model.named_modules()}
+    targets = set()
+    for (_, _, linear), alternatives in zip(slots, sources, strict=True):
+        tensors = _slot_tensors(source, alternatives)
+        if tensors is not None and not all(source.type_name(t) in DENSE_TYPES for t in tensors):
+            targets.add(names[id(linear)] + ".weight")
+    return targets
+
+
+def load_gguf_projections(model: nn.Module, gguf_path: Path, kernels: Any,
+                          unread: UnreadWeights | None = None) -> dict[str, int]:
     """Replace `model`'s dense projections by the GGUF's blocks (see the module docstring); the
-    projections' dense weights are freed. Returns how many projections took each form.
+    projections' dense weights are freed (or were never read: `unread` holds those the loader left
+    on the meta device, read one at a time for the check). Returns how many projections took each form.
 
     With the native kernels the packs are the machine's one copy (baton.model.packed_cache): mapped
     read-only from the file that the first worker to load this GGUF wrote, so that N workers on one
-    machine hold the weights once, in the page cache."""
+    machine hold the weights once, in the page cache. The first worker streams its repack into that
+    file, each pack freed once written, so that loading peaks at one projection's pack, not all."""
     slots: list[Slot] = list(zip(model.projection_slots(), _slot_sources(model), strict=True))
     shared = _shared_packs(gguf_path, model, slots, kernels)
-    if shared is None:
-        return _counts(_repack(model, gguf_path, slots, kernels))
-    with shared.locked():
-        mapped = shared.read(len(slots))
-        if mapped is not None and _fits(mapped, slots):
-            _serve_mapped(model, slots, mapped, kernels)
-            logger.info("GGUF %s: %d packed projections mapped from %s (one copy per machine)", gguf_path.name,
-                        sum(m.packed is not None for m in mapped), shared.data_path)
-            return _counts(mapped)
-        made = _repack(model, gguf_path, slots, kernels)
-        if all(slot.packed is not None or slot.scheme is None for slot in made):
-            written = shared.write(made)
-            if written is not None:
-                for ((owner, name, _), _sources), slot in zip(slots, written, strict=True):
-                    if slot.packed is not None:
-                        getattr(owner, name).share_pack(slot.packed)  # the private pack is freed
-                logger.info("GGUF %s: packed projections written to %s, which every worker maps",
-                            gguf_path.name, shared.data_path)
+    if shared is not None:
+        with shared.locked():
+            mapped = shared.read(len(slots))
+            how = "mapped from"
+            if mapped is None or not _fits(mapped, slots):
+                mapped = shared.write(slot for slot, _ in _packs(model, gguf_path, slots, kernels, unread))
+                how = "written to"
+            if mapped is not None:
+                _serve_mapped(model, slots, mapped, kernels)
+                logger.info("GGUF %s: %d packed projections %s %s, which every worker maps (one copy per machine)",
+                            gguf_path.name, sum(m.packed is not None for m in mapped), how, shared.data_path)
+                return _counts(mapped)
+    made: list[PackedSlot] = []
+    for ((owner, name, linear), _), (slot, op) in zip(slots, _packs(model, gguf_path, slots, kernels, unread),
+                                                      strict=True):
+        if op is not None:
+            set_op(owner, name, op)
+            model.drop_projection_weight(linear)
+        made.append(slot)
     return _counts(made)
 
 
@@ -254,21 +279,29 @@ def _serve_mapped(model: nn.Module, slots: list[Slot], mapped: list[PackedSlot],
         model.drop_projection_weight(linear)
 
 
-def _repack(model: nn.Module, gguf_path: Path, slots: list[Slot], kernels: Any) -> list[PackedSlot]:
-    """Each slot's blocks unpacked, checked against the loaded weight and packed for the kernels."""
+def _slot_tensors(source: GGUFTensors, alternatives: list[list[str]]) -> list[Any] | None:
+    found = [[source.find(h) for h in alt] for alt in alternatives]
+    return next((ts for ts in found if all(t is not None for t in ts)), None)
+
+
+def _packs(model: nn.Module, gguf_path: Path, slots: list[Slot], kernels: Any,
+           unread: UnreadWeights | None) -> Iterator[tuple[PackedSlot, QuantizedLinear | None]]:
+    """Each slot's blocks unpacked, checked against the loaded weight and packed for the kernels,
+    one slot at a time (the file's pages each slot touched are unmapped after it)."""
     config = model.config
     source = GGUFTensors(gguf_path, config.num_heads, config.num_kv_heads)
+    names = {id(module): name for name, module in model.named_modules()}
     made: list[PackedSlot] = []
     requantized: collections.Counter[str] = collections.Counter()
-    for (owner, name, linear), alternatives in slots:
-        found = [[source.find(h) for h in alt] for alt in alternatives]
-        tensors = next((ts for ts in found if all(t is not None for t in ts)), None)
+    for (_, _, linear), alternatives in slots:
+        tensors = _slot_tensors(source, alternatives)
         if tensors is None:
             raise ValueError(f"the GGUF has no tensor for {alternatives[0]} (architecture {source.arch})")
         types = [source.type_name(t) for t in tensors]
         where = "+".join(t.name for t in tensors)
         if all(t in DENSE_TYPES for t in types):
             made.append(PackedSlot("dense"))
+            yield made[-1], None
             continue
         if all(t == "Q8_0" for t in types):
             unpacked = [unpack_q8_0(source.rows(t), *source.shape(t)) for t in tensors]
@@ -279,18 +312,25 @@ def _repack(model: nn.Module, gguf_path: Path, slots: list[Slot], kernels: Any) 
         else:
             weight = torch.cat([source.dequantized(t) for t in tensors])
             scheme, parts = "q8_0", quantize_q8_0(weight)
+            del weight
             requantized["/".join(sorted(set(types)))] += 1
         if tuple(parts[0].shape) != tuple(linear.weight.shape):
             raise ValueError(f"the GGUF's {where} is {tuple(parts[0].shape)}, the model's projection "
                              f"{tuple(linear.weight.shape)}")
-        _check(parts, scheme, linear.weight, where)
+        target = names[id(linear)] + ".weight"
+        loaded = unread.read(target) if linear.weight.is_meta and unread is not None else linear.weight
+        _check(parts, scheme, loaded, where)
+        del loaded
         op = QuantizedLinear(scheme, parts, linear.bias, kernels)
-        set_op(owner, name, op)
+        del parts
+        drop_touched_pages(source.reader)
         made.append(PackedSlot("+".join(sorted(set(types))), scheme, op.out_features, op.in_features, op.packed))
-        model.drop_projection_weight(linear)
+        yield made[-1], op
+        # counted, not held: the consumer keeps what it needs (a streamed pack is freed once written)
+        made[-1] = dataclasses.replace(made[-1], packed=None)
+        del op
     if requantized:
         logger.info("GGUF %s: %s requantized to Q8_0 (no native kernel for those types yet)", gguf_path.name,
                     ", ".join(f"{n} {t}" for t, n in sorted(requantized.items())))
     logger.info("GGUF %s served in its own quantization: %s", gguf_path.name,
                 ", ".join(f"{n} {t}" for t, n in sorted(_counts(made).items())))
-    return made

@@ -138,9 +138,20 @@ class HybridModel(CausalLM):
         for attn in self.attention_layers:
             attn.backend.use_kv_dtype(dtype)
 
+    def projection_slots(self) -> list[tuple[nn.Module, str, nn.Linear]]:
+        """CausalLM's slots (attention and MLP projections, the head last) with each state layer's
+        input and output projections before the head: they are most of a hybrid's weights (three of
+        Qwen3.5's four layers), so they take the native packs and the quantized kernels as any
+        projection does."""
+        slots = super().projection_slots()
+        head = slots.pop()
+        for layer in self.layers:
+            if layer.linear_attn is not None:
+                slots += layer.linear_attn.projection_slots()
+        return slots + [head]
+
     def dense_mlp(self, mlp: nn.Module) -> nn.Module:
-        # Qwen3-Next's shared expert is a dense MLP behind a sigmoid gate (the Gated DeltaNet's
-        # projections run as plain nn.Linear: no op slots)
+        # Qwen3-Next's shared expert is a dense MLP behind a sigmoid gate
         mlp = super().dense_mlp(mlp)
         return mlp.mlp if isinstance(mlp, GatedSharedExpert) else mlp
 
@@ -148,15 +159,10 @@ class HybridModel(CausalLM):
                 batch_invariant: bool | str | None = None, pack_projections: bool = True,
                 release_originals: bool = False, gemv_amx: bool = True, triton: bool = False,
                 build_plan: bool = True) -> None:
-        # CausalLM.prepare's matmul plan, over the attention layers only (it sets each layer's
-        # attention backend); the native layer kernels never install (`native_unsupported`)
-        layers = self.layers
-        self.layers = nn.ModuleList(layer for layer in layers if layer.self_attn is not None)
-        try:
-            super().prepare(fast_linears, native_kernels, batch_invariant, pack_projections, release_originals,
-                            gemv_amx, triton, build_plan=False)
-        finally:
-            self.layers = layers
+        # CausalLM.prepare's matmul plan over every projection slot (the state layers' included:
+        # `projection_slots`); the native layer kernels never install (`native_unsupported`)
+        super().prepare(fast_linears, native_kernels, batch_invariant, pack_projections, release_originals,
+                        gemv_amx, triton, build_plan=False)
         self.layers_plan = None
         self.fused_norm = None
 

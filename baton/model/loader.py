@@ -10,7 +10,9 @@ or not, and rotary caches some old checkpoints carry (`rotary_emb.inv_freq`) are
 Tensors a named rule says the model does not run (a vision-language checkpoint's vision tower, GLM's
 multi-token-prediction layers: `_checkpoint_view`) are skipped and counted in the log. MXFP4
 weights (gpt-oss's experts: `X_blocks` + `X_scales`) are read as `X`, dequantized to the model's dtype
-(`baton.model.mxfp4`).
+(`baton.model.mxfp4`), or, with `mxfp4_as_q8_0`, repacked without loss as Q8_0 expert ops
+(`baton.model.mxfp4_experts`). Block-wise FP8 weights (`X.weight` + `X.weight_scale_inv`: DeepSeek V3,
+*-FP8 checkpoints) are dequantized to the model's dtype as they are read (`baton.model.fp8_blocks`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import logging
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -27,9 +30,13 @@ from baton.common.model_files import GGUF_SOURCE_FILE, gguf_source
 from baton.model.config import ModelConfig
 from baton.model.families import TEXT_ONLY, family_spec
 from baton.model.gguf_checkpoint import GGUFCheckpoint
+from baton.model.gemma4 import Gemma4LM, gemma4_recipes, shared_layers_kv_weights
 from baton.model.hybrid import HybridModel, hybrid_recipes
+from baton.model.mla import half_split_rows
 from baton.model.model import MLP, CausalLM
+from baton.model.fp8_blocks import fp8_view
 from baton.model.mxfp4 import DequantizedView, has_packed
+from baton.model.mxfp4_experts import install_expert_blocks, take_expert_blocks
 
 logger = logging.getLogger("baton.model.loader")
 
@@ -107,12 +114,14 @@ def _checkpoint_view(tensors: Mapping[str, torch.Tensor], config: ModelConfig) -
     """The tensors the model is made of, for a checkpoint that holds more by a named rule: a
     vision-language checkpoint served text only (`families.TEXT_ONLY`: its language model's tensors
     renamed, its vision tower's skipped), the multi-token-prediction layers stored after the last
-    layer (GLM-4.5's `num_nextn_predict_layers`; Baton does not run them). Every skip is counted and
+    layer (GLM-4.5's `num_nextn_predict_layers`; Baton does not run them), Gemma 4's KV-shared layers'
+    K/V projections and norms (never run: transformers ignores them too). Every skip is counted and
     logged; every other tensor goes on to the strict check."""
     form = TEXT_ONLY.get(config.text_only_of)
     mtp = range(config.num_layers, config.num_layers + config.mtp_layers)
     mtp_prefix = family_spec(config.model_type).mtp_prefix
-    if form is None and not mtp and not mtp_prefix:
+    unused_kv = shared_layers_kv_weights(config)
+    if form is None and not mtp and not mtp_prefix and not unused_kv:
         return tensors
     names: dict[str, str] = {}
     skipped: dict[str, int] = {}
@@ -122,6 +131,8 @@ def _checkpoint_view(tensors: Mapping[str, torch.Tensor], config: ModelConfig) -
             what = form.skipped_what if form is not None else ""
         elif _layer_of(model_name) in mtp or (mtp_prefix and model_name.startswith(mtp_prefix)):
             what = "the multi-token-prediction layers"
+        elif unused_kv and model_name.startswith(unused_kv):
+            what = "the KV-shared layers' K/V weights"
         else:
             names[model_name] = name
             continue
@@ -147,6 +158,8 @@ class _Recipe:
 
 def _recipes(model: CausalLM, config: ModelConfig) -> dict[str, _Recipe]:
     spec = family_spec(config.model_type)
+    if isinstance(model, Gemma4LM):  # fused q|k|v of per-layer shapes (baton.model.gemma4)
+        return {name: _Recipe(alts) for name, alts in gemma4_recipes(model, config).items()}
     if isinstance(model, HybridModel):  # state layers beside attention: its own names (baton.model.hybrid)
         return {name: _Recipe(alts) for name, alts in hybrid_recipes(model, config, spec.expert_names).items()}
     out: dict[str, _Recipe] = {}
@@ -156,7 +169,11 @@ def _recipes(model: CausalLM, config: ModelConfig) -> dict[str, _Recipe]:
         p = f"layers.{i}."
         attn = p + "self_attn."
         to_half_split = (lambda t: _half_split_qk(t, config)) if config.rope_interleaved else None
-        for kind in ("weight", "bias") if config.attention_bias else ("weight",):
+        if config.kv_lora_rank:  # MLA: the checkpoint's own names, rotary rows reordered (baton.model.mla)
+            out.update(_mla_recipes(attn, config))
+        # MLA has no fused q|k|v
+        qkv_kinds = () if config.kv_lora_rank else ("weight", "bias") if config.attention_bias else ("weight",)
+        for kind in qkv_kinds:
             out[f"{attn}qkv_proj.{kind}"] = _Recipe([[[f"{attn}qkv_proj.{kind}"]],
                                                      [[f"{attn}{n}_proj.{kind}" for n in "qkv"]]], to_half_split)
         mlp = p + "mlp."
@@ -192,6 +209,20 @@ def _recipes(model: CausalLM, config: ModelConfig) -> dict[str, _Recipe]:
             [[f"{moe}experts.{e}.{down_name}.weight"] for e in experts]])
     if config.tie_word_embeddings:
         out.pop("lm_head.weight", None)  # it is embed_tokens.weight
+    return out
+
+
+def _mla_recipes(attn: str, config: ModelConfig) -> dict[str, _Recipe]:
+    """MLA's projections whose rows carry the rotary part, reordered from DeepSeek's interleaved
+    pairs to Baton's half-split ones where the config's `rope_interleave` (the rest load by name)."""
+    if not config.rope_interleaved:
+        return {}
+    qk_head, rope = config.qk_nope_head_dim + config.qk_rope_head_dim, config.qk_rope_head_dim
+    q_name = f"{attn}q_b_proj.weight" if config.q_lora_rank else f"{attn}q_proj.weight"
+    out = {q_name: _Recipe([[[q_name]]], lambda t: half_split_rows(t, qk_head, rope))}
+    for kind in ("weight", "bias") if config.attention_bias else ("weight",):
+        name = f"{attn}kv_a_proj_with_mqa.{kind}"
+        out[name] = _Recipe([[[name]]], lambda t: half_split_rows(t, config.kv_lora_rank + rope, rope))
     return out
 
 
@@ -241,11 +272,39 @@ def _gpt_oss_moe_recipes(mlp: str) -> dict[str, _Recipe]:
     }
 
 
+class UnreadWeights:
+    """Parameters the load left unread, on the meta device (`load_model_deferring`): the projections
+    a GGUF's blocks will serve (`baton.model.gguf_weights`), each read only if and when it is asked
+    for (to check a repack against it), one at a time, so that loading never holds the dequantized
+    model beside its packs."""
+
+    def __init__(self, recipes: dict[str, _Recipe], tensors: Mapping[str, torch.Tensor],
+                 convert: Callable[[str, torch.Tensor], torch.Tensor]) -> None:
+        self._recipes, self._tensors, self._convert = recipes, tensors, convert
+
+    def __contains__(self, target: object) -> bool:
+        return target in self._recipes
+
+    def read(self, target: str) -> torch.Tensor:
+        """The parameter `target` (a model parameter name) as the load would have made it."""
+        recipe = self._recipes[target]
+        found = next(a for a in range(len(recipe.alternatives)) if all(n in self._tensors for n in recipe.names(a)))
+        return self._convert(target, _join(recipe, found, self._tensors))
+
+
+def _join(recipe: _Recipe, alternative: int, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    parts = recipe.alternatives[alternative]
+    joined = [tensors[part[0]] if len(part) == 1 else torch.cat([tensors[n] for n in part]) for part in parts]
+    tensor = joined[0] if len(joined) == 1 else torch.stack(joined)
+    return recipe.transform(tensor) if recipe.transform is not None else tensor
+
+
 def _build_state(recipes: dict[str, _Recipe], tensors: Mapping[str, torch.Tensor], tie_word_embeddings: bool,
-                 convert: Callable[[str, torch.Tensor], torch.Tensor] = lambda name, t: t) -> dict[str, torch.Tensor]:
+                 convert: Callable[[str, torch.Tensor], torch.Tensor] = lambda name, t: t,
+                 unread: frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:
     """Each model parameter from its checkpoint tensors, passed through `convert` (with the
     parameter's name) as soon as it is joined (so a fused projection's concatenation is freed
-    before the next one is made)."""
+    before the next one is made). The parameters in `unread` are checked present but not read."""
     state: dict[str, torch.Tensor] = {}
     used: set[str] = set()
     missing: list[str] = []
@@ -256,11 +315,9 @@ def _build_state(recipes: dict[str, _Recipe], tensors: Mapping[str, torch.Tensor
             best = max(range(len(recipe.alternatives)), key=lambda a: sum(n in tensors for n in recipe.names(a)))
             missing += [n for n in recipe.names(best) if n not in tensors]
             continue
-        parts = recipe.alternatives[found]
         used.update(recipe.names(found))
-        joined = [tensors[part[0]] if len(part) == 1 else torch.cat([tensors[n] for n in part]) for part in parts]
-        tensor = joined[0] if len(joined) == 1 else torch.stack(joined)
-        state[target] = convert(target, recipe.transform(tensor) if recipe.transform is not None else tensor)
+        if target not in unread:
+            state[target] = convert(target, _join(recipe, found, tensors))
     unused = sorted(n for n in tensors if n not in used and not n.endswith("rotary_emb.inv_freq")
                     and not (tie_word_embeddings and n == "lm_head.weight"))
     if missing or unused:
@@ -274,14 +331,30 @@ def _build_state(recipes: dict[str, _Recipe], tensors: Mapping[str, torch.Tensor
 
 
 def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device: torch.device | str | None = None,
-               prepare: bool = True) -> tuple[CausalLM, ModelConfig]:
+               prepare: bool = True, mxfp4_as_q8_0: bool = False, kernels: Any = None) -> tuple[CausalLM, ModelConfig]:
     """The model of `model_dir` with its weights, `prepare()`d unless `prepare` is False (the
-    engine prepares it itself, knowing whether its projections will be quantized)."""
+    engine prepares it itself, knowing whether its projections will be quantized). `mxfp4_as_q8_0`
+    (CPU only): MXFP4 experts become Q8_0 ops on `kernels` (the native module, or None: dequantized
+    per call) instead of dense weights (`baton.model.moe_quant.repacks_mxfp4_experts` decides)."""
+    model, config, _ = load_model_deferring(model_dir, dtype, device, prepare=prepare, mxfp4_as_q8_0=mxfp4_as_q8_0,
+                                            kernels=kernels)
+    return model, config
+
+
+def load_model_deferring(model_dir: str | Path, dtype: str | torch.dtype = "auto",
+                         device: torch.device | str | None = None, prepare: bool = True,
+                         defer: Callable[[CausalLM], set[str]] | None = None,
+                         mxfp4_as_q8_0: bool = False, kernels: Any = None,
+                         ) -> tuple[CausalLM, ModelConfig, UnreadWeights | None]:
+    """`load_model`, leaving the parameters `defer(model)` names (called on the model before any weight
+    is read) on the meta device, readable later through the returned `UnreadWeights`."""
     model_dir = Path(model_dir)
     device = torch.device(device) if device is not None else default_device()
     config = ModelConfig.from_dir(model_dir)
     torch_dtype = resolve_dtype(dtype, device)
-    tensors = _checkpoint_view(_read_tensors(model_dir), config)
+    # FP8 block checkpoints (DeepSeek V3, *-FP8): each weight dequantized to the dtype as it is read
+    tensors = fp8_view(_checkpoint_view(_read_tensors(model_dir), config), model_dir, torch_dtype)
+    raw = tensors  # MXFP4 experts served as Q8_0 are repacked from its blocks
     if has_packed(tensors):
         tensors = DequantizedView(tensors, torch_dtype)
     if config.text_only_of:
@@ -290,7 +363,8 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device:
         # is tied exactly when the checkpoint has none, as transformers 5 ends up doing
         config.tie_word_embeddings = "lm_head.weight" not in tensors
     with torch.device("meta"):
-        model = HybridModel(config) if config.has_state_layers else CausalLM(config)
+        model = (HybridModel(config) if config.has_state_layers else Gemma4LM(config) if config.gemma4
+                 else CausalLM(config))
     # a MoE's router where the reference keeps it in fp32 (GLM-4.5's) stays fp32
     fp32 = {f"layers.{i}.mlp.{name}" for i, layer in enumerate(model.layers)
             for name in getattr(layer.mlp, "fp32_parameters", lambda: ())()}
@@ -299,17 +373,29 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device:
     # for the worker's life (measured: 2.36 GB of a 1B model's file after load, on top of the packs).
     # Converted one parameter at a time: loading peaks at one copy plus the mapped file's pages (all
     # at once, the concatenations and the converted copies were alive together: 1.7 copies).
-    state = _build_state(_recipes(model, config), tensors, config.tie_word_embeddings,
-                         lambda name, t: t.to(device=device, dtype=torch.float32 if name in fp32 else torch_dtype,
-                                              copy=True))
+    def convert(name: str, t: torch.Tensor) -> torch.Tensor:
+        return t.to(device=device, dtype=torch.float32 if name in fp32 else torch_dtype, copy=True)
+
+    recipes = _recipes(model, config)
+    taken: dict[str, str] = {}  # MXFP4 experts left to `install_expert_blocks`
+    if mxfp4_as_q8_0 and device.type == "cpu":
+        taken, tensors = take_expert_blocks(recipes, tensors)
+    deferred = frozenset(defer(model) if defer is not None else ()) & recipes.keys()
+    state = _build_state(recipes, tensors, config.tie_word_embeddings, convert, deferred)
+    unread = UnreadWeights({t: recipes[t] for t in deferred}, tensors, convert) if deferred else None
+    assert not (deferred and prepare), "a model with unread weights cannot be prepared yet"
     del tensors
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
-    missing = [m for m in missing if not (config.tie_word_embeddings and m == "lm_head.weight")]
+    missing = [m for m in missing if not (config.tie_word_embeddings and m == "lm_head.weight")
+               and m not in deferred and m not in taken]
     if missing or unexpected:  # a recipe bug, not a checkpoint problem
         raise ValueError(f"loaded state does not match the model: missing {missing}, unexpected {unexpected}")
+    if taken:
+        install_expert_blocks(model, taken, raw, kernels)
+    del raw
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.eval()
     if prepare:
         model.prepare()
-    return model, config
+    return model, config, unread

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from baton.model.gated_deltanet import StateMeta, StatePool
+from baton.model.model import set_op
 
 
 @dataclass(frozen=True)
@@ -151,6 +152,11 @@ class Mamba2Mixer(nn.Module):
         self.D = nn.Parameter(torch.ones(d.num_heads))
         self.norm = GroupedGatedRMSNorm(d.intermediate_size, d.n_groups, d.eps)
         self.out_proj = nn.Linear(d.intermediate_size, d.hidden_size, bias=d.proj_bias)
+        set_op(self, "in_op", self.in_proj)  # through ops: packed or quantized (`projection_slots`)
+        set_op(self, "out_op", self.out_proj)
+
+    def projection_slots(self) -> list[tuple[nn.Module, str, nn.Linear]]:
+        return [(self, "in_op", self.in_proj), (self, "out_op", self.out_proj)]
 
     def _split(self, xbc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         # [R, conv_dim] -> x [R, H, P], B, C [R, G, N]
@@ -162,7 +168,7 @@ class Mamba2Mixer(nn.Module):
     def forward(self, hidden: torch.Tensor, pool: StatePool, meta: StateMeta) -> torch.Tensor:
         # hidden: [T, hidden] -> [T, hidden]; the rows' conv and SSM states in `pool` are read and advanced
         d, dtype = self.dims, hidden.dtype
-        gate, xbc, dt = torch.split(self.in_proj(hidden), [d.intermediate_size, d.conv_dim, d.num_heads], dim=-1)
+        gate, xbc, dt = torch.split(self.in_op(hidden), [d.intermediate_size, d.conv_dim, d.num_heads], dim=-1)
         dt = F.softplus(dt + self.dt_bias.to(dt.dtype)).float()  # [T, H]
         a = -torch.exp(self.A_log.float())
         skip = self.D.float()
@@ -192,4 +198,4 @@ class Mamba2Mixer(nn.Module):
             ssm_states[slot] = state
             y[start:end] = out
         normed = self.norm(y.reshape(-1, d.intermediate_size), gate)
-        return self.out_proj(normed.to(dtype))
+        return self.out_op(normed.to(dtype))

@@ -153,8 +153,13 @@ class Attention(nn.Module):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                meta: AttentionMetadata) -> torch.Tensor:
         """Write the step's K/V into the cache and attend: q [T, heads, d], k/v [T, kv_heads, d] -> [T, heads, d]."""
+        self.backend.write_kv(kv_cache, k, v, meta)
+        return self.attend_written(q, k, v, kv_cache, meta)
+
+    def attend_written(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                       meta: AttentionMetadata) -> torch.Tensor:
+        """`attend` over K/V already in the cache (Gemma 4's KV-shared layers read another layer's)."""
         backend = self.backend
-        backend.write_kv(kv_cache, k, v, meta)
         if not meta.prefills and len(meta.decode_groups) == 1:
             return backend.decode(q, kv_cache, meta.decode_groups[0], meta.block_size)  # the common case
         out = q.new_empty(q.shape)
@@ -211,7 +216,12 @@ class DecoderLayer(nn.Module):
         self.placement = config.norm_placement
         for name in _LAYER_NORMS[self.placement]:
             setattr(self, name, RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_kind))
-        self.self_attn = Attention(config, layer_index)
+        if config.kv_lora_rank:
+            from baton.model.mla import LatentAttention  # built on this module's Attention and RMSNorm
+
+            self.self_attn: nn.Module = LatentAttention(config, layer_index)
+        else:
+            self.self_attn = Attention(config, layer_index)
         if config.is_moe(layer_index):
             shared = (MLP(config, config.moe_intermediate_size * config.num_shared_experts)
                       if config.num_shared_experts else None)
@@ -286,7 +296,9 @@ class CausalLM(nn.Module):
         slots: list[tuple[nn.Module, str, nn.Linear]] = []
         for layer in self.layers:
             attn, mlp = layer.self_attn, self.dense_mlp(layer.mlp)
-            if attn is not None:  # None: a layer of another kind (a hybrid model's state layers)
+            if hasattr(attn, "projection_slots"):  # MLA (baton.model.mla): projections of its own
+                slots += attn.projection_slots()
+            elif attn is not None:  # None: a layer of another kind (a hybrid model's state layers)
                 slots += [(attn, "qkv", attn.qkv_proj), (attn, "o", attn.o_proj)]
             if isinstance(mlp, MLP):
                 slots += [(mlp, "gate_up", mlp.gate_up_proj), (mlp, "down", mlp.down_proj)]
@@ -350,12 +362,17 @@ class CausalLM(nn.Module):
             set_op(owner, name, op)
         layer_kernel = kernel if not self.native_unsupported else None
         for layer in self.layers:
-            # batch-invariant: prefill queries attend as decode steps do (see PagedAttention)
-            layer.self_attn.backend.use_native_kernel(layer_kernel,
-                                                      decode_style_prefill=fast_linears and mode == "full")
+            # batch-invariant: prefill queries attend as decode steps do (see PagedAttention); a
+            # hybrid's state layer has no attention (None)
+            if layer.self_attn is not None:
+                layer.self_attn.backend.use_native_kernel(layer_kernel,
+                                                          decode_style_prefill=fast_linears and mode == "full")
             if isinstance(layer.mlp, MLP):
                 layer.mlp.silu_mul = layer_kernel.silu_mul if layer_kernel is not None else None
-        use_triton = triton_available(param.device, triton)
+        # MLA (one KV head of width kv_lora_rank + rope, 576 in V3, shared by up to 128 query heads) is
+        # not validated on the Triton kernels (their tiles are sized for head_dim <= 256): its attention
+        # stays on the torch path, and `baton plan` says Triton is off
+        use_triton = triton_available(param.device, triton) and not self.config.kv_lora_rank
         if use_triton:  # CUDA: attention over the paged pool in place (RuntimeConfig.triton, BATON_TRITON=1)
             for layer in self.layers:
                 attn = getattr(layer, "self_attn", None)

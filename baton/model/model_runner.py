@@ -12,6 +12,7 @@ import torch
 
 from baton.model.config import ModelConfig
 from baton.model.attention import AttentionMetadata, DecodeGroup, PrefillSpan, group_by_context
+from baton.model import layer_cache
 from baton.model.kv_quant import as_bytes, convert_rows, row_width
 from baton.model.gated_deltanet import StateMeta, StatePool
 from baton.model.short_conv import state_dims
@@ -64,6 +65,8 @@ class StepResult:
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     """Bytes of one block of the KV cache in `dtype` (a quantized format: codes and scales)."""
     # only attention layers keep KV per token (a hybrid's state layers keep a slot per request: `StatePool`)
+    if config.layer_head_dim:  # per-layer shapes (Gemma 4), packed without padding
+        return layer_cache.bytes_per_block(config, block_size, dtype)
     row_bytes = row_width(config.head_dim, dtype) * dtype.itemsize
     return len(config.attention_layers) * 2 * block_size * config.num_kv_heads * row_bytes
 
@@ -85,7 +88,9 @@ class ModelRunner:
             len(config.attention_layers), 2, config.num_kv_heads, num_blocks * block_size,
             row_width(config.head_dim, self.kv_dtype), dtype=torch.uint8 if self.kv_dtype.itemsize == 1 else self.kv_dtype,
             device=self.device,
-        ).view(self.kv_dtype)
+        ).view(self.kv_dtype) if not config.layer_head_dim else (
+            # per-layer shapes (Gemma 4): one flat tensor, each cached layer packed (baton.model.layer_cache)
+            layer_cache.allocate(config, num_blocks * block_size, self.kv_dtype, self.device))
         # a hybrid's state layers: one slot per running request (the scheduler runs at most
         # max_num_seqs), assigned on first sight, released by the engine (`release_state`)
         self.state_pool: StatePool | None = None
@@ -250,11 +255,16 @@ class ModelRunner:
         """A block's KV in the store's format: [layers, 2, block_size, kv_heads, head_dim (+ 4 when
         quantized)] in the cache's dtype (a copy, on the CPU; the cache itself is head-major)."""
         s = block * self.block_size
+        if self.config.layer_head_dim:  # per-layer shapes (Gemma 4), packed: the uniform form out
+            return layer_cache.read_block(self.kv_cache, self.config, s, self.block_size)
         rows = as_bytes(self.kv_cache)[:, :, :, s:s + self.block_size].transpose(2, 3)
         return rows.to("cpu", copy=True).contiguous().view(self.kv_dtype)
 
     def write_block(self, block: int, data: torch.Tensor) -> None:
         # data: [layers, 2, block_size, kv_heads, head_dim (+ 4)] in any cache format (converted)
         s = block * self.block_size
+        if self.config.layer_head_dim:  # per-layer shapes (Gemma 4), packed
+            layer_cache.write_block(self.kv_cache, self.config, s, self.block_size, data)
+            return
         rows = convert_rows(data.to(self.device), self.kv_dtype)
         as_bytes(self.kv_cache)[:, :, :, s:s + self.block_size] = as_bytes(rows).transpose(2, 3)

@@ -22,6 +22,12 @@ Weights are stacked per layer: `experts_gate_up` [E, 2I, H] (gate rows, then up 
 `experts_down` [E, H, I], transformers 5's own layout (the loader stacks per-expert checkpoints;
 gpt-oss's [E, H, 2I] interleaved and [E, I, H] are transposed and de-interleaved into it, with
 their biases `experts_gate_up_bias` [E, 2I] and `experts_down_bias` [E, H]).
+
+Quantized experts (`use_quantized_experts`): each expert's gate_up and down are then a
+`QuantizedLinear` (Q8_0 blocks on the native integer kernel: gpt-oss's MXFP4 experts repacked
+without loss at load, `baton.model.mxfp4.repack_q8_0`, or any MoE's experts under --quantization
+int8, `baton.model.quant`), and the dense stacks are gone (None): the quantized copy is the only one.
+Biases and the clamped SwiGLU are unchanged; a bias is added after the op.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from baton.model.config import ModelConfig
+from baton.model.linear import QuantizedLinear
 
 
 def activation(name: str):  # -> Callable[[Tensor], Tensor]
@@ -53,6 +60,8 @@ class SparseMoE(nn.Module):
             self.routed_scaling_factor = config.routed_scaling_factor
         self.experts_gate_up = nn.Parameter(torch.empty(e, 2 * i, h))
         self.experts_down = nn.Parameter(torch.empty(e, h, i))
+        # per expert (gate_up [2I, H], down [H, I]) once quantized (`use_quantized_experts`), else None
+        self.expert_ops: list[tuple[QuantizedLinear, QuantizedLinear]] | None = None
         self.clamped_swiglu = config.expert_form == "gpt_oss"
         self.experts_gate_up_bias: nn.Parameter | None = None  # [E, 2I] (gpt-oss)
         self.experts_down_bias: nn.Parameter | None = None  # [E, H] (gpt-oss)
@@ -62,6 +71,14 @@ class SparseMoE(nn.Module):
             self.swiglu_limit, self.swiglu_alpha = config.swiglu_limit, config.swiglu_alpha
         self.act = activation(config.hidden_act)
         self.shared_experts = shared_experts  # a dense MLP (baton.model.model.MLP) every token runs, or None
+
+    def use_quantized_experts(self, gate_up: list[QuantizedLinear], down: list[QuantizedLinear]) -> None:
+        """Serve the experts from these ops (one per expert, [2I, H] and [H, I]) and drop the dense stacks."""
+        if len(gate_up) != self.num_experts or len(down) != self.num_experts:
+            raise ValueError(f"{len(gate_up)} gate_up and {len(down)} down ops for {self.num_experts} experts")
+        self.expert_ops = list(zip(gate_up, down))
+        self.experts_gate_up = None  # type: ignore[assignment]
+        self.experts_down = None  # type: ignore[assignment]
 
     def fp32_parameters(self) -> tuple[str, ...]:
         """Parameters the loader keeps in fp32 whatever the model's dtype (the reference's
@@ -128,16 +145,23 @@ class SparseMoE(nn.Module):
             out = out + self.shared_experts(x)
         return out
 
+    def _project(self, x: torch.Tensor, expert: int, which: int) -> torch.Tensor:
+        # x: [n, in] -> [n, out] through expert `expert`'s gate_up (which 0) or down (which 1), with its bias
+        bias = self.experts_gate_up_bias if which == 0 else self.experts_down_bias
+        if self.expert_ops is not None:
+            out = self.expert_ops[expert][which](x)
+            return out if bias is None else out + bias[expert]
+        weight = self.experts_gate_up if which == 0 else self.experts_down
+        return F.linear(x, weight[expert], None if bias is None else bias[expert])
+
     def _expert(self, x: torch.Tensor, expert: int) -> torch.Tensor:
         # x: [n, H] -> [n, H], one expert over the tokens routed to it
         if not self.clamped_swiglu:
-            gate, up = F.linear(x, self.experts_gate_up[expert]).chunk(2, dim=-1)
-            return F.linear(self.act(gate) * up, self.experts_down[expert])
-        assert self.experts_gate_up_bias is not None and self.experts_down_bias is not None
+            gate, up = self._project(x, expert, 0).chunk(2, dim=-1)
+            return self._project(self.act(gate) * up, expert, 1)
         # GptOssExperts: gate and up de-interleaved at load (gate rows, then up rows)
-        gate_up = F.linear(x, self.experts_gate_up[expert], self.experts_gate_up_bias[expert])
-        gate, up = gate_up.chunk(2, dim=-1)
+        gate, up = self._project(x, expert, 0).chunk(2, dim=-1)
         gate = gate.clamp(min=None, max=self.swiglu_limit)
         up = up.clamp(min=-self.swiglu_limit, max=self.swiglu_limit)
         glu = gate * torch.sigmoid(gate * self.swiglu_alpha)
-        return F.linear((up + 1) * glu, self.experts_down[expert], self.experts_down_bias[expert])
+        return self._project((up + 1) * glu, expert, 1)

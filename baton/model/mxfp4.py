@@ -7,8 +7,14 @@ group of 32, biased by 127). `dequantize` follows transformers' `convert_moe_pac
 dimensions: the result is the layout gpt-oss's unquantized checkpoints store ([E, H, 2I] for
 gate_up_proj, [E, I, H] for down_proj).
 
-Baton serves the dequantized weights (in the model's dtype); running the 4-bit blocks natively is
-not done here.
+`repack_q8_0` rewrites the blocks as Q8_0 (32 int8 + one fp32 scale) without loss: an FP4 value v is
+one of 0, ±0.5, ±1, ±1.5, ±2, ±3, ±4, ±6, so q = 2v is an integer in [-12, 12], and d = 2^(e - 127) / 2
+is exact in fp32 (2^-128 a subnormal, still exact): d * q is the dequantized weight, bit for bit. The
+native Q8_0 kernel (kernels/qgemv.cpp, via baton.model.linear.QuantizedLinear) then multiplies gpt-oss's
+experts in 10 bits a weight (the pack's int8, fp32 scale and fp32 sum per 32) instead of bf16's 16
+(`baton.model.mxfp4_experts`); where it
+does not run (`--quantization none`, `--dtype float32` with auto, no kernel) the dequantized weights
+are served, in the model's dtype.
 """
 
 from __future__ import annotations
@@ -36,6 +42,28 @@ def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -
     torch.ldexp(out, exponents, out=out)
     out = out.reshape(*prefix, groups, width * 2).view(*prefix, groups * width * 2)
     return out.transpose(1, 2).contiguous()
+
+
+# 2 * FP4_VALUES: the Q8_0 integer of each code (-0.0 is 0)
+Q8_CODES = tuple(int(2 * v) for v in FP4_VALUES)
+
+
+def repack_q8_0(blocks: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """blocks: uint8 [E, rows, G, 16]; scales: uint8 [E, rows, G] -> (q int8 [E, rows, G * 32],
+    d fp32 [E, rows, G]) with d * q == dequantize(blocks, scales, fp32).transpose(1, 2) exactly.
+    `rows` are the weight's outputs and the blocks run along its inputs, so [rows, G * 32] is already
+    F.linear's [out, in] (transformers' transpose in `dequantize` makes it input-major; not here)."""
+    if blocks.shape[:-1] != scales.shape:
+        raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} do not match scales {tuple(scales.shape)}")
+    *prefix, groups, width = blocks.shape
+    blocks = blocks.to(torch.uint8)
+    lut = torch.tensor(Q8_CODES, dtype=torch.int8)
+    q = torch.empty(*prefix, groups, width, 2, dtype=torch.int8)  # [..., G, 16, 2]: low nibble first
+    q[..., 0] = lut[(blocks & 0x0F).to(torch.int)]
+    q[..., 1] = lut[(blocks >> 4).to(torch.int)]
+    # d = 2^(e - 127) / 2 = 2^(e - 128): the 0.5 folded into the exponent, exact in fp32
+    d = torch.ldexp(torch.ones(scales.shape, dtype=torch.float32), scales.to(torch.int32) - 128)
+    return q.reshape(*prefix, groups * width * 2), d
 
 
 class DequantizedView(Mapping[str, torch.Tensor]):

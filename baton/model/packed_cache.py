@@ -25,7 +25,7 @@ import json
 import logging
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -119,9 +119,11 @@ class SharedPacks:
                 logger.warning("%s: unreadable (%s): repacking", self.index_path, exc)
             return None
 
-    def write(self, slots: list[PackedSlot]) -> list[PackedSlot] | None:
-        """Write the packs (index last: an index names a complete file) and return them mapped from
-        it, or None where the disk refused (the caller keeps its private packs)."""
+    def write(self, slots: Iterable[PackedSlot]) -> list[PackedSlot] | None:
+        """Write the packs as `slots` yields them (index last: an index names a complete file) and
+        return them mapped from it, or None where the disk refused (the caller then keeps private
+        packs). A generator's packs can be freed as soon as they are written: the repack streams
+        into the file (`gguf_weights`), so no worker holds all its private packs at once."""
         entries, offset = [], 0
         tmp = self.data_path.with_suffix(f".bin.tmp{os.getpid()}")
         try:
@@ -145,9 +147,10 @@ class SharedPacks:
         except OSError as exc:
             logger.warning("could not write the packed weights to %s (%s): this worker keeps its own copy "
                            "(set %s=off to stop trying)", self.data_path, exc, ENV)
-            tmp.unlink(missing_ok=True)
             return None
-        return self.read(len(slots))
+        finally:
+            tmp.unlink(missing_ok=True)  # gone already where it was renamed; else a partial file
+        return self.read(len(entries))
 
     def _map(self) -> torch.Tensor:
         """The whole file as a read-only uint8 tensor over a shared mapping (no copy)."""

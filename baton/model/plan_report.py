@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from baton.model.linear import ALL_ROWS, PackedLinear, QuantizedLinear, RowSplitLinear
+from baton.model.moe_quant import experts_tensors, experts_words, moe_layers
 
 
 @dataclass(frozen=True)
@@ -126,6 +127,18 @@ def projection_plans(model: nn.Module, counted: _Bytes | None = None) -> list[Pr
     return [ProjectionPlan(kind, count, kernel, nbytes) for (kind, kernel), (count, nbytes) in grouped.items()]
 
 
+def expert_plans(model: nn.Module, counted: _Bytes | None = None) -> list[ProjectionPlan]:
+    """One line per form the MoE layers' routed experts take (dense stacks, or Q8_0 ops per expert),
+    with the bytes they hold (biases included)."""
+    counted = counted or _Bytes()
+    grouped: dict[str, list[int]] = {}
+    for moe in moe_layers(model):
+        entry = grouped.setdefault(experts_words(moe), [0, 0])
+        entry[0] += 1
+        entry[1] += counted.add(*experts_tensors(moe))
+    return [ProjectionPlan("experts", count, words, nbytes) for words, (count, nbytes) in grouped.items()]
+
+
 def step_plans(model: nn.Module) -> dict[str, str]:
     """Per step kind: what runs the layers."""
     # the first attention layer's (a hybrid's first layer may be a state layer, without KV)
@@ -143,7 +156,8 @@ def step_plans(model: nn.Module) -> dict[str, str]:
 
 
 def other_weight_bytes(model: nn.Module, counted: _Bytes) -> int:
-    """Everything but the projections (embedding, norms, MoE routers and experts)."""
+    """Everything but the projections (embedding, norms, MoE routers; the experts count once, whoever
+    asks first: `expert_plans`)."""
     projections = {id(t) for _, _, linear in model.projection_slots() for t in (linear.weight, linear.bias)
                    if t is not None and t is not model.embed_tokens.weight}
     return counted.add(*(t for t in [*model.parameters(), *model.buffers()] if id(t) not in projections))
@@ -152,7 +166,8 @@ def other_weight_bytes(model: nn.Module, counted: _Bytes) -> int:
 def held_bytes(model: nn.Module) -> int:
     """Bytes of every weight the model holds, in whatever forms, each storage once."""
     counted = _Bytes()
-    return other_weight_bytes(model, counted) + sum(p.nbytes for p in projection_plans(model, counted))
+    experts = sum(p.nbytes for p in expert_plans(model, counted))
+    return experts + other_weight_bytes(model, counted) + sum(p.nbytes for p in projection_plans(model, counted))
 
 
 def report(model: nn.Module, quantization: str = "none") -> str:
@@ -163,11 +178,12 @@ def report(model: nn.Module, quantization: str = "none") -> str:
     lines += choice_lines(getattr(model, "choices", None))
     lines.append("projections:")
     counted = _Bytes()
-    others = other_weight_bytes(model, counted)  # first: a tied head's weight is the embedding
+    experts = expert_plans(model, counted)
+    others = other_weight_bytes(model, counted)  # before the projections: a tied head's weight is the embedding
     projections = projection_plans(model, counted)
-    for p in projections:
+    for p in projections + experts:
         lines.append(f"  {p.kind:8} x{p.count:<3} {p.kernel}  [{p.nbytes / mib:.1f} MiB]")
-    total = sum(p.nbytes for p in projections) + others
-    lines.append(f"other weights (embedding, norms, experts): {others / mib:.1f} MiB")
+    total = sum(p.nbytes for p in projections + experts) + others
+    lines.append(f"other weights (embedding, norms, routers): {others / mib:.1f} MiB")
     lines.append(f"weights held in all: {total / mib:.1f} MiB")
     return "\n".join(lines)

@@ -6,7 +6,8 @@ wherever the native kernel runs, `auto_dtype`; `--dtype float32` with auto: a GG
 weights). `describe_weights` is the start-up line naming what runs.
 
 `quantize_model(model, quantization, gguf_source=...)`, after `prepare()`, replaces each dense
-projection's op (q|k|v, o, gate|up, down, and the LM head; MoE experts stay in the model's dtype) by a
+projection's op (q|k|v, o, gate|up, down, and the LM head; a MoE's routed experts: one Q8_0 op per
+expert and projection, `baton.model.moe_quant`, under int8 and int4 alike) by a
 `baton.model.linear.QuantizedLinear` and frees the weight it replaced, so each weight lives once in
 memory, quantized:
 - "int8": GGUF's Q8_0 form (blocks of 32 along the input, one scale each: w = d * q);
@@ -37,7 +38,9 @@ from torch import nn
 
 from baton.model.layers_plan import LayersPlan
 from baton.model.linear import QuantizedLinear
+from baton.model.loader import UnreadWeights
 from baton.model.model import set_op
+from baton.model.moe_quant import quantize_dense_experts
 from baton.model.q_blocks import quantize_q4, quantize_q8_0
 
 logger = logging.getLogger("baton.model.quant")
@@ -107,12 +110,26 @@ def describe_weights(scheme: str, dtype: torch.dtype, requested_dtype: str, quan
     return f"weights: {name}, dequantized from {gguf_source.name} ({why})"
 
 
+def serves_gguf_blocks(quantization: str, gguf_source: Path | None, device: torch.device,
+                       native_kernels: bool) -> bool:
+    """Whether `quantize_model` will serve the GGUF's own blocks (so the loader need not read the
+    projections they replace): auto, a GGUF, the CPU and its native int8/4-bit kernel."""
+    if quantization != "auto" or gguf_source is None or device.type != "cpu" or not native_kernels:
+        return False
+    from baton.model import kernels as native
+
+    kernels = native.load()
+    return kernels is not None and kernels.q8_available()
+
+
 def quantize_model(model: nn.Module, quantization: str, kernels: Any = None,
-                   gguf_source: Path | None = None, native_kernels: bool = True, build_plan: bool = True) -> str:
+                   gguf_source: Path | None = None, native_kernels: bool = True, build_plan: bool = True,
+                   unread: UnreadWeights | None = None) -> str:
     """Quantize `model`'s projections in place (after `prepare()`) and return the scheme that now
     serves them: "none", "int8", "int4" or "gguf" (auto with `gguf_source`, the GGUF file the model
     directory was converted from). `kernels`: the native module (None: `baton.model.kernels.load()`,
-    unless `native_kernels` is False: RuntimeConfig.native_kernels, then none)."""
+    unless `native_kernels` is False: RuntimeConfig.native_kernels, then none). `unread`: the
+    projections the loader left unread for the GGUF's blocks (`serves_gguf_blocks`)."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, not {quantization!r}")
     if not asks_for_quantized(quantization, gguf_source):
@@ -141,7 +158,7 @@ def quantize_model(model: nn.Module, quantization: str, kernels: Any = None,
         from baton.model.gguf_weights import load_gguf_projections
 
         try:
-            load_gguf_projections(model, gguf_source, kernels)
+            load_gguf_projections(model, gguf_source, kernels, unread)
         except ValueError as exc:
             raise ValueError(f"{gguf_source.name}: its blocks cannot be served as they are ({exc}); "
                              "--quantization none serves its dequantized weights") from exc
@@ -155,7 +172,8 @@ def quantize_model(model: nn.Module, quantization: str, kernels: Any = None,
 
 
 def _quantize_projections(model: nn.Module, quantization: str, kernels: Any) -> None:
-    # dense projections only: MoE experts keep the model's dtype (no batched-by-expert int8 yet)
+    # MoE experts in Q8_0 (int4 too: 8 bits, as the head), unless MXFP4 experts were repacked at load
+    quantize_dense_experts(model, kernels)
     for owner, name, linear in model.projection_slots():
         # int4 keeps the LM head in int8, as llama.cpp's 4-bit files keep `output` in 6-8 bits: the
         # logits are what sampling reads, and 4 bits there cost most of int4's perplexity (measured)

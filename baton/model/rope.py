@@ -23,6 +23,8 @@ from baton.model.config import ModelConfig
 
 
 def rotary_dim(config: ModelConfig) -> int:
+    if config.kv_lora_rank:  # MLA: head_dim is the cache row's; the rotary part is its own width
+        return config.qk_rope_head_dim
     return int(config.head_dim * config.partial_rotary_factor)
 
 

@@ -25,14 +25,18 @@ from baton.common.model_files import gguf_source
 from baton.model import runtime_env
 from baton.model.config import ModelConfig
 from baton.model.gated_deltanet import StatePool
-from baton.model.gguf_checkpoint import release_readers
+from baton.model.gguf_checkpoint import drop_all_touched_pages, release_readers
+from baton.model.gguf_weights import gguf_projection_targets
 from baton.model.greedy import greedy_pick
 from baton.model.kv_quant import is_quantized, resolve_kv_cache_dtype
-from baton.model.loader import default_device, load_model, resolve_dtype
+from baton.model.loader import default_device, load_model_deferring, resolve_dtype
 from baton.model.model import CausalLM
 from baton.model.draft import DraftRow, propose_greedy
+from baton.model.moe_quant import experts_description, mxfp4_experts_plan
 from baton.model.model_runner import ModelRunner, PoolRows, PromptRows, StepResult, kv_bytes_per_block
-from baton.model.quant import asks_for_quantized, describe_weights, quantize_model, resolve_weights
+from baton.model.fp8_blocks import describe_fp8
+from baton.model.quant import (asks_for_quantized, describe_weights, quantize_model, resolve_weights,
+                               serves_gguf_blocks)
 from baton.model.shared_bf16 import share_native_packs
 from baton.model.short_conv import state_dims
 from baton.model.step_batch import RowKind, StepBatch, StepRow, step_row
@@ -202,7 +206,17 @@ def load_runtime(config: RuntimeConfig) -> ModelRuntime:
     source = gguf_source(model_dir)
     dtype, quantization = resolve_weights(config.dtype, config.quantization, source, device,
                                           native_kernels=config.native_kernels)
-    model, model_config = load_model(model_dir, dtype, device, prepare=False)
+    # the projections a GGUF's blocks will serve are not read now (only one at a time, to check each
+    # repack): loading never holds the dequantized model beside its packs
+    defer = None
+    if source is not None and serves_gguf_blocks(quantization, source, device, config.native_kernels):
+        defer = functools.partial(gguf_projection_targets, gguf_path=source)
+    # gpt-oss's MXFP4 experts: repacked without loss as Q8_0 ops at load, unless dense ones are asked for
+    mxfp4_q8, expert_kernels = mxfp4_experts_plan(model_dir, config.quantization, config.dtype, device,
+                                                  config.native_kernels)
+    model, model_config, unread = load_model_deferring(model_dir, dtype, device, prepare=False, defer=defer,
+                                                       mxfp4_as_q8_0=mxfp4_q8, kernels=expert_kernels)
+    drop_all_touched_pages()  # the file's pages the load read: the page cache keeps them, the worker need not
     # projections about to be quantized get no bf16 pack first (it would be made and dropped)
     quantizing = asks_for_quantized(quantization, source) and device.type == "cpu"
     release = config.release_load_copies
@@ -211,18 +225,29 @@ def load_runtime(config: RuntimeConfig) -> ModelRuntime:
     # the all-layers plan is built once, at the end, over the ops as they are then
     prepare(pack_projections=not quantizing, release_originals=release, build_plan=False)
     scheme = quantize_model(model, quantization, gguf_source=source, native_kernels=config.native_kernels,
-                            build_plan=False)
+                            build_plan=False, unread=unread)
+    del unread
+    unread_left = [name for name, p in model.named_parameters() if p.is_meta]
+    assert not unread_left, f"parameters never read: {unread_left[:4]}"
     if quantizing and scheme == "none":  # no quantized kernel here: serve the dtype, packed
         prepare(release_originals=release, build_plan=False)
     if scheme != "none":
         # KV computed with other weights is another model's: prefix hashes (and the block store's
         # keys) must not match across quantizations
         model_config = dataclasses.replace(model_config, model_id=f"{model_config.model_id}+{scheme}")
+    experts = experts_description(model)
+    if experts is not None and scheme == "none":  # the experts' numbers are the native kernel's, not dense
+        model_config = dataclasses.replace(model_config, model_id=f"{model_config.model_id}+experts_q8_0")
     if scheme == "none":  # bf16: the native packs, one copy per machine
         share_native_packs(model, model_dir, source)
     release_readers()  # the file's tensors are all read (or mapped as packs): its header is not needed
     weights_dtype = next(model.parameters()).dtype
     description = describe_weights(scheme, weights_dtype, config.dtype, config.quantization, source)
+    fp8 = describe_fp8(model_dir)  # the dense weights above were FP8 blocks in the checkpoint
+    if fp8 is not None:
+        description = f"{description}; {fp8}"
+    if experts is not None:
+        description = f"{description}; {experts}"
     kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, weights_dtype)
     if is_quantized(kv_dtype):
         model.use_kv_dtype(kv_dtype)

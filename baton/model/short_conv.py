@@ -20,6 +20,7 @@ from torch import nn
 
 from baton.model.gated_deltanet import DeltaNetDims, StateMeta, StatePool
 from baton.model.mamba2 import Mamba2Dims
+from baton.model.model import set_op
 
 
 @dataclass(frozen=True)
@@ -58,11 +59,16 @@ class ShortConv(nn.Module):
         # depthwise: weight [H, 1, L_cache] (the checkpoint's nn.Conv1d, its forward unused)
         self.conv = nn.Conv1d(h, h, dims.conv_kernel, groups=h, bias=dims.bias)
         self.out_proj = nn.Linear(h, h, bias=dims.bias)
+        set_op(self, "in_op", self.in_proj)  # through ops: packed or quantized (`projection_slots`)
+        set_op(self, "out_op", self.out_proj)
+
+    def projection_slots(self) -> list[tuple[nn.Module, str, nn.Linear]]:
+        return [(self, "in_op", self.in_proj), (self, "out_op", self.out_proj)]
 
     def forward(self, x: torch.Tensor, pool: StatePool, meta: StateMeta) -> torch.Tensor:
         # x: [T, H] -> [T, H]; the rows' conv states in `pool` are read and advanced
         h, keep = self.dims.hidden_size, self.dims.conv_kernel - 1
-        b, c, v = self.in_proj(x).chunk(3, dim=-1)
+        b, c, v = self.in_op(x).chunk(3, dim=-1)
         bx = b * v  # [T, H]: the conv's input
         states = pool.conv[self.state_index]  # [slots, H, keep]
         weight, bias = self.conv.weight, self.conv.bias
@@ -78,4 +84,4 @@ class ShortConv(nn.Module):
             window = torch.cat([states[slot], bx[start:end].T], dim=-1).to(weight.dtype)  # [H, keep + L]
             states[slot] = window[:, window.shape[1] - keep:].to(states.dtype)
             out[start:end] = F.conv1d(window[None], weight, bias, groups=h)[0].T.to(bx.dtype)
-        return self.out_proj(c * out)
+        return self.out_op(c * out)
