@@ -34,7 +34,7 @@ from torch import nn
 from baton.model.attention import AttentionMetadata, PagedAttention, windowed
 from baton.model.config import ModelConfig
 from baton.model.layer_cache import layer_views
-from baton.model.model import MIN_ROPE_TABLE, MLP, Attention, CausalLM, apply_rope, set_op
+from baton.model.model import MIN_ROPE_TABLE, MLP, CausalLM, apply_rope, attend_cached, set_op
 from baton.model.moe import activation
 
 SharedKV = dict[int, tuple[torch.Tensor, torch.Tensor]]  # layer -> its step's (k, v), [T, kv_heads, d] each
@@ -97,10 +97,7 @@ class Gemma4Attention(nn.Module):
             k, v = apply_rope(self.k_norm(k_raw), cos, sin), self.v_norm(v_raw)
             self.backend.write_kv(kv_cache, k, v, meta)
             shared_kv[self.layer_index] = (k, v)
-        return self.o(self.attend_written(q, k, v, kv_cache, meta).reshape(t, self.q_size))
-
-    # every family's attention over K/V in the cache (it reads self.backend only)
-    attend_written = Attention.attend_written
+        return self.o(attend_cached(self.backend, q, k, v, kv_cache, meta).reshape(t, self.q_size))
 
 
 class Gemma4Router(nn.Module):

@@ -154,22 +154,23 @@ class Attention(nn.Module):
                meta: AttentionMetadata) -> torch.Tensor:
         """Write the step's K/V into the cache and attend: q [T, heads, d], k/v [T, kv_heads, d] -> [T, heads, d]."""
         self.backend.write_kv(kv_cache, k, v, meta)
-        return self.attend_written(q, k, v, kv_cache, meta)
+        return attend_cached(self.backend, q, k, v, kv_cache, meta)
 
-    def attend_written(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                       meta: AttentionMetadata) -> torch.Tensor:
-        """`attend` over K/V already in the cache (Gemma 4's KV-shared layers read another layer's)."""
-        backend = self.backend
-        if not meta.prefills and len(meta.decode_groups) == 1:
-            return backend.decode(q, kv_cache, meta.decode_groups[0], meta.block_size)  # the common case
-        out = q.new_empty(q.shape)
-        for group in meta.decode_groups:
-            s, e = group.start, group.start + group.count
-            out[s:e] = backend.decode(q[s:e], kv_cache, group, meta.block_size)
-        for span in meta.prefills:
-            s, e = span.start, span.start + span.length
-            out[s:e] = backend.prefill(q[s:e], k[s:e], v[s:e], kv_cache, span)
-        return out
+
+def attend_cached(backend: PagedAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """`Attention.attend` over K/V already in the cache (Gemma 4's KV-shared layers read another
+    layer's): q [T, heads, d], k/v [T, kv_heads, d] -> [T, heads, d]."""
+    if not meta.prefills and len(meta.decode_groups) == 1:
+        return backend.decode(q, kv_cache, meta.decode_groups[0], meta.block_size)  # the common case
+    out = q.new_empty(q.shape)
+    for group in meta.decode_groups:
+        s, e = group.start, group.start + group.count
+        out[s:e] = backend.decode(q[s:e], kv_cache, group, meta.block_size)
+    for span in meta.prefills:
+        s, e = span.start, span.start + span.length
+        out[s:e] = backend.prefill(q[s:e], k[s:e], v[s:e], kv_cache, span)
+    return out
 
 
 def weightless_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
