@@ -220,3 +220,24 @@ def test_waiting_for_readiness_says_so_every_few_seconds():
     assert sup.lines[0] == "waiting for the gateway ..."
     progress = [line for line in sup.lines[1:] if line.startswith("waiting for the gateway ... (")]
     assert len(progress) >= 2 and progress[-1].endswith("s)"), sup.lines
+
+
+def test_an_fp8_checkpoint_is_estimated_at_the_width_it_is_served_in(tmp_path):
+    """FP8 weights are one byte each on disk but dequantized at load (baton.model.fp8_blocks): the
+    memory estimate counts them at --dtype's width (int8 / int4: the packs'), other tensors as stored."""
+    import torch
+    from safetensors.torch import save_file
+
+    from baton.cli.preflight import served_weight_bytes
+
+    path = tmp_path / "model.safetensors"
+    save_file({"layers.0.mlp.down_proj.weight": torch.zeros(64, 128, dtype=torch.float8_e4m3fn),
+               "layers.0.mlp.down_proj.weight_scale_inv": torch.ones(2, 4),
+               "norm.weight": torch.ones(64, dtype=torch.bfloat16)}, str(path))
+    on_disk, fp8 = path.stat().st_size, 64 * 128
+    assert served_weight_bytes([path], "bfloat16", "none") == on_disk + fp8
+    assert served_weight_bytes([path], "float32", "auto") == on_disk + 3 * fp8
+    assert served_weight_bytes([path], "bfloat16", "int8") == on_disk + fp8 // 4
+    plain = tmp_path / "plain.safetensors"
+    save_file({"norm.weight": torch.ones(64, dtype=torch.bfloat16)}, str(plain))
+    assert served_weight_bytes([plain], "bfloat16", "none") == plain.stat().st_size  # as stored

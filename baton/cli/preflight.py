@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import errno
 import json
+import math
 import os
 import socket
 from dataclasses import dataclass
@@ -261,11 +262,38 @@ class ModelCheck:
         return f"{name} {format_bytes(self.memory.weights_bytes)}"
 
 
+# bytes a weight takes once loaded, by --dtype ("auto" counted as float32, the widest it may resolve
+# to, as the KV estimate counts it) and by --quantization where that quantizes at load
+SERVED_BYTES = {"float32": 4.0, "auto": 4.0, "bfloat16": 2.0, "float16": 2.0}
+QUANTIZED_BYTES = {"int8": 1.25, "int4": 0.75}  # the native packs: int8 / 4-bit plus fp32 scales per 32
+
+
+def fp8_elements(path: Path) -> int:
+    """How many weights of a safetensors file are stored as FP8 (e4m3 / e5m2), from its header alone."""
+    with open(path, "rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    return sum(math.prod(entry["shape"]) for name, entry in header.items()
+               if name != "__metadata__" and str(entry.get("dtype", "")).startswith("F8_"))
+
+
+def served_weight_bytes(files: list[Path], dtype: str, quantization: str) -> int:
+    """One copy of the weights as a worker holds them: the files' sizes, except that an FP8
+    checkpoint's weights (one byte each on disk) are dequantized at load into --dtype (or
+    requantized by int8/int4), so they count at that width (baton.model.fp8_blocks)."""
+    width = QUANTIZED_BYTES.get(quantization, SERVED_BYTES.get(dtype, 4.0))
+    total = 0
+    for path in files:
+        total += path.stat().st_size
+        if path.suffix == ".safetensors":
+            total += int(fp8_elements(path) * (width - 1))
+    return total
+
+
 def check_model(model_dir: Path, args: argparse.Namespace) -> ModelCheck:
     """The model's config (refused here if the workers would refuse it) and the memory estimate."""
     config = read_model_config(model_dir)
     weights = weight_files(model_dir, args.dtype, args.quantization)
-    weights_bytes = sum(path.stat().st_size for path in weights)
+    weights_bytes = served_weight_bytes(weights, args.dtype, args.quantization)
     kv_dtype = args.kv_cache_dtype
     # prefill workers get --prefill-kv-cache-memory as their --kv-cache-memory, by default room for
     # a few full-context prompts (DECODE_FLAGS' pool flags reach the decode workers only)

@@ -144,7 +144,7 @@ class StatePool:
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+    return x * (x * x).sum(dim=-1, keepdim=True).add_(eps).rsqrt_()  # in place on the small [..., 1] temporaries
 
 
 def _heads_first(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
@@ -195,22 +195,52 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     return out.transpose(1, 2).to(dtype, memory_format=torch.contiguous_format), s
 
 
+def slot_rows(pool: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """The decode rows' entries of a pool tensor [slots, ...] and whether they are a view of it: a
+    view when the slots are consecutive and on the CPU (the common case; then what is advanced in
+    place needs no write back and nothing is copied), else a copy (index_select) for the caller to
+    write back with index_copy_. Only CPU slots are inspected: on an accelerator it would sync."""
+    if slots.device.type == "cpu":
+        listed = slots.tolist()
+        if listed == list(range(listed[0], listed[0] + len(listed))):
+            return pool.narrow(0, listed[0], len(listed)), True
+    return pool.index_select(0, slots), False
+
+
+def decode_conv(states: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The depthwise causal conv's one output position for each decode row, advancing the rows'
+    conv states in place. states: [slots, C, K - 1]; slots: [D]; x: [D, C] (the new inputs);
+    weight: [C, 1, K]. Returns [D, C] in weight's dtype. One output position is a weighted sum over
+    the K-step window: far cheaper than a conv1d call at decode's sizes (K = 4). The sum runs in
+    fp32 and rounds once, as conv1d does for half types (no-op casts in fp32)."""
+    window = torch.cat([states.index_select(0, slots), x[:, :, None]], dim=-1)  # [D, C, K]
+    states.index_copy_(0, slots, window[:, :, 1:].to(states.dtype))
+    out = (window.to(torch.float32) * weight[:, 0].to(torch.float32)).sum(-1)
+    if bias is not None:
+        out = out.add_(bias.to(torch.float32))
+    return out.to(weight.dtype)
+
+
 def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                               beta: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """transformers' torch_recurrent_gated_delta_rule (l2-normed q/k), token by token (decode rows:
-    L = 1, B = the step's decode rows). Same shapes as `chunk_gated_delta_rule`."""
-    dtype = v.dtype
-    q, k, v, beta, g = _heads_first(q, k, v, g, beta)
-    q = q / (q.shape[-1] ** 0.5)
-    s = state.to(v)
-    out = torch.zeros_like(v)
-    for i in range(q.shape[2]):
-        s = s * g[:, :, i].exp()[..., None, None]
-        kv_mem = (s * k[:, :, i].unsqueeze(-1)).sum(dim=-2)
-        delta = (v[:, :, i] - kv_mem) * beta[:, :, i].unsqueeze(-1)
-        s = s + k[:, :, i].unsqueeze(-1) * delta.unsqueeze(-2)
-        out[:, :, i] = (s * q[:, :, i].unsqueeze(-1)).sum(dim=-2)
-    return out.transpose(1, 2).contiguous().to(dtype), s
+                               beta: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+    """transformers' torch_recurrent_gated_delta_rule (l2-normed q/k) for one token of each decode
+    row, advancing `state` [D, Hv, Dk, Dv] (fp32) in place. q, k: [D, Hk, Dk]; v: [D, Hv, Dv];
+    g, beta: [D, Hv]. Returns out [D, Hv, Dv] fp32. The per-head products run as batched matmuls
+    over D * Hv (the reference's broadcast-multiply-and-sum, another summation order)."""
+    rows, heads, dk, dv = state.shape
+    qk = l2norm(torch.cat([q, k], dim=1).to(torch.float32))  # [D, 2 Hk, Dk]
+    q, k = qk.split(q.shape[1], dim=1)
+    if heads != q.shape[1]:
+        q, k = q.repeat_interleave(heads // q.shape[1], dim=1), k.repeat_interleave(heads // k.shape[1], dim=1)
+    q = q / dk ** 0.5  # the reference's division, not a reciprocal's product
+    s = state.view(rows * heads, dk, dv)
+    k = k.reshape(rows * heads, 1, dk)
+    s.mul_(g.to(torch.float32).exp().view(-1, 1, 1))
+    kv_mem = torch.bmm(k, s)  # [D Hv, 1, Dv]
+    delta = (v.to(torch.float32).reshape(rows * heads, 1, dv) - kv_mem).mul_(beta.to(torch.float32).view(-1, 1, 1))
+    s.baddbmm_(k.transpose(1, 2), delta)
+    return torch.bmm(q.reshape(rows * heads, 1, dk), s).view(rows, heads, dv)
 
 
 class GatedRMSNorm(nn.Module):
@@ -225,7 +255,7 @@ class GatedRMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         h = x.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = h * h.pow(2).mean(-1, keepdim=True).add_(self.eps).rsqrt_()
         h = self.weight * h.to(dtype)
         return (h * F.silu(gate.to(torch.float32))).to(dtype)
 
@@ -296,14 +326,15 @@ class GatedDeltaNet(nn.Module):
         num_decode = meta.decode_slots.shape[0]
         if num_decode:
             slots = meta.decode_slots
-            window = torch.cat([conv_states[slots], qkv[:num_decode, :, None]], dim=-1).to(weight.dtype)
-            conv_states[slots] = window[:, :, 1:].to(conv_states.dtype)
-            mixed = F.silu(F.conv1d(window, weight, groups=d.conv_dim)).to(qkv.dtype)  # [D, C, 1]
-            q, k, v = self._split_heads(mixed.transpose(1, 2))
-            o, s = recurrent_gated_delta_rule(q, k, v, g[:num_decode, None], beta[:num_decode, None],
-                                              rec_states[slots])
-            rec_states[slots] = s
-            out[:num_decode] = o[:, 0]
+            mixed = F.silu(decode_conv(conv_states, slots, qkv[:num_decode], weight)).to(qkv.dtype)  # [D, C]
+            q, k, v = torch.split(mixed, [d.key_dim, d.key_dim, d.value_dim], dim=-1)
+            state, in_pool = slot_rows(rec_states, slots)  # [D, Hv, Dk, Dv], advanced in place
+            o = recurrent_gated_delta_rule(q.view(num_decode, -1, d.head_k_dim), k.view(num_decode, -1, d.head_k_dim),
+                                           v.view(num_decode, -1, d.head_v_dim), g[:num_decode], beta[:num_decode],
+                                           state)
+            if not in_pool:
+                rec_states.index_copy_(0, slots, state)
+            out[:num_decode] = o
         keep = d.conv_kernel - 1
         for start, length, slot in meta.spans:
             end = start + length

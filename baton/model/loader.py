@@ -32,7 +32,7 @@ from baton.model.families import TEXT_ONLY, family_spec
 from baton.model.gguf_checkpoint import GGUFCheckpoint
 from baton.model.gemma4 import Gemma4LM, gemma4_recipes, shared_layers_kv_weights
 from baton.model.hybrid import HybridModel, hybrid_recipes
-from baton.model.mla import half_split_rows
+from baton.model.mla import LatentAttentionLM, half_split_rows
 from baton.model.model import MLP, CausalLM
 from baton.model.fp8_blocks import fp8_view
 from baton.model.mxfp4 import DequantizedView, has_packed
@@ -364,7 +364,7 @@ def load_model_deferring(model_dir: str | Path, dtype: str | torch.dtype = "auto
         config.tie_word_embeddings = "lm_head.weight" not in tensors
     with torch.device("meta"):
         model = (HybridModel(config) if config.has_state_layers else Gemma4LM(config) if config.gemma4
-                 else CausalLM(config))
+                 else LatentAttentionLM(config) if config.kv_lora_rank else CausalLM(config))
     # a MoE's router where the reference keeps it in fp32 (GLM-4.5's) stays fp32
     fp32 = {f"layers.{i}.mlp.{name}" for i, layer in enumerate(model.layers)
             for name in getattr(layer.mlp, "fp32_parameters", lambda: ())()}

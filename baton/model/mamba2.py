@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from baton.model.gated_deltanet import StateMeta, StatePool
+from baton.model.gated_deltanet import StateMeta, StatePool, decode_conv, slot_rows
 from baton.model.model import set_op
 
 
@@ -109,16 +109,19 @@ def chunk_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tens
 
 
 def recurrent_step(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
-                   d: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """transformers' mamba2_selective_state_update for one token of each row, fp32. x: [R, H, P];
-    dt: [R, H] (after softplus); b, c: [R, G, N]; state: [R, H, P, N]. Returns y [R, H, P], state."""
-    heads = x.shape[1]
+                   d: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+    """transformers' mamba2_selective_state_update for one token of each row, fp32, advancing `state`
+    [R, H, P, N] in place. x: [R, H, P]; dt: [R, H] (after softplus); b, c: [R, G, N]. Returns
+    y [R, H, P]. The outer product x (dt B) and the contraction with C run as batched matmuls over
+    R * H."""
+    rows, heads, p, n = state.shape
     rep = heads // b.shape[1]
     x, b, c = x.float(), b.float().repeat_interleave(rep, dim=1), c.float().repeat_interleave(rep, dim=1)
-    decay = torch.exp(dt * a)[..., None, None]  # [R, H, 1, 1]
-    state = state * decay + (dt[..., None, None] * b[:, :, None, :]) * x[..., None]
-    y = (state @ c[..., None])[..., 0]  # [R, H, P]
-    return y + x * d[:, None], state
+    s = state.view(rows * heads, p, n)
+    s.mul_(torch.exp(dt * a).view(-1, 1, 1))
+    s.baddbmm_(x.reshape(rows * heads, p, 1), (dt[..., None] * b).view(rows * heads, 1, n))
+    y = torch.bmm(s, c.reshape(rows * heads, n, 1)).view(rows, heads, p)
+    return y.add_(x * d[:, None])
 
 
 class GroupedGatedRMSNorm(nn.Module):
@@ -179,14 +182,13 @@ class Mamba2Mixer(nn.Module):
         num_decode = meta.decode_slots.shape[0]
         if num_decode:
             slots = meta.decode_slots
-            window = torch.cat([conv_states[slots], xbc[:num_decode, :, None]], dim=-1).to(weight.dtype)  # [D, C, K]
-            conv_states[slots] = window[:, :, 1:].to(conv_states.dtype)
-            mixed = F.silu(F.conv1d(window, weight, bias, groups=d.conv_dim))[:, :, 0].to(dtype)  # [D, C]
+            mixed = F.silu(decode_conv(conv_states, slots, xbc[:num_decode], weight, bias)).to(dtype)  # [D, C]
             x, b, c = self._split(mixed)
+            state, in_pool = slot_rows(ssm_states, slots)  # [D, H, P, N], advanced in place
             # the reference's recurrent form applies no time-step limits
-            out, state = recurrent_step(x, dt[:num_decode], a, b, c, skip, ssm_states[slots])
-            ssm_states[slots] = state
-            y[:num_decode] = out
+            y[:num_decode] = recurrent_step(x, dt[:num_decode], a, b, c, skip, state)
+            if not in_pool:
+                ssm_states.index_copy_(0, slots, state)
         for start, length, slot in meta.spans:
             end = start + length
             window = torch.cat([conv_states[slot], xbc[start:end].T], dim=-1).to(weight.dtype)  # [C, keep + L]

@@ -37,7 +37,7 @@ from torch import nn
 
 from baton.model.attention import AttentionMetadata, PagedAttention
 from baton.model.config import ModelConfig
-from baton.model.model import Attention, RMSNorm, set_op
+from baton.model.model import Attention, CausalLM, RMSNorm, set_op
 from baton.model.rope import apply_rope
 
 # DeepseekV3Attention's q_a_layernorm and kv_a_layernorm are built without the config's eps
@@ -125,3 +125,10 @@ def half_split_rows(rows: torch.Tensor, head_width: int, rope_dim: int) -> torch
     rope = grouped[:, head_width - rope_dim:]
     rope = torch.cat([rope[:, 0::2], rope[:, 1::2]], dim=1)
     return torch.cat([grouped[:, :head_width - rope_dim], rope], dim=1).reshape(rows.shape)
+
+
+class LatentAttentionLM(CausalLM):
+    """A decoder whose attention layers are MLA (DeepSeek V3): CausalLM with `LatentAttention`."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__(config, attention=LatentAttention)

@@ -212,17 +212,13 @@ _LAYER_NORMS = {
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+    def __init__(self, config: ModelConfig, layer_index: int, attention: type[nn.Module] = Attention) -> None:
         super().__init__()
         self.placement = config.norm_placement
         for name in _LAYER_NORMS[self.placement]:
             setattr(self, name, RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_kind))
-        if config.kv_lora_rank:
-            from baton.model.mla import LatentAttention  # built on this module's Attention and RMSNorm
-
-            self.self_attn: nn.Module = LatentAttention(config, layer_index)
-        else:
-            self.self_attn = Attention(config, layer_index)
+        # `attention`: another kind over the same cache (MLA: baton.model.mla.LatentAttentionLM passes it)
+        self.self_attn: nn.Module = attention(config, layer_index)
         if config.is_moe(layer_index):
             shared = (MLP(config, config.moe_intermediate_size * config.num_shared_experts)
                       if config.num_shared_experts else None)
@@ -256,11 +252,11 @@ class CausalLM(nn.Module):
     """A causal language model of any family served (the family spec decides its layers, see the
     module docstring). `path` says which forward runs: "native" (the bf16 CPU kernels) or "torch"."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, attention: type[nn.Module] = Attention) -> None:
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i, attention) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_kind)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:

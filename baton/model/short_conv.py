@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from baton.model.gated_deltanet import DeltaNetDims, StateMeta, StatePool
+from baton.model.gated_deltanet import DeltaNetDims, StateMeta, StatePool, decode_conv
 from baton.model.mamba2 import Mamba2Dims
 from baton.model.model import set_op
 
@@ -76,9 +76,7 @@ class ShortConv(nn.Module):
         num_decode = meta.decode_slots.shape[0]
         if num_decode:
             slots = meta.decode_slots
-            window = torch.cat([states[slots], bx[:num_decode, :, None]], dim=-1).to(weight.dtype)  # [D, H, L]
-            states[slots] = window[:, :, 1:].to(states.dtype)
-            out[:num_decode] = F.conv1d(window, weight, bias, groups=h)[:, :, 0].to(bx.dtype)
+            out[:num_decode] = decode_conv(states, slots, bx[:num_decode], weight, bias)
         for start, length, slot in meta.spans:
             end = start + length
             window = torch.cat([states[slot], bx[start:end].T], dim=-1).to(weight.dtype)  # [H, keep + L]
