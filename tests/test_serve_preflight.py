@@ -241,3 +241,6 @@ def test_an_fp8_checkpoint_is_estimated_at_the_width_it_is_served_in(tmp_path):
     plain = tmp_path / "plain.safetensors"
     save_file({"norm.weight": torch.ones(64, dtype=torch.bfloat16)}, str(plain))
     assert served_weight_bytes([plain], "bfloat16", "none") == plain.stat().st_size  # as stored
+    empty = tmp_path / "empty.safetensors"  # no header (the workers' load says what is wrong): as stored
+    empty.write_bytes(b"")
+    assert served_weight_bytes([empty], "bfloat16", "none") == 0

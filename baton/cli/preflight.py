@@ -269,9 +269,17 @@ QUANTIZED_BYTES = {"int8": 1.25, "int4": 0.75}  # the native packs: int8 / 4-bit
 
 
 def fp8_elements(path: Path) -> int:
-    """How many weights of a safetensors file are stored as FP8 (e4m3 / e5m2), from its header alone."""
+    """How many weights of a safetensors file are stored as FP8 (e4m3 / e5m2), from its header alone
+    (a u64 length, then that much JSON). A file without such a header (no safetensors: the workers'
+    load says what is wrong with it) counts none: this is an estimate, not the load's check."""
     with open(path, "rb") as f:
-        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        length = int.from_bytes(f.read(8), "little")
+        if not 2 <= length <= path.stat().st_size - 8:
+            return 0
+        raw = f.read(length)
+    if not raw.startswith(b"{"):
+        return 0
+    header = json.loads(raw)
     return sum(math.prod(entry["shape"]) for name, entry in header.items()
                if name != "__metadata__" and str(entry.get("dtype", "")).startswith("F8_"))
 

@@ -1,10 +1,11 @@
 """A GGUF's projections served in its own quantization, as llama.cpp serves them.
 
-A `.gguf` model is converted once into a Hugging Face directory (`baton.common.model_files`: the
-config, the tokenizer, and every tensor dequantized by transformers), which the loader reads like
-any other. That directory remembers the GGUF it came from (`GGUF_SOURCE_FILE`); with
-`--quantization auto` (the default) `load_gguf_projections` then replaces each dense projection by
-the GGUF's own blocks, repacked for the native kernels (`kernels/qgemv.cpp`) without requantizing:
+A `.gguf` model becomes a small Hugging Face directory once (`baton.common.model_files`: the config,
+the tokenizer, a record of the file; no weights), and the loader reads the tensors from the file
+itself (`baton.model.gguf_checkpoint`). With `--quantization auto` (the default) the projections the
+file's blocks can serve are not read by the loader at all (`gguf_projection_targets`, left on the meta
+device: decision 30); `load_gguf_projections` gives each dense projection the GGUF's own blocks,
+repacked for the native kernels (`kernels/qgemv.cpp`) without requantizing:
 
 - Q8_0: int8 + one fp16 scale per 32 (the int8 kernel's format, scale widened to fp32);
 - Q4_0, Q4_1, Q4_K: 4-bit, each block of 32 as w = d * q + m (Q4_0: m = -8 d; Q4_K's sub-blocks:
@@ -16,8 +17,8 @@ the GGUF's own blocks, repacked for the native kernels (`kernels/qgemv.cpp`) wit
 
 Rows are mapped and un-permuted as transformers does (its GGUF tensor processors: Llama's q and k
 rows are stored permuted for llama.cpp's RoPE), and every repacked projection is checked against
-the weight the loader read from the converted directory on a sample of rows: a mapping mistake is
-an error at load, never wrong text. MoE experts keep the model's dtype.
+transformers' dequantization of the same tensor (read then, one at a time) on a sample of rows: a
+mapping mistake is an error at load, never wrong text. MoE experts keep the model's dtype.
 
 The packs are written once per machine and mapped read-only by every worker
 (`baton.model.packed_cache`): a worker that finds them maps the file and repacks nothing (the check
