@@ -53,6 +53,10 @@ class Cluster:
         self.workers: dict[str, list[dict[str, Any]]] = {"prefill": [], "decode": [], "gateway": []}
         self.started_at = time.time()
         self._stopping = False
+        # Each worker's num_tokens_computed at the last read, and when (monotonic) any worker last
+        # computed: a request silent for event_timeout while the workers compute is queued, not lost.
+        self._computed: dict[str, int] = {}
+        self.last_progress: float | None = None
 
     def stop(self) -> None:
         """Ask the loop to end (see TokenRouter.stop: cancellation alone may be lost in Redis calls)."""
@@ -106,10 +110,28 @@ class Cluster:
         for group in workers.values():
             group.sort(key=lambda w: str(w.get("worker_id", "")))
         self.workers = workers
+        self._note_progress(workers)
         capacities = self.decode_capacities()
         # Our own beat, written above, is among the live ones: at least 1 (more gateways, smaller share).
         self._admission.set_derived_budget(sum(capacities), max(capacities, default=0),
                                            len(workers.get("gateway", [])))
+
+    def _note_progress(self, workers: dict[str, list[dict[str, Any]]]) -> None:
+        computed: dict[str, int] = {}
+        for w in workers.get("prefill", []) + workers.get("decode", []):
+            worker_id, count = str(w.get("worker_id", "")), w.get("num_tokens_computed")
+            if not isinstance(count, int):
+                continue  # a worker that does not say
+            computed[worker_id] = count
+            # a step in its thread counts (one chunk of a long prompt can take minutes on a small
+            # CPU); a worker first seen sets its baseline: a crash-looping worker is no progress
+            if w.get("in_step") is True or count > self._computed.get(worker_id, count):
+                self.last_progress = time.monotonic()
+        self._computed = computed
+
+    def computed_within(self, seconds: float) -> bool:
+        """Whether some worker computed tokens (or was in a step) in the last `seconds`."""
+        return self.last_progress is not None and time.monotonic() - self.last_progress <= seconds
 
     def _stream_lost(self) -> None:
         # Called before the stream is made again, so the router reads the new one from its start.

@@ -253,7 +253,14 @@ class Generation:
             try:
                 event = await asyncio.wait_for(self._queue.get(), timeout)
             except asyncio.TimeoutError:
-                self._fail("timeout", f"no token from the workers for {timeout:g}s (event_timeout)")
+                # Silence while the workers compute is a queue (a burst of long prompts on a small
+                # CPU: minutes of prefill ahead of this one), not a loss: a message in a stream is
+                # never dropped (a dead worker's is claimed; a Redis restart ends it as lost). Only
+                # silence with nothing computed anywhere means nothing will come.
+                if self.svc.cluster.computed_within(timeout):
+                    continue
+                self._fail("timeout", f"no token from the workers for {timeout:g}s, and none computed "
+                           f"anything meanwhile (event_timeout)")
             if isinstance(event, StreamLost):
                 if event.error is not None:  # its own send failed (gateway.siblings)
                     self._fail("send_failed", event.message, event.error)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 
 import httpx
@@ -163,6 +164,49 @@ def test_lost_events_end_with_an_error(default_model_dir, gw_redis_url, gw_token
         rid = gw_worker.requests[-1].request_id
         assert wait_until(lambda: rid in gw_worker.cancelled_ids())  # workers told to drop it
     finally:
+        server.stop()
+
+
+def test_silence_behind_busy_workers_is_a_queue_not_a_loss(default_model_dir, gw_redis_url, gw_tokenizer,
+                                                           gw_worker):
+    """A request queued behind minutes of prefill gets no event for longer than event_timeout; while
+    a worker's heartbeat shows it computing, the request waits; once nothing computes, it fails."""
+    server = start_gateway(default_model_dir, gw_redis_url, gw_tokenizer, event_timeout=1.5)
+    computing = threading.Event()
+    computing.set()
+    stop = threading.Event()
+    replies: list[httpx.Response] = []
+
+    def beat() -> None:  # a decode worker whose token count grows while `computing` is set
+        count = 0
+        while not stop.is_set():
+            count += 100 if computing.is_set() else 0
+            gw_worker.heartbeat = {"worker_id": "echo", "num_kv_blocks_total": 4096, "block_size": 16,
+                                   "num_tokens_computed": count, "in_step": False}
+            time.sleep(0.2)
+
+    beater = threading.Thread(target=beat, daemon=True)
+    beater.start()
+    try:
+        gw_worker.mode = "silent"
+        with httpx.Client(timeout=30) as client:
+            t0 = time.monotonic()
+            pending = threading.Thread(target=lambda: replies.append(client.post(
+                server.url + "/generate", json={"inputs": "x"})), daemon=True)
+            pending.start()
+            pending.join(4.5)  # three event_timeouts of silence, the worker computing meanwhile
+            assert pending.is_alive(), "the request failed while the workers were computing"
+            computing.clear()
+            pending.join(10)
+            assert not pending.is_alive()
+        (r,) = replies
+        assert r.status_code == 500 and "none computed anything" in r.json()["error"]
+        assert time.monotonic() - t0 > 4.5
+        assert wait_until(lambda: idle(server.url))
+    finally:
+        stop.set()
+        beater.join(5)
+        assert not beater.is_alive()
         server.stop()
 
 

@@ -128,6 +128,7 @@ class LLMEngine:
         self.num_generated_tokens = 0
         self.last_num_batched_tokens = 0
         self.last_num_decode_tokens = 0
+        self.num_tokens_computed = 0  # every step's, since start: heartbeats show progress by it
         self._kv_loads: list[KVLoad] = []
         self._requests: dict[str, Sequence] = {}  # unfinished, by id
         logger.info("engine ready: %s (%s%s, %s), %d KV blocks of %d tokens%s (%.0f MiB%s), policy %s",
@@ -236,6 +237,7 @@ class LLMEngine:
         self._kv_loads.extend(plan.kv_loads)
         outputs = [StepOutput(seq, finished=True) for seq in plan.failed]
         self.last_num_batched_tokens = plan.num_batched_tokens
+        self.num_tokens_computed += plan.num_batched_tokens
         self.last_num_decode_tokens = 0
         if plan.draft is not None:
             self._run_draft(plan.draft)
@@ -441,7 +443,8 @@ class LLMEngine:
             policy=scheduler.config.policy,
             num_free_seqs=scheduler.config.max_num_seqs - scheduler.num_admitted - len(scheduler.waiting),
             num_batched_tokens=self.last_num_batched_tokens, num_decode_tokens=self.last_num_decode_tokens,
-            kv_cache_bytes=self.kv_cache_bytes, **self._spec_stats())
+            kv_cache_bytes=self.kv_cache_bytes, num_tokens_computed=self.num_tokens_computed,
+            **self._spec_stats())
 
     def _spec_stats(self) -> dict:
         speculator = self.scheduler.speculator

@@ -64,6 +64,9 @@ class EngineStats:
     num_decode_tokens: int = 0  # of those, decode rows' tokens (a verify row's count too); the rest: prompt chunks
     # bytes of every KV cache the blocks index (the target's and a draft model's): within the budget
     kv_cache_bytes: int = 0
+    # tokens computed by every step since start: a gateway tells a busy worker from a stalled one
+    # by it (a request queued behind minutes of prefill is waiting, not lost)
+    num_tokens_computed: int = 0
     # speculative decoding (all 0 when off): verify rows, proposals verified, proposals accepted,
     # and per proposal position i the verify rows whose proposal i was accepted
     spec_num_drafts: int = 0
@@ -82,4 +85,5 @@ class EngineStats:
                 "num_requests_loading_kv": self.num_requests_loading_kv, "num_preemptions": self.num_preemptions,
                 "num_kv_blocks_total": self.num_kv_blocks_total, "num_kv_blocks_used": self.num_kv_blocks_used,
                 "kv_cache_usage": self.kv_cache_usage, "block_size": self.block_size,
-                "max_num_seqs": self.max_num_seqs, "policy": self.policy, "kv_cache_bytes": self.kv_cache_bytes}
+                "max_num_seqs": self.max_num_seqs, "policy": self.policy, "kv_cache_bytes": self.kv_cache_bytes,
+                "num_tokens_computed": self.num_tokens_computed}

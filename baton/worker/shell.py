@@ -139,6 +139,7 @@ class WorkerShell:
         self.metrics_server: Any = None
         self.engine = engine
         self.stats: EngineStats = engine.stats()
+        self.in_step = False  # a step is running in its thread (the heartbeat says so)
         self.worker_id = args.worker_id or default_worker_id(self.kind)
         self.metrics = WorkerMetrics(self.engine.model_dir.name, self.kind, registry)
         self.core = self.core_class(self.engine, self.worker_id, self.metrics)
@@ -178,7 +179,9 @@ class WorkerShell:
     def heartbeat(self) -> dict:
         # A draining worker is alive (its requests are not claimable) but takes nothing new: the
         # gateway leaves its capacity out of the budget, and peers out of their balancing.
-        return {**self.state(), "draining": self.stopping.is_set()}
+        # "in_step": a step (one long prompt chunk can take minutes on a small CPU) is computing: with
+        # num_tokens_computed, what tells the gateway a busy worker from a stalled one
+        return {**self.state(), "draining": self.stopping.is_set(), "in_step": self.in_step}
 
     async def iteration(self, accept_new: bool) -> None:
         raise NotImplementedError
@@ -328,6 +331,7 @@ class WorkerShell:
         threads = await self.cores.before_step()
         started = time.perf_counter()
         loaded = self._take_loaded()
+        self.in_step = True
         step = asyncio.ensure_future(asyncio.to_thread(run_with_threads, self.engine.step, loaded, threads=threads))
         overlap_error: BaseException | None = None
         if overlap is not None:
@@ -338,6 +342,7 @@ class WorkerShell:
         try:
             outputs = await step
         finally:
+            self.in_step = False
             self.cores.after_step(time.perf_counter() - started)
         self.metrics.step_seconds.observe(self.cores.last_step_seconds)
         self.metrics.step_threads.set(threads if threads is not None else self.cores.threads)
