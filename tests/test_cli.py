@@ -589,3 +589,18 @@ def test_vllm_style_serve_command_lines(tmp_path):
 
     clash = _serve_args("a/model", "--model", "b/model")
     assert run(clash) == 2
+
+
+def test_the_kv_line_says_when_seats_not_blocks_bound_the_batch():
+    from baton.cli.startup_report import kv_capacity_line
+
+    worker = {"num_kv_blocks_total": 1000, "block_size": 16, "max_num_seqs": 8}
+    info = {"max_total_tokens": 512}
+    # a small model's pool holds 31 requests of 512 tokens, but a worker runs 8 at once
+    assert kv_capacity_line({"workers": {"decode": [worker]}}, info) == (
+        "KV cache: 16000 tokens per decode worker (1); 8 request(s) run at once in each (--max-num-seqs), "
+        "even of the longest length (512 tokens)")
+    # a long context: the pool bounds it
+    assert kv_capacity_line({"workers": {"decode": [worker]}}, {"max_total_tokens": 8192}) == (
+        "KV cache: 16000 tokens per decode worker (1); 1 request(s) of the longest length (8192 tokens) "
+        "fit in each at once")

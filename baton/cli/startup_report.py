@@ -34,7 +34,7 @@ def model_origin(model_arg: str | None, model_dir: Path, from_hub: bool) -> str:
     if from_hub:
         return f"the Hugging Face Hub ({model_arg}), cached in {model_dir}"
     if str(model_arg).endswith(".gguf"):
-        return f"{model_arg}, converted into {model_dir}"
+        return f"{model_arg}, its blocks read from the file (config and tokenizer from its metadata in {model_dir})"
     return str(model_dir)
 
 
@@ -50,11 +50,16 @@ def kv_capacity_line(stats: dict[str, Any] | None, info: dict[str, Any] | None) 
     per_worker = f"{fewest}" if len(set(tokens)) == 1 else f"{fewest} to {max(tokens)}"
     line = f"KV cache: {per_worker} tokens per decode worker ({len(tokens)})"
     longest = (info or {}).get("max_total_tokens")
+    seats = [w["max_num_seqs"] for w in workers if isinstance(w, dict) and isinstance(w.get("max_num_seqs"), int)]
     if isinstance(longest, int) and longest > 0:
         fit = fewest // longest
-        line += (f"; {fit} request(s) of the longest length ({longest} tokens) fit in each at once" if fit
-                 else f"; less than one request of the longest length ({longest} tokens): pass a larger "
-                      "--kv-cache-memory or a smaller --max-model-len")
+        if seats and fit > min(seats):  # a small model's pool outlasts the batch: seats bound it
+            line += (f"; {min(seats)} request(s) run at once in each (--max-num-seqs), even of the longest "
+                     f"length ({longest} tokens)")
+        else:
+            line += (f"; {fit} request(s) of the longest length ({longest} tokens) fit in each at once" if fit
+                     else f"; less than one request of the longest length ({longest} tokens): pass a larger "
+                          "--kv-cache-memory or a smaller --max-model-len")
     return line
 
 
