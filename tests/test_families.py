@@ -409,18 +409,25 @@ def test_an_unknown_model_type_names_the_supported_ones(family_dir, tmp_path):
 
 # ------------------------------------------------------------------ vision-language checkpoints, served text only
 
+def assert_towers_skipped(model_dir: Path, prefixes: tuple[str, ...], what: str, caplog: Any) -> int:
+    """Load `model_dir` and check the log counts its tensors under `prefixes` as skipped by the named
+    rule ("skipping <what>: N tensors"); returns N."""
+    from safetensors import safe_open
+
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
+        towers = sum(1 for n in f.keys() if n.startswith(prefixes))
+    assert towers
+    with caplog.at_level("INFO", logger="baton.model.loader"):
+        LLM(model=str(model_dir), dtype="float32", num_kv_blocks=16)
+    assert f"skipping {what}: {towers} tensors" in caplog.text
+    return towers
+
+
 def test_a_vision_language_checkpoint_skips_its_vision_tower_by_name(family_dir, tmp_path, caplog):
     """The vision tower and projector are skipped by the named rule, counted in the log; any other
     tensor the text model does not use is still refused by name."""
-    from safetensors import safe_open
-
     model_dir = family_dir("mistral3")
-    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
-        vision = [n for n in f.keys() if n.startswith(("vision_tower.", "multi_modal_projector."))]
-    assert vision
-    with caplog.at_level("INFO", logger="baton.model.loader"):
-        LLM(model=str(model_dir), dtype="float32", num_kv_blocks=16)
-    assert f"skipping the vision tower: {len(vision)} tensors" in caplog.text
+    assert_towers_skipped(model_dir, ("vision_tower.", "multi_modal_projector."), "the vision tower", caplog)
 
     def add(tensors):
         tensors["language_model.model.layers.0.self_attn.mystery_gate.weight"] = torch.zeros(4, 64)
@@ -960,15 +967,9 @@ def test_a_gemma4_checkpoint_skips_its_vision_tower_by_name(family_dir, tmp_path
     named rule and counted, the audio tower's names by the same rule; K/V weights stored for a
     KV-shared layer (which never runs them: transformers ignores them on load) are skipped by name
     too; any other tensor is refused by name."""
-    from safetensors import safe_open
-
     model_dir = family_dir("gemma4")
-    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
-        towers = [n for n in f.keys() if n.startswith(("model.vision_tower.", "model.embed_vision."))]
-    assert towers
-    with caplog.at_level("INFO", logger="baton.model.loader"):
-        LLM(model=str(model_dir), dtype="float32", num_kv_blocks=16)
-    assert f"skipping the vision and audio towers: {len(towers)} tensors" in caplog.text
+    towers = assert_towers_skipped(model_dir, ("model.vision_tower.", "model.embed_vision."),
+                                   "the vision and audio towers", caplog)
 
     def add_shared_kv(tensors):
         tensors["model.audio_tower.proj.weight"] = torch.zeros(4, 64)
@@ -981,7 +982,7 @@ def test_a_gemma4_checkpoint_skips_its_vision_tower_by_name(family_dir, tmp_path
     with caplog.at_level("INFO", logger="baton.model.loader"):
         llm = LLM(model=str(shared_kv), dtype="float32", num_kv_blocks=16)
     assert "skipping the KV-shared layers' K/V weights: 4 tensors" in caplog.text
-    assert f"skipping the vision and audio towers: {len(towers) + 1} tensors" in caplog.text
+    assert f"skipping the vision and audio towers: {towers + 1} tensors" in caplog.text
     assert llm.engine.runtime.model.layers[4].self_attn.qkv_proj.weight.shape == (4 * 16, 64)  # q alone
 
     def add_unknown(tensors):

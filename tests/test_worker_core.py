@@ -121,6 +121,18 @@ def prefill(model_dir, store: InMemoryBlockStore, prompt: list[int] = PROMPT, re
     return effects, handoff, batched
 
 
+def load_handoff(decode, handoff: protocol.Handoff, store: InMemoryBlockStore) -> list[LoadedKV]:
+    """Open and admit a handoff on a decode core, run the step that asks for its blocks (nothing to
+    compute yet) and the loads: all of the prompt's KV came from the store."""
+    opened = decode.open(fields_of(handoff), 1, set())
+    assert opened.outcome is Opening.ADMIT
+    decode.admit(b"9-0", opened.message)
+    decode.engine.step()  # the schedule asks for the load; nothing to compute yet
+    loaded = fetch_loads(decode, store)
+    assert sum(r.num_tokens for r in loaded) == len(handoff.prompt_token_ids)
+    return loaded
+
+
 def events_of(effects: Effects) -> list[protocol.TokenEvent]:
     return [e for events in effects.events.values() for e in events]
 
@@ -141,12 +153,7 @@ def test_handoff_through_the_store_continues_exactly_where_prefill_stopped(tiny_
     assert handoff.partial_block_key in store.values and effects.acks == [b"1-0"]
 
     decode = decode_core(tiny_model_dir)
-    opened = decode.open(fields_of(handoff), 1, set())
-    assert opened.outcome is Opening.ADMIT
-    decode.admit(b"9-0", opened.message)
-    decode.engine.step()  # the schedule asks for the load; nothing to compute yet
-    loaded = fetch_loads(decode, store)
-    assert sum(r.num_tokens for r in loaded) == len(PROMPT)
+    loaded = load_handoff(decode, handoff, store)
     effects, batched = drive(decode, store, loaded=loaded)
     assert batched[0] == 1, "the prompt's KV came from the store: only the first token is computed"
     events = events_of(effects)
@@ -173,11 +180,7 @@ def test_a_gemma4_handoff_continues_exactly_where_prefill_stopped(default_model_
     assert [t for e in events_of(effects) for t in e.token_ids] == expected[:1] and len(handoff.block_hashes) == 3
     decode = decode_core(model_dir)
     assert list(decode.engine.block_shape) == [4, 2, BS, 2, 32]  # 4 of 6 layers cached, at the widest shape
-    opened = decode.open(fields_of(handoff), 1, set())
-    decode.admit(b"9-0", opened.message)
-    decode.engine.step()
-    loaded = fetch_loads(decode, store)
-    assert sum(r.num_tokens for r in loaded) == len(PROMPT)
+    loaded = load_handoff(decode, handoff, store)
     effects, batched = drive(decode, store, loaded=loaded)
     assert batched[0] == 1, "the prompt's KV came from the store: only the first token is computed"
     assert [t for e in events_of(effects) for t in e.token_ids] == expected[1:]
@@ -195,11 +198,7 @@ def test_a_speculating_decode_worker_continues_a_handoff_exactly(tiny_model_dir,
     _, handoff, _ = prefill(tiny_model_dir, store, prompt)
     decode = decode_core(tiny_model_dir, speculative_config=spec)
     decode.engine.scheduler.speculator.costs.force = True
-    opened = decode.open(fields_of(handoff), 1, set())
-    decode.admit(b"9-0", opened.message)
-    decode.engine.step()
-    loaded = fetch_loads(decode, store)
-    assert sum(r.num_tokens for r in loaded) == len(prompt)
+    loaded = load_handoff(decode, handoff, store)
     effects, _ = drive(decode, store, loaded=loaded)
     assert [t for e in events_of(effects) for t in e.token_ids] == reference(prompt)[1:]
     stats = decode.engine.stats()

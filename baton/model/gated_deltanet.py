@@ -79,6 +79,8 @@ class StateMeta:
 
     decode_slots: torch.Tensor  # [D] long
     spans: list[tuple[int, int, int]] = field(default_factory=list)
+    # decode_slots[0] when the decode slots are consecutive (first, first + 1, ...), else None
+    decode_first_slot: int | None = None
 
 
 class StatePool:
@@ -195,16 +197,14 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     return out.transpose(1, 2).to(dtype, memory_format=torch.contiguous_format), s
 
 
-def slot_rows(pool: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, bool]:
+def slot_rows(pool: torch.Tensor, meta: StateMeta) -> tuple[torch.Tensor, bool]:
     """The decode rows' entries of a pool tensor [slots, ...] and whether they are a view of it: a
-    view when the slots are consecutive and on the CPU (the common case; then what is advanced in
-    place needs no write back and nothing is copied), else a copy (index_select) for the caller to
-    write back with index_copy_. Only CPU slots are inspected: on an accelerator it would sync."""
-    if slots.device.type == "cpu":
-        listed = slots.tolist()
-        if listed == list(range(listed[0], listed[0] + len(listed))):
-            return pool.narrow(0, listed[0], len(listed)), True
-    return pool.index_select(0, slots), False
+    view when the slots are consecutive (`meta.decode_first_slot`: the common case; then what is
+    advanced in place needs no write back and nothing is copied), else a copy (index_select) for the
+    caller to write back with index_copy_."""
+    if meta.decode_first_slot is not None:
+        return pool.narrow(0, meta.decode_first_slot, meta.decode_slots.shape[0]), True
+    return pool.index_select(0, meta.decode_slots), False
 
 
 def decode_conv(states: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
@@ -328,7 +328,7 @@ class GatedDeltaNet(nn.Module):
             slots = meta.decode_slots
             mixed = F.silu(decode_conv(conv_states, slots, qkv[:num_decode], weight)).to(qkv.dtype)  # [D, C]
             q, k, v = torch.split(mixed, [d.key_dim, d.key_dim, d.value_dim], dim=-1)
-            state, in_pool = slot_rows(rec_states, slots)  # [D, Hv, Dk, Dv], advanced in place
+            state, in_pool = slot_rows(rec_states, meta)  # [D, Hv, Dk, Dv], advanced in place
             o = recurrent_gated_delta_rule(q.view(num_decode, -1, d.head_k_dim), k.view(num_decode, -1, d.head_k_dim),
                                            v.view(num_decode, -1, d.head_v_dim), g[:num_decode], beta[:num_decode],
                                            state)

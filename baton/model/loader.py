@@ -282,9 +282,6 @@ class UnreadWeights:
                  convert: Callable[[str, torch.Tensor], torch.Tensor]) -> None:
         self._recipes, self._tensors, self._convert = recipes, tensors, convert
 
-    def __contains__(self, target: object) -> bool:
-        return target in self._recipes
-
     def read(self, target: str) -> torch.Tensor:
         """The parameter `target` (a model parameter name) as the load would have made it."""
         recipe = self._recipes[target]

@@ -184,7 +184,7 @@ class Mamba2Mixer(nn.Module):
             slots = meta.decode_slots
             mixed = F.silu(decode_conv(conv_states, slots, xbc[:num_decode], weight, bias)).to(dtype)  # [D, C]
             x, b, c = self._split(mixed)
-            state, in_pool = slot_rows(ssm_states, slots)  # [D, H, P, N], advanced in place
+            state, in_pool = slot_rows(ssm_states, meta)  # [D, H, P, N], advanced in place
             # the reference's recurrent form applies no time-step limits
             y[:num_decode] = recurrent_step(x, dt[:num_decode], a, b, c, skip, state)
             if not in_pool:

@@ -121,7 +121,10 @@ class ModelRunner:
         decode = [pool.slot(row.request_id, starting=row.start == 0) for row in rows]
         spans = [(offset, len(row.tokens), pool.slot(row.request_id, starting=row.start == 0))
                  for row, offset in chunks]
-        return StateMeta(torch.tensor(decode, dtype=torch.long, device=self.device), spans)
+        # consecutive decode slots (the common case: slots are handed out in order) are advanced in
+        # place as one slice of each layer's pool: found once here, not per layer (slot_rows)
+        first = decode[0] if decode and decode == list(range(decode[0], decode[0] + len(decode))) else None
+        return StateMeta(torch.tensor(decode, dtype=torch.long, device=self.device), spans, first)
 
     def _slots(self, block_table: Sequence[int], start: int, end: int) -> list[int]:
         # slots of positions [start, end) of a request
