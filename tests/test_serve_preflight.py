@@ -117,6 +117,38 @@ def test_the_memory_estimate_warns_only_past_what_is_available():
     assert MemoryEstimate(GIB, [GIB, GIB], available_bytes=None).warning() is None  # unknown: no guess
 
 
+def test_weights_the_workers_map_once_are_counted_once(tmp_path, monkeypatch):
+    """A GGUF's blocks and bf16 packs on a CPU with the native bf16 matmul are one copy per machine
+    (the page cache's): 4 workers of a 1 GiB file need 1 GiB of weights, not 4; the embedding each
+    worker holds itself is counted per worker; int8 at load, fp32 and BATON_PACKED_CACHE=off are not
+    shared."""
+    from types import SimpleNamespace
+
+    from baton.cli.preflight import shared_weight_bytes
+
+    config = SimpleNamespace(vocab_size=1024, hidden_size=512)  # a 1 MiB bf16 embedding
+    embedding = 1024 * 512 * 2
+    gguf, st = [tmp_path / "m.Q8_0.gguf"], [tmp_path / "model.safetensors"]
+    assert shared_weight_bytes(gguf, GIB, config, "auto", "auto") == GIB - embedding
+    assert shared_weight_bytes(gguf, GIB, config, "float32", "auto") == 0  # dequantized: private
+    assert shared_weight_bytes(gguf, GIB, config, "auto", "int8") == 0  # requantized per worker
+    assert shared_weight_bytes(st, GIB, config, "auto", "auto", native_bf16=True) == GIB - embedding
+    assert shared_weight_bytes(st, GIB, config, "auto", "auto", native_bf16=False) == 0  # fp32 there
+    assert shared_weight_bytes(st, GIB, config, "bfloat16", "int8", native_bf16=True) == 0
+    monkeypatch.setenv("BATON_PACKED_CACHE", "off")
+    assert shared_weight_bytes(gguf, GIB, config, "auto", "auto") == 0
+
+    shared = MemoryEstimate(weights_bytes=GIB, kv_pool_bytes=[GIB] * 4, available_bytes=4 * GIB,
+                            shared_bytes=GIB - embedding)
+    assert shared.total_bytes == GIB + 4 * embedding - embedding + 4 * GIB
+    warning = shared.warning()
+    assert warning is not None and ("(1023.0 MiB of weights mapped once + 4 x 1.0 MiB per worker + 4.0 GiB "
+                                    "of KV pools)") in warning, warning
+    # the same workers each with their own copy: 8 GiB, and the fix named is the weights'
+    private = MemoryEstimate(weights_bytes=5 * GIB, kv_pool_bytes=[GIB] * 4, available_bytes=4 * GIB).warning()
+    assert private is not None and "4 x 5.0 GiB of weights" in private and "--quantization int8" in private
+
+
 def test_mem_available_reads_meminfo(tmp_path):
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:       16000000 kB\nMemFree:         1000000 kB\nMemAvailable:    2048 kB\n")

@@ -3,8 +3,9 @@
 Each failure is one message that names the fix (`PreflightError`), raised in the time a socket bind
 or a config read takes: not a gateway that dies at start and is restarted six times after both
 workers loaded the model. The memory estimate is a warning only: a KV pool's pages are touched as
-it fills, and the file size of the weights is only near what a worker holds of them, so the sum is
-an estimate, not a certainty.
+it fills, the file size of the weights is only near what a worker holds of them, and what the
+workers map from one file (shared_weight_bytes) is counted once, so the sum is an estimate, not a
+certainty.
 """
 
 from __future__ import annotations
@@ -154,32 +155,75 @@ def mem_available(meminfo: Path = Path("/proc/meminfo")) -> int | None:
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """What the workers together may hold: each its own copy of the weights, and its KV pool."""
+    """What the workers together may hold: the weights (the part every worker maps from one file
+    counted once, the rest once per worker), and each worker's KV pool."""
 
-    weights_bytes: int  # one copy of the weights
+    weights_bytes: int  # one worker's weights
     kv_pool_bytes: list[int]  # each worker's pool
     available_bytes: int | None  # MemAvailable
+    # of weights_bytes, what the workers map from one file per machine (a GGUF's packed blocks,
+    # bf16 packs: baton.model.packed_cache, shared_bf16): page cache, counted once
+    shared_bytes: int = 0
 
     @property
     def num_workers(self) -> int:
         return len(self.kv_pool_bytes)
 
     @property
+    def private_weights_bytes(self) -> int:
+        return self.weights_bytes - self.shared_bytes
+
+    @property
     def total_bytes(self) -> int:
-        return self.weights_bytes * self.num_workers + sum(self.kv_pool_bytes)
+        return self.shared_bytes + self.private_weights_bytes * self.num_workers + sum(self.kv_pool_bytes)
 
     def warning(self) -> str | None:
         """A warning when the estimate exceeds the memory available, else None."""
         if self.available_bytes is None or self.total_bytes <= self.available_bytes:
             return None
         kv = sum(self.kv_pool_bytes)
+        weights = self.total_bytes - kv
         # the fix that helps most: the larger of the two parts
         smaller = ("a smaller --kv-cache-memory or --prefill-kv-cache-memory (or --num-kv-blocks, or --kv-cache-dtype int8)"
-                   if kv >= self.weights_bytes * self.num_workers else "--quantization int8 or int4")
-        return (f"{self.num_workers} workers may need about {format_bytes(self.total_bytes)} "
-                f"({self.num_workers} x {format_bytes(self.weights_bytes)} of weights + {format_bytes(kv)} of "
+                   if kv >= weights else "--quantization int8 or int4")
+        n = self.num_workers
+        if self.shared_bytes:
+            parts = f"{format_bytes(self.shared_bytes)} of weights mapped once"
+            if self.private_weights_bytes:
+                parts += f" + {n} x {format_bytes(self.private_weights_bytes)} per worker"
+        else:
+            parts = f"{n} x {format_bytes(self.weights_bytes)} of weights"
+        return (f"{n} workers may need about {format_bytes(self.total_bytes)} ({parts} + {format_bytes(kv)} of "
                 f"KV pools) but {format_bytes(self.available_bytes)} is available: expect swapping or the OOM "
                 f"killer; pass {smaller}, or fewer --prefill-workers/--decode-workers")
+
+
+def cpu_has_native_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
+    """AVX512-BF16 or AMX: where the native bf16 matmul runs (and its packs are shared)."""
+    try:
+        flags = cpuinfo.read_text()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def shared_weight_bytes(weights: list[Path], weights_bytes: int, config, dtype: str,  # config: a ModelConfig
+                        quantization: str, native_bf16: bool | None = None) -> int:
+    """Of one worker's weights, what every worker maps from one file per machine: a GGUF's blocks
+    served as the file ships them, and bf16 projections where the native bf16 matmul runs. The
+    token embedding is each worker's own (dequantized, or looked up from a private copy); int8 /
+    int4 quantized at load, fp32, and `BATON_PACKED_CACHE=off` keep every weight private."""
+    if os.environ.get("BATON_PACKED_CACHE", "on").strip().lower() in ("0", "off", "false", "no"):
+        return 0
+    if any(p.suffix == ".gguf" for p in weights):
+        shares = quantization == "auto" and dtype != "float32"
+    else:
+        native_bf16 = cpu_has_native_bf16() if native_bf16 is None else native_bf16
+        shares = quantization in ("auto", "none") and dtype in ("auto", "bfloat16") and native_bf16
+    if not shares:
+        return 0
+    embedding = int(config.vocab_size * config.hidden_size * 2)  # bf16, served that way in both cases
+    return max(0, weights_bytes - embedding)
 
 
 def kv_pool_bytes(config, block_size: int | None, dtype: str, kv_cache_dtype: str,  # config: a ModelConfig
@@ -315,4 +359,5 @@ def check_model(model_dir: Path, args: argparse.Namespace) -> ModelCheck:
     decode_pool = kv_pool_bytes(config, args.block_size, args.dtype, kv_dtype, args.num_kv_blocks,
                                 args.kv_cache_memory)
     pools = [prefill_pool] * args.prefill_workers + [decode_pool] * args.decode_workers
-    return ModelCheck(config, weights, MemoryEstimate(weights_bytes, pools, mem_available()), prefill_flag)
+    shared = shared_weight_bytes(weights, weights_bytes, config, args.dtype, args.quantization)
+    return ModelCheck(config, weights, MemoryEstimate(weights_bytes, pools, mem_available(), shared), prefill_flag)
