@@ -17,6 +17,9 @@ the tokenizer): bench_shared_weights.py's fixed cost of a worker.
 
     python benchmarks/make_random_model.py --gguf q8_0 /tmp/llama-1b-shapes.Q8_0.gguf
     python benchmarks/bench_shared_weights.py --model /tmp/llama-1b-shapes.Q8_0.gguf --workers 4
+
+`--family qwen3_5`: Qwen3.5-0.8B's shapes (the hybrid: Gated DeltaNet and attention), bf16; llama.cpp's
+converter makes its GGUF (`convert_hf_to_gguf.py DIR --outtype q8_0 --no-mtp`).
 """
 
 from __future__ import annotations
@@ -95,6 +98,31 @@ def write_q8_0_gguf(out: Path, tiny: bool, seed: int) -> int:
     return params
 
 
+def write_qwen3_5(out: Path, seed: int) -> int:
+    """Qwen3.5-0.8B's text shapes (hidden 1024, 24 layers, MLP 3584; attention every 4th layer: 8 heads
+    of 256, 2 KV heads, a quarter of each head rotary; Gated DeltaNet: 16 key and 16 value heads of 128,
+    conv 4), tied embeddings, with the default model's tokenizer (49152 ids, not Qwen's 248k), bf16."""
+    import torch
+    from transformers import AutoTokenizer, Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    from baton.common.model_files import resolve_model
+
+    config = Qwen3_5TextConfig(
+        vocab_size=49152, hidden_size=1024, intermediate_size=3584, num_hidden_layers=24, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16,
+        linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4, full_attention_interval=4,
+        max_position_embeddings=32768, tie_word_embeddings=True, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+                         "mrope_section": [11, 11, 10], "mrope_interleaved": True})
+    torch.manual_seed(seed)
+    model = Qwen3_5ForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(resolve_model(None)).save_pretrained(out)
+    params = sum(p.numel() for p in model.parameters())
+    print(f"{out}: {params / 1e6:.1f}M parameters, {2 * params / 1e6:.1f} MB in bf16")
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path, help="directory to write the checkpoint to (with --gguf: the .gguf file)")
@@ -104,7 +132,13 @@ def main() -> int:
                              "what the engine holds besides the weights (kernels, tokenizer, KV pool)")
     parser.add_argument("--gguf", choices=["q8_0"], default=None,
                         help="write a GGUF of Q8_0 blocks (random quants) instead of a bf16 checkpoint")
+    parser.add_argument("--family", choices=["llama", "qwen3_5"], default="llama",
+                        help="qwen3_5: a Qwen3.5-0.8B-shaped hybrid (24 layers of hidden 1024, Gated DeltaNet "
+                             "with an attention layer every 4th, the default model's 49152-token vocabulary), bf16; "
+                             "its GGUF from llama.cpp's convert_hf_to_gguf.py")
     args = parser.parse_args()
+    if args.family == "qwen3_5":
+        return write_qwen3_5(args.out, args.seed)
 
     if args.gguf:
         params = write_q8_0_gguf(args.out, args.tiny, args.seed)

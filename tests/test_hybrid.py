@@ -68,13 +68,14 @@ TINY_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, o
                    temporal_patch_size=2, spatial_merge_size=2)
 
 
-def build_hybrid(family: str, out: Path, tokenizer_dir: Path) -> Path:
+def build_hybrid(family: str, out: Path, tokenizer_dir: Path, layer_types: list[str] | None = None) -> Path:
+    """`layer_types`: a Gated DeltaNet family's, LAYER_TYPES by default."""
     import transformers
 
     text_family = VISION_LANGUAGE[family][0] if family in VISION_LANGUAGE else family
     config_name, model_name, overrides = HYBRIDS[text_family]
     own_layers = text_family == "lfm2" or text_family.startswith("granite")  # their overrides name the layer kinds
-    deltanet = {} if own_layers else {**DELTANET, "layer_types": LAYER_TYPES, "rope_parameters": ROPE}
+    deltanet = {} if own_layers else {**DELTANET, "layer_types": layer_types or LAYER_TYPES, "rope_parameters": ROPE}
     text = {**SMALL, "num_hidden_layers": 4, **deltanet, **overrides}
     if text_family == "qwen3_5_moe_text":
         del text["intermediate_size"]  # as released: no dense MLP, no dense size

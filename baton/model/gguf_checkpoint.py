@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from baton.common.gguf_names import hf_to_gguf_names, read_names
+from baton.model.gguf_mapped import MappedGGUFTensors, uses_conversion_mapping
 
 logger = logging.getLogger("baton.model.gguf_checkpoint")
 
@@ -91,11 +92,15 @@ class GGUFCheckpoint(Mapping[str, torch.Tensor]):
         self.path = gguf_path
         self.reader = open_reader(gguf_path)
         arch = bytes(self.reader.fields["general.architecture"].parts[-1]).decode()
+        self._mapped: MappedGGUFTensors | None = None
+        self._eager: dict[str, torch.Tensor] | None = None
+        self._tensors: dict[str, Any] = {}
+        if uses_conversion_mapping(arch):  # Qwen3.5: transformers' conversion mapping (gguf_mapped)
+            self._mapped = MappedGGUFTensors(self.reader, arch, AutoConfig.from_pretrained(model_dir))
+            return
         raw_config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
         processor_class = TENSOR_PROCESSORS.get(arch, TensorProcessor)
         self._processor = processor_class(config=raw_config)
-        self._eager: dict[str, torch.Tensor] | None = None
-        self._tensors: dict[str, Any] = {}
         if processor_class not in one_to_one:  # experts merged by the processor: transformers reads it whole
             logger.info("%s: its %s tensors are merged on load: reading the file whole", gguf_path.name, arch)
             with torch.device("meta"):
@@ -108,6 +113,8 @@ class GGUFCheckpoint(Mapping[str, torch.Tensor]):
         self._tensors = {hf.removeprefix("model."): by_gguf_name[g] for hf, g in names.items() if g in by_gguf_name}
 
     def __getitem__(self, name: str) -> torch.Tensor:
+        if self._mapped is not None:
+            return self._mapped[name]
         if self._eager is not None:
             return self._eager[name]
         from gguf import dequantize
@@ -135,11 +142,16 @@ class GGUFCheckpoint(Mapping[str, torch.Tensor]):
         assert out is not None
         return torch.from_numpy(out)
 
+    def _names(self) -> Mapping[str, Any]:
+        if self._mapped is not None:
+            return self._mapped
+        return self._eager if self._eager is not None else self._tensors
+
     def __iter__(self) -> Iterator[str]:
-        return iter(self._eager if self._eager is not None else self._tensors)
+        return iter(self._names())
 
     def __len__(self) -> int:
-        return len(self._eager if self._eager is not None else self._tensors)
+        return len(self._names())
 
     def __contains__(self, name: object) -> bool:
-        return name in (self._eager if self._eager is not None else self._tensors)
+        return name in self._names()

@@ -44,6 +44,7 @@ from baton.model.packed_cache import PackedSlot, SharedPacks
 from baton.model.model import MLP, set_op
 from baton.model.q_blocks import quantize_q8_0
 from baton.model.gguf_checkpoint import drop_touched_pages, open_reader
+from baton.model.gguf_mapped import MappedGGUFTensors, uses_conversion_mapping
 from baton.model.loader import UnreadWeights
 
 logger = logging.getLogger("baton.model.gguf_weights")
@@ -113,6 +114,13 @@ class GGUFTensors:
         self.reader = open_reader(path)  # the loader's, when it read the weights from this file
         self.arch = bytes(self.reader.fields["general.architecture"].parts[-1]).decode()
         self.tensors = {t.name: t for t in self.reader.tensors}
+        # Qwen3.5: rows ordered by transformers' conversion mapping (baton.model.gguf_mapped)
+        self._mapped: MappedGGUFTensors | None = None
+        if uses_conversion_mapping(self.arch):
+            from transformers import AutoConfig
+
+            config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+            self._mapped = MappedGGUFTensors(self.reader, self.arch, config)
         processor = TENSOR_PROCESSORS.get(self.arch, TensorProcessor)
         self._processor = processor(config={"num_attention_heads": num_heads, "num_key_value_heads": num_kv_heads})
         arch = next((a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == self.arch), None)
@@ -133,13 +141,22 @@ class GGUFTensors:
         k, n = (int(x) for x in tensor.shape)  # ggml lists the fastest-varying dimension first
         return n, k
 
+    def servable(self, tensor: Any) -> bool:
+        """Whether the tensor's blocks, reordered by rows, are the weight (not where its conversion
+        changes values or columns: `MappedGGUFTensors.row_order`)."""
+        return self._mapped is None or self._mapped.row_order(tensor.name, self.shape(tensor)[0]) is not None
+
     def rows(self, tensor: Any) -> np.ndarray:
         """[n, bytes per row] uint8 (or [n, k] floats for dense types), in transformers' row order."""
         n, _ = self.shape(tensor)
         data = np.asarray(tensor.data)
         data = data.reshape(n, -1)
-        order = self._processor.process(weights=np.arange(n).reshape(n, 1), name=tensor.name).weights
-        order = np.asarray(order).reshape(n)
+        if self._mapped is not None:
+            order = self._mapped.row_order(tensor.name, n)
+            assert order is not None, f"{tensor.name}'s conversion is not a row order"
+        else:
+            order = self._processor.process(weights=np.arange(n).reshape(n, 1), name=tensor.name).weights
+            order = np.asarray(order).reshape(n)
         return data if np.array_equal(order, np.arange(n)) else data[order]
 
     def dequantized(self, tensor: Any) -> torch.Tensor:
@@ -153,17 +170,37 @@ class GGUFTensors:
 
 
 def _slot_sources(model: nn.Module) -> list[list[list[str]]]:
-    """Per projection slot (`model.projection_slots()` order), the alternatives of Hugging Face module
-    names it is made of: separate parts (q, k, v) first, an already fused tensor (Phi-3) second."""
+    """Per projection slot (`model.projection_slots()`, in its order), the alternatives of Hugging Face
+    module names it is made of: separate parts (q, k, v; gate, up) first, an already fused tensor (Phi-3)
+    second; a state layer's projection (Qwen3.5's in_proj_qkv, in_proj_z, out_proj) is its own module."""
+    names = {id(module): name for name, module in model.named_modules()}
     out: list[list[list[str]]] = []
-    for i, layer in enumerate(model.layers):
-        p = f"model.layers.{i}."
-        out += [[[p + f"self_attn.{n}_proj" for n in "qkv"], [p + "self_attn.qkv_proj"]],
-                [[p + "self_attn.o_proj"]]]
-        if isinstance(layer.mlp, MLP):
-            out += [[[p + "mlp.gate_proj", p + "mlp.up_proj"], [p + "mlp.gate_up_proj"]], [[p + "mlp.down_proj"]]]
-    out.append([["lm_head"], ["model.embed_tokens"]])  # a tied head is the embedding's tensor
+    for _, _, linear in model.projection_slots():
+        name = names[id(linear)]
+        if name == "lm_head":
+            out.append([["lm_head"], ["model.embed_tokens"]])  # a tied head is the embedding's tensor
+            continue
+        module, _, leaf = f"model.{name}".rpartition(".")
+        alternatives: list[list[str]] = []
+        for p in _hf_spellings(module):
+            if leaf == "qkv_proj":
+                alternatives += [[f"{p}.{n}_proj" for n in "qkv"], [f"{p}.qkv_proj"]]
+            elif leaf == "gate_up_proj":
+                alternatives += [[f"{p}.gate_proj", f"{p}.up_proj"], [f"{p}.gate_up_proj"]]
+            else:
+                alternatives.append([f"{p}.{leaf}"])
+        out.append(alternatives)
     return out
+
+
+def _hf_spellings(module: str) -> list[str]:
+    """A Baton module path as checkpoints spell it: a MoE's shared experts are Baton's `shared_experts`
+    (Qwen3-Next and Qwen3.5 wrap theirs in a gate: `shared_experts.mlp`), a checkpoint's
+    `shared_experts` (DeepSeek) or `shared_expert` (Qwen2-MoE, Qwen3-Next, Qwen3.5)."""
+    if ".shared_experts" not in module:
+        return [module]
+    bare = module.replace(".shared_experts.mlp", ".shared_experts")
+    return list(dict.fromkeys([module, bare, bare.replace(".shared_experts", ".shared_expert")]))
 
 
 def _check(parts: tuple[torch.Tensor, ...], scheme: str, loaded: torch.Tensor,
@@ -199,7 +236,8 @@ def gguf_projection_targets(model: nn.Module, gguf_path: Path) -> set[str]:
     targets = set()
     for (_, _, linear), alternatives in zip(slots, sources, strict=True):
         tensors = _slot_tensors(source, alternatives)
-        if tensors is not None and not all(source.type_name(t) in DENSE_TYPES for t in tensors):
+        if (tensors is not None and not all(source.type_name(t) in DENSE_TYPES for t in tensors)
+                and all(source.servable(t) for t in tensors)):
             targets.add(names[id(linear)] + ".weight")
     return targets
 
@@ -302,6 +340,10 @@ def _packs(model: nn.Module, gguf_path: Path, slots: list[Slot], kernels: Any,
         where = "+".join(t.name for t in tensors)
         if all(t in DENSE_TYPES for t in types):
             made.append(PackedSlot("dense"))
+            yield made[-1], None
+            continue
+        if not all(source.servable(t) for t in tensors):  # its conversion reorders columns: dequantized
+            made.append(PackedSlot("+".join(sorted(set(types))) + " dequantized"))
             yield made[-1], None
             continue
         if all(t == "Q8_0" for t in types):
