@@ -41,7 +41,7 @@ from torch import nn
 from baton.model import packed_cache
 from baton.model.linear import QuantizedLinear
 from baton.model.packed_cache import PackedSlot, SharedPacks
-from baton.model.model import MLP, set_op
+from baton.model.model import set_op
 from baton.model.q_blocks import quantize_q8_0
 from baton.model.gguf_checkpoint import drop_touched_pages, open_reader
 from baton.model.gguf_mapped import MappedGGUFTensors, uses_conversion_mapping
