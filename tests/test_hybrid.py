@@ -348,6 +348,27 @@ def test_bf16_greedy_is_transformers_but_at_near_ties(family, hybrid_dir, prompt
     assert_bf16_near_ties_only(llm, hf, prompts, family)
 
 
+def test_state_slots_take_at_most_half_the_kv_budget(hybrid_dir, prompts, caplog):  # noqa: F811
+    """A state slot per running request is large beside a token's KV (Qwen3.5-0.8B: 19 MiB, ~1500
+    tokens' KV): max_num_seqs slots once took a 1 GiB pool whole and left the KV one block. The
+    slots get at most half the budget (max_num_seqs lowered, said in the log), the KV the rest, and
+    requests beyond the slots wait their turn."""
+    model_dir = hybrid_dir("qwen3_5_text")
+    probe = LLM(model=str(model_dir), dtype="float32", num_kv_blocks=8, max_num_seqs=1)
+    per_slot = probe.engine.runtime.state_bytes(1)
+    budget = 8 * per_slot  # room for 4 slots in half of it
+    with caplog.at_level("WARNING", logger="baton.engine.llm_engine"):
+        llm = LLM(model=str(model_dir), dtype="float32", kv_cache_memory=budget, max_num_seqs=64,
+                  enable_prefix_caching=False)
+    engine = llm.engine
+    assert engine.scheduler.config.max_num_seqs == 4
+    assert "at most 4 requests run at once (--max-num-seqs 64 lowered" in caplog.text
+    block = engine.runtime.block_bytes(16)  # the KV has the other half (block 0 is the pool's reserved one)
+    assert engine.kv_cache_bytes <= budget and engine.pool.num_usable_blocks == budget // 2 // block - 1
+    expected = [hf_greedy(model_dir, p) for p in prompts]
+    assert tokens_of(llm.generate(prompts * 2, greedy())) == expected * 2  # 8 requests through 4 slots
+
+
 def test_bf16_runs_and_speculative_decoding_is_refused(hybrid_dir, prompts):  # noqa: F811
     model_dir = hybrid_dir("qwen3_5_text")
     llm = LLM(model=str(model_dir), dtype="bfloat16", num_kv_blocks=64, max_num_batched_tokens=16)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable, Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -95,6 +95,7 @@ class LLMEngine:
         draft_block_bytes = self.drafter.block_bytes if self.drafter is not None else 0
         # a hybrid's state slots (one per running request) come out of the same budget first, then
         # its prefix cache's state snapshots (a quarter of what is left; baton.engine.state_cache)
+        config = self.config = self._fit_state_slots(config)
         state_bytes = self.runtime.state_bytes(config.max_num_seqs)
         num_snapshots = self._num_state_snapshots(config, state_bytes)
         snapshot_bytes = num_snapshots * self.runtime.state_bytes(1)
@@ -396,6 +397,24 @@ class LLMEngine:
             else:
                 self.state_cache.drop(request_id)
         self.runtime.release_state(request_id)
+
+    def _fit_state_slots(self, config: EngineConfig) -> EngineConfig:
+        """A hybrid's state slot is a fixed size per running request, and large (Qwen3.5-0.8B's 18 Gated
+        DeltaNet layers keep 19 MiB, the KV of ~1500 tokens): max_num_seqs slots could take the whole
+        budget and leave the KV one block (a 1 GiB pool with 64 slots did). The slots get at most half
+        of the budget: max_num_seqs is lowered to what fits there, said in the log, and the KV keeps
+        the rest. A fixed block count (--num-kv-blocks) leaves the slots as asked."""
+        if not self.runtime.has_state_layers or config.num_kv_blocks:
+            return config
+        per_slot = self.runtime.state_bytes(1)
+        fit = max(1, config.kv_cache_memory // 2 // per_slot)
+        if fit >= config.max_num_seqs:
+            return config
+        logger.warning("%s keeps %.1f MiB of state per running request: %d fit in half of the %.0f MiB KV budget, "
+                       "so at most %d requests run at once (--max-num-seqs %d lowered; a larger --kv-cache-memory "
+                       "raises it)", self.model_dir.name, per_slot / 2**20, fit, config.kv_cache_memory / 2**20,
+                       fit, config.max_num_seqs)
+        return replace(config, max_num_seqs=fit)
 
     def _num_state_snapshots(self, config: EngineConfig, state_bytes: int) -> int:
         """How many state snapshots the prefix cache keeps (0: no state layers or no prefix caching):
