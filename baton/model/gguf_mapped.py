@@ -99,7 +99,22 @@ class MappedGGUFTensors(Mapping[str, torch.Tensor]):
         return name in self._sources
 
 
+ROWS_PER_SLICE = 4096
+
+
 def _dequantized(tensor: Any) -> torch.Tensor:
+    """fp32, a slice of rows at a time along the first axis (`gguf`'s dequantize makes temporaries of
+    several times its input: a 248k-row embedding whole would peak at gigabytes above the load)."""
     from gguf import dequantize
 
-    return torch.from_numpy(np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32, copy=True))
+    data = tensor.data
+    if data.ndim < 2:  # a norm, a bias: small, and a quantized row must not be cut
+        return torch.from_numpy(np.array(dequantize(data, tensor.tensor_type), dtype=np.float32, copy=True))
+    out: np.ndarray | None = None
+    for start in range(0, data.shape[0], ROWS_PER_SLICE):
+        part = np.asarray(dequantize(data[start:start + ROWS_PER_SLICE], tensor.tensor_type), dtype=np.float32)
+        if out is None:
+            out = np.empty((data.shape[0], *part.shape[1:]), dtype=np.float32)
+        out[start:start + part.shape[0]] = part
+    assert out is not None
+    return torch.from_numpy(out)
