@@ -693,29 +693,28 @@ def assert_bf16_near_ties_only(llm: LLM, hf: Any, prompts: list[list[int]], fami
     within 3% of its row's logit spread (max - median) of transformers' float32 top token, or, where
     not, within 3% of the top token of transformers' own bf16 logits at that row (a position where
     bf16 itself moves the logits that far: measured on Zen 4's bf16 matmuls, transformers' bf16 moved
-    a Qwen3.5 token's logprob by 3 nats there); most of them the float32 top token exactly (near-ties
-    are the exception)."""
+    a Qwen3.5 token's logprob by 3 nats there); most of them exactly a reference's top token, float32's
+    or transformers' own bf16's (near-ties are the exception: a model whose logits crowd, as Gemma 4's
+    soft-capped ones do, has more of them, and bf16 on AMX picks other sides of them than on Zen 4's
+    AVX512-BF16: 18 of 32 were float32's top token there, 28 one of the two)."""
     import copy
 
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     exact, chosen = 0, [prompts[1], prompts[3]]
-    hf_bf16 = None
+    hf_bf16 = copy.deepcopy(hf).to(torch.bfloat16)
     for prompt, out in zip(chosen, llm.generate(chosen, params)):
         got = out.outputs[0].token_ids
         ids = torch.tensor([prompt + got])
         rows = slice(len(prompt) - 1, len(prompt) - 1 + len(got))
         with torch.no_grad():
             logits = hf(ids).logits[0, rows]
+            own = hf_bf16(ids).logits[0, rows].float()
         for i, token in enumerate(got):
             margin, allowed = _margin(logits[i], token)
             if margin > allowed:
-                if hf_bf16 is None:
-                    hf_bf16 = copy.deepcopy(hf).to(torch.bfloat16)
-                with torch.no_grad():
-                    own = hf_bf16(ids).logits[0, rows].float()
                 own_margin, own_allowed = _margin(own[i], token)
                 assert own_margin <= own_allowed, (family, len(prompt), i, margin, own_margin)
-            exact += margin == 0
+            exact += margin == 0 or int(own[i].argmax()) == token
     assert exact >= 0.6 * 16 * len(chosen), (family, exact)
 
 
