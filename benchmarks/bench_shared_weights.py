@@ -24,7 +24,10 @@ fixed cost. `--workers 4` stands for one prefill and three decode workers (the s
 
 `--weights bf16` measures the same for bf16 weights (workers built with `dtype="bfloat16",
 quantization="none"`): where the native bf16 matmul runs, each projection's pack is written once to
-`$BATON_CACHE/packed/bf16-<key>.bin` and mapped by every worker (baton.model.shared_bf16). The model is
+`$BATON_CACHE/packed/weights-<key>.bin` and mapped by every worker (baton.model.shared_weights), with
+the embedding's table. `--weights float32` does it for float32 weights, what `--dtype auto` loads on a
+CPU without bf16 instructions (AMD Zen 3): the weights F.linear reads are what is shared (reference
+size 4 x parameters; the fixed cost from the same tiny checkpoint, loaded in float32). The model is
 a safetensors directory or a GGUF (dequantized to bf16); the reference size in the criterion is then
 the bf16 weights' bytes, 2 x the checkpoint's parameter count (read from the safetensors headers or
 the GGUF's tensor list; a tied embedding counted once), and the fixed cost comes from
@@ -56,7 +59,7 @@ CHILD = r"""
 import argparse, json, sys
 from baton.common.sampling_params import SamplingParams
 from baton.worker.shell import build_engine
-args = argparse.Namespace(model=sys.argv[1], dtype="bfloat16", device=None, block_size=16,
+args = argparse.Namespace(model=sys.argv[1], dtype=sys.argv[4], device=None, block_size=16,
                           num_kv_blocks=int(sys.argv[2]), kv_cache_memory=0, max_num_seqs=16,
                           max_num_batched_tokens=512, threads=1, quantization=sys.argv[3], kv_cache_dtype="auto",
                           scheduler_policy="max-utilization", speculative_config=None)
@@ -105,7 +108,7 @@ def mapped_packs(pid: int) -> set[Path]:
 
 
 def measure(model_dir: Path, kv_blocks: list[int], shared: bool, quantization: str = "auto",
-            stagger: bool = False) -> list[Worker]:
+            stagger: bool = False, dtype: str = "bfloat16") -> list[Worker]:
     """One worker per entry of `kv_blocks` (its pool), loaded at once (with `stagger`: each once the
     previous one is ready); their memory once all are loaded."""
     env = {**os.environ, "BATON_PACKED_CACHE": "on" if shared else "off", "TOKENIZERS_PARALLELISM": "false"}
@@ -113,7 +116,7 @@ def measure(model_dir: Path, kv_blocks: list[int], shared: bool, quantization: s
     reports = []
     try:
         for blocks in kv_blocks:
-            procs.append(subprocess.Popen([sys.executable, "-c", CHILD, str(model_dir), str(blocks), quantization],
+            procs.append(subprocess.Popen([sys.executable, "-c", CHILD, str(model_dir), str(blocks), quantization, dtype],
                                           cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                           stderr=subprocess.DEVNULL, text=True))
             if stagger:
@@ -148,13 +151,13 @@ def kv_blocks_per_worker(spec: str, workers: int) -> list[int]:
     return counts
 
 
-def bf16_parameter_bytes(model_dir: Path, source: Path | None) -> int:
-    """2 x the checkpoint's parameter count: the GGUF's tensors, or the safetensors headers' (a tied
-    embedding is stored, and counted, once)."""
+def dense_parameter_bytes(model_dir: Path, source: Path | None, width: int = 2) -> int:
+    """`width` x the checkpoint's parameter count: the GGUF's tensors, or the safetensors headers' (a
+    tied embedding is stored, and counted, once)."""
     if source is not None:
         import gguf
 
-        return 2 * sum(int(t.n_elements) for t in gguf.GGUFReader(str(source)).tensors)
+        return width * sum(int(t.n_elements) for t in gguf.GGUFReader(str(source)).tensors)
     params = 0
     for path in sorted(model_dir.glob("*.safetensors")):
         with open(path, "rb") as f:
@@ -164,7 +167,7 @@ def bf16_parameter_bytes(model_dir: Path, source: Path | None) -> int:
                 params += math.prod(entry["shape"])
     if params == 0:
         raise SystemExit(f"{model_dir} has no safetensors weights")
-    return 2 * params
+    return width * params
 
 
 def tiny_bf16() -> Path:
@@ -201,9 +204,10 @@ def main() -> int:
     parser.add_argument("--model", default="",
                         help="a .gguf, or a model directory made from one (with --weights bf16 also a safetensors "
                              "directory; default: the default model)")
-    parser.add_argument("--weights", choices=["quantized", "bf16"], default="quantized",
+    parser.add_argument("--weights", choices=["quantized", "bf16", "float32"], default="quantized",
                         help="quantized: the GGUF's blocks, repacked (quantization auto); bf16: bf16 weights, a "
-                             "GGUF's dequantized (quantization none), shared as the native bf16 packs")
+                             "GGUF's dequantized (quantization none), shared as the native bf16 packs; float32: "
+                             "what a CPU without bf16 instructions loads, shared as the weights F.linear reads")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--kv-blocks", default="64",
                         help="each worker's KV pool, in blocks of 16 tokens: one count, or one per worker")
@@ -219,7 +223,9 @@ def main() -> int:
 
     from baton.common.model_files import gguf_source, resolve_model
 
-    bf16 = args.weights == "bf16"
+    bf16 = args.weights in ("bf16", "float32")  # dense weights (the float32 round's tiny model is the bf16 one)
+    width = 4 if args.weights == "float32" else 2
+    dtype = "float32" if args.weights == "float32" else "bfloat16"
     quantization = "none" if bf16 else "auto"
     kv_blocks = kv_blocks_per_worker(args.kv_blocks, args.workers)
     model_dir = resolve_model(args.model or None)
@@ -227,10 +233,10 @@ def main() -> int:
     tiny_dir = resolve_model(args.fixed_model or (tiny_bf16() if bf16 else tiny_gguf()))
     tiny_source = gguf_source(tiny_dir)
     if bf16:
-        file_bytes = bf16_parameter_bytes(model_dir, source)
-        tiny_bytes = bf16_parameter_bytes(tiny_dir, tiny_source)
+        file_bytes = dense_parameter_bytes(model_dir, source, width)
+        tiny_bytes = dense_parameter_bytes(tiny_dir, tiny_source, width)
         name = source.name + " dequantized" if source is not None else model_dir.name
-        reference = "bf16 weights (2 x parameters)"
+        reference = f"{args.weights} weights ({width} x parameters)"
         tiny_name = tiny_dir.name if tiny_source is None else tiny_source.name
     else:
         if source is None:
@@ -243,19 +249,19 @@ def main() -> int:
         file_bytes, tiny_bytes = source.stat().st_size, tiny_source.stat().st_size
         name, reference, tiny_name = source.name, "file", tiny_source.name
     print(f"CPU: {cpu_model()}")
-    print(f"model: {name}, {file_bytes / 2**20:.0f} MB{' of bf16 weights (2 x parameters)' if bf16 else ''}; "
+    print(f"model: {name}, {file_bytes / 2**20:.0f} MB{f' of {reference}' if bf16 else ''}; "
           f"{args.workers} workers{' (staggered)' if args.stagger else ''}, KV blocks "
           f"{', '.join(map(str, kv_blocks))}; fixed cost from {tiny_name}, {tiny_bytes / 2**20:.1f} MB "
           f"(MB: 2**20 bytes)")
     print(f"| packed weights | PSS per worker MB | of which anonymous MB | of which file MB | PSS total MB | "
-          f"total / {'bf16 weights' if bf16 else 'file size'} |")
+          f"total / {args.weights + ' weights' if bf16 else 'file size'} |")
     print("| --- | --- | --- | --- | --- | --- |")
     rounds = {}
     for shared in (False, True):
-        rounds[shared] = measure(model_dir, kv_blocks, shared, quantization, args.stagger)
+        rounds[shared] = measure(model_dir, kv_blocks, shared, quantization, args.stagger, dtype)
         label = "one shared file (after)" if shared else "one copy per worker (before)"
         print(table_row(label, rounds[shared], file_bytes), flush=True)
-    tiny = measure(tiny_dir, kv_blocks, True, quantization, args.stagger)
+    tiny = measure(tiny_dir, kv_blocks, True, quantization, args.stagger, dtype)
     print(table_row(f"tiny model, shared ({tiny_name})", tiny, tiny_bytes), flush=True)
     mb = lambda n: f"{n / 2**20:.0f} MB"
     if bf16:

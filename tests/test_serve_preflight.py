@@ -118,10 +118,9 @@ def test_the_memory_estimate_warns_only_past_what_is_available():
 
 
 def test_weights_the_workers_map_once_are_counted_once(tmp_path, monkeypatch):
-    """A GGUF's blocks and bf16 packs on a CPU with the native bf16 matmul are one copy per machine
-    (the page cache's): 4 workers of a 1 GiB file need 1 GiB of weights, not 4; the embedding each
-    worker holds itself is counted per worker; int8 at load, fp32 and BATON_PACKED_CACHE=off are not
-    shared."""
+    """A GGUF's blocks, bf16 packs, float32 weights and embeddings are one copy per machine (the page
+    cache's): 4 workers of a 1 GiB file need 1 GiB of weights, not 4; what int8 quantizes at load is
+    each worker's own (its embedding is shared); BATON_PACKED_CACHE=off shares nothing."""
     from types import SimpleNamespace
 
     from baton.cli.preflight import shared_weight_bytes
@@ -129,12 +128,11 @@ def test_weights_the_workers_map_once_are_counted_once(tmp_path, monkeypatch):
     config = SimpleNamespace(vocab_size=1024, hidden_size=512)  # a 1 MiB bf16 embedding
     embedding = 1024 * 512 * 2
     gguf, st = [tmp_path / "m.Q8_0.gguf"], [tmp_path / "model.safetensors"]
-    assert shared_weight_bytes(gguf, GIB, config, "auto", "auto") == GIB - embedding
-    assert shared_weight_bytes(gguf, GIB, config, "float32", "auto") == 0  # dequantized: private
-    assert shared_weight_bytes(gguf, GIB, config, "auto", "int8") == 0  # requantized per worker
-    assert shared_weight_bytes(st, GIB, config, "auto", "auto", native_bf16=True) == GIB - embedding
-    assert shared_weight_bytes(st, GIB, config, "auto", "auto", native_bf16=False) == 0  # fp32 there
-    assert shared_weight_bytes(st, GIB, config, "bfloat16", "int8", native_bf16=True) == 0
+    assert shared_weight_bytes(gguf, GIB, config, "auto", "auto") == GIB
+    assert shared_weight_bytes(gguf, GIB, config, "float32", "auto") == GIB  # dequantized, mapped once
+    assert shared_weight_bytes(gguf, GIB, config, "auto", "int8") == embedding  # requantized per worker
+    assert shared_weight_bytes(st, GIB, config, "auto", "auto") == GIB  # bf16 packs or float32 weights
+    assert shared_weight_bytes(st, GIB, config, "bfloat16", "int8") == embedding
     monkeypatch.setenv("BATON_PACKED_CACHE", "off")
     assert shared_weight_bytes(gguf, GIB, config, "auto", "auto") == 0
 

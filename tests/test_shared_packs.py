@@ -116,10 +116,11 @@ def test_two_workers_map_one_packed_file_and_answer_alike(tmp_path, monkeypatch,
         results.append(json.loads(out.strip().splitlines()[-1]))
         logs.append(err)
 
-    [packed_file] = list((cache / "packed").glob("*.bin"))
+    # the blocks' packs; the embedding's table (dequantized) is the other file (`shared_weights`)
+    [packed_file] = [p for p in (cache / "packed").glob("*.bin") if not p.name.startswith("weights-")]
     for result in results:
         assert result["quantized"] == 4  # qkv, o, gate_up, down: the file's Q8_0 blocks, natively
-        assert list(result["maps"]) == [str(packed_file)]  # both map the one file ...
+        assert str(packed_file) in result["maps"]  # both map the one file ...
         mapping = result["maps"][str(packed_file)]
         assert mapping["perms"] == ["r--s"] and mapping["rss_kb"] > 0  # read-only, shared, in use ...
         assert mapping["anonymous_kb"] == 0  # ... and no page of it copied into the process
@@ -132,7 +133,7 @@ def test_two_workers_map_one_packed_file_and_answer_alike(tmp_path, monkeypatch,
     third = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=300)
     assert third.returncode == 0, third.stderr[-3000:]
     assert json.loads(third.stdout.strip().splitlines()[-1])["tokens"] == results[0]["tokens"]
-    assert "mapped from" in third.stderr and list((cache / "packed").glob("*.bin")) == [packed_file]
+    assert "mapped from" in third.stderr and len(list((cache / "packed").glob("*.bin"))) == 2
 
     # and a worker with the shared file turned off packs its own copy, to the same tokens
     private = subprocess.run(cmd, env={**env, "BATON_PACKED_CACHE": "off"}, cwd=cwd, capture_output=True,
@@ -142,28 +143,37 @@ def test_two_workers_map_one_packed_file_and_answer_alike(tmp_path, monkeypatch,
     assert alone["maps"] == {} and alone["tokens"] == results[0]["tokens"]
 
 
-# As LOAD, for bf16 weights (quantization none): the native bf16 matmul's packs are what is shared.
-LOAD_BF16 = """
+# As LOAD, for dense weights (quantization none, the dtype in argv[3]): the native bf16 matmul's packs,
+# or the float32 weights F.linear reads, and the embedding are what is shared. It reports too which
+# of the model's large parameters are views of the packed file (read-only tensors).
+LOAD_DENSE = """
 import json, logging, sys
 logging.basicConfig(level=logging.INFO, stream=sys.stderr)
 from baton.llm import LLM
 from baton.common.sampling_params import SamplingParams
 
-llm = LLM(model=sys.argv[1], dtype="bfloat16", quantization="none", num_kv_blocks=32, num_threads=1)
+llm = LLM(model=sys.argv[1], dtype=sys.argv[3], quantization="none", num_kv_blocks=32, num_threads=1)
 [out] = llm.generate([json.loads(sys.argv[2])], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+model = llm.engine.runtime.model
+ranges = [[int(a, 16) for a in line.split()[0].split("-")] for line in open("/proc/self/maps") if "/packed/" in line]
+mapped = sorted(name for name, p in model.named_parameters()
+                if p.numel() and any(lo <= p.data_ptr() < hi for lo, hi in ranges))
 """ + READ_MAPS + """
-print(json.dumps({"tokens": out.outputs[0].token_ids, "maps": maps}))
+print(json.dumps({"tokens": out.outputs[0].token_ids, "maps": maps, "mapped": mapped}))
 """
 
 
-def test_bf16_workers_map_one_file_of_native_packs_and_answer_alike(tmp_path, monkeypatch):
-    """bf16 weights (issue 42): the first load writes the native bf16 matmul's packs to the cache, a
-    second maps them read-only (no page copied) and answers the same; with the cache off, a load
-    keeps private packs, to the same tokens."""
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_dense_workers_map_one_file_and_answer_alike(tmp_path, monkeypatch, dtype):
+    """Dense weights (issue 42): in bf16 the native bf16 matmul's packs, in float32 (what `--dtype
+    auto` loads on a CPU without bf16 instructions, AMD Zen 3; on every CPU) the weights F.linear
+    reads, and the embedding table: the first load writes them to the cache, a second maps them
+    read-only (no page copied) and answers the same, each of the float32 parameters a view of the
+    file; with the cache off a load keeps private copies, to the same tokens."""
     from baton.model import kernels
     from baton.model.linear import native_gemv
 
-    if not native_gemv(kernels.load()):
+    if dtype == "bfloat16" and not native_gemv(kernels.load()):
         pytest.skip("no native bf16 matmul on this CPU (AVX512-BF16): nothing is packed, so nothing is shared")
     cache = tmp_path / "cache"
     source = tmp_path / "tiny.gguf"
@@ -173,24 +183,30 @@ def test_bf16_workers_map_one_file_of_native_packs_and_answer_alike(tmp_path, mo
 
     monkeypatch.setenv("BATON_CACHE", str(cache))
     model_dir = resolve_model(str(source))
-    cmd = [sys.executable, "-c", LOAD_BF16, str(model_dir), json.dumps(PROMPT)]
+    cmd = [sys.executable, "-c", LOAD_DENSE, str(model_dir), json.dumps(PROMPT), dtype]
     cwd = Path(__file__).resolve().parents[1]
     runs = [subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=300) for _ in range(2)]
     results = []
     for run in runs:
         assert run.returncode == 0, run.stderr[-3000:]
         results.append(json.loads(run.stdout.strip().splitlines()[-1]))
-    [packed_file] = list((cache / "packed").glob("bf16-*.bin"))
+    [packed_file] = list((cache / "packed").glob("weights-*.bin"))
     assert "written to" in runs[0].stderr and "mapped from" in runs[1].stderr
     for result in results:
         mapping = result["maps"][str(packed_file)]
         assert mapping["perms"] == ["r--s"] and mapping["rss_kb"] > 0 and mapping["anonymous_kb"] == 0
+        if dtype == "float32":
+            # the tiny model's tensors of a page or more: the tied embedding / head, q, o, the fused
+            # k|v, gate|up and down (its norms stay private)
+            assert result["mapped"] == ["embed_tokens.weight", "layers.0.mlp.down_proj.weight",
+                                        "layers.0.mlp.gate_up_proj.weight", "layers.0.self_attn.o_proj.weight",
+                                        "layers.0.self_attn.qkv_proj.weight"]
     assert results[0]["tokens"] == results[1]["tokens"]
     private = subprocess.run(cmd, env={**env, "BATON_PACKED_CACHE": "off"}, cwd=cwd, capture_output=True,
                              text=True, timeout=300)
     assert private.returncode == 0, private.stderr[-3000:]
     alone = json.loads(private.stdout.strip().splitlines()[-1])
-    assert alone["maps"] == {} and alone["tokens"] == results[0]["tokens"]
+    assert alone["maps"] == {} and alone["mapped"] == [] and alone["tokens"] == results[0]["tokens"]
 
 
 def test_a_gguf_load_reads_each_served_projection_once_and_then_never(tmp_path, monkeypatch, kernels_or_skip):

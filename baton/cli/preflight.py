@@ -162,7 +162,7 @@ class MemoryEstimate:
     kv_pool_bytes: list[int]  # each worker's pool
     available_bytes: int | None  # MemAvailable
     # of weights_bytes, what the workers map from one file per machine (a GGUF's packed blocks,
-    # bf16 packs: baton.model.packed_cache, shared_bf16): page cache, counted once
+    # bf16 packs: baton.model.packed_cache, shared_weights): page cache, counted once
     shared_bytes: int = 0
 
     @property
@@ -198,32 +198,20 @@ class MemoryEstimate:
                 f"killer; pass {smaller}, or fewer --prefill-workers/--decode-workers")
 
 
-def cpu_has_native_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
-    """AVX512-BF16 or AMX: where the native bf16 matmul runs (and its packs are shared)."""
-    try:
-        flags = cpuinfo.read_text()
-    except OSError:
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
-
-
 def shared_weight_bytes(weights: list[Path], weights_bytes: int, config, dtype: str,  # config: a ModelConfig
-                        quantization: str, native_bf16: bool | None = None) -> int:
-    """Of one worker's weights, what every worker maps from one file per machine: a GGUF's blocks
-    served as the file ships them, and bf16 projections where the native bf16 matmul runs. The
-    token embedding is each worker's own (dequantized, or looked up from a private copy); int8 /
-    int4 quantized at load, fp32, and `BATON_PACKED_CACHE=off` keep every weight private."""
+                        quantization: str) -> int:
+    """Of one worker's weights, what every worker maps from one file per machine
+    (baton.model.packed_cache, baton.model.shared_weights): a GGUF's blocks served as the file ships
+    them, the native bf16 packs, the dense weights F.linear reads (float32 where the CPU has no bf16
+    instructions, a GGUF dequantized) and the embedding tables: all of them, except the projections
+    int8 / int4 quantize at load (each worker's own; the embedding is still shared), and nothing
+    with `BATON_PACKED_CACHE=off`."""
     if os.environ.get("BATON_PACKED_CACHE", "on").strip().lower() in ("0", "off", "false", "no"):
         return 0
-    if any(p.suffix == ".gguf" for p in weights):
-        shares = quantization == "auto" and dtype != "float32"
-    else:
-        native_bf16 = cpu_has_native_bf16() if native_bf16 is None else native_bf16
-        shares = quantization in ("auto", "none") and dtype in ("auto", "bfloat16") and native_bf16
-    if not shares:
-        return 0
-    embedding = int(config.vocab_size * config.hidden_size * 2)  # bf16, served that way in both cases
-    return max(0, weights_bytes - embedding)
+    if quantization not in ("int8", "int4"):
+        return weights_bytes
+    embedding = int(config.vocab_size * config.hidden_size * 2)  # bf16
+    return min(weights_bytes, embedding)
 
 
 def kv_pool_bytes(config, block_size: int | None, dtype: str, kv_cache_dtype: str,  # config: a ModelConfig

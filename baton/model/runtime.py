@@ -37,7 +37,7 @@ from baton.model.model_runner import ModelRunner, PoolRows, PromptRows, StepResu
 from baton.model.fp8_blocks import describe_fp8
 from baton.model.quant import (asks_for_quantized, describe_weights, quantize_model, resolve_weights,
                                serves_gguf_blocks)
-from baton.model.shared_bf16 import share_native_packs
+from baton.model.shared_weights import share_weights
 from baton.model.short_conv import state_dims
 from baton.model.step_batch import RowKind, StepBatch, StepRow, step_row
 from baton.model.thread_gate import ThreadGate, no_gate_args
@@ -238,8 +238,6 @@ def load_runtime(config: RuntimeConfig) -> ModelRuntime:
     experts = experts_description(model)
     if experts is not None and scheme == "none":  # the experts' numbers are the native kernel's, not dense
         model_config = dataclasses.replace(model_config, model_id=f"{model_config.model_id}+experts_q8_0")
-    if scheme == "none":  # bf16: the native packs, one copy per machine
-        share_native_packs(model, model_dir, source)
     release_readers()  # the file's tensors are all read (or mapped as packs): its header is not needed
     weights_dtype = next(model.parameters()).dtype
     description = describe_weights(scheme, weights_dtype, config.dtype, config.quantization, source)
@@ -258,6 +256,8 @@ def load_runtime(config: RuntimeConfig) -> ModelRuntime:
     if release:
         freed = model.release_load_copies(build_plan=False)
         logger.info("one copy of each weight: %.0f MB of load-time copies freed", freed / 1e6)
+    if device.type == "cpu":  # native packs, dense weights and embeddings: one copy per machine
+        share_weights(model, model_dir, source)
     model.build_layers_plan()
     return_freed_memory()
     return ModelRuntime(model, model_config, device, scheme, kv_dtype, description)
