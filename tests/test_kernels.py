@@ -365,3 +365,45 @@ def test_the_kernels_run_on_the_threads_torch_is_given():
         assert native.parallel_threads(64) == 1
     finally:
         torch.set_num_threads(before)
+
+
+@needs_native
+@pytest.mark.parametrize("layout", ["split", "grouped"])  # Qwen3.5's four projections, Qwen3-Next's fused two
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_delta_decode_step_equals_the_torch_ops(layout, dtype):
+    """A Gated DeltaNet layer's step with the native decode step (conv, silu, delta rule, gated norm in
+    one call) computes what its torch ops compute: decode rows from scattered slots (6, 1, 3) beside
+    a prefill span, two value heads per key head; the same outputs (fp32: to float rounding; bf16:
+    the same bits here) and the same conv and recurrent states afterwards, each advanced in place."""
+    from baton.model.gated_deltanet import DeltaNetDims, GatedDeltaNet, StateMeta, StatePool
+
+    gen = torch.Generator().manual_seed(7)
+    dims = DeltaNetDims(num_k_heads=2, num_v_heads=4, head_k_dim=32, head_v_dim=16, conv_kernel=4, layout=layout)
+    layer = GatedDeltaNet(dims, hidden_size=64, eps=1e-6, state_index=0)
+    with torch.no_grad():
+        for param in layer.parameters():
+            param.copy_(torch.randn(param.shape, generator=gen) * 0.3)
+    layer = layer.to(dtype)
+    pools = [StatePool(dims, num_layers=1, num_slots=8, dtype=dtype, device=torch.device("cpu")) for _ in range(2)]
+    pools[0].conv.copy_(torch.randn(pools[0].conv.shape, generator=gen))
+    pools[0].recurrent.copy_(torch.randn(pools[0].recurrent.shape, generator=gen))
+    pools[1].conv.copy_(pools[0].conv)
+    pools[1].recurrent.copy_(pools[0].recurrent)
+    before = pools[0].recurrent.clone()
+    x = torch.randn(5, 64, generator=gen).to(dtype)
+    meta = StateMeta(torch.tensor([6, 1, 3]), spans=[(3, 2, 5)])  # 3 decode rows, then a 2-token span
+    with torch.inference_mode():
+        layer.kernel = None
+        expected = layer(x, pools[0], meta)
+        layer.kernel = native
+        got = layer(x, pools[1], meta)
+    for slot in (6, 1, 3, 5):  # every row's state advanced (the span's too)
+        assert not torch.equal(pools[1].recurrent[0, slot], before[0, slot])
+    if dtype == torch.bfloat16:
+        assert torch.equal(got, expected)
+    else:
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(pools[1].conv, pools[0].conv)
+    torch.testing.assert_close(pools[1].recurrent, pools[0].recurrent, rtol=1e-5, atol=1e-5)
+    untouched = [0, 2, 4, 7]  # no row's slot: both paths leave them as they were
+    assert torch.equal(pools[1].recurrent[0, untouched], pools[0].recurrent[0, untouched])

@@ -9,7 +9,9 @@ model's dtype) and the delta rule's [v_heads, k_dim, v_dim] matrix (fp32: the re
 accumulates in it). Each scheduled row continues from its own slot: decode rows (one token each)
 run together through the recurrent rule, each prefill span (a chunk of one request's prompt)
 through the chunked rule starting from its slot's state, so a prompt split over steps (chunked
-prefill) computes what one call over the whole prompt does. A slot is zeroed when a request starts
+prefill) computes what one call over the whole prompt does. On the CPU the decode rows take one
+native call per layer (kernels/gated_delta.cpp: the conv, silu and the rule in two passes over each
+state, where the torch ops below make four), the same operations in the same order. A slot is zeroed when a request starts
 (`StatePool.reset`), so recompute after preemption starts from scratch.
 
 Two checkpoint layouts, one computation: Qwen3-Next fuses the projections per key-head group
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -287,6 +289,9 @@ class GatedDeltaNet(nn.Module):
         for name, op_name in zip(big, self.op_names):
             set_op(self, op_name, getattr(self, name))
         self._linear_names = big
+        # the native decode step (kernels' gated_delta_decode), installed by HybridModel.prepare on
+        # the CPU; None: the torch ops below
+        self.kernel: Any = None
 
     def projection_slots(self) -> list[tuple[nn.Module, str, nn.Linear]]:
         return [(self, op, getattr(self, name)) for name, op in zip(self._linear_names, self.op_names)]
@@ -322,9 +327,14 @@ class GatedDeltaNet(nn.Module):
         assert pool.recurrent is not None
         conv_states, rec_states = pool.conv[self.state_index], pool.recurrent[self.state_index]
         weight = self.conv1d.weight
-        out = x.new_empty(x.shape[0], d.num_v_heads, d.head_v_dim)
+        normed = x.new_empty(x.shape[0], d.value_dim)  # the gated norm of the rule's output, per row
         num_decode = meta.decode_slots.shape[0]
-        if num_decode:
+        if num_decode and self.kernel is not None:  # the native step: conv, silu, the rule and the norm
+            normed[:num_decode] = self.kernel.gated_delta_decode(
+                qkv[:num_decode], z[:num_decode].reshape(num_decode, -1), g[:num_decode], beta[:num_decode].float(),
+                conv_states, weight, rec_states, meta.decode_slots, self.norm.weight, self.norm.eps,
+                d.num_k_heads, d.head_k_dim)
+        elif num_decode:
             slots = meta.decode_slots
             mixed = F.silu(decode_conv(conv_states, slots, qkv[:num_decode], weight)).to(qkv.dtype)  # [D, C]
             q, k, v = torch.split(mixed, [d.key_dim, d.key_dim, d.value_dim], dim=-1)
@@ -334,7 +344,7 @@ class GatedDeltaNet(nn.Module):
                                            state)
             if not in_pool:
                 rec_states.index_copy_(0, slots, state)
-            out[:num_decode] = o
+            normed[:num_decode] = self._gated_norm(o.to(x.dtype), z[:num_decode])
         keep = d.conv_kernel - 1
         for start, length, slot in meta.spans:
             end = start + length
@@ -345,6 +355,10 @@ class GatedDeltaNet(nn.Module):
             o, s = chunk_gated_delta_rule(q, k, v, g[None, start:end], beta[None, start:end],
                                           rec_states[slot:slot + 1])
             rec_states[slot] = s[0]
-            out[start:end] = o[0]
-        normed = self.norm(out.reshape(-1, d.head_v_dim), z.reshape(-1, d.head_v_dim))
-        return self.out(normed.view(x.shape[0], d.value_dim))
+            normed[start:end] = self._gated_norm(o[0], z[start:end])
+        return self.out(normed)
+
+    def _gated_norm(self, out: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        # the rule's output [R, Hv, Dv] and the gate [R, Hv, Dv], both the model's dtype -> [R, value_dim]
+        d = self.dims
+        return self.norm(out.reshape(-1, d.head_v_dim), z.reshape(-1, d.head_v_dim)).view(-1, d.value_dim)

@@ -15,7 +15,8 @@ same decoder with Mamba-2 state layers (`baton.model.mamba2`) beside plain atten
 none), Granite's embedding / residual / logits multipliers, and a dense shared MLP on every layer
 (plus top-k routed experts where `num_local_experts` > 0).
 
-The native bf16 kernels do not run these layers: every dtype takes the torch path.
+The native bf16 layer kernels do not run these layers (the torch path, every dtype), but for the
+Gated DeltaNet decode step (conv, silu, the delta rule: kernels/gated_delta.cpp) on the CPU.
 """
 
 from __future__ import annotations
@@ -131,7 +132,9 @@ class HybridModel(CausalLM):
     def describe(self) -> str:
         kv = self.attention_layers[0].backend.kv_dtype if self.attention_layers else None
         cache = f"; {str(kv).removeprefix('torch.')} KV cache" if kv is not None else ""
-        return (f"{self.config.model_type}: torch path ({', '.join(self.native_unsupported)}); "
+        native = any(getattr(layer.linear_attn, "kernel", None) is not None for layer in self.layers)
+        step = "; the Gated DeltaNet decode step native (kernels/gated_delta.cpp)" if native else ""
+        return (f"{self.config.model_type}: torch path ({', '.join(self.native_unsupported)}){step}; "
                 f"{self.num_state_layers} state layers, {len(self.attention_layers)} attention layers{cache}")
 
     def use_kv_dtype(self, dtype: torch.dtype) -> None:
@@ -165,6 +168,20 @@ class HybridModel(CausalLM):
                         gemv_amx, triton, build_plan=False)
         self.layers_plan = None
         self.fused_norm = None
+        # the Gated DeltaNet decode step runs natively on the CPU in bf16 and fp32 (what its conv
+        # state and the rule take); else, and without a compiler, the torch ops
+        param = self.embed_tokens.weight
+        kernel = None
+        if native_kernels and param.device.type == "cpu" and param.dtype in (torch.bfloat16, torch.float32):
+            from baton.model import kernels
+
+            loaded = kernels.load()
+            kernel = loaded if loaded is not None and hasattr(loaded, "gated_delta_decode") else None
+        for layer in self.layers:
+            deltanet = layer.linear_attn
+            if isinstance(deltanet, GatedDeltaNet):  # (the kernel takes one dtype for all its tensors)
+                same_dtype = deltanet.conv1d.weight.dtype == deltanet.norm.weight.dtype == param.dtype
+                deltanet.kernel = kernel if same_dtype else None
 
     @torch.inference_mode()
     def forward(  # type: ignore[override]

@@ -8,6 +8,8 @@ the attention needs; `rope_write_decode` adds RoPE and the K/V write to it, one 
 `gemv` is the few-row bf16 matmul that streams weights at the machine's bandwidth (oneDNN reads them
 at a fraction of it at batch 1-4); `qgemv` is its int8 (GGUF Q8_0) and 4-bit (Q4_0/Q4_1/Q4_K)
 counterpart, with integer dot products. `decode_layers` runs a decode-only step's layers in one call.
+`gated_delta_decode` is a Gated DeltaNet layer's decode step (conv, silu, the delta rule) in place on
+the rows' state slots, two passes over each state where torch's ops make four.
 Each file says what it measured.
 
 The build uses torch's own extension builder (a C++ compiler and ninja are needed) and is cached
@@ -53,10 +55,10 @@ logger = logging.getLogger("baton.model.kernels")
 
 _DIR = Path(__file__).parent
 # each includes vec.h; decode_layers.cpp calls the others, so it comes last (one translation unit)
-_SOURCES = ("paged_attention.cpp", "pointwise.cpp", "gemv.cpp", "qgemv.cpp", "decode_layers.cpp")
+_SOURCES = ("paged_attention.cpp", "pointwise.cpp", "gemv.cpp", "qgemv.cpp", "gated_delta.cpp", "decode_layers.cpp")
 _FUNCTIONS = ("paged_decode", "rope_write_decode", "greedy_pick", "add_rms_norm", "silu_mul", "gemv", "gemv_pack",
               "gemv_available", "gemv_kernel", "q8_pack", "q4_pack", "qgemv", "quantize_activations", "q8_available",
-              "qgemv_isa", "decode_layers", "onednn_linear", "parallel_threads")
+              "qgemv_isa", "decode_layers", "onednn_linear", "parallel_threads", "gated_delta_decode")
 _lock = threading.Lock()
 _loaded: dict[str, ModuleType | None] = {}
 
