@@ -184,3 +184,59 @@ def test_step_cores_arm_the_gate_for_a_borrowing_step_and_measure_its_ungated_pa
     decode.after_step(0.01)
     prefill.close()
     decode.close()
+
+
+class _ReclaimedAfterLayers(LedgerGate):
+    """A gate whose owner asks for its cores back at its `after`-th look (`enter` looks once before
+    the layers, the loop after each layer, `leave` once more)."""
+
+    def __init__(self, *args, after: int, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.after, self.polls = after, 0
+        self.steps: list[list[int]] = []  # per armed step, the thread count at each poll
+
+    def poll(self) -> bool:
+        self.polls += 1
+        self.steps[-1].append(torch.get_num_threads())
+        if self.polls == self.after and self.armed:
+            for word in self.watch:
+                self.words[word] = int(LenderState.BUSY)
+        return super().poll()
+
+
+def test_a_hybrid_models_layer_loop_gives_lent_threads_back_between_layers(ledger, tmp_path_factory,
+                                                                          default_model_dir):
+    """A hybrid model (Qwen3.5: no all-layers native call, a Python loop over its layers) polls the
+    gate after each layer: a step that borrowed a core runs its first layer on 2 threads, gives the
+    core back once the lender asks, and finishes on its own thread, with the borrower's record
+    cleared and the same tokens as a step that never borrowed. (Without this a hybrid's whole step
+    counted as ungated, over `MAX_BORROWING_STEP_S`, and its decode worker never borrowed.)"""
+    from baton.llm import LLM
+    from tests.test_hybrid import build_hybrid
+
+    model_dir = build_hybrid("qwen3_5", tmp_path_factory.mktemp("gate-hybrid") / "qwen3_5", default_model_dir)
+    llm = LLM(model=str(model_dir), dtype="bfloat16", num_kv_blocks=64, enable_prefix_caching=False)
+    num_layers = len(llm.engine.runtime.model.layers)
+    # asked back at the look after the first layer (the second: `enter` looks first)
+    gate = _ReclaimedAfterLayers(ledger.words(), open_value=int(LenderState.LENDING), after=2)
+
+    def arm() -> None:
+        gate.polls = 0
+        gate.steps.append([])
+        ledger.write_lender(0, LenderState.LENDING, 1, time.monotonic())
+        ledger.write_borrowed(0, 0b1)
+        gate.arm(watch=[ledger.lender_state_word(0)], release=ledger.borrowed_words(0), threads=1)
+
+    before = torch.get_num_threads()
+    try:
+        llm.engine.set_thread_gate(gate)
+        gated = _generate_on_threads(llm, 2, gate, arm)
+    finally:
+        llm.engine.set_thread_gate(None)
+        torch.set_num_threads(before)
+    plain = _generate_on_threads(llm, 1, None, arm)
+    assert gated == plain
+    assert len(gate.steps) >= 6
+    for polled in gate.steps:  # enter, each layer, leave: the first layer on the lent threads, the rest on its own
+        assert polled == [2, 2] + [1] * num_layers, polled
+    assert ledger.borrowed(0) == 0 and gate.tail_threads == 1

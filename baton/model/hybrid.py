@@ -201,8 +201,19 @@ class HybridModel(CausalLM):
         if self.config.embedding_multiplier != 1.0:
             x = x * self.config.embedding_multiplier  # Granite's (a float, as the reference)
         cos, sin = self.rope(positions, max_position)
-        for layer in self.layers:
-            x = layer(x, cos, sin, kv_cache, meta, pool, state_meta)
+        # lent threads (baton/model/thread_gate.py) are given back between layers when their owner
+        # asks, so a step on borrowed cores keeps a reclaiming prefill worker waiting one layer at most
+        gate = self.thread_gate
+        if gate is not None:
+            gate.enter()
+        try:
+            for layer in self.layers:
+                x = layer(x, cos, sin, kv_cache, meta, pool, state_meta)
+                if gate is not None:
+                    gate.poll()
+        finally:
+            if gate is not None:
+                gate.leave()
         return self._with_hidden(self.norm(x), logits_indices, hidden_indices)
 
     def _with_hidden(self, normed: torch.Tensor, logits_indices: torch.Tensor,

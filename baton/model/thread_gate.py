@@ -8,7 +8,8 @@ step looks between its layers: once the owner says "no longer lent", the rest of
 the step's own threads, so the owner waits one layer at most, or the part of the step outside the
 layers (the LM head, sampling).
 
-The model only calls this interface around its layers (`LayersPlan.run`); the shared memory, its
+The model only calls this interface around its layers (`LayersPlan.run`, or between the layers of
+a hybrid model's Python loop: `HybridModel.forward`); the shared memory, its
 words and the handshake with the owner are the worker's (`baton.worker.ledger_gate.LedgerGate`, over
 the lending ledger), armed per step by the worker. The engine never creates one.
 """
@@ -29,6 +30,10 @@ class ThreadGate(Protocol):
 
     def enter(self) -> None:
         """The layers start: give the lent threads back now if the owner asked."""
+
+    def poll(self) -> bool:
+        """Between two layers of a Python loop (a hybrid model's): give the lent threads back now
+        if the owner asked (True: given back, now or before)."""
 
     def leave(self) -> None:
         """The layers ended: give them back now if the owner asked meanwhile."""
