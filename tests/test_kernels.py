@@ -407,3 +407,30 @@ def test_gated_delta_decode_step_equals_the_torch_ops(layout, dtype):
     torch.testing.assert_close(pools[1].recurrent, pools[0].recurrent, rtol=1e-5, atol=1e-5)
     untouched = [0, 2, 4, 7]  # no row's slot: both paths leave them as they were
     assert torch.equal(pools[1].recurrent[0, untouched], pools[0].recurrent[0, untouched])
+
+
+@needs_native
+def test_flush_denormals_sets_every_thread_of_the_pool():
+    """After `flush_denormals` a product below fp32's smallest normal (1.2e-38) is zero on the
+    calling thread and on the pool's threads alike (a large elementwise product is split across
+    them); before it, the same product is a denormal. Run in a fresh process: the mode is per
+    thread and stays set."""
+    import subprocess
+    import sys
+
+    script = (
+        "import torch\n"
+        "from baton.model import kernels\n"
+        "native = kernels.load()\n"
+        "torch.set_num_threads(2)\n"
+        "x = torch.full((1 << 22,), 1e-30)\n"
+        "before = int((x * 1e-10 != 0).sum())\n"
+        "threads = native.flush_denormals()\n"
+        "after = int((x * 1e-10 != 0).sum())\n"
+        "print(before, threads, after)\n")
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    before, threads, after = map(int, run.stdout.split())
+    assert before == 1 << 22  # denormals, computed
+    assert threads == 2  # the calling thread and the other of its team of 2
+    assert after == 0

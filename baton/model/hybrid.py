@@ -21,6 +21,9 @@ Gated DeltaNet decode step (conv, silu, the delta rule: kernels/gated_delta.cpp)
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -124,6 +127,7 @@ class HybridModel(CausalLM):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config)  # embeddings, final norm, head and the bookkeeping every model has
         self.dims = state_dims(config.deltanet)
+        self.flush_denormals: Callable[[], Any] = lambda: torch.set_flush_denormal(True)  # (prepare: all threads)
         self.num_state_layers = sum(config.layer_deltanet)
         self.layers = nn.ModuleList(HybridLayer(config, i, self.dims) for i in range(config.num_layers))
         self.attention_layers = [layer.self_attn for layer in self.layers if layer.self_attn is not None]
@@ -177,6 +181,11 @@ class HybridModel(CausalLM):
 
             loaded = kernels.load()
             kernel = loaded if loaded is not None and hasattr(loaded, "gated_delta_decode") else None
+        # denormal floats flushed on every thread of the step (the state layers' decays make them, and
+        # x86 computes on them 5x slower: kernels' flush_denormals); without the kernels, torch's
+        # switch, which sets the calling thread only
+        self.flush_denormals = kernel.flush_denormals if kernel is not None else (
+            lambda: torch.set_flush_denormal(True))
         for layer in self.layers:
             deltanet = layer.linear_attn
             if isinstance(deltanet, GatedDeltaNet):  # (the kernel takes one dtype for all its tensors)
@@ -197,6 +206,7 @@ class HybridModel(CausalLM):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         assert state is not None, "a hybrid model's step needs its rows' state slots"
         pool, state_meta = state
+        self.flush_denormals()  # (each step: lent threads, and pools of a new size, start without it)
         x = self.embed(input_ids)
         if self.config.embedding_multiplier != 1.0:
             x = x * self.config.embedding_multiplier  # Granite's (a float, as the reference)
