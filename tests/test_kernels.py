@@ -372,9 +372,10 @@ def test_the_kernels_run_on_the_threads_torch_is_given():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gated_delta_decode_step_equals_the_torch_ops(layout, dtype):
     """A Gated DeltaNet layer's step with the native decode step (conv, silu, delta rule, gated norm in
-    one call) computes what its torch ops compute: decode rows from scattered slots (6, 1, 3) beside
-    a prefill span, two value heads per key head; the same outputs (fp32: to float rounding; bf16:
-    the same bits here) and the same conv and recurrent states afterwards, each advanced in place."""
+    one call; a prefill span's conv and silu in the rows' layout) computes what its torch ops compute:
+    decode rows from scattered slots (6, 1, 3) beside two prefill spans, one shorter than the conv's
+    window (2 tokens) and one longer (6), two value heads per key head; the same outputs (fp32: to
+    float rounding; bf16: the same bits here) and the same conv and recurrent states afterwards."""
     from baton.model.gated_deltanet import DeltaNetDims, GatedDeltaNet, StateMeta, StatePool
 
     gen = torch.Generator().manual_seed(7)
@@ -390,14 +391,14 @@ def test_gated_delta_decode_step_equals_the_torch_ops(layout, dtype):
     pools[1].conv.copy_(pools[0].conv)
     pools[1].recurrent.copy_(pools[0].recurrent)
     before = pools[0].recurrent.clone()
-    x = torch.randn(5, 64, generator=gen).to(dtype)
-    meta = StateMeta(torch.tensor([6, 1, 3]), spans=[(3, 2, 5)])  # 3 decode rows, then a 2-token span
+    x = torch.randn(11, 64, generator=gen).to(dtype)
+    meta = StateMeta(torch.tensor([6, 1, 3]), spans=[(3, 2, 5), (5, 6, 0)])  # 3 decode rows, then 2 spans
     with torch.inference_mode():
         layer.kernel = None
         expected = layer(x, pools[0], meta)
         layer.kernel = native
         got = layer(x, pools[1], meta)
-    for slot in (6, 1, 3, 5):  # every row's state advanced (the span's too)
+    for slot in (6, 1, 3, 5, 0):  # every row's state advanced (the spans' too)
         assert not torch.equal(pools[1].recurrent[0, slot], before[0, slot])
     if dtype == torch.bfloat16:
         assert torch.equal(got, expected)
@@ -405,7 +406,7 @@ def test_gated_delta_decode_step_equals_the_torch_ops(layout, dtype):
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     assert torch.equal(pools[1].conv, pools[0].conv)
     torch.testing.assert_close(pools[1].recurrent, pools[0].recurrent, rtol=1e-5, atol=1e-5)
-    untouched = [0, 2, 4, 7]  # no row's slot: both paths leave them as they were
+    untouched = [2, 4, 7]  # no row's slot: both paths leave them as they were
     assert torch.equal(pools[1].recurrent[0, untouched], pools[0].recurrent[0, untouched])
 
 

@@ -348,10 +348,13 @@ class GatedDeltaNet(nn.Module):
         keep = d.conv_kernel - 1
         for start, length, slot in meta.spans:
             end = start + length
-            window = torch.cat([conv_states[slot], qkv[start:end].T], dim=-1).to(weight.dtype)  # [C, keep + L]
-            conv_states[slot] = window[:, window.shape[1] - keep:]
-            mixed = F.silu(F.conv1d(window[None], weight, groups=d.conv_dim)).to(qkv.dtype)  # [1, C, L]
-            q, k, v = self._split_heads(mixed.transpose(1, 2))
+            if self.kernel is not None:  # the same conv and silu in the rows' layout, the state in place
+                mixed = self.kernel.causal_conv_silu(qkv[start:end], conv_states[slot], weight)[None]  # [1, L, C]
+            else:
+                window = torch.cat([conv_states[slot], qkv[start:end].T], dim=-1).to(weight.dtype)  # [C, keep + L]
+                conv_states[slot] = window[:, window.shape[1] - keep:]
+                mixed = F.silu(F.conv1d(window[None], weight, groups=d.conv_dim)).to(qkv.dtype).transpose(1, 2)
+            q, k, v = self._split_heads(mixed)
             o, s = chunk_gated_delta_rule(q, k, v, g[None, start:end], beta[None, start:end],
                                           rec_states[slot:slot + 1])
             rec_states[slot] = s[0]

@@ -59,7 +59,7 @@ _SOURCES = ("paged_attention.cpp", "pointwise.cpp", "gemv.cpp", "qgemv.cpp", "ga
 _FUNCTIONS = ("paged_decode", "rope_write_decode", "greedy_pick", "add_rms_norm", "silu_mul", "gemv", "gemv_pack",
               "gemv_available", "gemv_kernel", "q8_pack", "q4_pack", "qgemv", "quantize_activations", "q8_available",
               "qgemv_isa", "decode_layers", "onednn_linear", "parallel_threads", "gated_delta_decode",
-              "flush_denormals")
+              "causal_conv_silu", "flush_denormals")
 _lock = threading.Lock()
 _loaded: dict[str, ModuleType | None] = {}
 

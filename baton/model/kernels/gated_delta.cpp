@@ -21,6 +21,46 @@ inline float round_to(float x) {
   return static_cast<float>(static_cast<scalar_t>(x));
 }
 
+// A prefill span's conv: out [L, C] = silu(conv) for each of the span's L positions, from the window
+// of the slot's K - 1 saved inputs then the span's; the state keeps the window's last K - 1 after.
+// The weights are read transposed ([K, C] fp32) so that the loop over channels is contiguous.
+template <typename scalar_t>
+void span_conv_silu(const scalar_t* x, int64_t x_stride, scalar_t* state, const scalar_t* weight, int64_t L,
+                    int64_t C, int64_t K, scalar_t* out) {
+  const int64_t keep = K - 1;
+  std::vector<float> wt(K * C);
+  for (int64_t c = 0; c < C; ++c)
+    for (int64_t j = 0; j < K; ++j) wt[j * C + c] = to_float(weight[c * K + j]);
+  // window position i (0 .. keep + L - 1): the saved inputs first, then the span's rows
+  auto at = [&](int64_t i, int64_t c) -> float {
+    return i < keep ? to_float(state[c * keep + i]) : to_float(x[(i - keep) * x_stride + c]);
+  };
+  at::parallel_for(0, L, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(C);
+    for (int64_t t = begin; t < end; ++t) {
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t j = 0; j < K; ++j) {
+        const float* w = wt.data() + j * C;
+        if (t + j >= keep) {  // a row of the span: contiguous over channels
+          const scalar_t* row = x + (t + j - keep) * x_stride;
+          for (int64_t c = 0; c < C; ++c) acc[c] += to_float(row[c]) * w[c];
+        } else {
+          for (int64_t c = 0; c < C; ++c) acc[c] += at(t + j, c) * w[c];
+        }
+      }
+      scalar_t* dst = out + t * C;
+      for (int64_t c = 0; c < C; ++c) {
+        const float y = round_to<scalar_t>(acc[c]);
+        dst[c] = static_cast<scalar_t>(y / (1.f + std::exp(-y)));
+      }
+    }
+  });
+  std::vector<scalar_t> last(C * keep);  // the window's last keep positions, read before any is written
+  for (int64_t c = 0; c < C; ++c)
+    for (int64_t i = 0; i < keep; ++i) last[c * keep + i] = static_cast<scalar_t>(at(L + i, c));
+  std::copy(last.begin(), last.end(), state);
+}
+
 // Phase 1: the conv for every row and channel, into `mixed` [D, C] fp32 (already rounded as the
 // torch path rounds), and the conv states shifted.
 template <typename scalar_t>
@@ -163,5 +203,30 @@ torch::Tensor gated_delta_decode(torch::Tensor qkv, torch::Tensor z, torch::Tens
   };
   if (dtype == at::kBFloat16) run(c10::BFloat16());
   else run(0.f);
+  return out;
+}
+
+// x: [L, C] (rows may be strided; the model's dtype), a prefill span's projections before the conv;
+// state: [C, K - 1] (the request's slot, contiguous; that dtype), advanced in place; weight: [C, 1, K].
+// Returns silu(conv) [L, C] in that dtype, rounded as torch's conv1d and silu round it.
+torch::Tensor causal_conv_silu(torch::Tensor x, torch::Tensor state, torch::Tensor weight) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [L, C] with contiguous rows");
+  const int64_t L = x.size(0), C = x.size(1);
+  TORCH_CHECK(weight.dim() == 3 && weight.size(0) == C && weight.is_contiguous(), "weight: [C, 1, K]");
+  const int64_t K = weight.size(2);
+  TORCH_CHECK(state.dim() == 2 && state.size(0) == C && state.size(1) == K - 1 && state.is_contiguous(),
+              "state: [C, K - 1], contiguous");
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK((dtype == at::kBFloat16 || dtype == at::kFloat) && state.scalar_type() == dtype &&
+              weight.scalar_type() == dtype, "x, state and weight: one dtype, bf16 or fp32");
+  auto out = torch::empty({L, C}, x.options());
+  if (dtype == at::kBFloat16) {
+    using T = c10::BFloat16;
+    span_conv_silu<T>(x.data_ptr<T>(), x.stride(0), state.data_ptr<T>(), weight.data_ptr<T>(), L, C, K,
+                      out.data_ptr<T>());
+  } else {
+    span_conv_silu<float>(x.data_ptr<float>(), x.stride(0), state.data_ptr<float>(), weight.data_ptr<float>(), L,
+                          C, K, out.data_ptr<float>());
+  }
   return out;
 }
