@@ -348,6 +348,23 @@ def test_bf16_greedy_is_transformers_but_at_near_ties(family, hybrid_dir, prompt
     assert_bf16_near_ties_only(llm, hf, prompts, family)
 
 
+@pytest.mark.parametrize("dtype, kv_cache_dtype", [("bfloat16", "auto"), ("float32", "auto"), ("bfloat16", "fp8")])
+def test_a_hybrid_step_leaves_no_flush_to_zero_behind(dtype, kv_cache_dtype, hybrid_dir, prompts):  # noqa: F811
+    """The state layers run with denormals flushed (their decays make them, and x86 computes on them
+    5x slower), and the mode is cleared after each: fp8 KV codes and MXFP4 scales convert through
+    denormal floats, which the mode would read as zero. After a hybrid's steps, on this thread and
+    on its pool's (a product split across them), denormals are computed and an fp8 subnormal code
+    reads as its value. With an fp8 KV cache the mode covers each state layer only, not the step: its
+    attention layers convert fp8 codes."""
+    llm = LLM(model=str(hybrid_dir("qwen3_5_text")), dtype=dtype, num_kv_blocks=64, kv_cache_dtype=kv_cache_dtype)
+    assert llm.engine.runtime.model.flush_per_layer == (kv_cache_dtype == "fp8")
+    llm.generate(prompts[:2], greedy())
+    tiny = torch.full((1 << 20,), 1e-30) * 1e-10  # 1e-40: a denormal
+    assert bool((tiny != 0).all())
+    code = torch.tensor([1], dtype=torch.uint8).view(torch.float8_e4m3fn)  # e4m3's smallest subnormal
+    assert code.float().item() == 2.0 ** -9
+
+
 def test_state_slots_take_at_most_half_the_kv_budget(hybrid_dir, prompts, caplog):  # noqa: F811
     """A state slot per running request is large beside a token's KV (Qwen3.5-0.8B: 19 MiB, ~1500
     tokens' KV): max_num_seqs slots once took a 1 GiB pool whole and left the KV one block. The

@@ -412,10 +412,11 @@ def test_gated_delta_decode_step_equals_the_torch_ops(layout, dtype):
 
 @needs_native
 def test_flush_denormals_sets_every_thread_of_the_pool():
-    """After `flush_denormals` a product below fp32's smallest normal (1.2e-38) is zero on the
+    """After `flush_denormals(True)` a product below fp32's smallest normal (1.2e-38) is zero on the
     calling thread and on the pool's threads alike (a large elementwise product is split across
-    them); before it, the same product is a denormal. Run in a fresh process: the mode is per
-    thread and stays set."""
+    them); before it, and after `flush_denormals(False)`, the same product is a denormal again on
+    every thread (the mode is for the state layers only: fp8 codes convert through denormals). Run
+    in a fresh process: the mode is per thread and stays as set."""
     import subprocess
     import sys
 
@@ -426,12 +427,14 @@ def test_flush_denormals_sets_every_thread_of_the_pool():
         "torch.set_num_threads(2)\n"
         "x = torch.full((1 << 22,), 1e-30)\n"
         "before = int((x * 1e-10 != 0).sum())\n"
-        "threads = native.flush_denormals()\n"
+        "was_on = native.flush_denormals(True)\n"
         "after = int((x * 1e-10 != 0).sum())\n"
-        "print(before, threads, after)\n")
+        "still_on = native.flush_denormals(False)\n"
+        "cleared = int((x * 1e-10 != 0).sum())\n"
+        "print(before, int(was_on), int(still_on), after, cleared)\n")
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
-    before, threads, after = map(int, run.stdout.split())
-    assert before == 1 << 22  # denormals, computed
-    assert threads == 2  # the calling thread and the other of its team of 2
-    assert after == 0
+    before, was_on, still_on, after, cleared = map(int, run.stdout.split())
+    assert before == 1 << 22 and not was_on  # denormals, computed
+    assert still_on and after == 0  # flushed on every thread of the team
+    assert cleared == 1 << 22  # and off again: denormals computed, on every thread

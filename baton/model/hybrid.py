@@ -21,8 +21,8 @@ Gated DeltaNet decode step (conv, silu, the delta rule: kernels/gated_delta.cpp)
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
 from torch import nn
@@ -34,6 +34,28 @@ from baton.model.mamba2 import Mamba2Dims, Mamba2Mixer
 from baton.model.model import MLP, Attention, CausalLM, RMSNorm, apply_rope, set_op
 from baton.model.moe import SparseMoE
 from baton.model.short_conv import ShortConv, ShortConvDims, state_dims
+
+
+def torch_flush_denormals(on: bool) -> bool:
+    """torch's switch (the calling thread only), where the native kernels are not built: reports
+    the mode as off before, so that it is cleared after."""
+    torch.set_flush_denormal(on)
+    return False
+
+
+def flushing(flush: Callable[[bool], bool]) -> Callable[[], AbstractContextManager[None]]:
+    """A context in which `flush` (the kernels' flush_denormals, or torch's) holds denormals at zero
+    on the step's threads, and after which the mode is as it was."""
+    @contextmanager
+    def flushed() -> Iterator[None]:
+        before = flush(True)
+        try:
+            yield
+        finally:
+            if not before:
+                flush(False)
+
+    return flushed
 
 
 class GatedAttention(Attention):
@@ -104,12 +126,16 @@ class HybridLayer(nn.Module):
             self.mlp: nn.Module = SparseMoE(config, shared)
         else:
             self.mlp = MLP(config)
+        # around the state layer: flush-to-zero on, then off (HybridModel.forward's choice); none: nothing
+        self.denormals_flushed: Callable[[], AbstractContextManager[None]] = nullcontext
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, pool: StatePool, state: StateMeta) -> torch.Tensor:
         h = self.input_layernorm(x)
         if self.linear_attn is not None:
-            self._add(x, self.linear_attn(h, pool, state))
+            with self.denormals_flushed():  # (HybridModel.forward says when: per step, or per state layer)
+                branch = self.linear_attn(h, pool, state)
+            self._add(x, branch)
         else:
             assert self.self_attn is not None
             self._add(x, self.self_attn(h, cos, sin, kv_cache[self.kv_index], meta))
@@ -127,7 +153,8 @@ class HybridModel(CausalLM):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config)  # embeddings, final norm, head and the bookkeeping every model has
         self.dims = state_dims(config.deltanet)
-        self.flush_denormals: Callable[[], Any] = lambda: torch.set_flush_denormal(True)  # (prepare: all threads)
+        self.flushed: Callable[[], AbstractContextManager[None]] = flushing(torch_flush_denormals)  # (prepare: native)
+        self.flush_per_layer = False
         self.num_state_layers = sum(config.layer_deltanet)
         self.layers = nn.ModuleList(HybridLayer(config, i, self.dims) for i in range(config.num_layers))
         self.attention_layers = [layer.self_attn for layer in self.layers if layer.self_attn is not None]
@@ -144,6 +171,16 @@ class HybridModel(CausalLM):
     def use_kv_dtype(self, dtype: torch.dtype) -> None:
         for attn in self.attention_layers:
             attn.backend.use_kv_dtype(dtype)
+        self._place_flush()
+
+    def _place_flush(self) -> None:
+        """Where denormals are flushed: around the whole step (two switches of the threads' mode a
+        step), or, with an fp8 KV cache, around each state layer only (fp8 codes convert through
+        denormal floats, which the mode reads and makes as zero; ~0.2 ms a switch)."""
+        kv = self.attention_layers[0].backend.kv_dtype if self.attention_layers else None
+        self.flush_per_layer = kv is not None and kv.is_floating_point and kv.itemsize == 1
+        for layer in self.layers:
+            layer.denormals_flushed = self.flushed if self.flush_per_layer else nullcontext
 
     def projection_slots(self) -> list[tuple[nn.Module, str, nn.Linear]]:
         """CausalLM's slots (attention and MLP projections, the head last) with each state layer's
@@ -182,10 +219,10 @@ class HybridModel(CausalLM):
             loaded = kernels.load()
             kernel = loaded if loaded is not None and hasattr(loaded, "gated_delta_decode") else None
         # denormal floats flushed on every thread of the step (the state layers' decays make them, and
-        # x86 computes on them 5x slower: kernels' flush_denormals); without the kernels, torch's
-        # switch, which sets the calling thread only
-        self.flush_denormals = kernel.flush_denormals if kernel is not None else (
-            lambda: torch.set_flush_denormal(True))
+        # x86 computes on them 5x slower: kernels' flush_denormals; without the kernels, torch's
+        # switch, the calling thread only), then the mode restored: see `_place_flush`
+        self.flushed = flushing(kernel.flush_denormals if kernel is not None else torch_flush_denormals)
+        self._place_flush()
         for layer in self.layers:
             deltanet = layer.linear_attn
             if isinstance(deltanet, GatedDeltaNet):  # (the kernel takes one dtype for all its tensors)
@@ -206,7 +243,6 @@ class HybridModel(CausalLM):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         assert state is not None, "a hybrid model's step needs its rows' state slots"
         pool, state_meta = state
-        self.flush_denormals()  # (each step: lent threads, and pools of a new size, start without it)
         x = self.embed(input_ids)
         if self.config.embedding_multiplier != 1.0:
             x = x * self.config.embedding_multiplier  # Granite's (a float, as the reference)
@@ -217,10 +253,11 @@ class HybridModel(CausalLM):
         if gate is not None:
             gate.enter()
         try:
-            for layer in self.layers:
-                x = layer(x, cos, sin, kv_cache, meta, pool, state_meta)
-                if gate is not None:
-                    gate.poll()
+            with nullcontext() if self.flush_per_layer else self.flushed():
+                for layer in self.layers:
+                    x = layer(x, cos, sin, kv_cache, meta, pool, state_meta)
+                    if gate is not None:
+                        gate.poll()
         finally:
             if gate is not None:
                 gate.leave()

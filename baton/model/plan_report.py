@@ -60,8 +60,10 @@ class ProjectionPlan:
 
 
 class _Bytes:
-    """Counts each tensor's storage once, whoever holds it (a pack may share the nn.Linear's weight,
-    a tied head the embedding)."""
+    """Counts each tensor's bytes once, whoever holds it (a pack may share the nn.Linear's weight,
+    a tied head the embedding): keyed by where its data starts, not by its storage, since the packs
+    and weights mapped from one shared file (baton.model.shared_weights, packed_cache) are views of
+    one storage."""
 
     def __init__(self) -> None:
         self.seen: set[int] = set()
@@ -72,7 +74,7 @@ class _Bytes:
             if t is None or t.numel() == 0:
                 continue
             try:
-                key = t.untyped_storage().data_ptr()
+                key = t.data_ptr()
             except (RuntimeError, NotImplementedError):  # an opaque tensor: its own identity
                 key = id(t)
             if key in self.seen:

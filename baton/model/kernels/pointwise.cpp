@@ -152,23 +152,25 @@ int64_t parallel_threads(int64_t n) {
   return most.load();
 }
 
-// Flush denormal floats to zero (FTZ) and read them as zero (DAZ) on the calling thread and on every
-// thread of its OpenMP team. A state layer's decays (Gated DeltaNet's exp of cumulative gates,
+// Flush denormal floats to zero (FTZ) and read them as zero (DAZ), or stop, on the calling thread and
+// on every thread of its OpenMP team. A state layer's decays (Gated DeltaNet's exp of cumulative gates,
 // Mamba-2's exp(dt * A)) make fp32 values below 1e-38, and a matmul over them runs 5x slower on x86
 // (a Qwen3.5-shaped prefill's chunked rule: 129 against 25 ms per layer at 512 tokens, 2 threads).
 // torch.set_flush_denormal sets the calling thread only: the pool's threads keep the mode they were
-// created with. Returns how many threads set it. Elsewhere than x86: nothing, 0.
-int64_t flush_denormals() {
+// created with. The mode is for the state layers only (`on` then off again around them): fp8 and
+// E8M0 codes convert through denormal floats, which DAZ would read as zero. Returns whether the
+// calling thread had the mode before. Elsewhere than x86: nothing, false.
+bool flush_denormals(bool on) {
 #if defined(__x86_64__) || defined(__i386__)
-  std::atomic<int64_t> threads{0};
-  _mm_setcsr(_mm_getcsr() | 0x8040);  // FTZ (bit 15) | DAZ (bit 6)
+  constexpr unsigned int kBits = 0x8040;  // FTZ (bit 15) | DAZ (bit 6)
+  const bool before = (_mm_getcsr() & kBits) == kBits;
+  auto set = [&] { _mm_setcsr(on ? (_mm_getcsr() | kBits) : (_mm_getcsr() & ~kBits)); };
+  set();
 #pragma omp parallel
-  {
-    _mm_setcsr(_mm_getcsr() | 0x8040);
-    threads.fetch_add(1);
-  }
-  return threads.load();
+  set();
+  return before;
 #else
-  return 0;
+  (void)on;
+  return false;
 #endif
 }
