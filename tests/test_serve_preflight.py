@@ -117,7 +117,7 @@ def test_the_memory_estimate_warns_only_past_what_is_available():
     assert MemoryEstimate(GIB, [GIB, GIB], available_bytes=None).warning() is None  # unknown: no guess
 
 
-def test_weights_the_workers_map_once_are_counted_once(tmp_path, monkeypatch):
+def test_weights_the_workers_map_once_are_counted_once(monkeypatch):
     """A GGUF's blocks, bf16 packs, float32 weights and embeddings are one copy per machine (the page
     cache's): 4 workers of a 1 GiB file need 1 GiB of weights, not 4; what int8 quantizes at load is
     each worker's own (its embedding is shared); BATON_PACKED_CACHE=off shares nothing."""
@@ -127,14 +127,14 @@ def test_weights_the_workers_map_once_are_counted_once(tmp_path, monkeypatch):
 
     config = SimpleNamespace(vocab_size=1024, hidden_size=512)  # a 1 MiB bf16 embedding
     embedding = 1024 * 512 * 2
-    gguf, st = [tmp_path / "m.Q8_0.gguf"], [tmp_path / "model.safetensors"]
-    assert shared_weight_bytes(gguf, GIB, config, "auto", "auto") == GIB
-    assert shared_weight_bytes(gguf, GIB, config, "float32", "auto") == GIB  # dequantized, mapped once
-    assert shared_weight_bytes(gguf, GIB, config, "auto", "int8") == embedding  # requantized per worker
-    assert shared_weight_bytes(st, GIB, config, "auto", "auto") == GIB  # bf16 packs or float32 weights
-    assert shared_weight_bytes(st, GIB, config, "bfloat16", "int8") == embedding
+    # a GGUF's blocks (or its weights dequantized), bf16 packs, float32 weights: all mapped once
+    assert shared_weight_bytes(GIB, config, "auto") == GIB
+    assert shared_weight_bytes(GIB, config, "none") == GIB
+    # quantized at load, per worker; the embedding still shared
+    assert shared_weight_bytes(GIB, config, "int8") == embedding
+    assert shared_weight_bytes(GIB, config, "int4") == embedding
     monkeypatch.setenv("BATON_PACKED_CACHE", "off")
-    assert shared_weight_bytes(gguf, GIB, config, "auto", "auto") == 0
+    assert shared_weight_bytes(GIB, config, "auto") == 0
 
     shared = MemoryEstimate(weights_bytes=GIB, kv_pool_bytes=[GIB] * 4, available_bytes=4 * GIB,
                             shared_bytes=GIB - embedding)

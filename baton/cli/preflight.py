@@ -198,8 +198,7 @@ class MemoryEstimate:
                 f"killer; pass {smaller}, or fewer --prefill-workers/--decode-workers")
 
 
-def shared_weight_bytes(weights: list[Path], weights_bytes: int, config, dtype: str,  # config: a ModelConfig
-                        quantization: str) -> int:
+def shared_weight_bytes(weights_bytes: int, config, quantization: str) -> int:  # config: a ModelConfig
     """Of one worker's weights, what every worker maps from one file per machine
     (baton.model.packed_cache, baton.model.shared_weights): a GGUF's blocks served as the file ships
     them, the native bf16 packs, the dense weights F.linear reads (float32 where the CPU has no bf16
@@ -347,5 +346,5 @@ def check_model(model_dir: Path, args: argparse.Namespace) -> ModelCheck:
     decode_pool = kv_pool_bytes(config, args.block_size, args.dtype, kv_dtype, args.num_kv_blocks,
                                 args.kv_cache_memory)
     pools = [prefill_pool] * args.prefill_workers + [decode_pool] * args.decode_workers
-    shared = shared_weight_bytes(weights, weights_bytes, config, args.dtype, args.quantization)
+    shared = shared_weight_bytes(weights_bytes, config, args.quantization)
     return ModelCheck(config, weights, MemoryEstimate(weights_bytes, pools, mem_available(), shared), prefill_flag)

@@ -160,8 +160,12 @@ class HybridModel(CausalLM):
         self.attention_layers = [layer.self_attn for layer in self.layers if layer.self_attn is not None]
         self.has_window = self.has_local_rope = False
 
+    def _kv_dtype(self) -> torch.dtype | None:
+        """The quantized KV cache's dtype (int8 / fp8), None where the cache is the model's dtype."""
+        return self.attention_layers[0].backend.kv_dtype if self.attention_layers else None
+
     def describe(self) -> str:
-        kv = self.attention_layers[0].backend.kv_dtype if self.attention_layers else None
+        kv = self._kv_dtype()
         cache = f"; {str(kv).removeprefix('torch.')} KV cache" if kv is not None else ""
         native = any(getattr(layer.linear_attn, "kernel", None) is not None for layer in self.layers)
         step = "; the Gated DeltaNet decode step native (kernels/gated_delta.cpp)" if native else ""
@@ -177,7 +181,7 @@ class HybridModel(CausalLM):
         """Where denormals are flushed: around the whole step (two switches of the threads' mode a
         step), or, with an fp8 KV cache, around each state layer only (fp8 codes convert through
         denormal floats, which the mode reads and makes as zero; ~0.2 ms a switch)."""
-        kv = self.attention_layers[0].backend.kv_dtype if self.attention_layers else None
+        kv = self._kv_dtype()
         self.flush_per_layer = kv is not None and kv.is_floating_point and kv.itemsize == 1
         for layer in self.layers:
             layer.denormals_flushed = self.flushed if self.flush_per_layer else nullcontext
