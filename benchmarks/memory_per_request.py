@@ -4,9 +4,10 @@ Computed, not timed: each model's config.json (the released shapes, through tran
 classes and their defaults) is read by Baton's own `ModelConfig`, and the bytes are those its KV pool
 and state pool take (`kv_bytes_per_block`, `StatePool.bytes_per_slot`): KV blocks for the tokens of
 every attention layer, plus a hybrid's fixed state per request. For a model with sliding-window
-layers beside global ones (Gemma 3) it also prints what per-group block tables would hold (window
-layers: the window and one block; global layers: every token): Baton keeps every layer's blocks
-until the request ends there today (docs/design-decisions.md, 21).
+layers beside global ones (Gemma 3) the window layers have block tables of their own
+(baton.model.kv_groups, docs/design-decisions.md 21): it prints what one table for every layer would
+hold, and what Baton holds (the global table every block, each window table at most the window and
+two blocks: the one being written and the one the window's start falls in).
 
     python benchmarks/memory_per_request.py              # 8192 tokens, bf16
     python benchmarks/memory_per_request.py --tokens 32768
@@ -25,7 +26,7 @@ BLOCK = 16
 
 
 def released_configs() -> dict[str, object]:
-    from transformers import Gemma3TextConfig, LlamaConfig, Qwen3_5TextConfig
+    from transformers import Gemma3TextConfig, GptOssConfig, LlamaConfig, Qwen3_5TextConfig
 
     return {
         # Llama-3.2-1B
@@ -42,6 +43,11 @@ def released_configs() -> dict[str, object]:
             hidden_size=1152, intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4,
             num_key_value_heads=1, head_dim=256, sliding_window=512, vocab_size=262144,
             max_position_embeddings=32768),
+        # gpt-oss-20b: 128-token window and full attention alternating
+        "gpt-oss-20b (24 layers, 128-token window on 12)": GptOssConfig(
+            hidden_size=2880, intermediate_size=2880, num_hidden_layers=24, num_attention_heads=64,
+            num_key_value_heads=8, head_dim=64, sliding_window=128, num_local_experts=32, num_experts_per_tok=4,
+            vocab_size=201088),
     }
 
 
@@ -54,30 +60,31 @@ def main() -> int:
 
     from baton.model.config import ModelConfig
     from baton.model.gated_deltanet import StatePool
+    from baton.model.kv_groups import kv_groups
     from baton.model.model_runner import kv_bytes_per_block
     from baton.model.short_conv import state_dims
 
     blocks = -(-args.tokens // BLOCK)
     print(f"memory per request at {args.tokens} tokens, bf16 weights and KV cache, {BLOCK}-token blocks "
           "(MiB = 2^20 bytes)")
-    print("| model | KV blocks | state | total | with per-group block tables |")
+    print("| model | KV, one block table | KV held by Baton | state | total held |")
     print("| --- | --- | --- | --- | --- |")
     for name, hf in released_configs().items():
         with tempfile.TemporaryDirectory() as tmp:
             (Path(tmp) / "config.json").write_text(json.dumps(hf.to_dict()))
             config = ModelConfig.from_dir(tmp)
-        kv = blocks * kv_bytes_per_block(config, BLOCK, torch.bfloat16)
+        groups = kv_groups(config)
+        per_block = kv_bytes_per_block(config, BLOCK, torch.bfloat16)  # one group of layers
+        one_table = blocks * per_block * len(config.attention_layers) // groups.group_size
+        held_blocks = blocks
+        if groups.grouped:
+            assert config.sliding_window is not None
+            held_blocks += groups.num_window_tables * min(blocks, -(-(config.sliding_window + BLOCK) // BLOCK) + 1)
+        kv = held_blocks * per_block
         state = (StatePool.bytes_per_slot(state_dims(config.deltanet), sum(config.layer_deltanet), torch.bfloat16)
                  if config.has_state_layers else 0)
-        grouped = "same"
-        if config.sliding_window and any(config.layer_sliding) and not all(config.layer_sliding):
-            per_layer = kv_bytes_per_block(config, BLOCK, torch.bfloat16) // len(config.attention_layers)
-            window_blocks = min(blocks, -(-config.sliding_window // BLOCK) + 1)
-            sliding = sum(config.layer_sliding)
-            global_layers = len(config.attention_layers) - sliding
-            grouped = f"{(blocks * global_layers + window_blocks * sliding) * per_layer / 2**20:.0f} MiB (not yet)"
-        print(f"| {name} | {kv / 2**20:.0f} MiB | {state / 2**20:.1f} MiB | {(kv + state) / 2**20:.0f} MiB | "
-              f"{grouped} |")
+        print(f"| {name} | {one_table / 2**20:.1f} MiB | {kv / 2**20:.1f} MiB | {state / 2**20:.1f} MiB | "
+              f"{(kv + state) / 2**20:.1f} MiB |")
     return 0
 
 

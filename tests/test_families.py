@@ -32,6 +32,8 @@ import torch
 
 from baton import LLM, SamplingParams
 from baton.engine.window_blocks import freeable_window
+from baton.model.config import ModelConfig
+from baton.model.kv_groups import kv_groups
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -314,8 +316,10 @@ def test_greedy_matches_transformers(family, family_dir, prompts):
     llm = LLM(model=str(model_dir), dtype="float32", num_kv_blocks=128, max_num_batched_tokens=8)
     assert tokens_of(llm.generate(prompts, greedy())) == expected
     # preempted and recomputed: 4-token blocks, 21 in all (the 70-token request alone needs 20;
-    # an all-window model frees the blocks behind its window, so it may fit without preemption)
-    llm = LLM(model=str(model_dir), dtype="float32", block_size=4, num_kv_blocks=21)
+    # an all-window model frees the blocks behind its window, so it may fit without preemption; a
+    # model whose window layers have tables of their own takes a block per table for a position)
+    tables = kv_groups(ModelConfig.from_dir(model_dir)).num_tables
+    llm = LLM(model=str(model_dir), dtype="float32", block_size=4, num_kv_blocks=20 * tables + 1)
     assert tokens_of(llm.generate(prompts, greedy())) == expected
     if freeable_window(llm.engine.model_config) is None:
         assert llm.engine.scheduler.num_preemptions > 0

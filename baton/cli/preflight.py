@@ -256,10 +256,11 @@ def default_prefill_kv_bytes(config, context: int, block_size: int | None, dtype
     (whole blocks of the model's block bytes, known without loading it), at least the floor. Not the
     workers' 1 GiB default, which is most of a prefill worker's private memory on a small model and
     too little for one full prompt on a long-context one."""
-    from baton.model.runtime import kv_block_bytes
+    from baton.model.runtime import kv_block_bytes, kv_groups
 
     block_size = block_size or int(_worker_defaults()["block_size"])  # type: ignore[arg-type]
-    blocks = -(-context // block_size)
+    # a prefill worker keeps a prompt's every block (they are handed off): one per table per position
+    blocks = -(-context // block_size) * kv_groups(config).num_tables
     prompt_bytes = blocks * kv_block_bytes(config, block_size, dtype, kv_cache_dtype)
     return max(PREFILL_KV_FLOOR_BYTES, PREFILL_KV_FULL_PROMPTS * prompt_bytes)
 

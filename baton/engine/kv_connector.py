@@ -96,7 +96,7 @@ class KVConnectorScheduler:
             return KVLoad(seq.seq_id, tuple(blocks))
         return KVLoad(seq.seq_id, tuple(blocks), state_key(seq.seq_id), tuple(seq.token_ids[:end]))
 
-    def build_save(self, seq: Sequence, num_tokens: int, read_block: Callable[[int], torch.Tensor],
+    def build_save(self, seq: Sequence, num_tokens: int, read_block: Callable[[tuple[int, ...]], torch.Tensor],
                    read_state: Callable[[str], dict[str, torch.Tensor]] | None = None) -> KVSave:
         """Encode the first `num_tokens` tokens' blocks of `seq`, except those the store held when
         the request arrived (`seq.remote_kv`, from a fresh probe): those only get their TTL
@@ -112,11 +112,11 @@ class KVConnectorScheduler:
                 refresh.append(hashes[index])
                 continue
             tokens = seq.token_ids[index * bs:(index + 1) * bs]
-            full.append((hashes[index], encode_block(tokens, read_block(seq.block_table[index]))))
+            full.append((hashes[index], encode_block(tokens, read_block(seq.block_ids(index)))))
         partial = None
         if num_tokens % bs:
             partial = (partial_key(seq.seq_id), encode_block(seq.token_ids[num_full * bs:num_tokens],
-                                                             read_block(seq.block_table[num_full])))
+                                                             read_block(seq.block_ids(num_full))))
         state = None
         if self.state_kind is not None and read_state is not None:
             state = (state_key(seq.seq_id),

@@ -77,3 +77,12 @@ class KVSave:
     def num_bytes(self) -> int:
         return (sum(len(v) for _, v in self.full) + (len(self.partial[1]) if self.partial else 0)
                 + (len(self.state[1]) if self.state else 0))
+
+
+class PrefixHits(list):
+    """A prefix-cache hit: the global table's blocks (the list itself) and, for a model with window
+    tables (`BlockManager.num_window_tables`), each index's window-table blocks in `window`."""
+
+    def __init__(self, blocks: list[int] | None = None, window: list[tuple[int, ...]] | None = None) -> None:
+        super().__init__(blocks or [])
+        self.window: list[tuple[int, ...]] = window or []

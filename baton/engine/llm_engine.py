@@ -22,7 +22,7 @@ from baton.common.context_length import model_context_length
 from baton.common.finish_reason import FinishReason
 from baton.engine.block_manager import BlockManager
 from baton.engine.logprobs import token_logprobs
-from baton.model.runtime import PromptRows, RowKind, RuntimeConfig, ThreadGate, load_runtime, return_freed_memory
+from baton.model.runtime import PromptRows, kv_groups, RowKind, RuntimeConfig, ThreadGate, load_runtime, return_freed_memory
 from baton.engine.block_pool import BlockPool
 from baton.engine.sampling import sample, suppress_early_stops
 from baton.engine.kv_connector import KVConnectorScheduler
@@ -108,13 +108,15 @@ class LLMEngine:
         max_model_len = (config.max_model_len or model_context_length(self.model_dir)
                          or self.model_config.max_position_embeddings)
         self.pool = BlockPool(num_blocks, config.block_size)
-        # an all-window model (Mistral) frees the blocks behind its window (baton.engine.window_blocks)
+        # an all-window model (Mistral) frees the blocks behind its window (baton.engine.window_blocks);
+        # one mixing window and global layers frees its window tables' (baton.model.kv_groups)
         prefix_caching = config.enable_prefix_caching
         self.state_cache = (StateCache(num_snapshots, config.block_size, self.model_config.model_id,
                                        self.runtime.read_state, self.runtime.write_state, self.runtime.has_state)
                             if num_snapshots else None)
         self.block_manager = BlockManager(self.pool, self.model_config.model_id, prefix_caching,
-                                          window=freeable_window(self.model_config), state_cache=self.state_cache)
+                                          window=freeable_window(self.model_config), state_cache=self.state_cache,
+                                          window_tables=kv_groups(self.model_config).num_window_tables)
         self.connector = (KVConnectorScheduler(config.block_size, self.model_config.model_id,
                                                self.runtime.state_kind if self.runtime.has_state_layers else None)
                           if config.kv_connector else None)
@@ -139,6 +141,11 @@ class LLMEngine:
                     f" ({config.kv_cache_dtype})" if self.kv_dtype != self.dtype else "",
                     self.kv_cache_bytes / 2**20, " with the draft's" if self.drafter is not None else "",
                     config.scheduler_policy)
+        groups = kv_groups(self.model_config)
+        if groups.grouped:
+            logger.info("KV blocks hold %d layers each: the global layers' table and %d tables of window layers, "
+                        "whose blocks behind the window (%d tokens) are freed as a request runs",
+                        groups.group_size, groups.num_window_tables, self.model_config.sliding_window)
 
     def _load_drafter(self, draft_dir: Path, device: torch.device) -> Drafter:
         """The draft model of a draft_model config (a directory: callers resolve names), in the
@@ -446,7 +453,7 @@ class LLMEngine:
                 continue
             first = seq.num_computed_tokens // self.block_size
             for offset, kv in enumerate(result.kv):
-                self.runtime.write_block(seq.block_table[first + offset], kv)
+                self.runtime.write_block(seq.block_ids(first + offset), kv)
             if result.state is not None:
                 self.runtime.write_state(result.request_id, result.state)
             self.scheduler.finish_kv_load(result.request_id, result.num_tokens)
@@ -454,10 +461,13 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         """A snapshot of the counts (take it between steps; it may be read during one)."""
         scheduler, pool = self.scheduler, self.pool
+        tables = 1 + self.block_manager.num_window_tables
         return EngineStats(
             num_requests_running=len(scheduler.running), num_requests_waiting=len(scheduler.waiting),
             num_requests_loading_kv=len(scheduler.loading), num_preemptions=scheduler.num_preemptions,
-            num_kv_blocks_total=pool.num_usable_blocks, num_kv_blocks_used=pool.num_used_blocks,
+            # in blocks of every layer (a model with window tables spends one block per table on a
+            # position: the gateway's tokens = blocks x block_size stay tokens of a full request)
+            num_kv_blocks_total=pool.num_usable_blocks // tables, num_kv_blocks_used=-(-pool.num_used_blocks // tables),
             kv_cache_usage=pool.usage(), block_size=pool.block_size, max_num_seqs=scheduler.config.max_num_seqs,
             policy=scheduler.config.policy,
             num_free_seqs=scheduler.config.max_num_seqs - scheduler.num_admitted - len(scheduler.waiting),

@@ -227,8 +227,8 @@ class Scheduler:
         pool = self.block_manager.pool
         if self.config.policy == "no-evict":
             # Reserve the request's whole future; running requests keep their reservations.
-            worst = self._max_blocks(seq) - len(seq.block_table) - len(computed)
-            worst += sum(1 for b in computed if pool.ref_counts[b] == 0)
+            worst = (self._max_blocks(seq) - len(seq.block_table) - len(computed)) * self._tables
+            worst += self.block_manager.num_revived(computed)
             return worst <= pool.num_free_blocks - self._reserved_blocks()
         return to_take <= pool.num_free_blocks - self._watermark()
 
@@ -243,7 +243,12 @@ class Scheduler:
 
     def _reserved_blocks(self) -> int:
         admitted = [*self.running, *self.loading.values()]
-        return sum(max(0, self._max_blocks(s) - len(s.block_table)) for s in admitted)
+        return sum(max(0, self._max_blocks(s) - len(s.block_table)) for s in admitted) * self._tables
+
+    @property
+    def _tables(self) -> int:
+        # blocks a position takes: one per table (a model with window tables: `KVGroups`)
+        return 1 + self.block_manager.num_window_tables
 
     def _pick_victim(self, growing: Sequence) -> Sequence:
         """The newest running request, skipping ones that have not advanced since their admission

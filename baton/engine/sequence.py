@@ -46,6 +46,9 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.block_table: list[int] = []
+        # a model with window layers in tables of their own (kv_groups.KVGroups): one table per
+        # group of window layers, as long as block_table (BlockManager keeps them in step)
+        self.window_tables: list[list[int]] = []
         self.num_computed_tokens = 0
         self.num_registered_blocks = 0  # leading full blocks already registered in the prefix cache
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at the last admission
@@ -111,6 +114,10 @@ class Sequence:
                                 self.sampling_params.cache_salt)
             hashes.append(parent)
         return hashes
+
+    def block_ids(self, index: int) -> tuple[int, ...]:
+        """The blocks holding position block `index`: the global table's, then each window table's."""
+        return (self.block_table[index], *(table[index] for table in self.window_tables))
 
     def __repr__(self) -> str:
         return (f"Sequence({self.seq_id!r}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, "

@@ -246,8 +246,4 @@ class Speculator:
         """After a verify row's accepted tokens are appended (and it did not finish): only the
         accepted tokens' KV counts; blocks past them are freed."""
         seq.num_computed_tokens = seq.num_tokens - 1
-        keep = blocks_for(seq.num_computed_tokens, self.block_manager.block_size)
-        extra = seq.block_table[keep:]
-        if extra:
-            self.block_manager.pool.free(list(reversed(extra)))
-            del seq.block_table[keep:]
+        self.block_manager.truncate(seq, blocks_for(seq.num_computed_tokens, self.block_manager.block_size))

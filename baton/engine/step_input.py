@@ -20,5 +20,5 @@ def build_step_batch(scheduled: list[tuple[Sequence, int]]) -> StepBatch:
         asks_prompt_logprobs = seq.sampling_params.prompt_logprobs is not None
         rows.append(step_row(seq.seq_id, seq.token_ids, start, num_new, seq.block_table, proposals=proposals_of(seq),
                              num_prompt_tokens=seq.num_prompt_tokens if asks_prompt_logprobs else None,
-                             pooled=pooled))
+                             pooled=pooled, window_tables=seq.window_tables))
     return StepBatch(tuple(rows))

@@ -6,10 +6,10 @@ and every later one further right, so key j is dead for good once j <= num_compu
 i.e. j < num_computed_tokens + 1 - window. A block is dead when its last position is: the leading
 `(num_computed_tokens + 1 - window) // block_size` blocks.
 
-That holds only when EVERY layer is a window layer (Mistral). One global layer (Gemma 2/3 alternate
-window and global layers, Qwen2 with max_window_layers) reads every position's KV, and the cache
-keeps all layers of a position in one block, so such models free nothing here; a hybrid allocator
-with separate block tables per layer kind (vLLM's) would be the next step.
+That holds for a block of window layers only. When EVERY layer is a window layer (Mistral) the
+request's one table is freed so; a model mixing window and global layers (Gemma 2/3, gpt-oss)
+keeps its window layers in tables of their own (baton.model.kv_groups), and those are freed so,
+while the global layers' table keeps every block.
 
 A freed block's entry in the request's block table becomes `NULL_BLOCK` (block 0, reserved by the
 pool, never handed out, never written, all zeros): positions keep their table index, and the decode
@@ -23,16 +23,19 @@ from __future__ import annotations
 
 from bisect import bisect_left
 
-from baton.model.runtime import ModelConfig
+from baton.model.runtime import ModelConfig, kv_groups
 from baton.engine.sequence import Sequence
 
 NULL_BLOCK = 0  # the pool's reserved block: a released entry of a block table
 
 
 def freeable_window(config: ModelConfig) -> int | None:
-    """The window if blocks behind it can be freed (every layer is a window layer), else None."""
+    """The window if blocks behind it can be freed (every layer is a window layer, or the window
+    layers have tables of their own), else None."""
     if config.sliding_window is None or len(config.layer_sliding) != config.num_layers:
         return None
+    if kv_groups(config).grouped:
+        return config.sliding_window
     if config.num_layers == 0 or not all(config.layer_sliding):
         return None  # a global layer reads every position: nothing is ever out of sight
     return config.sliding_window

@@ -25,12 +25,15 @@ installs it only where `ModelConfig.native_unsupported()` is empty, and records 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from baton.model.kv_groups import kv_groups
 from baton.model.attention import AttentionMetadata, PagedAttention, windowed
 from baton.model.triton_attention import to_triton, triton_available
 from baton.model.config import ModelConfig
@@ -465,6 +468,8 @@ class CausalLM(nn.Module):
         logits_indices: torch.Tensor,  # [S] tokens whose next-token logits are needed
         max_position: int,  # the largest value in positions (known to the caller without a sync)
         hidden_indices: torch.Tensor | None = None,  # [P] tokens whose final-norm hidden states are needed
+        # each window table's metadata (baton.model.kv_groups: then kv_cache is each layer's tensor)
+        window_metas: list[AttentionMetadata] | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # [S, vocab] fp32 (and [P, hidden] fp32)
         # hidden_indices (embeddings, baton.engine.pooling): the final norm's output of those rows
         # is returned too, as transformers' AutoModel's last_hidden_state; the LM head runs only
@@ -484,15 +489,18 @@ class CausalLM(nn.Module):
             x = x * (torch.tensor(scale, dtype=x.dtype) if config.embedding_multiplier_in_dtype else scale)
         # the window layers' metadata and the local rotary, once per step for all layers
         window_meta = (windowed(meta, config.sliding_window, chunked=config.chunked_window)  # type: ignore[arg-type]
-                       if self.has_window else meta)
+                       if self.has_window and not window_metas else meta)
+        # the meta of each layer: its table's (window tables: baton.model.kv_groups)
+        metas = ([window_meta if layer.self_attn.sliding else meta for layer in self.layers] if not window_metas
+                 else self._table_metas(meta, window_metas))
         local = self.rope(positions, max_position, local=True) if self.has_local_rope else (cos, sin)
         q_scale = self._query_scale(positions, x.dtype) if config.query_scale_beta else None
         temperature = self._attn_temperature(positions) if config.attn_temperature_scale else None
-        for layer, layer_cache in zip(self.layers, kv_cache):
+        for layer, layer_cache, layer_meta in zip(self.layers, kv_cache, metas):
             attn = layer.self_attn
             c, s = local if attn.local_rope else (cos, sin)
             layer_q_scale = temperature if temperature is not None and not attn.use_rope else q_scale
-            x = layer(x, c, s, layer_cache, window_meta if attn.sliding else meta, layer_q_scale)
+            x = layer(x, c, s, layer_cache, layer_meta, layer_q_scale)
         logits = self._head_rows(self.norm(x[logits_indices]))
         if config.logits_scaling != 1.0:
             logits = logits / config.logits_scaling
@@ -501,6 +509,18 @@ class CausalLM(nn.Module):
         if hidden_indices is None:
             return logits.float()
         return logits.float(), self.norm(x[hidden_indices]).float()
+
+    def _table_metas(self, meta: AttentionMetadata, window_metas: list[AttentionMetadata]) -> list[AttentionMetadata]:
+        # each layer's metadata where the window layers have tables of their own: the global
+        # table's for global layers, the windowed metadata of its table for a window layer
+        groups = kv_groups(self.config)
+        first = windowed(window_metas[0], self.config.sliding_window)  # type: ignore[arg-type]
+        # the masks depend on positions only: built once, shared by every window table's metadata
+        window = [first] + [replace(
+            m, decode_groups=[replace(g, mask=w.mask, bias=w.bias) for g, w in zip(m.decode_groups, first.decode_groups)],
+            prefills=[replace(p, mask=w.mask, block_ids=None if w.block_ids is None else p.block_ids)
+                      for p, w in zip(m.prefills, first.prefills)]) for m in window_metas[1:]]
+        return [window[t - 1] if t else meta for t in groups.table_of]
 
     def _attn_temperature(self, positions: torch.Tensor) -> torch.Tensor:
         # positions: [T] -> [T, 1, 1] fp32; transformers' Llama4TextAttention temperature tuning, op for op

@@ -6,13 +6,14 @@ requests."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from baton.model.config import ModelConfig
 from baton.model.attention import AttentionMetadata, DecodeGroup, PrefillSpan, group_by_context
 from baton.model import layer_cache
+from baton.model.kv_groups import kv_groups
 from baton.model.kv_quant import as_bytes, convert_rows, row_width
 from baton.model.gated_deltanet import StateMeta, StatePool
 from baton.model.short_conv import state_dims
@@ -68,7 +69,9 @@ def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype)
     if config.layer_head_dim:  # per-layer shapes (Gemma 4), packed without padding
         return layer_cache.bytes_per_block(config, block_size, dtype)
     row_bytes = row_width(config.head_dim, dtype) * dtype.itemsize
-    return len(config.attention_layers) * 2 * block_size * config.num_kv_heads * row_bytes
+    # a block holds one group of layers (all cached layers but where window layers have tables of
+    # their own: baton.model.kv_groups)
+    return kv_groups(config).group_size * 2 * block_size * config.num_kv_heads * row_bytes
 
 
 class ModelRunner:
@@ -83,14 +86,19 @@ class ModelRunner:
         self.dtype = param.dtype
         self.kv_dtype = kv_dtype or self.dtype  # int8 / fp8: quantized rows (baton.model.kv_quant)
         # [layers, k/v, kv_heads, slots, head_dim (+ 4 scale bytes when quantized)]; slot = block *
-        # block_size + offset (head-major: see baton.model.attention)
+        # block_size + offset (head-major: see baton.model.attention). With window tables
+        # (kv_groups) `layers` is the group size: each table's layer at position j reads tensor j.
+        self.groups = kv_groups(config)
         self.kv_cache = torch.zeros(
-            len(config.attention_layers), 2, config.num_kv_heads, num_blocks * block_size,
+            self.groups.group_size, 2, config.num_kv_heads, num_blocks * block_size,
             row_width(config.head_dim, self.kv_dtype), dtype=torch.uint8 if self.kv_dtype.itemsize == 1 else self.kv_dtype,
             device=self.device,
         ).view(self.kv_dtype) if not config.layer_head_dim else (
             # per-layer shapes (Gemma 4): one flat tensor, each cached layer packed (baton.model.layer_cache)
             layer_cache.allocate(config, num_blocks * block_size, self.kv_dtype, self.device))
+        # what the model's forward zips with its layers: each layer's tensor of the cache
+        self.layer_caches: torch.Tensor | list[torch.Tensor] = (
+            [self.kv_cache[j] for j in self.groups.position_of] if self.groups.grouped else self.kv_cache)
         # a hybrid's state layers: one slot per running request (the scheduler runs at most
         # max_num_seqs), assigned on first sight, released by the engine (`release_state`)
         self.state_pool: StatePool | None = None
@@ -233,10 +241,13 @@ class ModelRunner:
         # a hybrid's rows continue from their state slots (decode rows come first in the batch)
         state = ({"state": (self.state_pool, self._state_meta([r.row for r in rows], state_chunks))}
                  if self.state_pool is not None else {})
+        if self.groups.grouped:  # the window tables' own slots and blocks, the same masks
+            state["window_metas"] = [self._retarget(meta, rows, chunks, t)
+                                     for t in range(self.groups.num_window_tables)]
         out = self.model(
             torch.tensor(input_ids, dtype=torch.long, device=device),
             torch.tensor(positions, dtype=torch.long, device=device),
-            self.kv_cache,
+            self.layer_caches,
             meta,
             torch.tensor(logits_indices + verify_indices + prompt_indices, dtype=torch.long, device=device),
             max(positions),
@@ -246,6 +257,32 @@ class ModelRunner:
         logits, hidden = out if pool_rows else (out, None)
         return StepResult(sampled, logits, prompt_rows, pool_rows, hidden, [row.request_id for row in verify])
 
+    def _retarget(self, meta: AttentionMetadata, rows: list[_QueryRow], chunks: list[StepRow],
+                  table: int) -> AttentionMetadata:
+        """`meta` for window table `table` (0-based) of every row: its slots and blocks, the same
+        groups, spans and masks (the tables index positions alike)."""
+        bs, device = self.block_size, self.device
+        slots = [r.row.window_tables[table][r.position // bs] * bs + r.position % bs for r in rows]
+        for row in chunks:
+            slots.extend(self._slots(row.window_tables[table], row.start, row.end))
+        groups = []
+        for group in meta.decode_groups:
+            block_ids = []
+            for query in rows[group.start:group.start + group.count]:
+                ids = query.row.window_tables[table][:group.num_blocks]
+                block_ids.extend(ids)
+                block_ids.extend([0] * (group.num_blocks - len(ids)))
+            groups.append(replace(group, block_ids=torch.tensor(block_ids, dtype=torch.long, device=device)))
+        spans = []
+        for span, row in zip(meta.prefills, chunks):
+            ids = row.window_tables[table]
+            gather = (None if span.gather_slots is None else
+                      torch.tensor(self._slots(ids, 0, row.end), dtype=torch.long, device=device))
+            spans.append(replace(span, gather_slots=gather,
+                                 block_ids=torch.tensor(ids[:-(-row.end // bs)], dtype=torch.long, device=device)))
+        return replace(meta, slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+                       decode_groups=groups, prefills=spans)
+
     # --- moving blocks in and out (the disaggregated workers hand KV through the store) ---
 
     @property
@@ -254,20 +291,39 @@ class ModelRunner:
         takes it (a quantized cache's rows carry 4 scale bytes more: `kvstore.codec.logical_shape`)."""
         return [len(self.config.attention_layers), 2, self.block_size, self.config.num_kv_heads, self.config.head_dim]
 
-    def read_block(self, block: int) -> torch.Tensor:
+    def read_block(self, block: int | tuple[int, ...]) -> torch.Tensor:
         """A block's KV in the store's format: [layers, 2, block_size, kv_heads, head_dim (+ 4 when
-        quantized)] in the cache's dtype (a copy, on the CPU; the cache itself is head-major)."""
+        quantized)] in the cache's dtype (a copy, on the CPU; the cache itself is head-major).
+        `block`: its id, or with window tables (kv_groups) each table's id of the position block."""
+        if self.groups.grouped:
+            ids = self._table_ids(block)
+            rows = [as_bytes(self.kv_cache[j])[:, :, ids[t] * self.block_size:(ids[t] + 1) * self.block_size]
+                    for t, j in zip(self.groups.table_of, self.groups.position_of)]
+            return torch.stack(rows).transpose(2, 3).to("cpu", copy=True).contiguous().view(self.kv_dtype)
+        block = self._table_ids(block)[0]
         s = block * self.block_size
         if self.config.layer_head_dim:  # per-layer shapes (Gemma 4), packed: the uniform form out
             return layer_cache.read_block(self.kv_cache, self.config, s, self.block_size)
         rows = as_bytes(self.kv_cache)[:, :, :, s:s + self.block_size].transpose(2, 3)
         return rows.to("cpu", copy=True).contiguous().view(self.kv_dtype)
 
-    def write_block(self, block: int, data: torch.Tensor) -> None:
+    def write_block(self, block: int | tuple[int, ...], data: torch.Tensor) -> None:
         # data: [layers, 2, block_size, kv_heads, head_dim (+ 4)] in any cache format (converted)
+        if self.groups.grouped:
+            ids = self._table_ids(block)
+            rows = as_bytes(convert_rows(data.to(self.device), self.kv_dtype)).transpose(2, 3)
+            for layer, (t, j) in enumerate(zip(self.groups.table_of, self.groups.position_of)):
+                as_bytes(self.kv_cache[j])[:, :, ids[t] * self.block_size:(ids[t] + 1) * self.block_size] = rows[layer]
+            return
+        block = self._table_ids(block)[0]
         s = block * self.block_size
         if self.config.layer_head_dim:  # per-layer shapes (Gemma 4), packed
             layer_cache.write_block(self.kv_cache, self.config, s, self.block_size, data)
             return
         rows = convert_rows(data.to(self.device), self.kv_dtype)
         as_bytes(self.kv_cache)[:, :, :, s:s + self.block_size] = as_bytes(rows).transpose(2, 3)
+
+    def _table_ids(self, block: int | tuple[int, ...]) -> tuple[int, ...]:
+        ids = (block,) if isinstance(block, int) else tuple(block)
+        assert len(ids) == self.groups.num_tables, f"a position block has {self.groups.num_tables} table ids, got {ids}"
+        return ids

@@ -28,6 +28,7 @@ from baton.model.gated_deltanet import StatePool
 from baton.model.gguf_checkpoint import drop_all_touched_pages, release_readers
 from baton.model.gguf_weights import gguf_projection_targets
 from baton.model.greedy import greedy_pick
+from baton.model.kv_groups import KVGroups, kv_groups
 from baton.model.kv_quant import is_quantized, resolve_kv_cache_dtype
 from baton.model.loader import default_device, load_model_deferring, resolve_dtype
 from baton.model.model import CausalLM
@@ -42,9 +43,9 @@ from baton.model.short_conv import state_dims
 from baton.model.step_batch import RowKind, StepBatch, StepRow, step_row
 from baton.model.thread_gate import ThreadGate, no_gate_args
 
-__all__ = ["DraftRow", "ModelConfig", "ModelRuntime", "PoolRows", "PromptRows", "RowKind", "RuntimeConfig", "StepBatch",
+__all__ = ["DraftRow", "KVGroups", "ModelConfig", "ModelRuntime", "PoolRows", "PromptRows", "RowKind", "RuntimeConfig", "StepBatch",
            "StepResult", "StepRow", "step_row",
-           "ThreadGate", "default_device", "greedy_pick", "kv_block_bytes", "load_runtime", "no_gate_args",
+           "ThreadGate", "default_device", "greedy_pick", "kv_block_bytes", "kv_groups", "load_runtime", "no_gate_args",
            "return_freed_memory"]
 
 logger = logging.getLogger("baton.model.runtime")
@@ -179,10 +180,10 @@ class ModelRuntime:
     def block_shape(self) -> list[int]:
         return self.runner.block_shape
 
-    def read_block(self, block: int) -> torch.Tensor:
+    def read_block(self, block: int | tuple[int, ...]) -> torch.Tensor:
         return self.runner.read_block(block)
 
-    def write_block(self, block: int, data: torch.Tensor) -> None:
+    def write_block(self, block: int | tuple[int, ...], data: torch.Tensor) -> None:
         self.runner.write_block(block, data)
 
     def set_thread_gate(self, gate: ThreadGate | None) -> None:

@@ -30,6 +30,9 @@ class StepRow:
     sample: bool = False  # CHUNK: the prompt ends with it: its last position's logits are sampled
     prompt_logprob_rows: int = 0  # CHUNK: logits rows of positions start, start + 1, ... for prompt logprobs
     pooled: range | None = None  # CHUNK: positions whose final hidden states are returned (pooling)
+    # the window layers' tables, each as long as block_table (a model mixing window and global
+    # layers: baton.model.kv_groups); empty: every layer reads block_table
+    window_tables: tuple[Sequence[int], ...] = ()
 
     @property
     def end(self) -> int:
@@ -47,19 +50,22 @@ class StepBatch:
 
 def step_row(request_id: str, token_ids: Sequence[int], start: int, num_new: int, block_table: Sequence[int], *,
              proposals: Sequence[int] = (), num_prompt_tokens: int | None = None,
-             pooled: range | None = None) -> StepRow:
+             pooled: range | None = None, window_tables: Sequence[Sequence[int]] = ()) -> StepRow:
     """The row computing `num_new` tokens of a request whose tokens are `token_ids`, from position
     `start` (its computed tokens). `proposals`: draft tokens verified after its last token (then
     `num_new` is 1 + their count); `num_prompt_tokens`: set when the request asks for prompt logprobs
     (the rows scoring prompt tokens are returned); `pooled`: a pooling request's pooled positions of
-    this chunk (it is never sampled)."""
+    this chunk (it is never sampled); `window_tables`: its window layers' tables (kv_groups)."""
     end = start + num_new
+    tables = tuple(window_tables)
     if proposals:
         assert num_new == 1 + len(proposals) and end - len(proposals) == len(token_ids), "a verify row is a decode row"
-        return StepRow(request_id, RowKind.VERIFY, start, (token_ids[start], *proposals), block_table)
+        return StepRow(request_id, RowKind.VERIFY, start, (token_ids[start], *proposals), block_table,
+                       window_tables=tables)
     if pooled is None and num_new == 1 and end == len(token_ids):
-        return StepRow(request_id, RowKind.DECODE, start, (token_ids[start],), block_table)
+        return StepRow(request_id, RowKind.DECODE, start, (token_ids[start],), block_table, window_tables=tables)
     # the logits at position p score the prompt token at p + 1
     scored = max(0, min(end, num_prompt_tokens - 1) - start) if num_prompt_tokens is not None else 0
     return StepRow(request_id, RowKind.CHUNK, start, token_ids[start:end], block_table,
-                   sample=pooled is None and end == len(token_ids), prompt_logprob_rows=scored, pooled=pooled)
+                   sample=pooled is None and end == len(token_ids), prompt_logprob_rows=scored, pooled=pooled,
+                   window_tables=tables)
