@@ -65,6 +65,13 @@ def test_gemma2_alternation_is_two_tables_of_half_the_layers():
     assert groups.table_of == (1, 0, 1, 0, 1, 0) and groups.position_of == (0, 0, 1, 1, 2, 2)
 
 
+def test_llama4_chunked_layers_get_window_tables_and_gemma4_keeps_one(family_dir):
+    llama4 = ModelConfig.from_dir(family_dir("llama4_text"))  # rotary layers chunked, every 4th global (NoPE)
+    assert llama4.chunked_window and kv_groups(llama4).table_of == (1, 2, 3, 0)
+    # Gemma 4's global layers are wider than its window layers: no tensor fits both
+    assert not kv_groups(ModelConfig.from_dir(family_dir("gemma4_text"))).grouped
+
+
 @pytest.mark.parametrize("types, why", [
     (["sliding"] * 4, "an all-window model frees its one table in place"),
     (["full"] * 4, "no window"),

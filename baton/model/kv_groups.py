@@ -15,8 +15,11 @@ blocks of 26.
 
 Grouped only when it is sound and pays: some window and some global layers, no more global than
 window layers, every cached layer of one shape (Gemma 4's wider global layers keep one table), no
-state layers, no chunked attention (Llama 4: not freed yet). Every other model gets the one table,
-`g` = its cached layers (an all-window model frees behind its window in place: window_blocks).
+state layers. Llama 4's chunked layers are window layers here: a query sees keys of its own chunk
+only, never more than the last `sliding_window` positions, so the sliding rule's dead blocks are
+dead for them too (it frees a little later than the chunk rule could). Every other model gets the
+one table, `g` = its cached layers (an all-window model frees behind its window in place:
+window_blocks).
 """
 
 from __future__ import annotations
@@ -71,7 +74,7 @@ def _layout(num_cached: int, sliding: tuple[bool, ...]) -> KVGroups:
 def kv_groups(config: ModelConfig) -> KVGroups:
     """The layout of `config`'s cache (see the module docstring)."""
     cached = config.attention_layers
-    if (config.sliding_window is None or config.chunked_window or config.layer_head_dim
-            or config.has_state_layers or config.kv_lora_rank):
+    if (config.sliding_window is None or config.layer_head_dim or config.has_state_layers
+            or config.kv_lora_rank):
         return one_table(len(cached))
     return _layout(len(cached), tuple(config.is_sliding(i) for i in cached))

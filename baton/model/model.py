@@ -514,7 +514,8 @@ class CausalLM(nn.Module):
         # each layer's metadata where the window layers have tables of their own: the global
         # table's for global layers, the windowed metadata of its table for a window layer
         groups = kv_groups(self.config)
-        first = windowed(window_metas[0], self.config.sliding_window)  # type: ignore[arg-type]
+        first = windowed(window_metas[0], self.config.sliding_window,  # type: ignore[arg-type]
+                         chunked=self.config.chunked_window)
         # the masks depend on positions only: built once, shared by every window table's metadata
         window = [first] + [replace(
             m, decode_groups=[replace(g, mask=w.mask, bias=w.bias) for g, w in zip(m.decode_groups, first.decode_groups)],
