@@ -1,6 +1,8 @@
-"""`baton serve` on Qwen3, Gemma 3, Qwen3-MoE and DeepSeek V3 (MLA: latent KV blocks handed off as
-any family's): the whole system (gateway, a prefill and a decode
-worker, the KV handed off through Redis) gives transformers' greedy tokens.
+"""`baton serve` on Gemma 3 (its window layers in block tables of their own, freed behind the
+window), Qwen3-MoE, DeepSeek V3 (MLA: latent KV blocks handed off as any family's), Gemma 4 (the
+E-style text model: per-layer inputs, wider global layers with K = V, layers sharing another's KV)
+and gpt-oss (attention sinks, biased MoE, window tables): the whole system (gateway, a prefill and a
+decode worker, the KV handed off through Redis) gives transformers' greedy tokens.
 
 Each family's tiny random-init model is tests/test_families.py's (its transformers config class,
 seeded, a 24-token sliding window for Gemma 3), served in float32 as a user would start it; the
@@ -23,7 +25,7 @@ from tests.test_families import N, PROMPT_LENS, VOCAB, build_family, hf_greedy
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-SERVED = ("qwen3", "gemma3_text", "qwen3_moe", "deepseek_v3")
+SERVED = ("gemma3_text", "qwen3_moe", "deepseek_v3", "gemma4_text", "gpt_oss")
 
 
 @pytest.fixture(scope="module")

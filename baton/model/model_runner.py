@@ -20,6 +20,8 @@ from baton.model.short_conv import state_dims
 from baton.model.model import CausalLM
 from baton.model.step_batch import RowKind, StepBatch, StepRow
 
+NULL_BLOCK = 0  # the pool's reserved block (baton.engine.window_blocks): never read out or written
+
 
 @dataclass
 class PromptRows:
@@ -296,10 +298,9 @@ class ModelRunner:
         quantized)] in the cache's dtype (a copy, on the CPU; the cache itself is head-major).
         `block`: its id, or with window tables (kv_groups) each table's id of the position block."""
         if self.groups.grouped:
-            ids = self._table_ids(block)
-            rows = [as_bytes(self.kv_cache[j])[:, :, ids[t] * self.block_size:(ids[t] + 1) * self.block_size]
-                    for t, j in zip(self.groups.table_of, self.groups.position_of)]
-            return torch.stack(rows).transpose(2, 3).to("cpu", copy=True).contiguous().view(self.kv_dtype)
+            rows = self._grouped_rows(block)
+            return torch.stack([as_bytes(r) for r in rows]).transpose(2, 3).to("cpu", copy=True).contiguous(
+                ).view(self.kv_dtype)
         block = self._table_ids(block)[0]
         s = block * self.block_size
         if self.config.layer_head_dim:  # per-layer shapes (Gemma 4), packed: the uniform form out
@@ -310,10 +311,10 @@ class ModelRunner:
     def write_block(self, block: int | tuple[int, ...], data: torch.Tensor) -> None:
         # data: [layers, 2, block_size, kv_heads, head_dim (+ 4)] in any cache format (converted)
         if self.groups.grouped:
-            ids = self._table_ids(block)
+            targets = self._grouped_rows(block)
             rows = as_bytes(convert_rows(data.to(self.device), self.kv_dtype)).transpose(2, 3)
-            for layer, (t, j) in enumerate(zip(self.groups.table_of, self.groups.position_of)):
-                as_bytes(self.kv_cache[j])[:, :, ids[t] * self.block_size:(ids[t] + 1) * self.block_size] = rows[layer]
+            for layer, target in enumerate(targets):
+                as_bytes(target)[...] = rows[layer]
             return
         block = self._table_ids(block)[0]
         s = block * self.block_size
@@ -322,6 +323,13 @@ class ModelRunner:
             return
         rows = convert_rows(data.to(self.device), self.kv_dtype)
         as_bytes(self.kv_cache)[:, :, :, s:s + self.block_size] = as_bytes(rows).transpose(2, 3)
+
+    def _grouped_rows(self, block: int | tuple[int, ...]) -> list[torch.Tensor]:
+        # each cached layer's [2, kv_heads, block_size, row] slots of the position block whose
+        # table ids are `block` (a view into the cache)
+        ids, bs = self._table_ids(block), self.block_size
+        assert NULL_BLOCK not in ids, f"a released entry holds no KV: {ids}"
+        return [view[:, :, ids[t] * bs:(ids[t] + 1) * bs] for view, t in zip(self.layer_caches, self.groups.table_of)]
 
     def _table_ids(self, block: int | tuple[int, ...]) -> tuple[int, ...]:
         ids = (block,) if isinstance(block, int) else tuple(block)
