@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from baton.model.linear import QuantizedLinear
+
 from baton import LLM
 from tests.qwen35_gguf import write_qwen35_gguf
 from tests.test_families import (assert_bf16_near_ties_only, greedy, hf_greedy, prompts,  # noqa: F401 (a fixture)
@@ -68,10 +70,12 @@ def test_a_qwen35_gguf_gives_the_checkpoints_greedy_tokens(family, qwen35, promp
 
 
 def test_a_qwen35_gguf_is_served_from_its_own_blocks(qwen35, prompts, caplog, monkeypatch):  # noqa: F811
-    """Q8_0: the attention, MLP, head and the state layers' input projections are served as the file's
-    blocks (the value-head rows reordered as stored: a block never spans rows); out_proj, whose
-    columns the reorder moves, dequantized. Greedy bf16 tokens follow transformers' float32 over the
-    same (dequantized) weights but at near-ties."""
+    """Q8_0: every projection is served as the file's blocks: the attention, MLP, head and the state
+    layers' input projections with the value-head rows reordered as stored (a block never spans
+    rows); out_proj, whose columns the reorder moves, as stored, its input read in the reorder
+    (`QuantizedLinear.input_order`; it was dequantized to bf16, and ran 5x slower on a CPU without
+    bf16 instructions). Greedy bf16 tokens follow transformers' float32 over the same (dequantized)
+    weights but at near-ties."""
     from transformers import AutoModelForCausalLM
 
     from baton.model.gguf_checkpoint import GGUFCheckpoint, release_readers
@@ -83,7 +87,10 @@ def test_a_qwen35_gguf_is_served_from_its_own_blocks(qwen35, prompts, caplog, mo
         llm = LLM(model=str(files["q8_0"]), num_kv_blocks=128)
     served = next(r.getMessage() for r in caplog.records if "served in its own quantization" in r.getMessage())
     # 1 attention layer (qkv, o) + 4 MLPs (gate_up, down) + 3 state layers (qkv, z) + the head; 3 out_proj
-    assert served.endswith("17 Q8_0, 3 Q8_0 dequantized"), served
+    assert served.endswith("17 Q8_0, 3 Q8_0 (input reordered)"), served
+    out_proj = llm.engine.runtime.model.layers[0].linear_attn.out
+    assert isinstance(out_proj, QuantizedLinear) and out_proj.input_order is not None
+    assert not torch.equal(out_proj.input_order, torch.arange(out_proj.in_features))
     model_dir = resolve_model(str(files["q8_0"]))
     file_weights = GGUFCheckpoint(files["q8_0"], model_dir)
     hf = AutoModelForCausalLM.from_pretrained(files["hf"], dtype=torch.float32).eval()

@@ -74,6 +74,22 @@ class MappedGGUFTensors(Mapping[str, torch.Tensor]):
                 values = op.convert(values, source_patterns=["x"], target_patterns=["x"])
         return values["x"].reshape(rows).numpy()
 
+    def input_order(self, gguf_name: str) -> np.ndarray | None:
+        """Where a 2-D tensor's conversion only reorders its columns (out_proj: value heads tiled),
+        the order in which the converted weight's input is read to multiply the stored blocks
+        (`PermuteInputFeatures.input_permutation`); None otherwise."""
+        from transformers.integrations.gguf.gguf_conversion_mapping import PermuteInputFeatures
+
+        converter = self._converter_of.get(gguf_name)
+        if converter is None or not converter.operations or not all(
+                isinstance(op, PermuteInputFeatures) for op in converter.operations):
+            return None
+        columns = None  # the converted weight's columns as the stored ones: W[:, columns]
+        for op in converter.operations:
+            step = op.permutation.numpy()
+            columns = step if columns is None else columns[step]
+        return np.argsort(columns)
+
     def __getitem__(self, name: str) -> torch.Tensor:
         converter, sources = self._sources[name]
         if converter is None:

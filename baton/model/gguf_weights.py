@@ -142,15 +142,24 @@ class GGUFTensors:
         return n, k
 
     def servable(self, tensor: Any) -> bool:
-        """Whether the tensor's blocks, reordered by rows, are the weight (not where its conversion
-        changes values or columns: `MappedGGUFTensors.row_order`)."""
-        return self._mapped is None or self._mapped.row_order(tensor.name, self.shape(tensor)[0]) is not None
+        """Whether the tensor's blocks, reordered by rows or read with its input reordered, are the
+        weight (not where its conversion changes values: `MappedGGUFTensors.row_order`)."""
+        return (self._mapped is None or self._mapped.row_order(tensor.name, self.shape(tensor)[0]) is not None
+                or self.input_order(tensor) is not None)
+
+    def input_order(self, tensor: Any) -> np.ndarray | None:
+        """The order to read a projection's input in, where its conversion reorders the columns only
+        (Qwen3.5's out_proj): its blocks are served as stored (`QuantizedLinear.input_order`)."""
+        return None if self._mapped is None else self._mapped.input_order(tensor.name)
 
     def rows(self, tensor: Any) -> np.ndarray:
-        """[n, bytes per row] uint8 (or [n, k] floats for dense types), in transformers' row order."""
+        """[n, bytes per row] uint8 (or [n, k] floats for dense types), in transformers' row order
+        (as stored where the conversion reorders columns instead: `input_order`)."""
         n, _ = self.shape(tensor)
         data = np.asarray(tensor.data)
         data = data.reshape(n, -1)
+        if self._mapped is not None and self.input_order(tensor) is not None:
+            return data
         if self._mapped is not None:
             order = self._mapped.row_order(tensor.name, n)
             assert order is not None, f"{tensor.name}'s conversion is not a row order"
@@ -313,8 +322,11 @@ def _serve_mapped(model: nn.Module, slots: list[Slot], mapped: list[PackedSlot],
         if slot.packed is None:
             continue  # a dense projection: the model's own weight
         assert slot.scheme is not None
-        set_op(owner, name, QuantizedLinear.from_packed(slot.scheme, slot.packed, slot.out_features,
-                                                        slot.in_features, linear.bias, kernels))
+        op = QuantizedLinear.from_packed(slot.scheme, slot.packed, slot.out_features, slot.in_features,
+                                         linear.bias, kernels)
+        if slot.input_order is not None:
+            op.input_order = torch.tensor(slot.input_order, dtype=torch.long)
+        set_op(owner, name, op)
         model.drop_projection_weight(linear)
 
 
@@ -342,10 +354,14 @@ def _packs(model: nn.Module, gguf_path: Path, slots: list[Slot], kernels: Any,
             made.append(PackedSlot("dense"))
             yield made[-1], None
             continue
-        if not all(source.servable(t) for t in tensors):  # its conversion reorders columns: dequantized
+        if not all(source.servable(t) for t in tensors):  # its conversion changes values: dequantized
             made.append(PackedSlot("+".join(sorted(set(types))) + " dequantized"))
             yield made[-1], None
             continue
+        orders = [source.input_order(t) for t in tensors]
+        order = orders[0] if len(tensors) == 1 else None
+        if any(o is not None for o in orders) and order is None:
+            raise ValueError(f"the GGUF's {where}: parts whose columns are reordered cannot be joined")
         if all(t == "Q8_0" for t in types):
             unpacked = [unpack_q8_0(source.rows(t), *source.shape(t)) for t in tensors]
             scheme, parts = "q8_0", tuple(torch.cat(ps) for ps in zip(*unpacked))
@@ -362,12 +378,17 @@ def _packs(model: nn.Module, gguf_path: Path, slots: list[Slot], kernels: Any,
                              f"{tuple(linear.weight.shape)}")
         target = names[id(linear)] + ".weight"
         loaded = unread.read(target) if linear.weight.is_meta and unread is not None else linear.weight
-        _check(parts, scheme, loaded, where)
+        # blocks with their columns as stored: the loaded weight's columns read in the input's order
+        _check(parts, scheme, loaded if order is None else loaded[:, torch.from_numpy(order)], where)
         del loaded
         op = QuantizedLinear(scheme, parts, linear.bias, kernels)
+        if order is not None:
+            op.input_order = torch.from_numpy(order).long()
         del parts
         drop_touched_pages(source.reader)
-        made.append(PackedSlot("+".join(sorted(set(types))), scheme, op.out_features, op.in_features, op.packed))
+        made.append(PackedSlot("+".join(sorted(set(types))) + (" (input reordered)" if order is not None else ""),
+                               scheme, op.out_features, op.in_features, op.packed,
+                               None if order is None else order.tolist()))
         yield made[-1], op
         # counted, not held: the consumer keeps what it needs (a streamed pack is freed once written)
         made[-1] = dataclasses.replace(made[-1], packed=None)

@@ -336,6 +336,11 @@ class QuantizedLinear:
 
     SCHEMES = ("q8_0", "q4")
 
+    # [K] int64 or None: the blocks' columns are the weight's in this order, so the input is read in
+    # it (x[..., input_order]): a GGUF whose conversion reorders a weight's columns (Qwen3.5's
+    # out_proj: value heads tiled) keeps its blocks as stored (`gguf_weights`)
+    input_order: torch.Tensor | None = None
+
     def __init__(self, scheme: str, parts: tuple[torch.Tensor, ...], bias: torch.Tensor | None, kernels: Any) -> None:
         if scheme not in self.SCHEMES:
             raise ValueError(f"unknown quantization scheme {scheme!r}")
@@ -421,12 +426,15 @@ class QuantizedLinear:
         return w.reshape(t, self.in_features).to(dtype)
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The weight [N, K] these bytes stand for (from the parts: only without the native pack)."""
+        """The blocks [N, K] dequantized, in their stored column order (from the parts: only without
+        the native pack); the weight is `[:, argsort(input_order)]` of it where an order is set."""
         if self.scheme == "q8_0":
             return dequantize_q8_0(*self.parts, dtype=dtype)
         return dequantize_q4(*self.parts, dtype=dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.input_order is not None:
+            x = x.index_select(-1, self.input_order)
         if self._kernels is not None:
             return self._kernels.qgemv(x, self.packed, self.bias, self.out_features, x.dtype == torch.float32)
         bias = None if self.bias is None else self.bias.to(x.dtype)

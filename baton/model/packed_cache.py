@@ -36,7 +36,7 @@ import torch
 
 logger = logging.getLogger("baton.model.packed_cache")
 
-LAYOUT_VERSION = 1  # of q8_pack's [NS, K/32, 1280] and q4_pack's [NS, K/32, 640] byte streams
+LAYOUT_VERSION = 2  # of q8_pack's [NS, K/32, 1280] and q4_pack's [NS, K/32, 640] byte streams
 ALIGN = 4096  # each pack starts on a page: the kernels stream it from its first byte
 ENV = "BATON_PACKED_CACHE"
 
@@ -50,6 +50,7 @@ class PackedSlot:
     out_features: int = 0
     in_features: int = 0
     packed: torch.Tensor | None = None  # uint8 [NS, K/32, bytes]
+    input_order: list[int] | None = None  # QuantizedLinear.input_order: the input's order (None: as is)
 
 
 def packed_dir() -> Path:
@@ -111,8 +112,10 @@ class SharedPacks:
                 if entry.get("scheme") is not None:
                     start, shape = int(entry["offset"]), tuple(int(s) for s in entry["shape"])
                     packed = mapped[start:start + int(np.prod(shape))].view(*shape)
+                order = entry.get("input_order")
                 slots.append(PackedSlot(entry["label"], entry.get("scheme"), int(entry.get("out_features", 0)),
-                                        int(entry.get("in_features", 0)), packed))
+                                        int(entry.get("in_features", 0)), packed,
+                                        None if order is None else [int(i) for i in order]))
             return slots
         except (OSError, ValueError, KeyError, TypeError) as exc:
             if not isinstance(exc, FileNotFoundError):
@@ -135,7 +138,8 @@ class SharedPacks:
                         out.seek(offset)
                         out.write(memoryview(slot.packed.contiguous().numpy()).cast("B"))
                         entry.update(offset=offset, shape=list(slot.packed.shape),
-                                     out_features=slot.out_features, in_features=slot.in_features)
+                                     out_features=slot.out_features, in_features=slot.in_features,
+                                     input_order=slot.input_order)
                         offset += slot.packed.numel()
                     entries.append(entry)
                 out.truncate(offset)
