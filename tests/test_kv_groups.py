@@ -206,3 +206,19 @@ def test_a_block_read_out_and_written_back_lands_in_every_tables_block(family_di
         rows = runner.kv_cache[j][:, :, ids[t] * BS:(ids[t] + 1) * BS].transpose(1, 2)
         assert torch.equal(rows, data[layer])
     assert int(torch.count_nonzero(runner.kv_cache)) == data.numel()
+
+
+def test_a_gemma3_target_drafted_by_itself_is_exact_and_accepted(family_dir):
+    """The draft's cache is indexed by the target's global table (its rows carry no window tables),
+    so a draft with window layers keeps every layer in that one table; the target frees its window
+    tables and rolls every table back after each verify."""
+    from tests.test_spec_draft import acceptance, draft_llm
+
+    model_dir = family_dir("gemma3_text")
+    prompt = [(i * 53) % (VOCAB - 3) + 3 for i in range(30)]
+    expected = hf_greedy(model_dir, prompt, 40)
+    llm = draft_llm(model_dir, model_dir, block_size=BS, num_kv_blocks=120)
+    assert not llm.engine.drafter.runtime.runner.groups.grouped and llm.engine.runtime.runner.groups.grouped
+    assert llm.generate([prompt], greedy(40))[0].outputs[0].token_ids == expected
+    assert acceptance(llm) > 0.9 and llm.engine.block_manager.num_released_blocks > 0
+    assert llm.engine.pool.num_free_blocks == llm.engine.pool.num_usable_blocks

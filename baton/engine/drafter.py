@@ -45,11 +45,12 @@ class Drafter:
     @property
     def block_bytes(self) -> int:
         """Bytes of one block of the draft's KV cache (it holds one per target block)."""
-        return self.runtime.block_bytes(self.block_size)
+        return self.runtime.block_bytes(self.block_size, one_table=True)
 
     def allocate(self, num_blocks: int) -> None:
         """Make the draft's KV cache: `num_blocks`, the target's count (it is indexed by its ids)."""
-        self.runtime.allocate(num_blocks, self.block_size)
+        # one table (window layers too): its rows carry the target's global table only
+        self.runtime.allocate(num_blocks, self.block_size, one_table=True)
 
     def run(self, job: DraftJob) -> None:
         """Set the proposals of `job.proposing`'s rows (their slots for positions up to

@@ -13,7 +13,7 @@ import torch
 from baton.model.config import ModelConfig
 from baton.model.attention import AttentionMetadata, DecodeGroup, PrefillSpan, group_by_context
 from baton.model import layer_cache
-from baton.model.kv_groups import kv_groups
+from baton.model.kv_groups import kv_groups, one_table as one_table_of
 from baton.model.kv_quant import as_bytes, convert_rows, row_width
 from baton.model.gated_deltanet import StateMeta, StatePool
 from baton.model.short_conv import state_dims
@@ -65,20 +65,22 @@ class StepResult:
     verified: list[str] = field(default_factory=list)
 
 
-def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one block of the KV cache in `dtype` (a quantized format: codes and scales)."""
+def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype, one_table: bool = False) -> int:
+    """Bytes of one block of the KV cache in `dtype` (a quantized format: codes and scales);
+    `one_table`: every cached layer in one table, whatever `kv_groups` says (a draft model's cache)."""
     # only attention layers keep KV per token (a hybrid's state layers keep a slot per request: `StatePool`)
     if config.layer_head_dim:  # per-layer shapes (Gemma 4), packed without padding
         return layer_cache.bytes_per_block(config, block_size, dtype)
     row_bytes = row_width(config.head_dim, dtype) * dtype.itemsize
     # a block holds one group of layers (all cached layers but where window layers have tables of
     # their own: baton.model.kv_groups)
-    return kv_groups(config).group_size * 2 * block_size * config.num_kv_heads * row_bytes
+    layers = len(config.attention_layers) if one_table else kv_groups(config).group_size
+    return layers * 2 * block_size * config.num_kv_heads * row_bytes
 
 
 class ModelRunner:
     def __init__(self, model: CausalLM, config: ModelConfig, num_blocks: int, block_size: int,
-                 kv_dtype: torch.dtype | None = None, max_num_seqs: int = 0) -> None:
+                 kv_dtype: torch.dtype | None = None, max_num_seqs: int = 0, one_table: bool = False) -> None:
         self.model = model
         self.config = config
         self.block_size = block_size
@@ -90,7 +92,8 @@ class ModelRunner:
         # [layers, k/v, kv_heads, slots, head_dim (+ 4 scale bytes when quantized)]; slot = block *
         # block_size + offset (head-major: see baton.model.attention). With window tables
         # (kv_groups) `layers` is the group size: each table's layer at position j reads tensor j.
-        self.groups = kv_groups(config)
+        # one_table: a draft model's cache, indexed by the target's global table whatever its layers
+        self.groups = one_table_of(len(config.attention_layers)) if one_table else kv_groups(config)
         self.kv_cache = torch.zeros(
             self.groups.group_size, 2, config.num_kv_heads, num_blocks * block_size,
             row_width(config.head_dim, self.kv_dtype), dtype=torch.uint8 if self.kv_dtype.itemsize == 1 else self.kv_dtype,

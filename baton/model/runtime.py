@@ -113,15 +113,19 @@ class ModelRuntime:
         self.description = description
         self._runner: ModelRunner | None = None
 
-    def block_bytes(self, block_size: int) -> int:
-        """Bytes of one KV block (every layer's K and V for `block_size` tokens, in the cache's format)."""
-        return kv_bytes_per_block(self.config, block_size, self.kv_dtype)
+    def block_bytes(self, block_size: int, one_table: bool = False) -> int:
+        """Bytes of one KV block (a group of layers' K and V for `block_size` tokens, in the cache's
+        format: baton.model.kv_groups); `one_table`: of every layer (a draft's cache)."""
+        return kv_bytes_per_block(self.config, block_size, self.kv_dtype, one_table)
 
-    def allocate(self, num_blocks: int, block_size: int, max_num_seqs: int = 1) -> None:
+    def allocate(self, num_blocks: int, block_size: int, max_num_seqs: int = 1, one_table: bool = False) -> None:
         """Make the paged KV cache: `num_blocks` of `block_size` tokens (block 0 is reserved above),
-        and a hybrid's state pool: a slot for each of `max_num_seqs` running requests."""
+        and a hybrid's state pool: a slot for each of `max_num_seqs` running requests. `one_table`:
+        every layer in one block table, window layers too (a draft model's cache is indexed by the
+        target's global table: its rows carry no window tables)."""
         assert self._runner is None, "the KV cache is allocated once"
-        self._runner = ModelRunner(self.model, self.config, num_blocks, block_size, self.kv_dtype, max_num_seqs)
+        self._runner = ModelRunner(self.model, self.config, num_blocks, block_size, self.kv_dtype, max_num_seqs,
+                                   one_table)
 
     @property
     def has_state_layers(self) -> bool:
