@@ -19,12 +19,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -32,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.bench_serving import free_port, start_server, stop_server, warm_up  # noqa: E402
+from benchmarks.bench_serving import free_port, start_llama_server, start_server, stop_server, warm_up  # noqa: E402
 
 WORDS = ("river stone market winter garden letter orange window silver morning engine harbor paper "
          "valley signal forest copper lantern bridge meadow thunder ribbon canvas pocket marble").split()
@@ -40,24 +37,6 @@ WORDS = ("river stone market winter garden letter orange window silver morning e
 
 def text_of(n_words: int, rng: random.Random) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n_words))
-
-
-def start_llama(binary: Path, gguf: Path, port: int, context: int) -> subprocess.Popen:
-    log = open(tempfile.mktemp(prefix="llama-server-", suffix=".log"), "w")
-    proc = subprocess.Popen([str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
-                             "-t", str(os.cpu_count() or 1), "-np", "1", "-c", str(context)],
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"llama-server exited with {proc.returncode}; see {log.name}")
-        try:
-            if urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).status == 200:
-                return proc
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"llama-server did not become ready; see {log.name}")
 
 
 def turn(port: int, prompt: str, answer_tokens: int) -> tuple[float, str, int | None]:
@@ -117,7 +96,7 @@ def main() -> int:
     servers: list[tuple[str, object]] = [("baton", lambda port: start_server(
         ROOT, port, ["--model", str(args.gguf), *args.serve_args.split()]))]
     if args.llama_server is not None:
-        servers.append(("llama-server", lambda port: start_llama(args.llama_server, args.gguf, port, 16384)))
+        servers.append(("llama-server", lambda port: start_llama_server(args.llama_server, args.gguf, port, 1, 16384)))
     table = {}
     for tag, start in servers:
         port = free_port()

@@ -71,10 +71,11 @@ def start_server(tree: Path, port: int, extra: list[str]) -> subprocess.Popen:
     raise TimeoutError(f"baton serve in {tree} did not become ready; see {log.name}")
 
 
-def start_llama_server(binary: Path, gguf: Path, port: int, slots: int) -> subprocess.Popen:
+def start_llama_server(binary: Path, gguf: Path, port: int, slots: int, context: int | None = None) -> subprocess.Popen:
+    """llama-server with `slots` slots and `context` tokens in all (default: 512 per slot)."""
     log = open(tempfile.mktemp(prefix="llama-server-", suffix=".log"), "w")
     proc = subprocess.Popen([str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
-                             "-t", str(os.cpu_count() or 1), "-np", str(slots), "-c", str(512 * slots)],
+                             "-t", str(os.cpu_count() or 1), "-np", str(slots), "-c", str(context or 512 * slots)],
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
