@@ -2,7 +2,7 @@
 
 The layout (which table and which cache tensor each layer gets), the block manager's exact block ids
 (a position block takes one block per table; the window tables' entries behind the window are freed,
-the global table's never; a prefix hit needs every table's block; a rollback cuts every table), and a
+the global table's never; a prefix hit needs the window tables' blocks its first query sees; a rollback cuts every table), and a
 tiny random-init Gemma 3 (window 24, tests/test_families.py's) through `LLM.generate`: transformers'
 greedy tokens while a long generation fits a pool that could not hold it with one table, a repeated
 prompt hitting every table's blocks, and a block read out and written back in the store's form.
@@ -153,6 +153,32 @@ def test_a_prefix_hit_takes_every_tables_block_and_stops_where_a_window_block_wa
     assert list(bm.get_computed_blocks(seq_of("d", 25))) == [1]
 
 
+def test_a_follow_up_hits_past_window_blocks_its_first_turn_lost_and_a_handoff_needs_them_all():
+    pool, bm = make(num_blocks=60)
+    first = seq_of("a", 41)  # 6 position blocks; the query at 41 sees keys 18.., so blocks 0-1 are dead
+    assert run_chunk(bm, first, 41) == [7, 8, 13, 14]
+    bm.free(first)
+    # another request takes the free list's head, the released window blocks among it: their hashes go
+    taken = pool.allocate(45)
+    assert taken is not None and {7, 8, 13, 14} <= set(taken)
+    pool.free(taken)
+    # the follow-up's first query (at 40) sees position blocks 2.. only: the hit needs no more
+    again = seq_of("b", 41)
+    hits = bm.get_computed_blocks(again)
+    assert list(hits) == [1, 2, 3, 4, 5]
+    assert hits.window == [(0, 0), (0, 0), (9, 15), (10, 16), (11, 17)]
+    assert bm.num_revived(hits) == 11 and bm.num_blocks_to_take(again, 1, hits) == 14
+    assert run_chunk(bm, again, 1, hits) == []  # (the null entries hold no reference)
+    assert again.num_computed_tokens == 41 and again.block_table[:5] == [1, 2, 3, 4, 5]
+    assert [table[:5] for table in again.window_tables] == [[0, 0, 9, 10, 11], [0, 0, 15, 16, 17]]
+    bm.free(again)
+    assert pool.num_free_blocks == pool.num_usable_blocks
+    # a prefill worker's request hands every layer of every prompt block over: no hit without them
+    prefill = Sequence("p", [100 + i for i in range(41)], SamplingParams(max_tokens=1), remote_decode=True)
+    assert list(bm.get_computed_blocks(prefill)) == []
+    pool.check_invariants()
+
+
 def test_a_rollback_cuts_every_table():
     pool, bm = make()
     seq = seq_of("a", 8)
@@ -184,8 +210,13 @@ def test_gemma3_long_generation_fits_a_pool_one_table_could_not_hold(family_dir)
     out = llm.generate([prompt], greedy(60))[0]
     assert out.outputs[0].token_ids == expected
     assert llm.engine.scheduler.num_preemptions == 0 and llm.engine.block_manager.num_released_blocks > 0
-    # a pool this tight reallocates the window blocks freed early: the prompt's cache entries are
-    # gone; in a roomy one, the same prompt again hits every table's blocks of its full position blocks
+    # a follow-up turn in this tight pool: the first turn's early window blocks were reallocated, yet
+    # it resumes from its 10th position block, whose query sees only the window tables' blocks 7-9
+    follow = (prompt + expected)[:80] + [5, 9, 14, 20, 27]
+    again = llm.generate([follow], greedy(4))[0]
+    assert again.outputs[0].token_ids == hf_greedy(model_dir, follow, 4) and again.num_cached_tokens == 80
+    # (the prompt's own first blocks are gone from this pool's cache); in a roomy one, the same
+    # prompt again hits every table's blocks of its full position blocks
     llm = LLM(model=str(model_dir), dtype="float32", block_size=BS, num_kv_blocks=200, max_num_batched_tokens=16)
     assert llm.generate([prompt], greedy(60))[0].outputs[0].token_ids == expected
     assert llm.engine.block_manager.num_released_blocks > 0

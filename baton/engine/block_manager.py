@@ -6,7 +6,8 @@ baton.engine.window_blocks) the blocks behind it are freed while the request run
 (`release_out_of_window`): their table entries become the null block 0. A model mixing window and
 global layers (Gemma 2/3, gpt-oss: `KVGroups`) keeps a table for its global layers
 (`seq.block_table`) and `window_tables` more for its window layers, all of one length, each entry a
-block of the one pool; behind the window only the window tables' entries are freed. A hybrid's prefix hit
+block of the one pool; behind the window only the window tables' entries are freed (and a prefix hit
+needs their blocks only where its first query sees them). A hybrid's prefix hit
 goes only as far as a state snapshot reaches (baton.engine.state_cache), and its prefill chunks end
 at the last full block boundary so that a snapshot exists there (`chunk_size`).
 """
@@ -42,33 +43,53 @@ class BlockManager:
     def get_computed_blocks(self, seq: Sequence) -> list[int]:
         """Local blocks already holding a prefix of the request's tokens (prefix cache hits): the
         global table's, and with window tables a `PrefixHits` whose `window` has each index's
-        window-table blocks (a hit needs every table's block: those behind the window too).
+        window-table blocks. A hit of n position blocks needs the window tables' blocks only where
+        the request's first query (at n * block_size) still sees them (vLLM's rule for sliding
+        windows): those behind the window are null entries, as if released, so a chat's follow-up
+        resumes after its first turn's window blocks were freed and reused. A prefill worker's
+        request (its handoff carries every layer of every prompt block) needs them all.
 
         At least one token is always left to compute: the step needs it to produce logits.
         """
         if not self.enable_prefix_caching or seq.block_table or seq.sampling_params.prompt_logprobs is not None:
             # (prompt logprobs need the logits of every prompt position: nothing may be skipped)
             return []
-        hits = PrefixHits()
         bs = self.block_size
-        for index, block_hash in enumerate(seq.block_hashes(bs, self.model_id)):
+        hashes = seq.block_hashes(bs, self.model_id)
+        blocks: list[int] = []
+        siblings: list[tuple[int | None, ...]] = []
+        for index, block_hash in enumerate(hashes):
             tokens = seq.token_ids[index * bs:(index + 1) * bs]
             block = self.pool.lookup(block_hash, tokens)
-            siblings = tuple(self.pool.lookup(window_hash(block_hash, t), tokens)
-                             for t in range(1, self.num_window_tables + 1))
-            if block is None or None in siblings:
+            if block is None:
                 break
-            hits.append(block)
-            if siblings:
-                hits.window.append(siblings)  # type: ignore[arg-type]
-        if hits and len(hits) * bs >= seq.num_tokens:
-            hits.pop()
-        if self.state_cache is not None:
-            hashes = seq.block_hashes(bs, self.model_id)
-            while hits and not self.state_cache.has(hashes[len(hits) - 1]):
-                hits.pop()
-        del hits.window[len(hits):]
+            blocks.append(block)
+            siblings.append(tuple(self.pool.lookup(window_hash(block_hash, t), tokens)
+                                  for t in range(1, self.num_window_tables + 1)))
+        n = len(blocks) - (1 if blocks and len(blocks) * bs >= seq.num_tokens else 0)
+        while n and not self._hit_may_end_at(seq, n, siblings, hashes):
+            n -= 1
+        hits = PrefixHits(blocks[:n])
+        if self.num_window_tables:
+            seen = self._first_window_block_seen(seq, n)
+            hits.window = [tuple(NULL_BLOCK for _ in row) if index < seen else row  # type: ignore[misc]
+                           for index, row in enumerate(siblings[:n])]
         return hits
+
+    def _first_window_block_seen(self, seq: Sequence, num_blocks: int) -> int:
+        """The first position block whose window-table blocks a hit of `num_blocks` must bring."""
+        if self.window is None or not may_release(seq):
+            return 0
+        return num_dead_blocks(num_blocks * self.block_size, self.window, self.block_size)
+
+    def _hit_may_end_at(self, seq: Sequence, num_blocks: int, siblings: list[tuple[int | None, ...]],
+                        hashes: list[str]) -> bool:
+        """Whether a hit of the leading `num_blocks` (all in the global table) resumes the request:
+        the window tables' blocks it needs are there, and a hybrid's state snapshot ends there."""
+        seen = self._first_window_block_seen(seq, num_blocks)
+        if any(None in row for row in siblings[seen:num_blocks]):
+            return False
+        return self.state_cache is None or self.state_cache.has(hashes[num_blocks - 1])
 
     def chunk_size(self, seq: Sequence, num_new: int) -> int:
         """Tokens to compute for `seq` this step out of `num_new` allowed: a hybrid's prefill chunk
@@ -87,7 +108,7 @@ class BlockManager:
     def num_revived(self, computed_blocks: list[int]) -> int:
         """Blocks of these hits that sit on the free list (a hit takes them off it)."""
         ids = list(computed_blocks) + [b for tables in getattr(computed_blocks, "window", ()) for b in tables]
-        return sum(1 for b in ids if self.pool.ref_counts[b] == 0)
+        return sum(1 for b in ids if b != NULL_BLOCK and self.pool.ref_counts[b] == 0)
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int,
                        computed_blocks: list[int] | None = None) -> list[int] | None:
@@ -108,7 +129,8 @@ class BlockManager:
             self.pool.touch(block)
         for siblings in window_hits:
             for table, block in zip(seq.window_tables, siblings):
-                self.pool.touch(block)
+                if block != NULL_BLOCK:  # (behind the window: a released entry, no reference)
+                    self.pool.touch(block)
                 table.append(block)
         if computed_blocks:
             seq.block_table.extend(computed_blocks)
