@@ -19,7 +19,8 @@ the tokenizer): bench_shared_weights.py's fixed cost of a worker.
     python benchmarks/bench_shared_weights.py --model /tmp/llama-1b-shapes.Q8_0.gguf --workers 4
 
 `--family qwen3_5`: Qwen3.5-0.8B's shapes (the hybrid: Gated DeltaNet and attention), bf16; llama.cpp's
-converter makes its GGUF (`convert_hf_to_gguf.py DIR --outtype q8_0 --no-mtp`).
+converter makes its GGUF (`convert_hf_to_gguf.py DIR --outtype q8_0 --no-mtp`). `--family gemma3`:
+Gemma-3-1B's shapes (window and global layers: the KV cache groups), bf16.
 """
 
 from __future__ import annotations
@@ -123,6 +124,29 @@ def write_qwen3_5(out: Path, seed: int) -> int:
     return 0
 
 
+def write_gemma3(out: Path, seed: int) -> int:
+    """Gemma-3-1B's text shapes (hidden 1152, 26 layers, MLP 6912, 4 heads of 256, 1 KV head, a global
+    layer every 6th and 512-token windows on the rest: the cache groups' model), tied embeddings, with
+    the default model's tokenizer (49152 ids, not Gemma's 262k), bf16."""
+    import torch
+    from transformers import AutoTokenizer, Gemma3ForCausalLM, Gemma3TextConfig
+
+    from baton.common.model_files import resolve_model
+
+    config = Gemma3TextConfig(
+        vocab_size=49152, hidden_size=1152, intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=256, sliding_window=512, max_position_embeddings=32768,
+        rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=True,
+        query_pre_attn_scalar=256)
+    torch.manual_seed(seed)
+    model = Gemma3ForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(resolve_model(None)).save_pretrained(out)
+    params = sum(p.numel() for p in model.parameters())
+    print(f"{out}: {params / 1e6:.1f}M parameters, {2 * params / 1e6:.1f} MB in bf16")
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path, help="directory to write the checkpoint to (with --gguf: the .gguf file)")
@@ -132,13 +156,16 @@ def main() -> int:
                              "what the engine holds besides the weights (kernels, tokenizer, KV pool)")
     parser.add_argument("--gguf", choices=["q8_0"], default=None,
                         help="write a GGUF of Q8_0 blocks (random quants) instead of a bf16 checkpoint")
-    parser.add_argument("--family", choices=["llama", "qwen3_5"], default="llama",
+    parser.add_argument("--family", choices=["llama", "qwen3_5", "gemma3"], default="llama",
                         help="qwen3_5: a Qwen3.5-0.8B-shaped hybrid (24 layers of hidden 1024, Gated DeltaNet "
                              "with an attention layer every 4th, the default model's 49152-token vocabulary), bf16; "
-                             "its GGUF from llama.cpp's convert_hf_to_gguf.py")
+                             "its GGUF from llama.cpp's convert_hf_to_gguf.py; gemma3: Gemma-3-1B's shapes "
+                             "(sliding-window and global layers), bf16")
     args = parser.parse_args()
     if args.family == "qwen3_5":
         return write_qwen3_5(args.out, args.seed)
+    if args.family == "gemma3":
+        return write_gemma3(args.out, args.seed)
 
     if args.gguf:
         params = write_q8_0_gguf(args.out, args.tiny, args.seed)
