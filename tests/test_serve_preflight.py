@@ -118,23 +118,15 @@ def test_the_memory_estimate_warns_only_past_what_is_available():
 
 
 def test_weights_the_workers_map_once_are_counted_once(monkeypatch):
-    """A GGUF's blocks, bf16 packs, float32 weights and embeddings are one copy per machine (the page
-    cache's): 4 workers of a 1 GiB file need 1 GiB of weights, not 4; what int8 quantizes at load is
-    each worker's own (its embedding is shared); BATON_PACKED_CACHE=off shares nothing."""
-    from types import SimpleNamespace
-
+    """A GGUF's blocks, bf16 packs, float32 weights, embeddings, experts and int8/int4 packs are one
+    copy per machine (the page cache's): 4 workers of a 1 GiB model need 1 GiB of weights, not 4;
+    BATON_PACKED_CACHE=off shares nothing."""
     from baton.cli.preflight import shared_weight_bytes
 
-    config = SimpleNamespace(vocab_size=1024, hidden_size=512)  # a 1 MiB bf16 embedding
     embedding = 1024 * 512 * 2
-    # a GGUF's blocks (or its weights dequantized), bf16 packs, float32 weights: all mapped once
-    assert shared_weight_bytes(GIB, config, "auto") == GIB
-    assert shared_weight_bytes(GIB, config, "none") == GIB
-    # quantized at load, per worker; the embedding still shared
-    assert shared_weight_bytes(GIB, config, "int8") == embedding
-    assert shared_weight_bytes(GIB, config, "int4") == embedding
+    assert shared_weight_bytes(GIB) == GIB
     monkeypatch.setenv("BATON_PACKED_CACHE", "off")
-    assert shared_weight_bytes(GIB, config, "auto") == 0
+    assert shared_weight_bytes(GIB) == 0
 
     shared = MemoryEstimate(weights_bytes=GIB, kv_pool_bytes=[GIB] * 4, available_bytes=4 * GIB,
                             shared_bytes=GIB - embedding)

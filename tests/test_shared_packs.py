@@ -18,6 +18,7 @@ import gguf
 import numpy as np
 import pytest
 
+from tests.test_families import family_dir  # noqa: F401 (a fixture)
 from tests.test_gguf_source import write_tiny_gguf
 
 PROMPT = [5, 10, 20, 30, 44, 7, 9, 8]
@@ -242,3 +243,60 @@ def test_a_gguf_load_reads_each_served_projection_once_and_then_never(tmp_path, 
         assert runtime.quantization == "gguf"
         assert not any(p.is_meta for p in runtime.model.parameters())
     assert first.description == second.description
+
+
+# As LOAD_DENSE for a MoE (quantization in argv[3], float32): which of the model's parameters, and how
+# many of its native quantized packs (projections and experts' ops), are views of the packed file.
+LOAD_MOE = """
+import json, logging, sys
+logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+from baton.llm import LLM
+from baton.common.sampling_params import SamplingParams
+from baton.model.linear import QuantizedLinear
+from baton.model.moe_quant import moe_layers
+
+llm = LLM(model=sys.argv[1], dtype="float32", quantization=sys.argv[3], num_kv_blocks=32, num_threads=1)
+[out] = llm.generate([json.loads(sys.argv[2])], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+model = llm.engine.runtime.model
+ranges = [[int(a, 16) for a in line.split()[0].split("-")] for line in open("/proc/self/maps") if "/packed/" in line]
+inside = lambda t: any(lo <= t.data_ptr() < hi for lo, hi in ranges)
+mapped = sorted(name for name, p in model.named_parameters() if p.numel() and inside(p))
+experts = [op for moe in moe_layers(model) for pair in (moe.expert_ops or []) for op in pair]
+ops = [getattr(owner, name) for owner, name, _ in model.projection_slots()] + experts
+packs = [op.packed for op in ops if isinstance(op, QuantizedLinear) and op.native]
+""" + READ_MAPS + """
+print(json.dumps({"tokens": out.outputs[0].token_ids, "maps": maps, "mapped": mapped, "experts": len(experts),
+                  "packs": len(packs), "packs_mapped": sum(inside(p) for p in packs)}))
+"""
+
+
+def test_a_moes_experts_are_one_copy_per_machine_dense_or_quantized(tmp_path, family_dir, kernels_or_skip):
+    """A MoE's experts are most of its bytes (issue 42): under `auto` on a safetensors checkpoint the
+    dense expert stacks, under int8 the experts' Q8_0 ops (and the projections' packs) are written
+    once to the machine's file and mapped read-only by every worker after; the same tokens as a
+    worker keeping private copies."""
+    model_dir = family_dir("qwen3_moe")  # layers 0 and 2 MoE (8 experts), layer 1 dense
+    env = {**os.environ, "BATON_CACHE": str(tmp_path / "cache"), "TOKENIZERS_PARALLELISM": "false"}
+    cwd = Path(__file__).resolve().parents[1]
+
+    def load(quantization: str, **extra: str) -> tuple[dict, str]:
+        cmd = [sys.executable, "-c", LOAD_MOE, str(model_dir), json.dumps(PROMPT), quantization]
+        run = subprocess.run(cmd, env={**env, **extra}, cwd=cwd, capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr[-3000:]
+        return json.loads(run.stdout.strip().splitlines()[-1]), run.stderr
+
+    dense, log = load("none")
+    assert "written to" in log
+    assert {"layers.0.mlp.experts_gate_up", "layers.0.mlp.experts_down", "layers.2.mlp.experts_gate_up",
+            "layers.2.mlp.experts_down"} <= set(dense["mapped"]), dense["mapped"]
+    first, log = load("int8")
+    second, log_second = load("int8")
+    private, _ = load("int8", BATON_PACKED_CACHE="off")
+    assert "quantized packs" in log and "written to" in log and "mapped from" in log_second
+    for result in (first, second):
+        assert result["experts"] == 2 * 2 * 8 and result["packs"] >= result["experts"]
+        assert result["packs_mapped"] == result["packs"]
+        [mapping] = [m for path, m in result["maps"].items() if "/weights-" in path and m["rss_kb"]] or [None]
+        assert mapping is not None and mapping["perms"] == ["r--s"] and mapping["anonymous_kb"] == 0
+    assert private["packs_mapped"] == 0 and private["maps"] == {}
+    assert first["tokens"] == second["tokens"] == private["tokens"]

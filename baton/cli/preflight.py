@@ -198,19 +198,16 @@ class MemoryEstimate:
                 f"killer; pass {smaller}, or fewer --prefill-workers/--decode-workers")
 
 
-def shared_weight_bytes(weights_bytes: int, config, quantization: str) -> int:  # config: a ModelConfig
+def shared_weight_bytes(weights_bytes: int) -> int:
     """Of one worker's weights, what every worker maps from one file per machine
     (baton.model.packed_cache, baton.model.shared_weights): a GGUF's blocks served as the file ships
     them, the native bf16 packs, the dense weights F.linear reads (float32 where the CPU has no bf16
-    instructions, a GGUF dequantized) and the embedding tables: all of them, except the projections
-    int8 / int4 quantize at load (each worker's own; the embedding is still shared), and nothing
-    with `BATON_PACKED_CACHE=off`."""
+    instructions, a GGUF dequantized), the embedding tables, a MoE's experts and the native packs
+    int8 / int4 make at load: all of them (a CPU without the native quantized kernels keeps int8 /
+    int4 weights private: an estimate), and nothing with `BATON_PACKED_CACHE=off`."""
     if os.environ.get("BATON_PACKED_CACHE", "on").strip().lower() in ("0", "off", "false", "no"):
         return 0
-    if quantization not in ("int8", "int4"):
-        return weights_bytes
-    embedding = int(config.vocab_size * config.hidden_size * 2)  # bf16
-    return min(weights_bytes, embedding)
+    return weights_bytes
 
 
 def kv_pool_bytes(config, block_size: int | None, dtype: str, kv_cache_dtype: str,  # config: a ModelConfig
@@ -347,5 +344,5 @@ def check_model(model_dir: Path, args: argparse.Namespace) -> ModelCheck:
     decode_pool = kv_pool_bytes(config, args.block_size, args.dtype, kv_dtype, args.num_kv_blocks,
                                 args.kv_cache_memory)
     pools = [prefill_pool] * args.prefill_workers + [decode_pool] * args.decode_workers
-    shared = shared_weight_bytes(weights_bytes, config, args.quantization)
+    shared = shared_weight_bytes(weights_bytes)
     return ModelCheck(config, weights, MemoryEstimate(weights_bytes, pools, mem_available(), shared), prefill_flag)

@@ -340,6 +340,9 @@ class QuantizedLinear:
     # it (x[..., input_order]): a GGUF whose conversion reorders a weight's columns (Qwen3.5's
     # out_proj: value heads tiled) keeps its blocks as stored (`gguf_weights`)
     input_order: torch.Tensor | None = None
+    # the pack is a view of the machine's one shared file (baton.model.packed_cache): another
+    # worker's mapping of it is the same pages, so nothing more is shared of it
+    shared: bool = False
 
     def __init__(self, scheme: str, parts: tuple[torch.Tensor, ...], bias: torch.Tensor | None, kernels: Any) -> None:
         if scheme not in self.SCHEMES:
@@ -370,6 +373,7 @@ class QuantizedLinear:
         op.scheme, op.out_features, op.in_features = scheme, out_features, in_features
         op.bias = None if bias is None else bias.detach().float().contiguous()
         op._kernels, op.packed, op.parts = kernels, packed, ()
+        op.shared = True
         return op
 
     def share_pack(self, packed: torch.Tensor) -> None:
@@ -377,7 +381,7 @@ class QuantizedLinear:
         this op's own pack, which is freed."""
         if self.packed is None or packed.shape != self.packed.shape or packed.dtype != self.packed.dtype:
             raise ValueError("the shared pack is not this op's pack")
-        self.packed = packed
+        self.packed, self.shared = packed, True
 
     @classmethod
     def q8_0(cls, q: torch.Tensor, d: torch.Tensor, bias: torch.Tensor | None, kernels: Any) -> QuantizedLinear:

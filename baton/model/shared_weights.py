@@ -13,7 +13,13 @@ What a worker keeps of its own is its KV pool and its activations. Three kinds o
   has no instructions (`--dtype auto` on AMD Zen 3 or an Intel CPU without AVX512-BF16 loads
   float32, twice the checkpoint's bytes per worker) and bf16 where oneDNN cannot pack it;
 - the token embeddings' tables (nn.Embedding: the input embedding where the head does not serve its
-  lookups, Gemma 4's per-layer embeddings), whatever the projections are.
+  lookups, Gemma 4's per-layer embeddings), whatever the projections are;
+- a MoE's experts: the dense stacks the experts' F.linear reads (a safetensors MoE under `auto`, a
+  GGUF's experts, which keep the model's dtype), or their native Q8_0 packs (gpt-oss's MXFP4
+  repacked, `--quantization int8/int4` quantizing them at load); the experts are most of such a
+  model's bytes;
+- the native quantized packs `--quantization int8/int4` makes of a safetensors checkpoint's
+  projections at load (a GGUF's are mapped from its own shared file already: `QuantizedLinear.shared`).
 
 A worker that finds the file still builds its ops at load (the agreement probe of each shape needs
 them) and then drops its private copies. The key is a hash of what decides the bytes: the
@@ -36,13 +42,16 @@ import torch
 from torch import nn
 
 from baton.model import packed_cache
-from baton.model.linear import RowSplitLinear
+from baton.model.linear import QuantizedLinear, RowSplitLinear
+from baton.model.moe import SparseMoE
 from baton.model.packed_cache import PackedSlot, SharedPacks
 
 logger = logging.getLogger("baton.model.shared_weights")
 
-LAYOUT = "gemv_pack:[ceil(out/64), in/2, 64, 2] bf16; dense: the tensor's bytes, v2"
+LAYOUT = ("gemv_pack:[ceil(out/64), in/2, 64, 2] bf16; dense: the tensor's bytes; quant: q8_pack/q4_pack "
+          f"v{packed_cache.LAYOUT_VERSION}; v3")
 SCHEME = "bf16"  # PackedSlot.scheme of a native bf16 pack (its bytes: the pack viewed as uint8)
+QUANT_SCHEME = "quant:"  # + QuantizedLinear.scheme: a native quantized pack (its bytes as they are)
 SAMPLE_BYTES = 4096
 
 
@@ -83,14 +92,34 @@ def native_packs(model: nn.Module) -> list[tuple[str, RowSplitLinear]]:
     return out
 
 
+def quantized_packs(model: nn.Module) -> list[tuple[str, QuantizedLinear]]:
+    """The native quantized ops this load packed in the worker's own memory: projections quantized
+    at load and MoE experts' ops (one per expert and kind), once each; those mapped from a shared
+    file already (a GGUF's) are left."""
+    ops: list[tuple[str, object]] = [(f"{type(owner).__name__}.{name}", getattr(owner, name))
+                                     for owner, name, _ in model.projection_slots()]
+    for moe_name, moe in model.named_modules():
+        if isinstance(moe, SparseMoE) and moe.expert_ops is not None:
+            for expert, pair in enumerate(moe.expert_ops):
+                ops += [(f"{moe_name}.experts.{expert}.{kind}", op) for kind, op in zip(("gate_up", "down"), pair)]
+    out: dict[int, tuple[str, QuantizedLinear]] = {}
+    for label, op in ops:
+        if isinstance(op, QuantizedLinear) and op.packed is not None and not op.shared:
+            out.setdefault(id(op), (label, op))
+    return list(out.values())
+
+
 def dense_tensors(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     """The dense weights the forward reads as they are: each projection whose op is its own
-    nn.Linear (F.linear on the weight), and each nn.Embedding's table; once each (a tied head is
-    its embedding), by parameter name, of a page or more and on the CPU."""
+    nn.Linear (F.linear on the weight), each nn.Embedding's table and each MoE's dense expert
+    stacks; once each (a tied head is its embedding), by parameter name, of a page or more and on
+    the CPU."""
     names = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
     candidates = [linear.weight for owner, op_name, linear in model.projection_slots()
                   if getattr(owner, op_name) is linear]
     candidates += [m.weight for m in model.modules() if isinstance(m, nn.Embedding)]
+    candidates += [stack for m in model.modules() if isinstance(m, SparseMoE) and m.expert_ops is None
+                   for stack in (m.experts_gate_up, m.experts_down)]
     out: dict[int, tuple[str, nn.Parameter]] = {}
     for param in candidates:
         if (param.device.type == "cpu" and not param.is_meta and param.numel() * param.element_size() >= MIN_DENSE_BYTES
@@ -107,13 +136,16 @@ def share_weights(model: nn.Module, model_dir: Path, gguf: Path | None) -> int:
     (the plan keeps references to what the ops read)."""
     packs = native_packs(model)
     dense = dense_tensors(model)
-    if not (packs or dense) or not packed_cache.enabled():
+    quantized = quantized_packs(model)
+    if not (packs or dense or quantized) or not packed_cache.enabled():
         return 0
     slots = ([[label, SCHEME, op.out_features, op.in_features] for label, op in packs]
-             + [[name, dense_scheme(p.dtype), *p.shape] for name, p in dense])
-    # (scheme, tensor, out_features, in_features) of each slot, packs first
+             + [[name, dense_scheme(p.dtype), *p.shape] for name, p in dense]
+             + [[label, QUANT_SCHEME + op.scheme, op.out_features, op.in_features] for label, op in quantized])
+    # (scheme, tensor, out_features, in_features) of each slot: packs, dense tensors, quantized packs
     wanted = ([(SCHEME, op.packed, op.out_features, op.in_features) for _, op in packs]
-              + [(dense_scheme(p.dtype), p.detach(), p.shape[0], p[0].numel()) for _, p in dense])
+              + [(dense_scheme(p.dtype), p.detach(), p.shape[0], p[0].numel()) for _, p in dense]
+              + [(QUANT_SCHEME + op.scheme, op.packed, op.out_features, op.in_features) for _, op in quantized])
     # the samples tie the file to what this load made, not only to the checkpoint: another version of
     # the loader's transforms or of the kernels' pack gets its own file, never the old numbers
     layout = {"layout": LAYOUT, "slots": slots, "samples": _sample_digest([t for _, t, _, _ in wanted])}
@@ -136,12 +168,17 @@ def share_weights(model: nn.Module, model_dir: Path, gguf: Path | None) -> int:
         assert slot.packed is not None
         op.packed = slot.packed.view(torch.bfloat16).view(op.packed.shape)  # the private pack is freed
         total += slot.packed.numel()
-    for (_, param), slot in zip(dense, mapped[len(packs):], strict=True):
+    for (_, param), slot in zip(dense, mapped[len(packs):len(packs) + len(dense)], strict=True):
         assert slot.packed is not None
         _swap(model, param, nn.Parameter(slot.packed.view(param.dtype).view(param.shape), requires_grad=False))
         total += slot.packed.numel()
+    for (_, qop), slot in zip(quantized, mapped[len(packs) + len(dense):], strict=True):
+        assert slot.packed is not None and qop.packed is not None
+        qop.share_pack(slot.packed.view(qop.packed.shape))  # the private pack is freed
+        total += slot.packed.numel()
     what = ", ".join(part for part in (f"{len(packs)} native bf16 packs" if packs else "",
-                                       f"{len(dense)} dense tensors" if dense else "") if part)
+                                       f"{len(dense)} dense tensors" if dense else "",
+                                       f"{len(quantized)} quantized packs" if quantized else "") if part)
     logger.info("weights: %s (%.0f MB) %s %s (one copy per machine)", what, total / 1e6, verb, shared.data_path)
     return total
 
