@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from baton.model.linear import QuantizedLinear
 
-from baton import LLM
+from baton import LLM, SamplingParams
 from tests.qwen35_gguf import write_qwen35_gguf
 from tests.test_families import (assert_bf16_near_ties_only, greedy, hf_greedy, prompts,  # noqa: F401 (a fixture)
                                  tokens_of)
@@ -76,11 +77,6 @@ def test_a_qwen35_gguf_is_served_from_its_own_blocks(qwen35, prompts, caplog, mo
     (`QuantizedLinear.input_order`; it was dequantized to bf16, and ran 5x slower on a CPU without
     bf16 instructions). Greedy bf16 tokens follow transformers' float32 over the same (dequantized)
     weights but at near-ties."""
-    from transformers import AutoModelForCausalLM
-
-    from baton.model.gguf_checkpoint import GGUFCheckpoint, release_readers
-    from baton.common.model_files import resolve_model
-
     monkeypatch.setenv("BATON_PACKED_CACHE", "off")  # repacked here (a shared file made earlier logs otherwise)
     files = qwen35("qwen3_5_text")
     with caplog.at_level(logging.INFO, logger="baton.model.gguf_weights"):
@@ -91,6 +87,16 @@ def test_a_qwen35_gguf_is_served_from_its_own_blocks(qwen35, prompts, caplog, mo
     out_proj = llm.engine.runtime.model.layers[0].linear_attn.out
     assert isinstance(out_proj, QuantizedLinear) and out_proj.input_order is not None
     assert not torch.equal(out_proj.input_order, torch.arange(out_proj.in_features))
+    assert_bf16_near_ties_only(llm, hf_over_the_files_weights(files), prompts, "qwen35-q8_0")
+
+
+def hf_over_the_files_weights(files: dict[str, Path]) -> Any:
+    """transformers' model of the checkpoint, float32, holding the GGUF's (dequantized) weights."""
+    from transformers import AutoModelForCausalLM
+
+    from baton.common.model_files import resolve_model
+    from baton.model.gguf_checkpoint import GGUFCheckpoint, release_readers
+
     model_dir = resolve_model(str(files["q8_0"]))
     file_weights = GGUFCheckpoint(files["q8_0"], model_dir)
     hf = AutoModelForCausalLM.from_pretrained(files["hf"], dtype=torch.float32).eval()
@@ -100,4 +106,48 @@ def test_a_qwen35_gguf_is_served_from_its_own_blocks(qwen35, prompts, caplog, mo
     missing, unexpected = hf.load_state_dict(state, strict=False)
     assert not unexpected and not [m for m in missing if m != "lm_head.weight"], (missing, unexpected)
     release_readers()
-    assert_bf16_near_ties_only(llm, hf, prompts, "qwen35-q8_0")
+    return hf
+
+
+def test_a_qwen35_moe_ggufs_experts_are_served_from_its_own_blocks(qwen35, prompts, caplog,  # noqa: F811
+                                                                    monkeypatch):
+    """A MoE's experts (most of its bytes) as the file's blocks, one Q8_0 op per expert and kind, never
+    dequantized to a dense stack (the loader leaves the stacks unread; each layer's is read once to
+    check sampled experts against it): each op's weight is transformers' dequantization of the file's
+    expert bit for bit, each expert's output the dense matmul's to the kernel's rounding (it quantizes
+    the activations per block of 32, as llama.cpp's does), and the first greedy token of each prompt
+    transformers' float32 one but at near-ties. (Later tokens are not compared: this tiny MoE's
+    routing flips at the kernels' rounding, dense experts served beside Q8_0 projections drift as far.)"""
+    from baton.common.model_files import resolve_model
+    from baton.model.gguf_checkpoint import GGUFCheckpoint, release_readers
+
+    monkeypatch.setenv("BATON_PACKED_CACHE", "off")
+    files = qwen35("qwen3_5_moe_text")
+    with caplog.at_level(logging.INFO, logger="baton.model.gguf_experts"):
+        llm = LLM(model=str(files["q8_0"]), num_kv_blocks=128)
+    served = [r.getMessage() for r in caplog.records if "MoE experts served" in r.getMessage()]
+    assert served and served[0].endswith("8 Q8_0 stacks"), served  # 4 MoE layers x (gate_up, down)
+    file_weights = GGUFCheckpoint(files["q8_0"], resolve_model(str(files["q8_0"])))
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    for index, layer in enumerate(llm.engine.runtime.model.layers):
+        moe = layer.mlp
+        assert moe.experts_gate_up is None and moe.experts_down is None  # no dense copy held
+        assert moe.expert_ops is not None and len(moe.expert_ops) == moe.num_experts
+        stacks = [file_weights[f"layers.{index}.mlp.experts.{kind}"] for kind in ("gate_up_proj", "down_proj")]
+        for expert, ops in enumerate(moe.expert_ops):
+            for op, stack in zip(ops, stacks):
+                assert isinstance(op, QuantizedLinear) and op.scheme == "q8_0"
+                assert torch.equal(op.rows(torch.arange(op.out_features), torch.float32), stack[expert])
+            gate, up = (x.float() @ stacks[0][expert].T).chunk(2, dim=-1)
+            reference = (torch.nn.functional.silu(gate) * up) @ stacks[1][expert].T
+            with torch.no_grad():
+                got = moe._expert(x, expert).float()
+            assert (got - reference).abs().max() <= 0.03 * reference.abs().max(), (index, expert)
+    release_readers()
+    hf = hf_over_the_files_weights(files)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt])).logits[0, -1]
+        token = out.outputs[0].token_ids[0]
+        assert float(logits.max() - logits[token]) <= 0.03 * float(logits.max() - logits.median()), len(prompt)

@@ -18,7 +18,8 @@ repacked for the native kernels (`kernels/qgemv.cpp`) without requantizing:
 Rows are mapped and un-permuted as transformers does (its GGUF tensor processors: Llama's q and k
 rows are stored permuted for llama.cpp's RoPE), and every repacked projection is checked against
 transformers' dequantization of the same tensor (read then, one at a time) on a sample of rows: a
-mapping mistake is an error at load, never wrong text. MoE experts keep the model's dtype.
+mapping mistake is an error at load, never wrong text. MoE experts are served in their blocks too
+(baton.model.gguf_experts).
 
 The packs are written once per machine and mapped read-only by every worker
 (`baton.model.packed_cache`): a worker that finds them maps the file and repacks nothing (the check
@@ -234,15 +235,18 @@ Slot = tuple[tuple[Any, str, Any], list[list[str]]]  # ((owner, name, linear), i
 
 def gguf_projection_targets(model: nn.Module, gguf_path: Path) -> set[str]:
     """The parameter names of the projections the GGUF's blocks will serve (every slot not wholly
-    dense in the file): the loader leaves them unread (`loader.load_model_deferring`), so that a
-    worker never holds the dequantized model beside its packs."""
+    dense in the file) and of the MoE expert stacks they will (baton.model.gguf_experts): the loader
+    leaves them unread (`loader.load_model_deferring`), so that a worker never holds the dequantized
+    model beside its packs."""
+    from baton.model.gguf_experts import gguf_expert_targets
+
     config = model.config
     source = GGUFTensors(gguf_path, config.num_heads, config.num_kv_heads)
+    targets = gguf_expert_targets(model, source)
     slots, sources = model.projection_slots(), _slot_sources(model)
     if len(slots) != len(sources):  # a layout this repack does not know: it says so when it runs
-        return set()
+        return targets
     names = {id(module): name for name, module in model.named_modules()}
-    targets = set()
     for (_, _, linear), alternatives in zip(slots, sources, strict=True):
         tensors = _slot_tensors(source, alternatives)
         if (tensors is not None and not all(source.type_name(t) in DENSE_TYPES for t in tensors)

@@ -155,10 +155,12 @@ def quantize_model(model: nn.Module, quantization: str, kernels: Any = None,
                        "each projection dequantizes its weight per call, which is slow")
     if quantization == "gguf":
         assert gguf_source is not None
+        from baton.model.gguf_experts import load_gguf_experts
         from baton.model.gguf_weights import load_gguf_projections
 
         try:
             load_gguf_projections(model, gguf_source, kernels, unread)
+            load_gguf_experts(model, gguf_source, kernels, unread)
         except ValueError as exc:
             raise ValueError(f"{gguf_source.name}: its blocks cannot be served as they are ({exc}); "
                              "--quantization none serves its dequantized weights") from exc
