@@ -32,6 +32,7 @@ import time
 import zipfile
 from pathlib import Path
 
+from baton.common.gguf_config import CONVERSION
 from baton.common.gguf_key import gguf_content_key
 from baton.common.gguf_names import NAMES_FILE, hf_to_gguf_names
 from baton.common.hub import ModelNotFoundError, download_gguf, download_model, gguf_quant_tag, looks_like_repo_id
@@ -68,7 +69,16 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     started = time.monotonic()
     tmp_dir = Path(tempfile.mkdtemp(prefix=".convert-", dir=out_dir.parent))
     try:
+        import gguf
+
+        from baton.common.gguf_config import complete_config
+
+        reader = gguf.GGUFReader(str(gguf_path))
         config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        completed = complete_config(config, reader)  # what transformers' reader leaves out
+        if completed:
+            logger.info("%s: config completed from its metadata as llama.cpp reads it: %s", gguf_path.name,
+                        ", ".join(f"{k}={v}" for k, v in completed.items()))
         if hasattr(config, "quantization_config"):  # the file's blocks are the loader's business
             del config.quantization_config
         if not getattr(config, "architectures", None):  # as a checkpoint's config names its class
@@ -78,15 +88,12 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
         config.save_pretrained(tmp_dir)
         GenerationConfig.from_model_config(config).save_pretrained(tmp_dir)
         AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name).save_pretrained(tmp_dir)
-        import gguf
-
-        reader = gguf.GGUFReader(str(gguf_path))
         names = hf_to_gguf_names(reader, config)  # read by the loader
         (tmp_dir / NAMES_FILE).write_text(json.dumps(names, indent=0) + "\n")
         # the path as given: a Hub file's snapshot link keeps its name (its blob is named by a hash)
         source = {"path": os.path.abspath(gguf_path), "size": gguf_path.stat().st_size,
                   "key": gguf_content_key(gguf_path), "weights": "read from the file",
-                  "name": gguf_model_name(gguf_path, reader)}
+                  "name": gguf_model_name(gguf_path, reader), "conversion": CONVERSION}
         (tmp_dir / GGUF_SOURCE_FILE).write_text(json.dumps(source) + "\n")
         if out_dir.exists():
             shutil.rmtree(out_dir)
@@ -183,10 +190,19 @@ def _converted_gguf(gguf_path: Path, dir_name: str) -> Path:
     out_dir = cache_root() / "models" / dir_name
     # converted anew where the cached conversion is of another file of that name or an earlier
     # content of this one (or predates the record's content key): the record ties the two
-    if not is_model_dir(out_dir) or gguf_source(out_dir) != Path(os.path.abspath(gguf_path)):
+    if (not is_model_dir(out_dir) or gguf_source(out_dir) != Path(os.path.abspath(gguf_path))
+            or _conversion(out_dir) != CONVERSION):
         out_dir.parent.mkdir(parents=True, exist_ok=True)
         convert_gguf(gguf_path, out_dir)
     return out_dir
+
+
+def _conversion(model_dir: Path) -> int:
+    """The version of the conversion that made `model_dir` (1: before the record kept one)."""
+    try:
+        return int(json.loads((model_dir / GGUF_SOURCE_FILE).read_text()).get("conversion", 1))
+    except (OSError, ValueError, TypeError, AttributeError):
+        return 1
 
 
 def _hub_dir_name(repo_id: str, filename: str) -> str:

@@ -10,8 +10,10 @@ Q4_1 file once became a 538 MB directory; an 8B Q4_K_M file would have taken ~32
 
 The names are transformers' (`get_gguf_hf_weights_map`'s rule over the model built on the meta device), the
 numbers `gguf.quants.dequantize`'s followed by the architecture's `TensorProcessor`: what
-`from_pretrained(..., gguf_file=...)` gives, tensor for tensor. Architectures whose processor merges
-several GGUF tensors into one (MoE experts) are read whole by transformers instead.
+`from_pretrained(..., gguf_file=...)` gives, tensor for tensor. A Qwen2/Qwen3-MoE's expert stacks,
+which transformers' processor joins (gate and up into one `gate_up_proj`), are joined here, one layer
+when asked for (and not at all where the file's blocks serve them: baton.model.gguf_experts). Other
+architectures whose processor merges tensors (gpt-oss, MiniMax-M2) are read whole by transformers.
 """
 
 from __future__ import annotations
@@ -82,8 +84,8 @@ class GGUFCheckpoint(Mapping[str, torch.Tensor]):
         from transformers import AutoConfig, AutoModelForCausalLM
         from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, Gemma2TensorProcessor,
                                                               LlamaTensorProcessor, Lfm2TensorProcessor,
-                                                              NemotronTensorProcessor, TensorProcessor,
-                                                              load_gguf_checkpoint)
+                                                              NemotronTensorProcessor, Qwen2MoeTensorProcessor,
+                                                              TensorProcessor, load_gguf_checkpoint)
 
         # processors that change a tensor's numbers or shape but keep its name: read lazily
         one_to_one = (TensorProcessor, LlamaTensorProcessor, Gemma2TensorProcessor, NemotronTensorProcessor,
@@ -95,20 +97,28 @@ class GGUFCheckpoint(Mapping[str, torch.Tensor]):
         self._mapped: MappedGGUFTensors | None = None
         self._eager: dict[str, torch.Tensor] | None = None
         self._tensors: dict[str, Any] = {}
+        # a MoE's expert stacks (Qwen2/Qwen3-MoE): name -> the GGUF tensors joined along their rows
+        self._experts: dict[str, list[Any]] = {}
         if uses_conversion_mapping(arch):  # Qwen3.5: transformers' conversion mapping (gguf_mapped)
             self._mapped = MappedGGUFTensors(self.reader, arch, AutoConfig.from_pretrained(model_dir))
             return
         raw_config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
         processor_class = TENSOR_PROCESSORS.get(arch, TensorProcessor)
         self._processor = processor_class(config=raw_config)
-        if processor_class not in one_to_one:  # experts merged by the processor: transformers reads it whole
+        names = None
+        if processor_class is Qwen2MoeTensorProcessor:  # experts joined per layer: read lazily here
+            names = read_names(model_dir) or hf_to_gguf_names(self.reader, AutoConfig.from_pretrained(model_dir))
+            self._experts = _expert_stacks(self.reader)
+            names = {hf: g for hf, g in names.items() if ".mlp.experts." not in hf}
+        elif processor_class not in one_to_one:  # experts merged by the processor: transformers reads it whole
             logger.info("%s: its %s tensors are merged on load: reading the file whole", gguf_path.name, arch)
             with torch.device("meta"):
                 hf_model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
             tensors = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=hf_model)["tensors"]
             self._eager = {name.removeprefix("model."): t for name, t in tensors.items()}
             return
-        names = read_names(model_dir) or hf_to_gguf_names(self.reader, AutoConfig.from_pretrained(model_dir))
+        if names is None:
+            names = read_names(model_dir) or hf_to_gguf_names(self.reader, AutoConfig.from_pretrained(model_dir))
         by_gguf_name = {t.name: t for t in self.reader.tensors}
         self._tensors = {hf.removeprefix("model."): by_gguf_name[g] for hf, g in names.items() if g in by_gguf_name}
 
@@ -118,6 +128,10 @@ class GGUFCheckpoint(Mapping[str, torch.Tensor]):
         if self._eager is not None:
             return self._eager[name]
         from gguf import dequantize
+
+        if name in self._experts:  # [E, rows, in] each, joined along the rows (gate, then up)
+            return torch.cat([torch.from_numpy(np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32))
+                              for t in self._experts[name]], dim=1)
 
         tensor = self._tensors[name]
         if tensor.name in ROW_LOCAL and tensor.data.ndim == 2:
@@ -145,7 +159,7 @@ class GGUFCheckpoint(Mapping[str, torch.Tensor]):
     def _names(self) -> Mapping[str, Any]:
         if self._mapped is not None:
             return self._mapped
-        return self._eager if self._eager is not None else self._tensors
+        return self._eager if self._eager is not None else {**self._tensors, **self._experts}
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._names())
@@ -155,3 +169,18 @@ class GGUFCheckpoint(Mapping[str, torch.Tensor]):
 
     def __contains__(self, name: object) -> bool:
         return name in self._names()
+
+
+def _expert_stacks(reader: Any) -> dict[str, list[Any]]:
+    """{`layers.N.mlp.experts.gate_up_proj` / `down_proj`: its GGUF tensors} (transformers' names for
+    a Qwen3-MoE's stacks: [E, 2I, H], gate rows then up rows, and [E, H, I])."""
+    by_name = {t.name: t for t in reader.tensors}
+    stacks: dict[str, list[Any]] = {}
+    for name in by_name:
+        if name.startswith("blk.") and name.endswith(".ffn_down_exps.weight"):
+            block = name.split(".")[1]
+            parts = [by_name.get(f"blk.{block}.ffn_{leaf}_exps.weight") for leaf in ("gate", "up")]
+            stacks[f"layers.{block}.mlp.experts.down_proj"] = [by_name[name]]
+            if all(p is not None for p in parts):
+                stacks[f"layers.{block}.mlp.experts.gate_up_proj"] = parts
+    return stacks
