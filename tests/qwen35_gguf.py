@@ -103,9 +103,6 @@ def write_qwen35_gguf(model_dir: Path, out: Path, tokenizer_gguf: Path, q8_0: bo
     arch = "qwen35moe" if "num_experts" in cfg else "qwen35"
     writer = gguf.GGUFWriter(str(out), arch)
     writer.add_name("Qwen3.5 tiny")
-    writer.add_block_count(cfg["num_hidden_layers"])
-    writer.add_context_length(cfg["max_position_embeddings"])
-    writer.add_embedding_length(cfg["hidden_size"])
     if arch == "qwen35moe":
         writer.add_expert_count(cfg["num_experts"])
         writer.add_expert_used_count(cfg["num_experts_per_tok"])
@@ -113,11 +110,7 @@ def write_qwen35_gguf(model_dir: Path, out: Path, tokenizer_gguf: Path, q8_0: bo
         writer.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
     else:
         writer.add_feed_forward_length(cfg["intermediate_size"])
-    writer.add_head_count(cfg["num_attention_heads"])
-    writer.add_head_count_kv(cfg["num_key_value_heads"])
-    writer.add_key_length(cfg["head_dim"])
-    writer.add_value_length(cfg["head_dim"])
-    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    add_attention_metadata(writer, cfg)
     rope = cfg["rope_parameters"]
     writer.add_rope_freq_base(rope["rope_theta"])
     writer.add_rope_dimension_count(int(cfg["head_dim"] * rope["partial_rotary_factor"]))
@@ -145,6 +138,18 @@ def write_qwen35_gguf(model_dir: Path, out: Path, tokenizer_gguf: Path, q8_0: bo
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+def add_attention_metadata(writer, cfg: dict) -> None:
+    """The sizes every architecture's header carries: layers, context, width, heads, norm epsilon."""
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_head_count(cfg["num_attention_heads"])
+    writer.add_head_count_kv(cfg["num_key_value_heads"])
+    writer.add_key_length(cfg["head_dim"])
+    writer.add_value_length(cfg["head_dim"])
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
 
 
 def _copy_tokenizer(writer, source: Path) -> None:

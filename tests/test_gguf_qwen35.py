@@ -17,10 +17,10 @@ import torch
 
 from baton.model.linear import QuantizedLinear
 
-from baton import LLM, SamplingParams
+from baton import LLM
 from tests.qwen35_gguf import write_qwen35_gguf
-from tests.test_families import (assert_bf16_near_ties_only, greedy, hf_greedy, prompts,  # noqa: F401 (a fixture)
-                                 tokens_of)
+from tests.test_families import (assert_bf16_near_ties_only, assert_first_tokens_near_ties, greedy,  # noqa: F401
+                                 hf_greedy, prompts, tokens_of)
 from tests.test_hybrid import build_hybrid
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -144,10 +144,4 @@ def test_a_qwen35_moe_ggufs_experts_are_served_from_its_own_blocks(qwen35, promp
                 got = moe._expert(x, expert).float()
             assert (got - reference).abs().max() <= 0.03 * reference.abs().max(), (index, expert)
     release_readers()
-    hf = hf_over_the_files_weights(files)
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
-    for prompt, out in zip(prompts, outs):
-        with torch.no_grad():
-            logits = hf(torch.tensor([prompt])).logits[0, -1]
-        token = out.outputs[0].token_ids[0]
-        assert float(logits.max() - logits[token]) <= 0.03 * float(logits.max() - logits.median()), len(prompt)
+    assert_first_tokens_near_ties(llm, hf_over_the_files_weights(files), prompts)
