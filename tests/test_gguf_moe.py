@@ -183,7 +183,7 @@ def test_a_qwen3_moe_ggufs_experts_are_served_in_its_own_blocks(qwen3_moe, promp
         llm = LLM(model=str(qwen3_moe["gguf"]), num_kv_blocks=128)
     served = [r.getMessage() for r in caplog.records if "MoE experts served" in r.getMessage()]
     layers = SMALL["num_hidden_layers"]
-    assert served and served[0].endswith(f"{layers} Q4_0 stacks, {layers} Q5_0 requantized to Q8_0 stacks"), served
+    assert served and f"{layers} Q4_0 stacks, {layers} Q5_0 requantized to Q8_0 stacks (" in served[0], served
     weights = GGUFCheckpoint(qwen3_moe["gguf"], resolve_model(str(qwen3_moe["gguf"])))
     x = torch.randn(5, SMALL["hidden_size"], generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     for index, layer in enumerate(llm.engine.runtime.model.layers):
@@ -207,3 +207,30 @@ def test_a_qwen3_moe_ggufs_experts_are_served_in_its_own_blocks(qwen3_moe, promp
     hf = AutoModelForCausalLM.from_pretrained(file_weights_checkpoint(qwen3_moe, tmp_path / "w"),
                                               dtype=torch.float32).eval()
     assert_first_tokens_near_ties(llm, hf, prompts)
+
+
+def test_a_moe_ggufs_expert_packs_are_written_once_and_mapped_by_the_next_worker(qwen3_moe, prompts, caplog,
+                                                                                 monkeypatch, tmp_path):
+    """The first load streams the expert packs into the machine's packed cache and serves them from
+    the file; a second load maps that file and neither repacks nor reads an expert stack; both give
+    the tokens of a load that keeps private packs."""
+    from baton.model import loader
+
+    monkeypatch.setenv("BATON_PACKED_CACHE", "off")
+    private = tokens_of(LLM(model=str(qwen3_moe["gguf"]), num_kv_blocks=128).generate(prompts, greedy()))
+    monkeypatch.setenv("BATON_PACKED_CACHE", "on")
+    monkeypatch.setenv("BATON_CACHE", str(tmp_path / "cache"))
+    reads: list[str] = []
+    read = loader.UnreadWeights.read
+    monkeypatch.setattr(loader.UnreadWeights, "read", lambda self, target: reads.append(target) or read(self, target))
+    for verb, expected_reads in (("written to", 2 * SMALL["num_hidden_layers"]), ("mapped from", 0)):
+        reads.clear()
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="baton.model.gguf_experts"):
+            llm = LLM(model=str(qwen3_moe["gguf"]), num_kv_blocks=128)
+        [served] = [r.getMessage() for r in caplog.records if "MoE experts served" in r.getMessage()]
+        assert f"({verb} {tmp_path / 'cache' / 'packed'}" in served, served
+        assert len([r for r in reads if ".experts_" in r]) == expected_reads, reads
+        ops = [op for layer in llm.engine.runtime.model.layers for pair in layer.mlp.expert_ops for op in pair]
+        assert len(ops) == 2 * EXPERTS * SMALL["num_hidden_layers"] and all(op.shared for op in ops)
+        assert tokens_of(llm.generate(prompts, greedy())) == private

@@ -11,8 +11,9 @@ Q8_0 as int8 blocks, Q4_0 / Q4_1 / Q4_K as 4-bit ones (gate and up joined, gate 
 dense stack has them), any other type (Q4_K_M's Q6_K down experts, Q5_K, ...) dequantized and
 requantized to Q8_0 one expert at a time. Each layer's ops are checked on sampled experts and rows
 against the dense stack the loader would have made (read then, one layer at a time), so a mapping
-mistake is an error at load. The experts' packs then join the machine's shared weights file
-(baton.model.shared_weights): one copy per machine.
+mistake is an error at load. With the native kernels the first worker streams the packs into a file
+of the machine's packed cache, a stack at a time, and every worker maps it read-only: one copy per
+machine, and a worker that finds the file repacks and reads nothing (baton.model.packed_cache).
 
 Served where the rows need no reordering (the experts of every GGUF architecture transformers reads:
 none permutes them) and the routing is a plain SparseMoE's (gpt-oss's interleaved gate/up and
@@ -22,8 +23,10 @@ biases stay dense).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,10 +34,12 @@ import numpy as np
 import torch
 from torch import nn
 
+from baton.model import packed_cache
 from baton.model.gguf_checkpoint import drop_touched_pages
 from baton.model.linear import QuantizedLinear
 from baton.model.loader import UnreadWeights
 from baton.model.moe import SparseMoE
+from baton.model.packed_cache import PackedSlot, SharedPacks
 from baton.model.q_blocks import quantize_q8_0
 
 logger = logging.getLogger("baton.model.gguf_experts")
@@ -108,42 +113,120 @@ def _expert_parts(source: Any, tensors: list[Any], expert: int) -> tuple[str, tu
     return "q8_0", quantize_q8_0(weight), label + " requantized to Q8_0"
 
 
+Stack = tuple[str, SparseMoE, str, list[Any]]  # (module name, its MoE, expert kind, the GGUF tensors)
+
+
+def _stacks(model: nn.Module, source: Any) -> list[Stack]:
+    """The expert stacks the file's blocks serve, in the model's order (both kinds of each MoE)."""
+    targets = gguf_expert_targets(model, source)
+    out = []
+    for name, block, moe in _moes(model):
+        if f"{name}.experts_gate_up" in targets:
+            for kind in EXPERT_TENSORS:
+                tensors = _tensors(source, block, kind)
+                assert tensors is not None
+                out.append((name, moe, kind, tensors))
+    return out
+
+
+def _packs(source: Any, stacks: list[Stack], kernels: Any,
+           unread: UnreadWeights | None) -> Iterator[tuple[PackedSlot, QuantizedLinear]]:
+    """Each expert's op of each stack, in order, the stack checked on sampled experts against the
+    weight the loader would have made (read once per stack, then dropped)."""
+    from baton.model.gguf_weights import _check
+
+    for name, moe, kind, tensors in stacks:
+        where = "+".join(t.name for t in tensors)
+        if any(len(t.data) != moe.num_experts for t in tensors):
+            raise ValueError(f"the GGUF's {where} holds {len(tensors[0].data)} experts, the model {moe.num_experts}")
+        param = getattr(moe, kind)
+        loaded = unread.read(f"{name}.{kind}") if param.is_meta and unread is not None else param
+        checked = set(np.linspace(0, moe.num_experts - 1, CHECKED_EXPERTS).round().astype(int).tolist())
+        for expert in range(moe.num_experts):
+            scheme, parts, label = _expert_parts(source, tensors, expert)
+            if tuple(parts[0].shape) != tuple(loaded.shape[1:]):
+                raise ValueError(f"the GGUF's {where} expert {expert} is {tuple(parts[0].shape)}, the model's "
+                                 f"{tuple(loaded.shape[1:])}")
+            if expert in checked:
+                _check(parts, scheme, loaded[expert], f"{where} expert {expert}")
+            op = QuantizedLinear(scheme, parts, None, kernels)
+            yield PackedSlot(label, scheme, op.out_features, op.in_features, op.packed), op
+        del loaded
+        drop_touched_pages(source.reader)
+
+
+def _shared_packs(gguf_path: Path, stacks: list[Stack], kernels: Any) -> SharedPacks | None:
+    """The machine's file of this GGUF's expert packs, where the native kernels pack (else None)."""
+    if kernels is None or not kernels.q8_available() or not packed_cache.enabled():
+        return None
+    import transformers
+
+    layout = {"experts": [[name, kind, [t.name for t in tensors]] for name, _, kind, tensors in stacks],
+              "isa": kernels.qgemv_isa(), "transformers": transformers.__version__}
+    try:
+        return SharedPacks(packed_cache.cache_key(gguf_path, layout))
+    except OSError as exc:
+        logger.warning("GGUF %s: no shared expert packs (%s): this worker keeps its own copy", gguf_path.name, exc)
+        return None
+
+
 def load_gguf_experts(model: nn.Module, gguf_path: Path, kernels: Any, unread: UnreadWeights | None) -> dict[str, int]:
     """Serve each MoE's experts that `gguf_expert_targets` left unread from the GGUF's blocks (see the
-    module docstring). Returns how many expert stacks took each form."""
-    from baton.model.gguf_weights import GGUFTensors, _check
+    module docstring). Returns how many expert stacks took each form.
+
+    With the native kernels the packs are the machine's one copy, as the projections' are
+    (baton.model.packed_cache): the first worker streams them into a file, a stack at a time (each
+    pack freed once written), and every worker maps it; a worker that finds the file repacks and
+    reads nothing, so workers loading at once never each hold the experts privately."""
+    from baton.model.gguf_weights import GGUFTensors
 
     config = model.config
     source = GGUFTensors(gguf_path, config.num_heads, config.num_kv_heads)
-    targets = gguf_expert_targets(model, source)
+    stacks = _stacks(model, source)
+    if not stacks:
+        return {}
+    sizes = [moe.num_experts for _, moe, _, _ in stacks]
+    slots: list[PackedSlot] = []
+    ops: list[QuantizedLinear] = []
+    shared = _shared_packs(gguf_path, stacks, kernels)
+    how = "repacked privately"
+    if shared is not None:
+        with shared.locked():
+            mapped = shared.read(sum(sizes))
+            how = "mapped from"
+            if mapped is None or not _fits(mapped, stacks):
+                mapped = shared.write(slot for slot, _ in _packs(source, stacks, kernels, unread))
+                how = "written to"
+            if mapped is not None:
+                slots = mapped
+                ops = [QuantizedLinear.from_packed(slot.scheme, slot.packed, slot.out_features, slot.in_features,
+                                                   None, kernels) for slot in mapped]
+    if not ops:
+        for slot, op in _packs(source, stacks, kernels, unread):
+            slots.append(dataclasses.replace(slot, packed=None))
+            ops.append(op)
     counts: collections.Counter[str] = collections.Counter()
-    for name, block, moe in _moes(model):
-        if f"{name}.experts_gate_up" not in targets:
-            continue
-        ops: dict[str, list[QuantizedLinear]] = {}
-        for kind in EXPERT_TENSORS:
-            tensors = _tensors(source, block, kind)
-            assert tensors is not None
-            param = getattr(moe, kind)
-            loaded = unread.read(f"{name}.{kind}") if param.is_meta and unread is not None else param
-            if any(len(t.data) != moe.num_experts for t in tensors):
-                raise ValueError(f"the GGUF's {tensors[0].name} has {len(tensors[0].data)} experts, the model "
-                                 f"{moe.num_experts}")
-            checked = set(np.linspace(0, moe.num_experts - 1, CHECKED_EXPERTS).round().astype(int).tolist())
-            ops[kind] = []
-            for expert in range(moe.num_experts):
-                scheme, parts, label = _expert_parts(source, tensors, expert)
-                if tuple(parts[0].shape) != tuple(loaded.shape[1:]):
-                    raise ValueError(f"the GGUF's {'+'.join(t.name for t in tensors)} expert {expert} is "
-                                     f"{tuple(parts[0].shape)}, the model's {tuple(loaded.shape[1:])}")
-                if expert in checked:
-                    _check(parts, scheme, loaded[expert], f"{'+'.join(t.name for t in tensors)} expert {expert}")
-                ops[kind].append(QuantizedLinear(scheme, parts, None, kernels))
-            counts[label] += 1
-            del loaded
-            drop_touched_pages(source.reader)
-        moe.use_quantized_experts(ops["experts_gate_up"], ops["experts_down"])
-    if counts:
-        logger.info("GGUF %s: MoE experts served in the file's own blocks: %s", gguf_path.name,
-                    ", ".join(f"{n} {t} stacks" for t, n in sorted(counts.items())))
+    start = 0
+    by_moe: dict[str, dict[str, list[QuantizedLinear]]] = {}
+    for (name, moe, kind, _), size in zip(stacks, sizes, strict=True):
+        by_moe.setdefault(name, {})[kind] = ops[start:start + size]
+        counts[slots[start].label] += 1
+        start += size
+    for name, moe, _, _ in stacks[::2]:
+        moe.use_quantized_experts(by_moe[name]["experts_gate_up"], by_moe[name]["experts_down"])
+    where = f" {shared.data_path}" if shared is not None and how != "repacked privately" else ""
+    logger.info("GGUF %s: MoE experts served in the file's own blocks: %s (%s%s)", gguf_path.name,
+                ", ".join(f"{n} {t} stacks" for t, n in sorted(counts.items())), how, where)
     return dict(counts)
+
+
+def _fits(mapped: list[PackedSlot], stacks: list[Stack]) -> bool:
+    """The file's slots have the experts' kinds and shapes (else: repacked, never served)."""
+    expected = []
+    for _, moe, kind, _ in stacks:
+        hidden, width = moe.gate.in_features, moe.intermediate
+        shape = (2 * width, hidden) if kind == "experts_gate_up" else (hidden, width)
+        expected += [shape] * moe.num_experts
+    return len(mapped) == len(expected) and all(
+        slot.packed is not None and slot.scheme in QuantizedLinear.SCHEMES
+        and (slot.out_features, slot.in_features) == shape for slot, shape in zip(mapped, expected))
