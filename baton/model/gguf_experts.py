@@ -36,6 +36,8 @@ from torch import nn
 
 from baton.model import packed_cache
 from baton.model.gguf_checkpoint import drop_touched_pages
+from baton.model.gguf_weights import (DENSE_TYPES, FOUR_BIT_TYPES, GGUFTensors, _check, gguf_projection_targets,
+                                      unpack_q4, unpack_q8_0)
 from baton.model.linear import QuantizedLinear
 from baton.model.loader import UnreadWeights
 from baton.model.moe import SparseMoE
@@ -62,8 +64,6 @@ def _moes(model: nn.Module) -> list[tuple[str, int, SparseMoE]]:
 def _tensors(source: Any, block: int, kind: str) -> list[Any] | None:
     """The GGUF tensors of one expert stack, or None where they cannot be served as blocks (missing,
     dense, or converted by more than a join of gate and up)."""
-    from baton.model.gguf_weights import DENSE_TYPES
-
     tensors = [source.tensors.get(f"blk.{block}.{leaf}.weight") for leaf in EXPERT_TENSORS[kind]]
     if any(t is None or t.data.ndim != 3 or source.type_name(t) in DENSE_TYPES for t in tensors):
         return None
@@ -92,11 +92,17 @@ def gguf_expert_targets(model: nn.Module, source: Any) -> set[str]:
     return targets
 
 
+def gguf_block_targets(model: nn.Module, gguf_path: Path) -> set[str]:
+    """Every parameter the GGUF's blocks will serve, which the loader leaves unread: the projections'
+    (baton.model.gguf_weights) and the MoE expert stacks'."""
+    config = model.config
+    source = GGUFTensors(gguf_path, config.num_heads, config.num_kv_heads)
+    return gguf_projection_targets(model, gguf_path) | gguf_expert_targets(model, source)
+
+
 def _expert_parts(source: Any, tensors: list[Any], expert: int) -> tuple[str, tuple[torch.Tensor, ...], str]:
     """One expert's weight [rows, in] from its slices of `tensors`: (scheme, parts, label)."""
     from gguf import dequantize
-
-    from baton.model.gguf_weights import FOUR_BIT_TYPES, unpack_q4, unpack_q8_0
 
     types = [source.type_name(t) for t in tensors]
     shapes = [(int(t.shape[1]), int(t.shape[0])) for t in tensors]  # ggml: [in, rows, experts]
@@ -133,8 +139,6 @@ def _packs(source: Any, stacks: list[Stack], kernels: Any,
            unread: UnreadWeights | None) -> Iterator[tuple[PackedSlot, QuantizedLinear]]:
     """Each expert's op of each stack, in order, the stack checked on sampled experts against the
     weight the loader would have made (read once per stack, then dropped)."""
-    from baton.model.gguf_weights import _check
-
     for name, moe, kind, tensors in stacks:
         where = "+".join(t.name for t in tensors)
         if any(len(t.data) != moe.num_experts for t in tensors):
@@ -178,8 +182,6 @@ def load_gguf_experts(model: nn.Module, gguf_path: Path, kernels: Any, unread: U
     (baton.model.packed_cache): the first worker streams them into a file, a stack at a time (each
     pack freed once written), and every worker maps it; a worker that finds the file repacks and
     reads nothing, so workers loading at once never each hold the experts privately."""
-    from baton.model.gguf_weights import GGUFTensors
-
     config = model.config
     source = GGUFTensors(gguf_path, config.num_heads, config.num_kv_heads)
     stacks = _stacks(model, source)

@@ -235,18 +235,16 @@ Slot = tuple[tuple[Any, str, Any], list[list[str]]]  # ((owner, name, linear), i
 
 def gguf_projection_targets(model: nn.Module, gguf_path: Path) -> set[str]:
     """The parameter names of the projections the GGUF's blocks will serve (every slot not wholly
-    dense in the file) and of the MoE expert stacks they will (baton.model.gguf_experts): the loader
-    leaves them unread (`loader.load_model_deferring`), so that a worker never holds the dequantized
-    model beside its packs."""
-    from baton.model.gguf_experts import gguf_expert_targets
-
+    dense in the file): the loader leaves them unread (`loader.load_model_deferring`), so that a
+    worker never holds the dequantized model beside its packs (the MoE experts' stacks too:
+    baton.model.gguf_experts.gguf_block_targets)."""
     config = model.config
     source = GGUFTensors(gguf_path, config.num_heads, config.num_kv_heads)
-    targets = gguf_expert_targets(model, source)
     slots, sources = model.projection_slots(), _slot_sources(model)
     if len(slots) != len(sources):  # a layout this repack does not know: it says so when it runs
-        return targets
+        return set()
     names = {id(module): name for name, module in model.named_modules()}
+    targets = set()
     for (_, _, linear), alternatives in zip(slots, sources, strict=True):
         tensors = _slot_tensors(source, alternatives)
         if (tensors is not None and not all(source.type_name(t) in DENSE_TYPES for t in tensors)

@@ -26,7 +26,7 @@ from baton.model import runtime_env
 from baton.model.config import ModelConfig
 from baton.model.gated_deltanet import StatePool
 from baton.model.gguf_checkpoint import drop_all_touched_pages, release_readers
-from baton.model.gguf_weights import gguf_projection_targets
+from baton.model.gguf_experts import gguf_block_targets
 from baton.model.greedy import greedy_pick
 from baton.model.kv_groups import KVGroups, kv_groups
 from baton.model.kv_quant import is_quantized, resolve_kv_cache_dtype
@@ -215,7 +215,7 @@ def load_runtime(config: RuntimeConfig) -> ModelRuntime:
     # repack): loading never holds the dequantized model beside its packs
     defer = None
     if source is not None and serves_gguf_blocks(quantization, source, device, config.native_kernels):
-        defer = functools.partial(gguf_projection_targets, gguf_path=source)
+        defer = functools.partial(gguf_block_targets, gguf_path=source)
     # gpt-oss's MXFP4 experts: repacked without loss as Q8_0 ops at load, unless dense ones are asked for
     mxfp4_q8, expert_kernels = mxfp4_experts_plan(model_dir, config.quantization, config.dtype, device,
                                                   config.native_kernels)
