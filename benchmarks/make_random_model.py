@@ -28,7 +28,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import numpy as np
@@ -99,14 +99,27 @@ def write_q8_0_gguf(out: Path, tiny: bool, seed: int) -> int:
     return params
 
 
+def save_random_bf16(model_class: Any, config: Any, out: Path, seed: int) -> int:
+    """A seeded random-init `model_class(config)` saved in bf16 beside the default model's tokenizer."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from baton.common.model_files import resolve_model
+
+    torch.manual_seed(seed)
+    model = model_class(config).to(torch.bfloat16)
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(resolve_model(None)).save_pretrained(out)
+    params = sum(p.numel() for p in model.parameters())
+    print(f"{out}: {params / 1e6:.1f}M parameters, {2 * params / 1e6:.1f} MB in bf16")
+    return 0
+
+
 def write_qwen3_5(out: Path, seed: int) -> int:
     """Qwen3.5-0.8B's text shapes (hidden 1024, 24 layers, MLP 3584; attention every 4th layer: 8 heads
     of 256, 2 KV heads, a quarter of each head rotary; Gated DeltaNet: 16 key and 16 value heads of 128,
     conv 4), tied embeddings, with the default model's tokenizer (49152 ids, not Qwen's 248k), bf16."""
-    import torch
-    from transformers import AutoTokenizer, Qwen3_5ForCausalLM, Qwen3_5TextConfig
-
-    from baton.common.model_files import resolve_model
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
     config = Qwen3_5TextConfig(
         vocab_size=49152, hidden_size=1024, intermediate_size=3584, num_hidden_layers=24, num_attention_heads=8,
@@ -115,36 +128,21 @@ def write_qwen3_5(out: Path, seed: int) -> int:
         max_position_embeddings=32768, tie_word_embeddings=True, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
         rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
                          "mrope_section": [11, 11, 10], "mrope_interleaved": True})
-    torch.manual_seed(seed)
-    model = Qwen3_5ForCausalLM(config).to(torch.bfloat16)
-    model.save_pretrained(out)
-    AutoTokenizer.from_pretrained(resolve_model(None)).save_pretrained(out)
-    params = sum(p.numel() for p in model.parameters())
-    print(f"{out}: {params / 1e6:.1f}M parameters, {2 * params / 1e6:.1f} MB in bf16")
-    return 0
+    return save_random_bf16(Qwen3_5ForCausalLM, config, out, seed)
 
 
 def write_gemma3(out: Path, seed: int) -> int:
     """Gemma-3-1B's text shapes (hidden 1152, 26 layers, MLP 6912, 4 heads of 256, 1 KV head, a global
     layer every 6th and 512-token windows on the rest: the cache groups' model), tied embeddings, with
     the default model's tokenizer (49152 ids, not Gemma's 262k), bf16."""
-    import torch
-    from transformers import AutoTokenizer, Gemma3ForCausalLM, Gemma3TextConfig
-
-    from baton.common.model_files import resolve_model
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     config = Gemma3TextConfig(
         vocab_size=49152, hidden_size=1152, intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4,
         num_key_value_heads=1, head_dim=256, sliding_window=512, max_position_embeddings=32768,
         rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=True,
         query_pre_attn_scalar=256)
-    torch.manual_seed(seed)
-    model = Gemma3ForCausalLM(config).to(torch.bfloat16)
-    model.save_pretrained(out)
-    AutoTokenizer.from_pretrained(resolve_model(None)).save_pretrained(out)
-    params = sum(p.numel() for p in model.parameters())
-    print(f"{out}: {params / 1e6:.1f}M parameters, {2 * params / 1e6:.1f} MB in bf16")
-    return 0
+    return save_random_bf16(Gemma3ForCausalLM, config, out, seed)
 
 
 def main() -> int:

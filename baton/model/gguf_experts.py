@@ -97,7 +97,7 @@ def gguf_block_targets(model: nn.Module, gguf_path: Path) -> set[str]:
     (baton.model.gguf_weights) and the MoE expert stacks'."""
     config = model.config
     source = GGUFTensors(gguf_path, config.num_heads, config.num_kv_heads)
-    return gguf_projection_targets(model, gguf_path) | gguf_expert_targets(model, source)
+    return gguf_projection_targets(model, gguf_path, source) | gguf_expert_targets(model, source)
 
 
 def _expert_parts(source: Any, tensors: list[Any], expert: int) -> tuple[str, tuple[torch.Tensor, ...], str]:

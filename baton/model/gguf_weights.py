@@ -233,13 +233,13 @@ def _check(parts: tuple[torch.Tensor, ...], scheme: str, loaded: torch.Tensor,
 Slot = tuple[tuple[Any, str, Any], list[list[str]]]  # ((owner, name, linear), its tensors' alternatives)
 
 
-def gguf_projection_targets(model: nn.Module, gguf_path: Path) -> set[str]:
+def gguf_projection_targets(model: nn.Module, gguf_path: Path, source: GGUFTensors | None = None) -> set[str]:
     """The parameter names of the projections the GGUF's blocks will serve (every slot not wholly
     dense in the file): the loader leaves them unread (`loader.load_model_deferring`), so that a
     worker never holds the dequantized model beside its packs (the MoE experts' stacks too:
     baton.model.gguf_experts.gguf_block_targets)."""
-    config = model.config
-    source = GGUFTensors(gguf_path, config.num_heads, config.num_kv_heads)
+    if source is None:  # (the caller's, where it has one: a Qwen3.5 file's reads its config again)
+        source = GGUFTensors(gguf_path, model.config.num_heads, model.config.num_kv_heads)
     slots, sources = model.projection_slots(), _slot_sources(model)
     if len(slots) != len(sources):  # a layout this repack does not know: it says so when it runs
         return set()
