@@ -34,15 +34,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from baton.model import packed_cache
 from baton.model.gguf_checkpoint import drop_touched_pages
-from baton.model.gguf_weights import (DENSE_TYPES, FOUR_BIT_TYPES, GGUFTensors, _check, gguf_projection_targets,
-                                      unpack_q4, unpack_q8_0)
+from baton.model.gguf_weights import (DENSE_TYPES, GGUFTensors, _check, gguf_projection_targets, served_parts,
+                                      shared_packs_file)
 from baton.model.linear import QuantizedLinear
 from baton.model.loader import UnreadWeights
 from baton.model.moe import SparseMoE
 from baton.model.packed_cache import PackedSlot, SharedPacks
-from baton.model.q_blocks import quantize_q8_0
 
 logger = logging.getLogger("baton.model.gguf_experts")
 
@@ -107,16 +105,13 @@ def _expert_parts(source: Any, tensors: list[Any], expert: int) -> tuple[str, tu
     types = [source.type_name(t) for t in tensors]
     shapes = [(int(t.shape[1]), int(t.shape[0])) for t in tensors]  # ggml: [in, rows, experts]
     raws = [np.asarray(t.data[expert]) for t in tensors]  # [rows, bytes per row] each
-    label = "+".join(sorted(set(types)))
-    if all(t == "Q8_0" for t in types):
-        unpacked = [unpack_q8_0(raw, n, k) for raw, (n, k) in zip(raws, shapes)]
-        return "q8_0", tuple(torch.cat(ps) for ps in zip(*unpacked)), label
-    if all(t in FOUR_BIT_TYPES for t in types):
-        unpacked4 = [unpack_q4(raw, kind, n, k) for raw, kind, (n, k) in zip(raws, types, shapes)]
-        return "q4", tuple(torch.cat(ps) for ps in zip(*unpacked4)), label
-    weight = torch.cat([torch.from_numpy(np.asarray(dequantize(raw, t.tensor_type), dtype=np.float32)).reshape(n, k)
-                        for raw, t, (n, k) in zip(raws, tensors, shapes)])
-    return "q8_0", quantize_q8_0(weight), label + " requantized to Q8_0"
+
+    def dense(i: int) -> torch.Tensor:
+        return torch.from_numpy(np.asarray(dequantize(raws[i], tensors[i].tensor_type), dtype=np.float32)
+                                ).reshape(shapes[i])
+
+    scheme, parts, requantized = served_parts(types, shapes, raws.__getitem__, dense)
+    return scheme, parts, "+".join(sorted(set(types))) + (" requantized to Q8_0" if requantized else "")
 
 
 Stack = tuple[str, SparseMoE, str, list[Any]]  # (module name, its MoE, expert kind, the GGUF tensors)
@@ -160,18 +155,8 @@ def _packs(source: Any, stacks: list[Stack], kernels: Any,
 
 
 def _shared_packs(gguf_path: Path, stacks: list[Stack], kernels: Any) -> SharedPacks | None:
-    """The machine's file of this GGUF's expert packs, where the native kernels pack (else None)."""
-    if kernels is None or not kernels.q8_available() or not packed_cache.enabled():
-        return None
-    import transformers
-
-    layout = {"experts": [[name, kind, [t.name for t in tensors]] for name, _, kind, tensors in stacks],
-              "isa": kernels.qgemv_isa(), "transformers": transformers.__version__}
-    try:
-        return SharedPacks(packed_cache.cache_key(gguf_path, layout))
-    except OSError as exc:
-        logger.warning("GGUF %s: no shared expert packs (%s): this worker keeps its own copy", gguf_path.name, exc)
-        return None
+    layout = {"experts": [[name, kind, [t.name for t in tensors]] for name, _, kind, tensors in stacks]}
+    return shared_packs_file(gguf_path, layout, kernels, "expert packs")
 
 
 def load_gguf_experts(model: nn.Module, gguf_path: Path, kernels: Any, unread: UnreadWeights | None) -> dict[str, int]:

@@ -31,7 +31,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -179,6 +179,21 @@ class GGUFTensors:
         return torch.from_numpy(gguf.quants.dequantize(rows, tensor.tensor_type).astype(np.float32)).reshape(n, k)
 
 
+def served_parts(types: list[str], shapes: list[tuple[int, int]], rows: Callable[[int], np.ndarray],
+                 dequantized: Callable[[int], torch.Tensor]) -> tuple[str, tuple[torch.Tensor, ...], bool]:
+    """The kernel op's scheme and parts for quantized tensors of these types and [n, k] shapes, joined
+    along the rows: Q8_0 or 4-bit blocks as stored (`rows(i)`: tensor i's rows of blocks), any other
+    type or a mix dequantized (`dequantized(i)`) and requantized to Q8_0 (then the third item is True)."""
+    if all(t == "Q8_0" for t in types):
+        unpacked = [unpack_q8_0(rows(i), n, k) for i, (n, k) in enumerate(shapes)]
+        return "q8_0", tuple(torch.cat(ps) for ps in zip(*unpacked)), False
+    if all(t in FOUR_BIT_TYPES for t in types):
+        unpacked4 = [unpack_q4(rows(i), t, n, k) for i, (t, (n, k)) in enumerate(zip(types, shapes))]
+        return "q4", tuple(torch.cat(ps) for ps in zip(*unpacked4)), False
+    weight = torch.cat([dequantized(i) for i in range(len(types))])
+    return "q8_0", quantize_q8_0(weight), True
+
+
 def _slot_sources(model: nn.Module) -> list[list[list[str]]]:
     """Per projection slot (`model.projection_slots()`, in its order), the alternatives of Hugging Face
     module names it is made of: separate parts (q, k, v; gate, up) first, an already fused tensor (Phi-3)
@@ -291,23 +306,28 @@ def _counts(slots: list[PackedSlot]) -> dict[str, int]:
     return dict(collections.Counter(slot.label for slot in slots))
 
 
-def _shared_packs(gguf_path: Path, model: nn.Module, slots: list[Slot], kernels: Any) -> SharedPacks | None:
-    """The machine's cache file for this GGUF's packs, where the native kernels pack (else None)."""
+def shared_packs_file(gguf_path: Path, layout: dict[str, Any], kernels: Any, what: str) -> SharedPacks | None:
+    """The machine's cache file of packs made from this GGUF in `layout` (with the kernels' ISA and
+    transformers' version), where the native kernels pack (else None: each worker packs its own)."""
     if kernels is None or not kernels.q8_available() or not packed_cache.enabled():
         return None
     import transformers
 
+    layout = layout | {"isa": kernels.qgemv_isa(), "transformers": transformers.__version__}
+    try:
+        return SharedPacks(packed_cache.cache_key(gguf_path, layout))
+    except OSError as exc:
+        logger.warning("GGUF %s: no shared %s (%s): this worker keeps its own copy", gguf_path.name, what, exc)
+        return None
+
+
+def _shared_packs(gguf_path: Path, model: nn.Module, slots: list[Slot], kernels: Any) -> SharedPacks | None:
     config = model.config
     # what decides the bytes besides the file: the rows' order (transformers' un-permutation, by the
     # head counts) and which tensors make each slot; the check against the loaded weights runs only
     # when the packs are made, so a transformers upgrade packs anew rather than trusting old bytes
-    layout = {"heads": [config.num_heads, config.num_kv_heads], "isa": kernels.qgemv_isa(),
-              "transformers": transformers.__version__, "slots": [alternatives for _, alternatives in slots]}
-    try:
-        return SharedPacks(packed_cache.cache_key(gguf_path, layout))
-    except OSError as exc:
-        logger.warning("GGUF %s: no shared packed weights (%s): this worker keeps its own copy", gguf_path.name, exc)
-        return None
+    layout = {"heads": [config.num_heads, config.num_kv_heads], "slots": [alternatives for _, alternatives in slots]}
+    return shared_packs_file(gguf_path, layout, kernels, "packed weights")
 
 
 def _fits(mapped: list[PackedSlot], slots: list[Slot]) -> bool:
@@ -364,16 +384,10 @@ def _packs(model: nn.Module, gguf_path: Path, slots: list[Slot], kernels: Any,
         order = orders[0] if len(tensors) == 1 else None
         if any(o is not None for o in orders) and order is None:
             raise ValueError(f"the GGUF's {where}: parts whose columns are reordered cannot be joined")
-        if all(t == "Q8_0" for t in types):
-            unpacked = [unpack_q8_0(source.rows(t), *source.shape(t)) for t in tensors]
-            scheme, parts = "q8_0", tuple(torch.cat(ps) for ps in zip(*unpacked))
-        elif all(t in FOUR_BIT_TYPES for t in types):
-            unpacked4 = [unpack_q4(source.rows(t), source.type_name(t), *source.shape(t)) for t in tensors]
-            scheme, parts = "q4", tuple(torch.cat(ps) for ps in zip(*unpacked4))
-        else:
-            weight = torch.cat([source.dequantized(t) for t in tensors])
-            scheme, parts = "q8_0", quantize_q8_0(weight)
-            del weight
+        scheme, parts, requantizes = served_parts(types, [source.shape(t) for t in tensors],
+                                                  lambda i: source.rows(tensors[i]),
+                                                  lambda i: source.dequantized(tensors[i]))
+        if requantizes:
             requantized["/".join(sorted(set(types)))] += 1
         if tuple(parts[0].shape) != tuple(linear.weight.shape):
             raise ValueError(f"the GGUF's {where} is {tuple(parts[0].shape)}, the model's projection "

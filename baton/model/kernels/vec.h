@@ -63,6 +63,38 @@ inline __m256 load_bf16x8(const c10::BFloat16* p) {
   const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
 }
+
+// 8 fp32 rounded to bf16's precision (nearest even, as torch converts), kept as fp32 (NaN not expected).
+inline __m256 round_bf16x8(__m256 y) {
+  const __m256i bits = _mm256_castps_si256(y);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+  return _mm256_castsi256_ps(_mm256_and_si256(rounded, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+// exp_avx512's algorithm in 8 lanes (AVX2 has no scalef: 2^n is made as 2^(n/2) * 2^(n - n/2) from
+// exponent bits, so that large |x| still underflows to 0 or overflows to inf, as exp does).
+inline __m256 exp_avx2(__m256 x) {
+  const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.4426950408889634f));
+  __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(t, n);
+  __m256 p = _mm256_set1_ps(1.5403530393381606e-4f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558146428443e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291076284772e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504108664821580e-2f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022650695910071e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718055994531e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  n = _mm256_min_ps(_mm256_max_ps(n, _mm256_set1_ps(-252.f)), _mm256_set1_ps(254.f));  // NaN -> -252, p NaN
+  const __m256i ni = _mm256_cvtps_epi32(n);
+  const __m256i half = _mm256_srai_epi32(ni, 1);
+  const __m256i bias = _mm256_set1_epi32(127);
+  const __m256 s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, bias), 23));
+  const __m256 s2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(ni, half), bias), 23));
+  return _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
+}
 #endif
 
 #if defined(__AVX512F__)
