@@ -108,6 +108,36 @@ def test_add_rms_norm_equals_the_reference_and_updates_the_residual():
 
 
 @needs_native
+def test_add_offset_rms_norm_equals_gemmas_norm_and_reads_strided_heads():
+    """Gemma's (and Qwen3.5's) norm, x_hat * (1 + w) in fp32 rounded once, with the residual add
+    fused: the same bits as the reference's ops; without a delta it reads rows of a strided view
+    (a layer's q heads, each followed by its gate) and leaves them as they were."""
+    from baton.model.model import RMSNorm
+
+    gen = torch.Generator().manual_seed(5)
+    norm = RMSNorm(1024, 1e-6, "gemma").to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(1024, generator=gen) * 0.5)
+    x = (torch.randn(5, 1024, generator=gen) * 4).to(torch.bfloat16)
+    delta = torch.randn(5, 1024, generator=gen).to(torch.bfloat16)
+    residual = x.clone()
+    out = native.add_offset_rms_norm(residual, delta, norm.weight, 1e-6)
+    assert torch.equal(residual, x + delta)
+    with torch.inference_mode():
+        assert torch.equal(out, norm(x + delta))  # norm.native is None: the reference's ops
+    query_gate = torch.randn(3, 8, 2 * 256, generator=gen).to(torch.bfloat16)
+    q = query_gate.chunk(2, dim=-1)[0]  # [3, 8, 256], rows 512 apart
+    head_norm = RMSNorm(256, 1e-6, "gemma").to(torch.bfloat16)
+    with torch.inference_mode():
+        expected = head_norm(q)
+        head_norm.native = native.add_offset_rms_norm
+        got = head_norm(q)
+    before = query_gate.clone()
+    assert torch.equal(got, expected) and got.shape == q.shape
+    assert torch.equal(query_gate, before)
+
+
+@needs_native
 def test_bf16_model_with_native_kernels_matches_its_torch_path(tiny_model_dir):
     """The same bf16 weights through the native kernels (fused norms, paged decode, packed matmuls)
     and through plain torch ops give the same greedy tokens and near-equal logprobs."""

@@ -99,6 +99,7 @@ class PagedAttention:
         self.sinks: torch.Tensor | None = None
         self.paged_kernel: Any = None  # the compiled module; set by `use_native_kernel`
         self.decode_style_prefill = False  # set by `use_native_kernel` (batch-invariant mode)
+        self.fused = False  # set by `use_native_kernel`: RoPE, KV write and attention in one call
         self.kv_dtype: torch.dtype | None = None  # int8 / fp8: a quantized cache (`use_kv_dtype`)
 
     def use_kv_dtype(self, dtype: torch.dtype) -> None:
@@ -115,14 +116,17 @@ class PagedAttention:
         kv = dequantize_rows(as_bytes(kv_cache).index_select(dim, index).view(kv_cache.dtype), dtype)
         return kv[0], kv[1]
 
-    def use_native_kernel(self, kernel: Any, decode_style_prefill: bool = False) -> None:
+    def use_native_kernel(self, kernel: Any, decode_style_prefill: bool = False, fused: bool = True) -> None:
         """decode_style_prefill: attend every prefill query with the paged decode kernel, over its own
         causal context in the cache, so that a token's attention (and KV above layer 0) is the same
         number whether it was computed in a prefill chunk (any chunking, any batch) or in a decode
         step: a request recomputed from prompt + generated tokens (a takeover whose KV is missing
-        from the store, a preemption) continues with the tokens it would have produced."""
+        from the store, a preemption) continues with the tokens it would have produced.
+        fused=False: the kernel attends decode queries only; the layer's own ops make q and k (a
+        family whose norms or rotary the fused call does not do: `CausalLM.prepare`)."""
         self.paged_kernel = kernel
         self.decode_style_prefill = decode_style_prefill and kernel is not None
+        self.fused = fused and kernel is not None
 
     @property
     def pads_decode(self) -> bool:
@@ -133,7 +137,7 @@ class PagedAttention:
     def fuses_decode(self) -> bool:
         """Whether a decode-only step's RoPE, KV write and attention run as one native call (bf16 on
         the CPU with the kernels built; the kernel is attached only for bf16)."""
-        return self.paged_kernel is not None
+        return self.fused
 
     def rope_write_decode(self, qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,
                           kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

@@ -135,11 +135,16 @@ class HybridLayer(nn.Module):
         if self.linear_attn is not None:
             with self.denormals_flushed():  # (HybridModel.forward says when: per step, or per state layer)
                 branch = self.linear_attn(h, pool, state)
-            self._add(x, branch)
         else:
             assert self.self_attn is not None
-            self._add(x, self.self_attn(h, cos, sin, kv_cache[self.kv_index], meta))
-        self._add(x, self.mlp(self.post_attention_layernorm(x)))
+            branch = self.self_attn(h, cos, sin, kv_cache[self.kv_index], meta)
+        post = self.post_attention_layernorm
+        if post.native is not None and self.residual_multiplier == 1.0 and x.dtype == torch.bfloat16:
+            h = post.native(x, branch, post.weight, post.eps)  # x += branch and the norm, one native call
+        else:
+            self._add(x, branch)
+            h = post(x)
+        self._add(x, self.mlp(h))
         return x
 
     def _add(self, x: torch.Tensor, branch: torch.Tensor) -> None:

@@ -64,9 +64,14 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim) if kind == "rms" else torch.zeros(dim))
         self.eps = eps
         self.kind = kind
+        # the native add + norm for the "gemma" kind in bf16 on the CPU (kernels' add_offset_rms_norm:
+        # (x, delta or None, weight, eps)), installed by CausalLM.prepare; None: the torch ops
+        self.native: Any = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., dim] -> [..., dim]
+        if self.native is not None and x.dtype == torch.bfloat16:
+            return self.native(x.reshape(-1, x.shape[-1]), None, self.weight, self.eps).view(x.shape)
         if self.kind == "gemma":
             h = x.float()
             h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -281,7 +286,11 @@ class CausalLM(nn.Module):
         why = f" ({', '.join(self.native_unsupported)})" if self.path == "torch" and self.native_unsupported else ""
         kv = self.layers[0].self_attn.backend.kv_dtype if self.layers else None
         cache = f"; {str(kv).removeprefix('torch.')} KV cache" if kv is not None else ""
-        return f"{self.config.model_type}: {self.path} path{why}{cache}"
+        attns = [layer.self_attn for layer in self.layers if getattr(layer, "self_attn", None) is not None]
+        native = sum(1 for attn in attns if getattr(getattr(attn, "backend", None), "paged_kernel", None) is not None)
+        decode = (f"; decode attention native on {native} of {len(attns)} layers"
+                  if self.path == "torch" and native else "")
+        return f"{self.config.model_type}: {self.path} path{why}{decode}{cache}"
 
     def use_kv_dtype(self, dtype: torch.dtype) -> None:
         """Attend over a KV cache of `dtype` (int8, fp8: quantized rows, `baton.model.kv_quant`;
@@ -364,9 +373,16 @@ class CausalLM(nn.Module):
         for layer in self.layers:
             # batch-invariant: prefill queries attend as decode steps do (see PagedAttention); a
             # hybrid's state layer has no attention (None)
-            if layer.self_attn is not None:
+            if layer.self_attn is not None and layer_kernel is not None:
                 layer.self_attn.backend.use_native_kernel(layer_kernel,
                                                           decode_style_prefill=fast_linears and mode == "full")
+            elif layer.self_attn is not None:
+                # a family the fused layer kernels do not do (q/k norms, partial rotary, state layers,
+                # MoE...): its decode queries still attend in place over the paged cache where the
+                # attention itself is plain; the torch path gathered every block of the context into
+                # a padded copy per step (its cost grows with the context)
+                plain = kernel is not None and self._attends_plainly(layer.self_attn)
+                layer.self_attn.backend.use_native_kernel(kernel if plain else None, fused=False)
             if isinstance(layer.mlp, MLP):
                 layer.mlp.silu_mul = layer_kernel.silu_mul if layer_kernel is not None else None
         # MLA (one KV head of width kv_lora_rank + rope, 576 in V3, shared by up to 128 query heads) is
@@ -381,12 +397,27 @@ class CausalLM(nn.Module):
                         attn.sliding and self.config.chunked_window):
                     attn.backend = to_triton(attn.backend, self.config.sliding_window if attn.sliding else None)
         self.fused_norm = layer_kernel.add_rms_norm if layer_kernel is not None else None
+        # Gemma-kind norms (Gemma 2/3, Qwen3.5, Qwen3-Next) as one native call each in bf16
+        offset_norm = kernel.add_offset_rms_norm if kernel is not None and layer_kernel is None else None
+        for module in self.modules():
+            if isinstance(module, RMSNorm) and module.kind == "gemma":
+                module.native = offset_norm
         self.layer_kernel = layer_kernel
         self.path = "native" if layer_kernel is not None else "torch"
         self.choices = PathChoices(mode, native_kernels, gemv_amx, use_triton)
         self.layers_plan = None
         if build_plan:
             self.build_layers_plan()
+
+    def _attends_plainly(self, attn: Attention) -> bool:
+        """Whether the paged decode kernel computes this layer's decode attention: softmax(q k^T *
+        scale) v over the whole context (no window, chunk, sinks, soft-capping, latent KV, or Gemma
+        4's layer kinds, which the torch path does)."""
+        config = self.config
+        if config.attention_sinks or config.chunked_window or config.kv_lora_rank or config.gemma4:
+            return False
+        backend = getattr(attn, "backend", None)
+        return type(backend) is PagedAttention and backend.softcap is None and not getattr(attn, "sliding", True)
 
     def drop_projection_weight(self, linear: nn.Linear) -> int:
         """Free a projection's own weight once its op holds the copy it reads (a pack, quantized

@@ -147,10 +147,11 @@ class ModelRunner:
     @property
     def pads_decode(self) -> bool:
         """Whether decode attention pads to the longest context (the torch path): then group."""
-        # a hybrid's first layer may be a state layer: ask the first attention layer
-        attn = next((layer.self_attn for layer in self.model.layers if getattr(layer, "self_attn", None) is not None),
-                    None)
-        return attn.backend.pads_decode if attn is not None else True
+        # any attention layer on the torch path needs the padded groups' masks (a hybrid's state
+        # layers have none; Gemma 3's window layers pad where its global layers attend natively)
+        backends = [layer.self_attn.backend for layer in self.model.layers
+                    if getattr(layer, "self_attn", None) is not None]
+        return not backends or any(backend.pads_decode for backend in backends)
 
     def _decode_groups(self, context_lens: list[int]) -> list[tuple[int, int]]:
         if self.pads_decode:
