@@ -281,8 +281,9 @@ def test_the_event_loop_stays_responsive_under_the_heaviest_legal_requests(gatew
     assert statuses == {i: 200 for i in range(len(threads))}, statuses
     p99 = latencies[int(0.99 * (len(latencies) - 1))]
     assert len(latencies) > 100
-    # A locked loop answers /health after the heavy requests are done (seconds); 0.5 s leaves room
+    # A locked loop answers /health after the heavy requests are done (seconds); 1.5 s leaves room
     # for the 2-core machine this shares with the worker, the poller and ten clients (p99 there:
-    # 60-250 ms).
-    assert p99 < 0.5, f"/health p99 {p99 * 1000:.0f} ms (max {latencies[-1] * 1000:.0f} ms)"
+    # 60-250 ms on a quiet VM; 855 ms, max 1.7 s, on a noisy AMD Zen 3 VM on 2026-12-07, where the
+    # former 0.5 s bound failed one run in two with or without that day's changes).
+    assert p99 < 1.5, f"/health p99 {p99 * 1000:.0f} ms (max {latencies[-1] * 1000:.0f} ms)"
     assert released(url, timeout=10)
