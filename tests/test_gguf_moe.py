@@ -179,8 +179,11 @@ def test_a_qwen3_moe_ggufs_experts_are_served_in_its_own_blocks(qwen3_moe, promp
     from baton.model.gguf_checkpoint import GGUFCheckpoint, release_readers
 
     monkeypatch.setenv("BATON_PACKED_CACHE", "off")
+    read = record_whole_reads(monkeypatch)
     with caplog.at_level(logging.INFO, logger="baton.model.gguf_experts"):
         llm = LLM(model=str(qwen3_moe["gguf"]), num_kv_blocks=128)
+    # the load check read its sampled experts alone: never a layer's whole dense stack
+    assert not [target for target in read if ".experts_" in target], read
     served = [r.getMessage() for r in caplog.records if "MoE experts served" in r.getMessage()]
     layers = SMALL["num_hidden_layers"]
     assert served and f"{layers} Q4_0 stacks, {layers} Q5_0 requantized to Q8_0 stacks (" in served[0], served
@@ -191,6 +194,8 @@ def test_a_qwen3_moe_ggufs_experts_are_served_in_its_own_blocks(qwen3_moe, promp
         assert moe.experts_gate_up is None and moe.experts_down is None
         gate_up, down = (weights[f"layers.{index}.mlp.experts.{k}"] for k in ("gate_up_proj", "down_proj"))
         for expert, (gate_up_op, down_op) in enumerate(moe.expert_ops):
+            for kind, stack in (("gate_up_proj", gate_up), ("down_proj", down)):
+                assert torch.equal(weights.expert_slice(f"layers.{index}.mlp.experts.{kind}", expert), stack[expert])
             assert isinstance(gate_up_op, QuantizedLinear) and (gate_up_op.scheme, down_op.scheme) == ("q4", "q8_0")
             rows = gate_up_op.rows(torch.arange(gate_up_op.out_features), torch.float32)
             assert torch.equal(rows, gate_up[expert])
@@ -209,10 +214,26 @@ def test_a_qwen3_moe_ggufs_experts_are_served_in_its_own_blocks(qwen3_moe, promp
     assert_first_tokens_near_ties(llm, hf, prompts)
 
 
+def record_whole_reads(monkeypatch) -> list[str]:
+    """The parameters the load reads whole through `UnreadWeights.read` (recorded as it runs)."""
+    from baton.model.loader import UnreadWeights
+
+    read: list[str] = []
+    whole = UnreadWeights.read
+
+    def recording(self: UnreadWeights, target: str) -> torch.Tensor:
+        read.append(target)
+        return whole(self, target)
+
+    monkeypatch.setattr(UnreadWeights, "read", recording)
+    return read
+
+
 def test_a_moe_ggufs_expert_packs_are_written_once_and_mapped_by_the_next_worker(qwen3_moe, prompts, caplog,
                                                                                  monkeypatch, tmp_path):
     """The first load streams the expert packs into the machine's packed cache and serves them from
-    the file; a second load maps that file and neither repacks nor reads an expert stack; both give
+    the file (reading the experts it checks alone, never a whole stack); a second load maps that file
+    and neither repacks nor reads an expert; both give
     the tokens of a load that keeps private packs."""
     from baton.model import loader
 
@@ -220,17 +241,24 @@ def test_a_moe_ggufs_expert_packs_are_written_once_and_mapped_by_the_next_worker
     private = tokens_of(LLM(model=str(qwen3_moe["gguf"]), num_kv_blocks=128).generate(prompts, greedy()))
     monkeypatch.setenv("BATON_PACKED_CACHE", "on")
     monkeypatch.setenv("BATON_CACHE", str(tmp_path / "cache"))
-    reads: list[str] = []
-    read = loader.UnreadWeights.read
-    monkeypatch.setattr(loader.UnreadWeights, "read", lambda self, target: reads.append(target) or read(self, target))
-    for verb, expected_reads in (("written to", 2 * SMALL["num_hidden_layers"]), ("mapped from", 0)):
+    reads = record_whole_reads(monkeypatch)
+    expert_reads: list[tuple[str, int]] = []
+    read_expert = loader.UnreadWeights.read_expert
+    monkeypatch.setattr(loader.UnreadWeights, "read_expert", lambda self, target, expert: expert_reads.append(
+        (target, expert)) or read_expert(self, target, expert))
+    # written: the sampled experts of each stack (first, middle, last) read alone to check the packs
+    checked = [(f"layers.{i}.mlp.{kind}", e) for i in range(SMALL["num_hidden_layers"])
+               for kind in ("experts_gate_up", "experts_down") for e in (0, 4, 7)]  # of 8
+    for verb, expected_reads in (("written to", checked), ("mapped from", [])):
         reads.clear()
+        expert_reads.clear()
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="baton.model.gguf_experts"):
             llm = LLM(model=str(qwen3_moe["gguf"]), num_kv_blocks=128)
         [served] = [r.getMessage() for r in caplog.records if "MoE experts served" in r.getMessage()]
         assert f"({verb} {tmp_path / 'cache' / 'packed'}" in served, served
-        assert len([r for r in reads if ".experts_" in r]) == expected_reads, reads
+        assert not [r for r in reads if ".experts_" in r], reads  # never a whole stack
+        assert expert_reads == expected_reads
         ops = [op for layer in llm.engine.runtime.model.layers for pair in layer.mlp.expert_ops for op in pair]
         assert len(ops) == 2 * EXPERTS * SMALL["num_hidden_layers"] and all(op.shared for op in ops)
         assert tokens_of(llm.generate(prompts, greedy())) == private

@@ -19,6 +19,7 @@ from baton.model.linear import QuantizedLinear
 
 from baton import LLM
 from tests.qwen35_gguf import write_qwen35_gguf
+from tests.test_gguf_moe import record_whole_reads
 from tests.test_families import (assert_bf16_near_ties_only, assert_first_tokens_near_ties, greedy,  # noqa: F401
                                  hf_greedy, prompts, tokens_of)
 from tests.test_hybrid import build_hybrid
@@ -112,8 +113,8 @@ def hf_over_the_files_weights(files: dict[str, Path]) -> Any:
 def test_a_qwen35_moe_ggufs_experts_are_served_from_its_own_blocks(qwen35, prompts, caplog,  # noqa: F811
                                                                     monkeypatch):
     """A MoE's experts (most of its bytes) as the file's blocks, one Q8_0 op per expert and kind, never
-    dequantized to a dense stack (the loader leaves the stacks unread; each layer's is read once to
-    check sampled experts against it): each op's weight is transformers' dequantization of the file's
+    dequantized to a dense stack (the loader leaves the stacks unread; the load check reads its
+    sampled experts alone, never a whole stack): each op's weight is transformers' dequantization of the file's
     expert bit for bit, each expert's output the dense matmul's to the kernel's rounding (it quantizes
     the activations per block of 32, as llama.cpp's does), and the first greedy token of each prompt
     transformers' float32 one but at near-ties. (Later tokens are not compared: this tiny MoE's
@@ -123,8 +124,10 @@ def test_a_qwen35_moe_ggufs_experts_are_served_from_its_own_blocks(qwen35, promp
 
     monkeypatch.setenv("BATON_PACKED_CACHE", "off")
     files = qwen35("qwen3_5_moe_text")
+    read = record_whole_reads(monkeypatch)
     with caplog.at_level(logging.INFO, logger="baton.model.gguf_experts"):
         llm = LLM(model=str(files["q8_0"]), num_kv_blocks=128)
+    assert not [target for target in read if ".experts_" in target], read  # sampled experts read alone
     served = [r.getMessage() for r in caplog.records if "MoE experts served" in r.getMessage()]
     assert served and "8 Q8_0 stacks (" in served[0], served  # 4 MoE layers x (gate_up, down)
     file_weights = GGUFCheckpoint(files["q8_0"], resolve_model(str(files["q8_0"])))
@@ -135,7 +138,9 @@ def test_a_qwen35_moe_ggufs_experts_are_served_from_its_own_blocks(qwen35, promp
         assert moe.expert_ops is not None and len(moe.expert_ops) == moe.num_experts
         stacks = [file_weights[f"layers.{index}.mlp.experts.{kind}"] for kind in ("gate_up_proj", "down_proj")]
         for expert, ops in enumerate(moe.expert_ops):
-            for op, stack in zip(ops, stacks):
+            for op, stack, kind in zip(ops, stacks, ("gate_up_proj", "down_proj")):
+                assert torch.equal(file_weights.expert_slice(f"layers.{index}.mlp.experts.{kind}", expert),
+                                   stack[expert])
                 assert isinstance(op, QuantizedLinear) and op.scheme == "q8_0"
                 assert torch.equal(op.rows(torch.arange(op.out_features), torch.float32), stack[expert])
             gate, up = (x.float() @ stacks[0][expert].T).chunk(2, dim=-1)

@@ -10,8 +10,8 @@ and each expert's slice of the file's blocks becomes the native kernel's op with
 Q8_0 as int8 blocks, Q4_0 / Q4_1 / Q4_K as 4-bit ones (gate and up joined, gate rows first, as the
 dense stack has them), any other type (Q4_K_M's Q6_K down experts, Q5_K, ...) dequantized and
 requantized to Q8_0 one expert at a time. Each layer's ops are checked on sampled experts and rows
-against the dense stack the loader would have made (read then, one layer at a time), so a mapping
-mistake is an error at load. With the native kernels the first worker streams the packs into a file
+against those experts as the loader would have made them (each read alone, `UnreadWeights.read_expert`:
+never a layer's whole dense stack), so a mapping mistake is an error at load. With the native kernels the first worker streams the packs into a file
 of the machine's packed cache, a stack at a time, and every worker maps it read-only: one copy per
 machine, and a worker that finds the file repacks and reads nothing (baton.model.packed_cache).
 
@@ -139,18 +139,19 @@ def _packs(source: Any, stacks: list[Stack], kernels: Any,
         if any(len(t.data) != moe.num_experts for t in tensors):
             raise ValueError(f"the GGUF's {where} holds {len(tensors[0].data)} experts, the model {moe.num_experts}")
         param = getattr(moe, kind)
-        loaded = unread.read(f"{name}.{kind}") if param.is_meta and unread is not None else param
         checked = set(np.linspace(0, moe.num_experts - 1, CHECKED_EXPERTS).round().astype(int).tolist())
         for expert in range(moe.num_experts):
             scheme, parts, label = _expert_parts(source, tensors, expert)
-            if tuple(parts[0].shape) != tuple(loaded.shape[1:]):
+            if tuple(parts[0].shape) != tuple(param.shape[1:]):
                 raise ValueError(f"the GGUF's {where} expert {expert} is {tuple(parts[0].shape)}, the model's "
-                                 f"{tuple(loaded.shape[1:])}")
+                                 f"{tuple(param.shape[1:])}")
             if expert in checked:
-                _check(parts, scheme, loaded[expert], f"{where} expert {expert}")
+                # the expert as the loader would have made it, read alone (never the layer's whole stack)
+                loaded = (unread.read_expert(f"{name}.{kind}", expert) if param.is_meta and unread is not None
+                          else param[expert])
+                _check(parts, scheme, loaded, f"{where} expert {expert}")
             op = QuantizedLinear(scheme, parts, None, kernels)
             yield PackedSlot(label, scheme, op.out_features, op.in_features, op.packed), op
-        del loaded
         drop_touched_pages(source.reader)
 
 

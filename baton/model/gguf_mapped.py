@@ -96,14 +96,25 @@ class MappedGGUFTensors(Mapping[str, torch.Tensor]):
             [(_, tensor)] = sources
             return _dequantized(tensor)
         # several sources (experts' gate and up joined): in the converter's order of patterns
-        by_pattern = {pattern: _dequantized(tensor) for pattern, tensor in sources}
-        patterns = [p for p in converter.source_patterns if p in by_pattern]
-        values: dict[str, Any] = {p: by_pattern[p] for p in patterns}
-        for op in converter.operations:
-            values = op.convert(values, source_patterns=patterns, target_patterns=[name], full_layer_name=name)
-            patterns = list(values)
-        [result] = values.values()
-        return result.float().contiguous()
+        return _converted(converter, {pattern: _dequantized(tensor) for pattern, tensor in sources}, name)
+
+    def expert_slice(self, name: str, expert: int) -> torch.Tensor | None:
+        """`self[name][expert]` for a 3-D expert stack whose conversion only joins its sources along
+        the rows (gate and up): that expert's blocks dequantized, nothing else; None for any other."""
+        from transformers.core_model_loading import Concatenate
+
+        converter, sources = self._sources[name]
+        if any(tensor.data.ndim != 3 for _, tensor in sources):
+            return None
+        if converter is not None and not all(isinstance(op, Concatenate) and getattr(op, "dim", None) == 1
+                                              for op in converter.operations):
+            return None
+        # each source's slice kept 3-D ([1, rows, in]) so that the join runs as on the whole stack
+        by_pattern = {pattern: _dequantized_slice(tensor, expert) for pattern, tensor in sources}
+        if converter is None:
+            [result] = by_pattern.values()
+            return result[0].float().contiguous()
+        return _converted(converter, by_pattern, name)[0]
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._sources)
@@ -113,6 +124,17 @@ class MappedGGUFTensors(Mapping[str, torch.Tensor]):
 
     def __contains__(self, name: object) -> bool:
         return name in self._sources
+
+
+def _converted(converter: Any, by_pattern: dict[str | None, torch.Tensor], name: str) -> torch.Tensor:
+    """`converter`'s operations run on its sources (by source pattern), as transformers' load runs them."""
+    patterns = [p for p in converter.source_patterns if p in by_pattern]
+    values: dict[str, Any] = {p: by_pattern[p] for p in patterns}
+    for op in converter.operations:
+        values = op.convert(values, source_patterns=patterns, target_patterns=[name], full_layer_name=name)
+        patterns = list(values)
+    [result] = values.values()
+    return result.float().contiguous()
 
 
 ROWS_PER_SLICE = 4096
@@ -134,3 +156,11 @@ def _dequantized(tensor: Any) -> torch.Tensor:
         out[start:start + part.shape[0]] = part
     assert out is not None
     return torch.from_numpy(out)
+
+
+def _dequantized_slice(tensor: Any, expert: int) -> torch.Tensor:
+    """fp32 [1, rows, in]: one expert of a 3-D stack of blocks."""
+    from gguf import dequantize
+
+    return torch.from_numpy(np.array(dequantize(tensor.data[expert], tensor.tensor_type), dtype=np.float32,
+                                     copy=True)).unsqueeze(0)

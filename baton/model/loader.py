@@ -98,6 +98,10 @@ class _RenamedTensors(Mapping[str, torch.Tensor]):
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.tensors[self.names[name]]
 
+    def expert_slice(self, name: str, expert: int) -> torch.Tensor | None:
+        slicer = getattr(self.tensors, "expert_slice", None)
+        return slicer(self.names[name], expert) if slicer is not None else None
+
     def __iter__(self) -> Iterator[str]:
         return iter(self.names)
 
@@ -287,6 +291,24 @@ class UnreadWeights:
         recipe = self._recipes[target]
         found = next(a for a in range(len(recipe.alternatives)) if all(n in self._tensors for n in recipe.names(a)))
         return self._convert(target, _join(recipe, found, self._tensors))
+
+    def read_expert(self, target: str, expert: int) -> torch.Tensor:
+        """`read(target)[expert]` for a stacked expert parameter, reading only that expert where the
+        checkpoint can (a GGUF's blocks: `expert_slice`), so that checking a few sampled experts never
+        holds a layer's whole dense stack."""
+        recipe = self._recipes[target]
+        found = next(a for a in range(len(recipe.alternatives)) if all(n in self._tensors for n in recipe.names(a)))
+        parts = recipe.alternatives[found]
+        slicer = getattr(self._tensors, "expert_slice", None)
+        if len(parts) == 1 and len(parts[0]) == 1 and recipe.transform is None and slicer is not None:
+            one = slicer(parts[0][0], expert)
+            if one is not None:
+                return self._convert(target, one)
+        if len(parts) > 1 and recipe.transform is None:  # stacked from per-expert tensors: join that one
+            part = parts[expert]
+            return self._convert(target, self._tensors[part[0]] if len(part) == 1
+                                 else torch.cat([self._tensors[n] for n in part]))
+        return self.read(target)[expert]
 
 
 def _join(recipe: _Recipe, alternative: int, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
