@@ -346,6 +346,16 @@ def test_bf16_greedy_is_transformers_but_at_near_ties(family, hybrid_dir, prompt
     hf = hf_model(model_dir)
     llm = LLM(model=str(model_dir), dtype="bfloat16", num_kv_blocks=128, max_num_batched_tokens=16)
     assert_bf16_near_ties_only(llm, hf, prompts, family)
+    from baton.model.gated_deltanet import GatedDeltaNet
+
+    for layer in llm.engine.runtime.model.layers:  # b and a ran as one fp32 matmul (`join_gates`)
+        if isinstance(layer.linear_attn, GatedDeltaNet):
+            gates = layer.linear_attn.gates
+            assert gates is not None and gates.dtype == torch.float32
+            x = torch.randn(3, gates.shape[1]).to(torch.bfloat16)
+            separate = torch.cat([layer.linear_attn.in_proj_b(x), layer.linear_attn.in_proj_a(x)], dim=-1).float()
+            joined = torch.nn.functional.linear(x.float(), gates).to(torch.bfloat16).float()
+            assert (joined - separate).abs().max() <= 2 ** -7 * separate.abs().max()
 
 
 @pytest.mark.parametrize("dtype, kv_cache_dtype", [("bfloat16", "auto"), ("float32", "auto"), ("bfloat16", "fp8")])

@@ -292,6 +292,22 @@ class GatedDeltaNet(nn.Module):
         # the native decode step (kernels' gated_delta_decode), installed by HybridModel.prepare on
         # the CPU; None: the torch ops below
         self.kernel: Any = None
+        # b and a (one row per value head) as one fp32 weight [2 Hv, H] on a bf16 CPU model
+        # (`join_gates`); None: their own nn.Linear
+        self.gates: torch.Tensor | None = None
+
+    def join_gates(self) -> None:
+        """On the CPU in bf16 (or fp16): b and a as one fp32 matmul, the result rounded once to the
+        model's dtype, as the bf16 matmul rounds its fp32 sums (so the same values but for the order
+        of the sums). oneDNN's bf16 matmul has a fixed cost of ~20-70 us a call at these 16-32 rows,
+        two calls a state layer: a tenth of a Qwen3.5-0.8B decode step at batch 1; sgemm's is ~3 us.
+        (Not quantized with the other projections: the decays integrate a's errors over the whole
+        sequence; a Q8_0 a and b moved a tiny MoE's first token by 16 logits.)"""
+        first = self.in_proj_ba if self.dims.layout == "grouped" else self.in_proj_b
+        if first.weight.device.type != "cpu" or first.weight.dtype not in (torch.bfloat16, torch.float16):
+            return
+        weights = [first.weight] if self.dims.layout == "grouped" else [self.in_proj_b.weight, self.in_proj_a.weight]
+        self.gates = torch.cat([w.detach().float() for w in weights])
 
     def projection_slots(self) -> list[tuple[nn.Module, str, nn.Linear]]:
         return [(self, op, getattr(self, name)) for name, op in zip(self._linear_names, self.op_names)]
@@ -299,14 +315,16 @@ class GatedDeltaNet(nn.Module):
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         # x: [T, H] -> q|k|v [T, conv_dim], z [T, Hv, Dv], b [T, Hv], a [T, Hv]
         d, t = self.dims, x.shape[0]
+        joined = F.linear(x.float(), self.gates).to(x.dtype) if self.gates is not None else None  # [T, 2 Hv]
         if d.layout == "split":
-            return (self.qkv(x), self.z(x).view(t, d.num_v_heads, d.head_v_dim),
-                    self.in_proj_b(x), self.in_proj_a(x))
+            b, a = joined.split(d.num_v_heads, dim=-1) if joined is not None else (self.in_proj_b(x), self.in_proj_a(x))
+            return self.qkv(x), self.z(x).view(t, d.num_v_heads, d.head_v_dim), b, a
         # Qwen3-Next: per key head [q, k, v (rep heads), z (rep heads)] and [b (rep), a (rep)]
         rep = d.num_v_heads // d.num_k_heads
         qkvz = self.qkvz(x).view(t, d.num_k_heads, -1)
         q, k, v, z = torch.split(qkvz, [d.head_k_dim, d.head_k_dim, rep * d.head_v_dim, rep * d.head_v_dim], dim=2)
-        b, a = torch.split(self.in_proj_ba(x).view(t, d.num_k_heads, 2 * rep), [rep, rep], dim=2)
+        ba = joined if joined is not None else self.in_proj_ba(x)
+        b, a = torch.split(ba.view(t, d.num_k_heads, 2 * rep), [rep, rep], dim=2)
         qkv = torch.cat((q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)), dim=-1)
         return qkv, z.reshape(t, d.num_v_heads, d.head_v_dim), b.reshape(t, -1), a.reshape(t, -1)
 

@@ -235,6 +235,7 @@ class HybridModel(CausalLM):
         for layer in self.layers:
             deltanet = layer.linear_attn
             if isinstance(deltanet, GatedDeltaNet):  # (the kernel takes one dtype for all its tensors)
+                deltanet.join_gates()
                 same_dtype = deltanet.conv1d.weight.dtype == deltanet.norm.weight.dtype == param.dtype
                 deltanet.kernel = kernel if same_dtype else None
 
