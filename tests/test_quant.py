@@ -185,6 +185,33 @@ def test_without_the_kernel_the_weight_is_dequantized_per_call():
     assert not op.native and torch.equal(op(x), F.linear(x, dequantize_q8_0(q, d)))
 
 
+def _moved(runs: list[int], run: int) -> torch.Tensor:
+    return (torch.tensor(runs)[:, None] * run + torch.arange(run)).reshape(-1)
+
+
+@pytest.mark.parametrize("order, run", [
+    (_moved([0, 2, 4, 6, 1, 3, 5, 7], 8), 8),  # whole value heads moved (Qwen3.5's out_proj: tiled -> grouped)
+    (_moved(list(range(31, -1, -1)), 2), 2),  # pairs, reversed
+    (torch.randperm(64, generator=torch.Generator().manual_seed(0)), 1),  # single columns
+], ids=["heads", "pairs", "columns"])
+def test_an_input_order_reads_the_input_in_that_order(native, order, run):
+    """A weight whose blocks keep a GGUF's stored column order reads its input reordered, a run of
+    columns at a time where the order moves whole runs: the dense matmul of the weight with its
+    columns put back, and the same bits as gathering the input column by column."""
+    from baton.model.linear import column_runs
+
+    torch.manual_seed(3)
+    op, parts = quantized("q8_0", torch.randn(40, 64), None, native)
+    assert column_runs(order)[0] == run
+    x = torch.randn(5, 64).to(torch.bfloat16)
+    by_columns = op(x.index_select(-1, order))
+    op.input_order = order
+    got = op(x)
+    assert torch.equal(got, by_columns)
+    reference = F.linear(x.float(), dequantized(parts)[:, torch.argsort(order)])
+    assert (got.float() - reference).abs().max() <= 0.02 * reference.abs().max()
+
+
 def _perplexity(llm, token_ids: list[int]) -> float:
     from baton import SamplingParams
 

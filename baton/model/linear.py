@@ -329,6 +329,20 @@ def dequantize_q4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, dtype: torc
     return (q.float().reshape(n, k // Q8_BLOCK, Q8_BLOCK) * d16 + m16).reshape(n, k).to(dtype)
 
 
+def column_runs(order: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """A permutation of columns as (run, order of runs): the longest run length (a power of two up to
+    256) such that `order` moves whole aligned runs of that many consecutive columns; (1, order) if
+    none does."""
+    for run in (256, 128, 64, 32, 16, 8, 4, 2):
+        if order.numel() % run:
+            continue
+        rows = order.view(-1, run)
+        starts = rows[:, :1]
+        if bool((starts % run == 0).all()) and torch.equal(rows - starts, torch.arange(run).expand_as(rows)):
+            return run, (starts[:, 0] // run).contiguous()
+    return 1, order
+
+
 class QuantizedLinear:
     """[..., K] -> [..., N] through quantized weights: `scheme` "q8_0" (q int8, d) or "q4" (q uint8
     nibbles, d, m). The native kernel multiplies the packed bytes (the only copy); where it cannot
@@ -340,6 +354,9 @@ class QuantizedLinear:
     # it (x[..., input_order]): a GGUF whose conversion reorders a weight's columns (Qwen3.5's
     # out_proj: value heads tiled) keeps its blocks as stored (`gguf_weights`)
     input_order: torch.Tensor | None = None
+    # (input_order, run, order of its runs): the order as a permutation of runs of `run` consecutive
+    # columns (Qwen3.5's are whole value heads), derived on first use (`_reordered`)
+    _input_runs: tuple[torch.Tensor, int, torch.Tensor] | None = None
     # the pack is a view of the machine's one shared file (baton.model.packed_cache): another
     # worker's mapping of it is the same pages, so nothing more is shared of it
     shared: bool = False
@@ -436,9 +453,22 @@ class QuantizedLinear:
             return dequantize_q8_0(*self.parts, dtype=dtype)
         return dequantize_q4(*self.parts, dtype=dtype)
 
+    def _reordered(self, x: torch.Tensor) -> torch.Tensor:
+        """x[..., input_order], gathered a run of columns at a time where the order moves whole runs:
+        column by column, a [16, 2048] bf16 input took ~140 us (a tenth of a 16-row Qwen3.5 step's
+        state layers); as 16 runs of 128, a few."""
+        order = self.input_order
+        assert order is not None
+        if self._input_runs is None or self._input_runs[0] is not order:
+            self._input_runs = (order, *column_runs(order))
+        _, run, runs = self._input_runs
+        if run == 1:
+            return x.index_select(-1, runs)
+        return x.reshape(*x.shape[:-1], -1, run).index_select(-2, runs).reshape(x.shape)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.input_order is not None:
-            x = x.index_select(-1, self.input_order)
+            x = self._reordered(x)
         if self._kernels is not None:
             return self._kernels.qgemv(x, self.packed, self.bias, self.out_features, x.dtype == torch.float32)
         bias = None if self.bias is None else self.bias.to(x.dtype)
