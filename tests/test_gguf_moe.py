@@ -233,8 +233,7 @@ def test_a_moe_ggufs_expert_packs_are_written_once_and_mapped_by_the_next_worker
                                                                                  monkeypatch, tmp_path):
     """The first load streams the expert packs into the machine's packed cache and serves them from
     the file (reading the experts it checks alone, never a whole stack); a second load maps that file
-    and neither repacks nor reads an expert; both give
-    the tokens of a load that keeps private packs."""
+    and neither repacks nor reads an expert; both give the tokens of a load that keeps private packs."""
     from baton.model import loader
 
     monkeypatch.setenv("BATON_PACKED_CACHE", "off")

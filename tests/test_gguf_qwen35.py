@@ -114,8 +114,8 @@ def test_a_qwen35_moe_ggufs_experts_are_served_from_its_own_blocks(qwen35, promp
                                                                     monkeypatch):
     """A MoE's experts (most of its bytes) as the file's blocks, one Q8_0 op per expert and kind, never
     dequantized to a dense stack (the loader leaves the stacks unread; the load check reads its
-    sampled experts alone, never a whole stack): each op's weight is transformers' dequantization of the file's
-    expert bit for bit, each expert's output the dense matmul's to the kernel's rounding (it quantizes
+    sampled experts alone, never a whole stack): each op's weight is transformers' dequantization of
+    the file's expert bit for bit, each expert's output the dense matmul's to the kernel's rounding (it quantizes
     the activations per block of 32, as llama.cpp's does), and the first greedy token of each prompt
     transformers' float32 one but at near-ties. (Later tokens are not compared: this tiny MoE's
     routing flips at the kernels' rounding, dense experts served beside Q8_0 projections drift as far.)"""

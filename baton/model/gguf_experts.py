@@ -11,9 +11,10 @@ Q8_0 as int8 blocks, Q4_0 / Q4_1 / Q4_K as 4-bit ones (gate and up joined, gate 
 dense stack has them), any other type (Q4_K_M's Q6_K down experts, Q5_K, ...) dequantized and
 requantized to Q8_0 one expert at a time. Each layer's ops are checked on sampled experts and rows
 against those experts as the loader would have made them (each read alone, `UnreadWeights.read_expert`:
-never a layer's whole dense stack), so a mapping mistake is an error at load. With the native kernels the first worker streams the packs into a file
-of the machine's packed cache, a stack at a time, and every worker maps it read-only: one copy per
-machine, and a worker that finds the file repacks and reads nothing (baton.model.packed_cache).
+never a layer's whole dense stack), so a mapping mistake is an error at load. With the native
+kernels the first worker streams the packs into a file of the machine's packed cache, a stack at a
+time, and every worker maps it read-only: one copy per machine, and a worker that finds the file
+repacks and reads nothing (baton.model.packed_cache).
 
 Served where the rows need no reordering (the experts of every GGUF architecture transformers reads:
 none permutes them) and the routing is a plain SparseMoE's (gpt-oss's interleaved gate/up and

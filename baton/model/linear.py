@@ -455,8 +455,8 @@ class QuantizedLinear:
 
     def _reordered(self, x: torch.Tensor) -> torch.Tensor:
         """x[..., input_order], gathered a run of columns at a time where the order moves whole runs:
-        column by column, a [16, 2048] bf16 input took ~140 us (a tenth of a 16-row Qwen3.5 step's
-        state layers); as 16 runs of 128, a few."""
+        column by column, a [16, 2048] bf16 input took 75-140 us (Qwen3.5's out_proj, 18 calls a
+        step); as 16 runs of 128 columns, ~6 us."""
         order = self.input_order
         assert order is not None
         if self._input_runs is None or self._input_runs[0] is not order:
