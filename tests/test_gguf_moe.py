@@ -214,6 +214,34 @@ def test_a_qwen3_moe_ggufs_experts_are_served_in_its_own_blocks(qwen3_moe, promp
     assert_first_tokens_near_ties(llm, hf, prompts)
 
 
+def test_a_decode_steps_chosen_experts_run_at_once_with_the_loops_bits(qwen3_moe, prompts, monkeypatch):
+    """A few tokens' chosen experts run as one native call per projection (`qgemv_rows`) instead of
+    a loop over the experts: the layer's output is the loop's bit for bit at 1-4 tokens (each
+    token's experts summed in the same order, each sum rounded alike), and greedy decoding gives
+    the loop's tokens."""
+    from baton.model import moe as moe_module
+
+    monkeypatch.setenv("BATON_PACKED_CACHE", "off")
+    llm = LLM(model=str(qwen3_moe["gguf"]), num_kv_blocks=128)
+    layers = [layer.mlp for layer in llm.engine.runtime.model.layers]
+    if layers[0].rows_kernel is None:
+        pytest.skip("no native int8 kernel on this machine (AVX512-VNNI or AVX2)")
+    generator = torch.Generator().manual_seed(5)
+    for tokens in (1, 2, 3, 4):
+        x = torch.randn(tokens, SMALL["hidden_size"], generator=generator).to(torch.bfloat16)
+        for moe in layers:
+            with torch.no_grad():
+                monkeypatch.setattr(moe_module, "ROWS_AT_ONCE", 32)
+                at_once = moe(x)
+                monkeypatch.setattr(moe_module, "ROWS_AT_ONCE", 0)
+                looped = moe(x)
+            assert torch.equal(at_once, looped), tokens
+    monkeypatch.setattr(moe_module, "ROWS_AT_ONCE", 0)
+    looped_tokens = tokens_of(llm.generate(prompts, greedy()))
+    monkeypatch.setattr(moe_module, "ROWS_AT_ONCE", 32)
+    assert tokens_of(llm.generate(prompts, greedy())) == looped_tokens
+
+
 def record_whole_reads(monkeypatch) -> list[str]:
     """The parameters the load reads whole through `UnreadWeights.read` (recorded as it runs)."""
     from baton.model.loader import UnreadWeights

@@ -185,6 +185,18 @@ def test_without_the_kernel_the_weight_is_dequantized_per_call():
     assert not op.native and torch.equal(op(x), F.linear(x, dequantize_q8_0(q, d)))
 
 
+@pytest.mark.parametrize("scheme", ["q8_0", "q4"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rows_through_their_own_weights_equal_each_row_alone(native, scheme, dtype):
+    """`qgemv_rows` (a MoE's chosen experts in one call: row r through weight r) gives each row what
+    qgemv gives it alone, bit for bit, 70 outputs (a padded last strip) included."""
+    torch.manual_seed(4)
+    ops = [quantized(scheme, torch.randn(70, 96), None, native)[0] for _ in range(5)]
+    x = torch.randn(5, 96).to(dtype)
+    got = native.qgemv_rows(x, [op.packed for op in ops], 70)
+    assert got.dtype == dtype and torch.equal(got, torch.cat([op(x[r:r + 1]) for r, op in enumerate(ops)]))
+
+
 def _moved(runs: list[int], run: int) -> torch.Tensor:
     return (torch.tensor(runs)[:, None] * run + torch.arange(run)).reshape(-1)
 

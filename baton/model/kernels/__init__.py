@@ -58,7 +58,7 @@ _DIR = Path(__file__).parent
 _SOURCES = ("paged_attention.cpp", "pointwise.cpp", "gemv.cpp", "qgemv.cpp", "gated_delta.cpp", "decode_layers.cpp")
 _FUNCTIONS = ("paged_decode", "rope_write_decode", "greedy_pick", "add_rms_norm", "add_offset_rms_norm", "silu_mul",
               "gemv", "gemv_pack", "gemv_available", "gemv_kernel", "q8_pack", "q4_pack", "qgemv", "quantize_activations", "q8_available",
-              "qgemv_isa", "decode_layers", "onednn_linear", "parallel_threads", "gated_delta_decode",
+              "qgemv_isa", "qgemv_rows", "decode_layers", "onednn_linear", "parallel_threads", "gated_delta_decode",
               "causal_conv_silu", "flush_denormals")
 _lock = threading.Lock()
 _loaded: dict[str, ModuleType | None] = {}

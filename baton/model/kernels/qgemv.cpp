@@ -394,6 +394,34 @@ void quantize_rows(const T* x, int64_t M, int64_t K, int offset, uint8_t* xq, fl
   });
 }
 
+#if defined(BATON_QGEMV_AVX512) || defined(BATON_QGEMV_AVX2)
+// A matmul's activation rows, quantized: bytes [M, K], scales [M, K/32], and for the 4-bit kernel
+// s * sum(p) [M, K/32] (else null).
+struct QuantizedRows {
+  uint8_t* xq;
+  float* xs;
+  float* xsum;
+};
+
+// x [M, K] (contiguous, bf16 or fp32) quantized for the Q8_0 (offset operand) or the 4-bit kernel into
+// this thread's scratch buffers, grown as needed and reused (a decode step makes ~4 calls per layer,
+// and two allocations each were measurable at batch 1): valid until this thread's next call.
+inline QuantizedRows quantize_into_scratch(const torch::Tensor& x, bool four_bit) {
+  const int64_t M = x.size(0), K = x.size(1), blocks = K / kQBlock;
+  thread_local std::vector<uint8_t> xq_scratch;
+  thread_local std::vector<float> xs_scratch;
+  if (static_cast<int64_t>(xq_scratch.size()) < M * K) xq_scratch.resize(M * K);
+  if (static_cast<int64_t>(xs_scratch.size()) < 2 * M * blocks) xs_scratch.resize(2 * M * blocks);
+  QuantizedRows rows{xq_scratch.data(), xs_scratch.data(), four_bit ? xs_scratch.data() + M * blocks : nullptr};
+  const int offset = four_bit ? 0 : kQ8Offset;
+  if (x.scalar_type() == at::kBFloat16)
+    quantize_rows(x.data_ptr<c10::BFloat16>(), M, K, offset, rows.xq, rows.xs, rows.xsum);
+  else
+    quantize_rows(x.data_ptr<float>(), M, K, offset, rows.xq, rows.xs, rows.xsum);
+  return rows;
+}
+#endif
+
 }  // namespace
 
 // The integer dot product qgemv runs on this build, in words ("" where it has none).
@@ -533,20 +561,10 @@ torch::Tensor qgemv(torch::Tensor x, torch::Tensor packed, c10::optional<torch::
   auto out_dtype = out_float ? at::kFloat : at::kBFloat16;
   auto out = torch::empty({M, N}, x.options().dtype(out_dtype));
   if (M == 0) return out.view(out_shape);
-  // the quantized activations live in this thread's scratch buffers, grown as needed and reused:
-  // a decode step makes ~4 calls per layer, and two allocations each were measurable at batch 1
-  thread_local std::vector<uint8_t> xq_scratch;
-  thread_local std::vector<float> xs_scratch;
-  if (static_cast<int64_t>(xq_scratch.size()) < M * K) xq_scratch.resize(M * K);
-  if (static_cast<int64_t>(xs_scratch.size()) < 2 * M * blocks) xs_scratch.resize(2 * M * blocks);
-  uint8_t* xqp = xq_scratch.data();
-  float* xsp = xs_scratch.data();
-  float* xsum = four_bit ? xsp + M * blocks : nullptr;
-  const int offset = four_bit ? 0 : kQ8Offset;
-  if (x2.scalar_type() == at::kBFloat16)
-    quantize_rows(x2.data_ptr<c10::BFloat16>(), M, K, offset, xqp, xsp, xsum);
-  else
-    quantize_rows(x2.data_ptr<float>(), M, K, offset, xqp, xsp, xsum);
+  const QuantizedRows rows = quantize_into_scratch(x2, four_bit);
+  uint8_t* xqp = rows.xq;
+  float* xsp = rows.xs;
+  float* xsum = rows.xsum;
   const torch::Tensor bias_f = bias_as_float(bias, N);
   const float* b = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   const uint8_t* wp = packed.data_ptr<uint8_t>();
@@ -566,6 +584,62 @@ torch::Tensor qgemv(torch::Tensor x, torch::Tensor packed, c10::optional<torch::
   return out.view(out_shape);
 #else
   TORCH_CHECK(false, "qgemv needs AVX512-VNNI or AVX2");
+  return x;
+#endif
+}
+
+// Row r of x through its own packed weight: out[r] = x[r] @ W_r^T, every row's strips in one parallel
+// region. A MoE's decode tokens each go to a few experts (8 of 64): one call for all of a layer's
+// chosen experts instead of one qgemv (one fork and join) per expert. x [R, K] bf16 or fp32, packs: R
+// packs of one layout (all q8_pack or all q4_pack, N outputs) -> [R, N] in x's dtype (fp32 out when x
+// is fp32). Each row is computed as qgemv computes it (the same quantization and arithmetic: a row's
+// result never depends on the others), so this equals qgemv of each row alone, bit for bit.
+torch::Tensor qgemv_rows(torch::Tensor x, std::vector<torch::Tensor> packs, int64_t N) {
+#if defined(BATON_QGEMV_AVX512) || defined(BATON_QGEMV_AVX2)
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
+              "x must be [R, K] bf16 or fp32");
+  const int64_t R = x.size(0), K = x.size(1);
+  TORCH_CHECK(static_cast<int64_t>(packs.size()) == R, "one pack per row of x");
+  auto out = torch::empty({R, N}, x.options());
+  if (R == 0) return out;
+  const auto shape = packs[0].sizes().vec();
+  TORCH_CHECK(packs[0].dim() == 3 && packs[0].scalar_type() == at::kByte &&
+                  (shape[2] == kQBlockBytes || shape[2] == kQ4BlockBytes),
+              "packs must come from q8_pack or q4_pack");
+  const bool four_bit = shape[2] == kQ4BlockBytes;
+  const int64_t NS = shape[0], blocks = shape[1];
+  TORCH_CHECK(blocks * kQBlock == K && N <= NS * kQStrip && N > (NS - 1) * kQStrip,
+              "x or N does not match the packed weights");
+  std::vector<const uint8_t*> weights(R);
+  for (int64_t r = 0; r < R; ++r) {
+    TORCH_CHECK(packs[r].sizes().vec() == shape && packs[r].scalar_type() == at::kByte && packs[r].is_contiguous(),
+                "every pack must have the first one's layout");
+    weights[r] = packs[r].data_ptr<uint8_t>();
+  }
+  const QuantizedRows rows = quantize_into_scratch(x.contiguous(), four_bit);
+  uint8_t* xqp = rows.xq;
+  float* xsp = rows.xs;
+  float* xsum = rows.xsum;
+  const bool out_float = x.scalar_type() == at::kFloat;
+  float* out_f = out_float ? out.data_ptr<float>() : nullptr;
+  c10::BFloat16* out_b = out_float ? nullptr : out.data_ptr<c10::BFloat16>();
+  const int64_t strip_bytes = blocks * shape[2];
+  // (row, strip) pairs in row order: a thread's share is whole strips of consecutive rows' weights
+  at::parallel_for(0, R * NS, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t r = i / NS, s = i % NS;
+      float* of = out_f ? out_f + r * N : nullptr;
+      c10::BFloat16* ob = out_b ? out_b + r * N : nullptr;
+      const uint8_t* strip = weights[r] + s * strip_bytes;
+      if (four_bit)
+        q4_strip<1>(xqp + r * K, xsp + r * blocks, xsum + r * blocks, K, strip, nullptr, s * kQStrip, N, of, ob);
+      else
+        q8_strip<1>(xqp + r * K, xsp + r * blocks, K, strip, nullptr, s * kQStrip, N, of, ob);
+    }
+  });
+  return out;
+#else
+  TORCH_CHECK(false, "qgemv_rows needs AVX512-VNNI or AVX2");
   return x;
 #endif
 }
