@@ -240,6 +240,13 @@ def test_a_decode_steps_chosen_experts_run_at_once_with_the_loops_bits(qwen3_moe
     looped_tokens = tokens_of(llm.generate(prompts, greedy()))
     monkeypatch.setattr(moe_module, "ROWS_AT_ONCE", 32)
     assert tokens_of(llm.generate(prompts, greedy())) == looped_tokens
+    # without the native kernels (no AVX2, or switched off) the int8 experts dequantize per call and
+    # run through the loop: no kernel to call at once
+    monkeypatch.setenv("BATON_NATIVE_KERNELS", "off")
+    plain = LLM(model=str(qwen3_moe["hf"]), quantization="int8", num_kv_blocks=128)
+    moes = [layer.mlp for layer in plain.engine.runtime.model.layers]
+    assert all(moe.expert_ops is not None and moe.rows_kernel is None for moe in moes)
+    assert len(tokens_of(plain.generate(prompts[:1], greedy()))[0]) == greedy().max_tokens
 
 
 def record_whole_reads(monkeypatch) -> list[str]:

@@ -89,11 +89,14 @@ class SparseMoE(nn.Module):
         self.experts_gate_up = None  # type: ignore[assignment]
         self.experts_down = None  # type: ignore[assignment]
         kernels = gate_up[0]._kernels
-        plain = all(op._kernels is kernels and op.bias is None and op.input_order is None
-                    and op.packed.shape == ops[0].packed.shape for ops in (gate_up, down) for op in ops)
-        self.rows_kernel = (kernels if kernels is not None and plain and hasattr(kernels, "qgemv_rows")
-                            and not self.clamped_swiglu and self.router != "sigmoid_input"
-                            and self.experts_gate_up_bias is None and self.experts_down_bias is None else None)
+        self.rows_kernel = None
+        if (kernels is not None and hasattr(kernels, "qgemv_rows") and not self.clamped_swiglu
+                and self.router != "sigmoid_input" and self.experts_gate_up_bias is None
+                and self.experts_down_bias is None
+                and all(op._kernels is kernels and op.bias is None and op.input_order is None
+                        and op.packed is not None and op.packed.shape == ops[0].packed.shape
+                        for ops in (gate_up, down) for op in ops)):
+            self.rows_kernel = kernels
 
     def fp32_parameters(self) -> tuple[str, ...]:
         """Parameters the loader keeps in fp32 whatever the model's dtype (the reference's
