@@ -25,6 +25,9 @@ Rules:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
+
+import torch
 
 from baton.engine.block_pool import blocks_for
 
@@ -58,3 +61,58 @@ class DraftCursor:
         """The draft's KV of positions [0, done) is written, under the row's current blocks."""
         self.done, self.preemptions = done, num_preemptions
         self.blocks = list(block_table[:blocks_for(done, block_size)])
+
+
+@dataclass
+class MtpCursor(DraftCursor):
+    """A draft cursor (positions [0, done) hold the head's KV) and the target's hidden states of
+    positions [hidden_start, hidden_start + len(hidden)) the head has not read yet."""
+
+    hidden: Any = None  # torch.Tensor [n, hidden] in the head's dtype, or None
+    hidden_start: int = 0
+    hidden_preemptions: int = 0  # the row's preemption count when they were computed
+
+    @property
+    def hidden_end(self) -> int:
+        return self.hidden_start + (0 if self.hidden is None else self.hidden.shape[0])
+
+    def record(self, start: int, hidden: torch.Tensor, num_preemptions: int) -> None:
+        """The target computed positions [start, start + len(hidden)) with these final hidden states."""
+        if self.hidden is not None and num_preemptions == self.hidden_preemptions \
+                and self.hidden_start <= start <= self.hidden_end:
+            self.hidden = torch.cat([self.hidden[:start - self.hidden_start], hidden])
+        else:  # the first, or after a gap (another engine computed the positions between)
+            self.hidden, self.hidden_start = hidden, start
+        self.hidden_preemptions = num_preemptions
+
+    def valid(self, block_table: list[int], num_computed_tokens: int, num_preemptions: int, block_size: int) -> int:
+        """`DraftCursor.valid`, then past any positions no hidden state will come for (they keep what
+        the head's cache holds): up to the first unread state, or to the computed tokens."""
+        done = super().valid(block_table, num_computed_tokens, num_preemptions, block_size)
+        if self.hidden is not None and (self.hidden_preemptions != num_preemptions
+                                        or self.hidden_end > num_computed_tokens):
+            self.hidden = None  # computed before a preemption: recomputed positions bring their own
+        if self.hidden is None:
+            return num_computed_tokens
+        if self.hidden_start > done:
+            return self.hidden_start
+        self._drop_before(done)
+        return done if self.hidden is not None else num_computed_tokens
+
+    def unread(self, start: int, end: int) -> torch.Tensor:
+        assert self.hidden is not None and self.hidden_start <= start and end <= self.hidden_end
+        return self.hidden[start - self.hidden_start:end - self.hidden_start]
+
+    def read_through(self, done: int) -> None:
+        """The head's KV now holds positions [0, done): their states are read."""
+        self.done = done
+        self._drop_before(done)
+
+    def _drop_before(self, position: int) -> None:
+        if self.hidden is None or position <= self.hidden_start:
+            return
+        if position >= self.hidden_end:
+            self.hidden = None
+            return
+        self.hidden = self.hidden[position - self.hidden_start:]
+        self.hidden_start = position

@@ -14,7 +14,7 @@ from pathlib import Path
 from baton.engine.draft_cursor import DraftCursor
 from baton.engine.sequence import Sequence
 from baton.engine.speculator import DraftJob
-from baton.model.runtime import DraftRow, RuntimeConfig, load_runtime, step_row
+from baton.model.runtime import DraftRow, ModelRuntime, RuntimeConfig, load_runtime, step_row
 
 
 def check_same_tokenizer(target_dir: Path, draft_dir: Path) -> None:
@@ -29,17 +29,15 @@ def check_same_tokenizer(target_dir: Path, draft_dir: Path) -> None:
                          "a draft must propose the target's token ids")
 
 
-class Drafter:
-    """Loaded first, its cache allocated later (`allocate`): the engine sizes the target's and the
-    draft's KV together from one budget, which needs the draft's bytes per block."""
+class DraftCache:
+    """A draft's runtime, its KV cache allocated later (`allocate`): the engine sizes the target's and
+    the draft's KV together from one budget, which needs the draft's bytes per block. The cache has a
+    block per target block, indexed by the target's ids (baton/engine/draft_cursor.py)."""
 
-    def __init__(self, model_dir: Path, dtype: str, device: str, block_size: int, target_vocab_size: int) -> None:
-        # the draft's own weights as they are (no quantization), each held once; its cache in its dtype
-        self.runtime = load_runtime(RuntimeConfig(model_dir, dtype, device, quantization="none",
-                                                  release_load_copies=True))
-        self.config = self.runtime.config
+    def __init__(self, runtime: ModelRuntime, block_size: int) -> None:
+        self.runtime = runtime
+        self.config = runtime.config
         self.block_size = block_size
-        self.vocab = min(target_vocab_size, self.config.vocab_size)  # proposals are target ids
         self.num_forwards = 0
 
     @property
@@ -51,6 +49,16 @@ class Drafter:
         """Make the draft's KV cache: `num_blocks`, the target's count (it is indexed by its ids)."""
         # one table (window layers too): its rows carry the target's global table only
         self.runtime.allocate(num_blocks, self.block_size, one_table=True)
+
+
+class Drafter(DraftCache):
+    """A draft model of its own (`{"method": "draft_model"}`)."""
+
+    def __init__(self, model_dir: Path, dtype: str, device: str, block_size: int, target_vocab_size: int) -> None:
+        # the draft's own weights as they are (no quantization), each held once; its cache in its dtype
+        super().__init__(load_runtime(RuntimeConfig(model_dir, dtype, device, quantization="none",
+                                                    release_load_copies=True)), block_size)
+        self.vocab = min(target_vocab_size, self.config.vocab_size)  # proposals are target ids
 
     def run(self, job: DraftJob) -> None:
         """Set the proposals of `job.proposing`'s rows (their slots for positions up to

@@ -33,6 +33,7 @@ from baton.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, 
 from baton.engine.speculative_config import SpeculativeConfig, parse_speculative_config
 from baton.engine.speculator import DraftJob, proposals_of, verify_rows
 from baton.engine.drafter import Drafter, check_same_tokenizer
+from baton.engine.mtp_drafter import MtpDrafter
 from baton.engine.state_cache import StateCache
 from baton.engine.step_input import build_step_batch
 from baton.engine.window_blocks import freeable_window
@@ -87,8 +88,11 @@ class LLMEngine:
         if speculative is not None and self.runtime.has_state_layers:
             # a rejected proposal would have to roll the state layers back: no per-position states yet
             raise ValueError(f"speculative decoding is not supported for {self.model_dir.name}: it has state layers")
-        self.drafter = (self._load_drafter(Path(speculative.model), device)
-                        if speculative is not None and speculative.method == "draft_model" else None)
+        self.drafter: Drafter | MtpDrafter | None = None
+        if speculative is not None and speculative.method == "draft_model":
+            self.drafter = self._load_drafter(Path(speculative.model), device)
+        elif speculative is not None and speculative.method == "mtp":
+            self.drafter = self._load_mtp(device, speculative.num_speculative_tokens)
         # the draft's cache holds one block per target block (indexed by the target's ids), so both
         # come out of the one budget: a container sized by --kv-cache-memory holds both
         block_bytes = self.runtime.block_bytes(config.block_size)
@@ -160,6 +164,16 @@ class LLMEngine:
         logger.info("draft model %s: %d layers, hidden %d, proposing %s tokens a step", draft_dir.name,
                     drafter.config.num_layers, drafter.config.hidden_size,
                     parse_speculative_config(self.config.speculative_config).num_speculative_tokens)
+        return drafter
+
+    def _load_mtp(self, device: torch.device, k: int) -> MtpDrafter:
+        """The checkpoint's multi-token-prediction layer as the draft (baton/engine/mtp_drafter.py),
+        in the target's dtype and quantization; its cache is allocated as a draft model's."""
+        drafter = MtpDrafter(self.model_dir, str(self.dtype).removeprefix("torch."), str(device),
+                             self.config.block_size, self.config.quantization)
+        return_freed_memory()
+        logger.info("multi-token prediction: the checkpoint's MTP layer (%s) drafts %d token%s a step",
+                    drafter.runtime.description, k, "" if k == 1 else "s")
         return drafter
 
     def set_thread_gate(self, gate: ThreadGate | None) -> None:
@@ -269,6 +283,11 @@ class LLMEngine:
         if self.state_cache is not None:  # a prefix hit resumes from the state snapshot at its end
             self.state_cache.resume(plan.scheduled)
         batch = build_step_batch(plan.scheduled)
+        mtp_rows = []
+        if isinstance(self.drafter, MtpDrafter) and speculator is not None:
+            # the MTP layer reads the target's final hidden state of every position it computes
+            mtp_rows = speculator.mtp_cursors([seq for seq, _ in plan.scheduled])
+            batch = replace(batch, hidden_states=bool(mtp_rows))
         self.last_num_decode_tokens = sum(len(row.tokens) for row in batch.rows if row.kind is not RowKind.CHUNK)
         result = self.runtime.execute(batch)
         sample_seqs = [by_id[request_id] for request_id in result.sampled]
@@ -316,6 +335,9 @@ class LLMEngine:
             plan, sample_seqs, tokens[:num_sampled], logprobs[:num_sampled],
             None if top_logprobs is None else tops[:num_sampled], verified)
         self.num_generated_tokens += sum(len(out.new_token_ids) for out in step_outputs)
+        if mtp_rows:
+            assert isinstance(self.drafter, MtpDrafter)
+            self.drafter.record(batch, result, [(seq, cursor) for seq, cursor in mtp_rows if not seq.is_finished])
         self._end_broken_grammars(step_outputs)
         if self.state_cache is not None:  # the states this step left at block boundaries
             self.state_cache.after_step(plan.scheduled)
@@ -454,6 +476,8 @@ class LLMEngine:
             first = seq.num_computed_tokens // self.block_size
             for offset, kv in enumerate(result.kv):
                 self.runtime.write_block(seq.block_ids(first + offset), kv)
+                if isinstance(self.drafter, MtpDrafter):  # its positions' head KV was never computed here
+                    self.drafter.clear_block(seq.block_table[first + offset])
             if result.state is not None:
                 self.runtime.write_state(result.request_id, result.state)
             self.scheduler.finish_kv_load(result.request_id, result.num_tokens)

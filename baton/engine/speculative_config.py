@@ -3,11 +3,15 @@
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
     {"method": "draft_model", "model": "HuggingFaceTB/SmolLM2-135M-Instruct", "num_speculative_tokens": 4}
 
+    {"method": "mtp", "num_speculative_tokens": 1}
+
 Rules: a JSON object (or a dict, or an already built config); `method` is required: "ngram"
-(prompt lookup) or "draft_model" (a small model with the target's tokenizer, `model` a directory,
-.gguf or Hub id that the caller resolves: baton.common.model_files); "eagle", "eagle3", "medusa",
-"mtp" are refused with a "not yet" error naming the method; `num_speculative_tokens` (k, 1..16) is
-required; the lookup bounds (ngram only) default to max 4 and min 2 (when only one is given, the
+(prompt lookup), "draft_model" (a small model with the target's tokenizer, `model` a directory,
+.gguf or Hub id that the caller resolves: baton.common.model_files) or "mtp" (the target
+checkpoint's own multi-token-prediction layer; vLLM's older names "deepseek_mtp", "glm4_moe_mtp" and
+"qwen3_next_mtp" mean it too); "eagle", "eagle3", "medusa" are refused with a "not yet" error naming
+the method; `num_speculative_tokens` (k, 1..16) is required (for "mtp" it defaults to 1, the one
+layer the checkpoints carry, as in vLLM); the lookup bounds (ngram only) default to max 4 and min 2 (when only one is given, the
 other's default is clamped to it), with 1 <= min <= max. Unknown keys, and keys of the other method,
 are refused by name, so a typo is not a silent no-op.
 """
@@ -22,8 +26,9 @@ from typing import Any
 
 from baton.common.service_config import json_object
 
-METHODS = ("ngram", "draft_model")
-NOT_YET = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp")
+METHODS = ("ngram", "draft_model", "mtp")
+MTP_ALIASES = ("deepseek_mtp", "glm4_moe_mtp", "qwen3_next_mtp")  # vLLM's older names of "mtp"
+NOT_YET = ("eagle", "eagle3", "medusa", "mlp_speculator")
 KNOWN_KEYS = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model"}
 MAX_SPECULATIVE_TOKENS = 16
 
@@ -54,6 +59,8 @@ class SpeculativeConfig:
                              f"prompt_lookup_max ({self.prompt_lookup_max})")
 
     def to_dict(self) -> dict[str, Any]:
+        if self.method == "mtp":
+            return {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens}
         if self.method == "draft_model":
             return {"method": self.method, "model": self.model, "num_speculative_tokens": self.num_speculative_tokens}
         return {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens,
@@ -63,8 +70,8 @@ class SpeculativeConfig:
 def _method_error(method: Any) -> str:
     if method in NOT_YET:
         return (f"speculative_config.method {method!r} is not yet supported by Baton (\"ngram\", prompt "
-                "lookup, and \"draft_model\" run in this version)")
-    return f"speculative_config.method must be \"ngram\" or \"draft_model\", got {method!r}"
+                "lookup, \"draft_model\" and \"mtp\" run in this version)")
+    return f"speculative_config.method must be \"ngram\", \"draft_model\" or \"mtp\", got {method!r}"
 
 
 def parse_speculative_config(value: str | dict | SpeculativeConfig | None) -> SpeculativeConfig | None:
@@ -82,10 +89,18 @@ def parse_speculative_config(value: str | dict | SpeculativeConfig | None) -> Sp
     if unknown:
         raise ValueError(f"speculative_config has unknown field(s) {unknown}; known: {sorted(KNOWN_KEYS)}")
     if "method" not in value:
-        raise ValueError("speculative_config.method is required (\"ngram\" or \"draft_model\")")
+        raise ValueError("speculative_config.method is required (\"ngram\", \"draft_model\" or \"mtp\")")
     method = value["method"]
+    if method in MTP_ALIASES:
+        method = "mtp"
     if not isinstance(method, str) or method not in METHODS:
         raise ValueError(_method_error(method))
+    if method == "mtp":
+        other = sorted(k for k in value if k not in ("method", "num_speculative_tokens"))
+        if other:
+            raise ValueError(f"speculative_config {other} are not for method \"mtp\" (it drafts with the "
+                             "target checkpoint's own MTP layer)")
+        return SpeculativeConfig("mtp", value.get("num_speculative_tokens", 1))
     if "num_speculative_tokens" not in value:
         raise ValueError("speculative_config.num_speculative_tokens is required")
     if method == "draft_model":

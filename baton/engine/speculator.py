@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass, field
 
 from baton.engine.block_manager import BlockManager, blocks_for
-from baton.engine.draft_cursor import CATCH_UP_TOKENS, DraftCursor
+from baton.engine.draft_cursor import CATCH_UP_TOKENS, DraftCursor, MtpCursor
 from baton.engine.ngram_proposer import NgramIndex
 from baton.engine.sequence import Sequence
 from baton.engine.speculation import Speculation
@@ -79,7 +79,10 @@ class Speculator:
         self.config = config
         self.block_manager = block_manager
         self.max_model_len = max_model_len
-        self.drafts = config.method == "draft_model"  # a draft model proposes (else the n-gram index)
+        # a draft model or the checkpoint's MTP layer proposes (else the n-gram index); the MTP layer
+        # reads the target's hidden states (baton/engine/mtp_drafter.py)
+        self.drafts = config.method in ("draft_model", "mtp")
+        self.reads_hidden = config.method == "mtp"
         self._draft_seconds = 0.0  # the draft's forwards after this step's schedule (part of its cost)
         self.costs = StepCostModel()
         self.stats = SpecStats(accepted_per_pos=[0] * config.num_speculative_tokens)
@@ -95,7 +98,7 @@ class Speculator:
 
     def _row(self, seq: Sequence) -> Speculation:
         if seq.speculation is None:
-            proposer = (DraftCursor() if self.drafts
+            proposer = (MtpCursor() if self.reads_hidden else DraftCursor() if self.drafts
                         else NgramIndex(self.config.prompt_lookup_min, self.config.prompt_lookup_max))
             seq.speculation = Speculation(RowPolicy(), proposer)
         return seq.speculation
@@ -114,7 +117,8 @@ class Speculator:
         (a draft model's: k placeholders the engine replaces) and takes their slots."""
         self._draft_seconds = 0.0
         decode_only = all(is_decode_row(s, n) for s, n in scheduled)
-        wanted, catch_up = (self._draft_wants(scheduled, budget) if self.drafts
+        wanted, catch_up = (self._mtp_wants(scheduled, budget) if self.reads_hidden
+                            else self._draft_wants(scheduled, budget) if self.drafts
                             else self._ngram_proposals(scheduled, budget))
         rows = len(scheduled)
         verify = bool(wanted)
@@ -202,6 +206,50 @@ class Speculator:
             spare -= need
             wanted[id(seq)] = [-1] * k
             budget -= k
+        return wanted, catch_up
+
+    def mtp_cursors(self, seqs: list[Sequence]) -> list[tuple[Sequence, MtpCursor]]:
+        """The requests among `seqs` that may speculate with the MTP layer, with their cursors
+        (made at their first step: the head reads their prompt's hidden states as they are computed)."""
+        out = []
+        for seq in seqs:
+            if self.eligible(seq) and not seq.is_finished:
+                cursor = self._row(seq).proposer
+                assert isinstance(cursor, MtpCursor)
+                out.append((seq, cursor))
+        return out
+
+    def _mtp_wants(self, scheduled: list[tuple[Sequence, int]],
+                   budget: int) -> tuple[dict[int, list[int]], list[tuple[Sequence, int]]]:
+        """The MTP layer's rows this step: decode rows whose unread hidden states reach their last
+        computed position propose (k placeholders, as a draft model's), and rows with other unread
+        states (a prompt being prefilled, a row backing off) only advance the head's KV over them,
+        `CATCH_UP_TOKENS` positions a step in all."""
+        wanted: dict[int, list[int]] = {}
+        catch_up: list[tuple[Sequence, int]] = []
+        spare = CATCH_UP_TOKENS
+        decode = {id(seq) for seq in self._candidates(scheduled)}
+        bs = self.block_manager.block_size
+        for seq, _ in scheduled:
+            if seq.speculation is None or not isinstance(seq.speculation.proposer, MtpCursor):
+                continue
+            row, cursor = seq.speculation, seq.speculation.proposer
+            cursor.done = cursor.valid(seq.block_table, seq.num_computed_tokens, seq.num_preemptions, bs)
+            # positions [done, readable) have their target state and their next token
+            readable = min(cursor.hidden_end, seq.num_tokens - 1) if cursor.hidden is not None else cursor.done
+            need = readable - cursor.done
+            if need <= 0 or need > spare:
+                if 0 < spare < need:
+                    catch_up.append((seq, spare))
+                    spare = 0
+                continue
+            k = self._room(seq, budget) if budget > 0 and row.policy.may_propose() else 0
+            if id(seq) in decode and readable == seq.num_tokens - 1 and k > 0:
+                wanted[id(seq)] = [-1] * k
+                budget -= k
+            else:
+                catch_up.append((seq, need))
+            spare -= need
         return wanted, catch_up
 
     def _fits(self, seq: Sequence, k: int, spare_blocks: int) -> int:

@@ -32,8 +32,9 @@ from baton.model.families import TEXT_ONLY, family_spec
 from baton.model.gguf_checkpoint import GGUFCheckpoint
 from baton.model.gemma4 import Gemma4LM, gemma4_recipes, shared_layers_kv_weights
 from baton.model.hybrid import HybridModel, hybrid_recipes
-from baton.model.mla import LatentAttentionLM, half_split_rows
-from baton.model.model import MLP, CausalLM
+from baton.model.mla import LatentAttention, LatentAttentionLM, half_split_rows
+from baton.model.model import MLP, Attention, CausalLM
+from baton.model.mtp import MtpLM, MtpTensors, mtp_config
 from baton.model.fp8_blocks import fp8_view
 from baton.model.mxfp4 import DequantizedView, has_packed
 from baton.model.mxfp4_experts import install_expert_blocks, take_expert_blocks
@@ -363,16 +364,25 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device:
 def load_model_deferring(model_dir: str | Path, dtype: str | torch.dtype = "auto",
                          device: torch.device | str | None = None, prepare: bool = True,
                          defer: Callable[[CausalLM], set[str]] | None = None,
-                         mxfp4_as_q8_0: bool = False, kernels: Any = None,
+                         mxfp4_as_q8_0: bool = False, kernels: Any = None, mtp: bool = False,
                          ) -> tuple[CausalLM, ModelConfig, UnreadWeights | None]:
     """`load_model`, leaving the parameters `defer(model)` names (called on the model before any weight
-    is read) on the meta device, readable later through the returned `UnreadWeights`."""
+    is read) on the meta device, readable later through the returned `UnreadWeights`. `mtp`: the
+    checkpoint's multi-token-prediction layer as a one-layer model instead (baton.model.mtp)."""
     model_dir = Path(model_dir)
     device = torch.device(device) if device is not None else default_device()
     config = ModelConfig.from_dir(model_dir)
     torch_dtype = resolve_dtype(dtype, device)
+    if mtp:
+        if gguf_source(model_dir) is not None:
+            raise ValueError(f"{model_dir.name}: speculative_config method \"mtp\" reads the MTP layer from "
+                             "safetensors; from a GGUF it is not served yet")
+        target_layers, config = config.num_layers, mtp_config(config)
+        viewed: Mapping[str, torch.Tensor] = MtpTensors(_read_tensors(model_dir), target_layers)
+    else:
+        viewed = _checkpoint_view(_read_tensors(model_dir), config)
     # FP8 block checkpoints (DeepSeek V3, *-FP8): each weight dequantized to the dtype as it is read
-    tensors = fp8_view(_checkpoint_view(_read_tensors(model_dir), config), model_dir, torch_dtype)
+    tensors = fp8_view(viewed, model_dir, torch_dtype)
     raw = tensors  # MXFP4 experts served as Q8_0 are repacked from its blocks
     if has_packed(tensors):
         tensors = DequantizedView(tensors, torch_dtype)
@@ -382,7 +392,8 @@ def load_model_deferring(model_dir: str | Path, dtype: str | torch.dtype = "auto
         # is tied exactly when the checkpoint has none, as transformers 5 ends up doing
         config.tie_word_embeddings = "lm_head.weight" not in tensors
     with torch.device("meta"):
-        model = (HybridModel(config) if config.has_state_layers else Gemma4LM(config) if config.gemma4
+        model = (MtpLM(config, LatentAttention if config.kv_lora_rank else Attention) if mtp
+                 else HybridModel(config) if config.has_state_layers else Gemma4LM(config) if config.gemma4
                  else LatentAttentionLM(config) if config.kv_lora_rank else CausalLM(config))
     # a MoE's router where the reference keeps it in fp32 (GLM-4.5's) stays fp32
     fp32 = {f"layers.{i}.mlp.{name}" for i, layer in enumerate(model.layers)

@@ -502,10 +502,25 @@ class CausalLM(nn.Module):
         # each window table's metadata (baton.model.kv_groups: then kv_cache is each layer's tensor)
         window_metas: list[AttentionMetadata] | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # [S, vocab] fp32 (and [P, hidden] fp32)
-        # hidden_indices (embeddings, baton.engine.pooling): the final norm's output of those rows
-        # is returned too, as transformers' AutoModel's last_hidden_state; the LM head runs only
-        # over logits_indices, so a step of pooling requests alone computes no logits at all.
-        x = self.embed(input_ids)
+        # hidden_indices (embeddings, baton.engine.pooling; a multi-token-prediction head's input):
+        # the final norm's output of those rows is returned too, as transformers' AutoModel's
+        # last_hidden_state; the LM head runs only over logits_indices, so a step of pooling
+        # requests alone computes no logits at all.
+        return self.forward_embedded(self.embed(input_ids), positions, kv_cache, meta, logits_indices, max_position,
+                                     hidden_indices, window_metas)
+
+    def forward_embedded(
+        self,
+        x: torch.Tensor,  # [T, hidden]: the step's input rows (the embeddings, or an MTP head's fused input)
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,
+        max_position: int,
+        hidden_indices: torch.Tensor | None = None,
+        window_metas: list[AttentionMetadata] | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """`forward` from its input rows on (the layers, the final norm, the head)."""
         cos, sin = self.rope(positions, max_position)
         plan = self.layers_plan
         if plan is not None and not meta.prefills and len(meta.decode_groups) == 1:
@@ -539,7 +554,11 @@ class CausalLM(nn.Module):
             logits = torch.tanh(logits / config.final_logit_softcap) * config.final_logit_softcap
         if hidden_indices is None:
             return logits.float()
-        return logits.float(), self.norm(x[hidden_indices]).float()
+        return logits.float(), self.final_hidden(x[hidden_indices]).float()
+
+    def final_hidden(self, rows: torch.Tensor) -> torch.Tensor:
+        """The hidden state returned for `hidden_indices` rows of the last layer's output: the final norm's."""
+        return self.norm(rows)
 
     def _table_metas(self, meta: AttentionMetadata, window_metas: list[AttentionMetadata]) -> list[AttentionMetadata]:
         # each layer's metadata where the window layers have tables of their own: the global

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 
@@ -63,6 +64,10 @@ class StepResult:
     # VERIFY rows' request ids, each with len(tokens) logits rows after the S sampled ones (V rows
     # in all), one per verified position
     verified: list[str] = field(default_factory=list)
+    # with `StepBatch.hidden_states`: each row's final hidden states [len(tokens), hidden], its tokens'
+    # positions in order (for a multi-token-prediction head: the target's post-norm states, or the
+    # head's own pre-norm ones as the next of its chained steps reads them)
+    row_hidden: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype, one_table: bool = False) -> int:
@@ -213,9 +218,11 @@ class ModelRunner:
             groups.append(DecodeGroup(start, count, num_blocks, block_ids_t, lengths.to(device), bias, mask))
         prefills: list[PrefillSpan] = []
         state_chunks: list[tuple[StepRow, int]] = []
+        chunk_offsets: dict[str, int] = {}
         for row in chunks:
             start, end, num_new = row.start, row.end, len(row.tokens)
             offset = len(input_ids)
+            chunk_offsets[row.request_id] = offset
             state_chunks.append((row, offset))
             input_ids.extend(row.tokens)
             positions.extend(range(start, end))
@@ -245,8 +252,18 @@ class ModelRunner:
             block_size=bs,
         )
         # a hybrid's rows continue from their state slots (decode rows come first in the batch)
-        state = ({"state": (self.state_pool, self._state_meta([r.row for r in rows], state_chunks))}
-                 if self.state_pool is not None else {})
+        state: dict[str, Any] = ({"state": (self.state_pool, self._state_meta([r.row for r in rows], state_chunks))}
+                                 if self.state_pool is not None else {})
+        if batch.rows and batch.rows[0].hidden is not None:  # a multi-token-prediction head's input
+            state["input_hidden"] = torch.cat([r.row.hidden[r.position - r.row.start:r.position - r.row.start + 1]
+                                               for r in rows] + [row.hidden for row in chunks])
+        # every row's tokens, in position order, as rows of the step (StepBatch.hidden_states)
+        row_spans = ([(row.request_id, [at[(row.request_id, p)] for p in range(row.start, row.end)]
+                       if row.kind is not RowKind.CHUNK else list(range(chunk_offsets[row.request_id],
+                                                                        chunk_offsets[row.request_id] + len(row.tokens))))
+                      for row in batch.rows] if batch.hidden_states else [])
+        for _, indices in row_spans:
+            hidden_indices.extend(indices)
         if self.groups.grouped:  # the window tables' own slots and blocks, the same masks
             state["window_metas"] = [self._retarget(meta, rows, chunks, t)
                                      for t in range(self.groups.num_window_tables)]
@@ -257,11 +274,20 @@ class ModelRunner:
             meta,
             torch.tensor(logits_indices + verify_indices + prompt_indices, dtype=torch.long, device=device),
             max(positions),
-            torch.tensor(hidden_indices, dtype=torch.long, device=device) if pool_rows else None,
+            torch.tensor(hidden_indices, dtype=torch.long, device=device) if hidden_indices else None,
             **state,
         )
-        logits, hidden = out if pool_rows else (out, None)
-        return StepResult(sampled, logits, prompt_rows, pool_rows, hidden, [row.request_id for row in verify])
+        logits, hidden = out if hidden_indices else (out, None)
+        row_hidden: dict[str, torch.Tensor] = {}
+        if row_spans:
+            assert hidden is not None
+            at_row = len(hidden_indices) - sum(len(indices) for _, indices in row_spans)  # after the pooled rows
+            for request_id, indices in row_spans:
+                row_hidden[request_id] = hidden[at_row:at_row + len(indices)]
+                at_row += len(indices)
+            hidden = hidden[:len(hidden_indices) - sum(len(indices) for _, indices in row_spans)] if pool_rows else None
+        return StepResult(sampled, logits, prompt_rows, pool_rows, hidden, [row.request_id for row in verify],
+                          row_hidden)
 
     def _retarget(self, meta: AttentionMetadata, rows: list[_QueryRow], chunks: list[StepRow],
                   table: int) -> AttentionMetadata:
@@ -327,6 +353,12 @@ class ModelRunner:
             return
         rows = convert_rows(data.to(self.device), self.kv_dtype)
         as_bytes(self.kv_cache)[:, :, :, s:s + self.block_size] = as_bytes(rows).transpose(2, 3)
+
+    def clear_block(self, block: int) -> None:
+        """Zero every layer's K and V of one block (one table, the plain layout: a draft's cache)."""
+        assert not self.groups.grouped and not self.config.layer_head_dim
+        s = block * self.block_size
+        as_bytes(self.kv_cache)[:, :, :, s:s + self.block_size] = 0
 
     def _grouped_rows(self, block: int | tuple[int, ...]) -> list[torch.Tensor]:
         # each cached layer's [2, kv_heads, block_size, row] slots of the position block whose

@@ -33,6 +33,7 @@ from baton.model.kv_quant import is_quantized, resolve_kv_cache_dtype
 from baton.model.loader import default_device, load_model_deferring, resolve_dtype
 from baton.model.model import CausalLM
 from baton.model.draft import DraftRow, propose_greedy
+from baton.model.mtp import MtpRow, propose_mtp
 from baton.model.moe_quant import experts_description, mxfp4_experts_plan
 from baton.model.model_runner import ModelRunner, PoolRows, PromptRows, StepResult, kv_bytes_per_block
 from baton.model.fp8_blocks import describe_fp8
@@ -43,7 +44,7 @@ from baton.model.short_conv import state_dims
 from baton.model.step_batch import RowKind, StepBatch, StepRow, step_row
 from baton.model.thread_gate import ThreadGate, no_gate_args
 
-__all__ = ["DraftRow", "KVGroups", "ModelConfig", "ModelRuntime", "PoolRows", "PromptRows", "RowKind", "RuntimeConfig", "StepBatch",
+__all__ = ["DraftRow", "KVGroups", "ModelConfig", "ModelRuntime", "MtpRow", "PoolRows", "PromptRows", "RowKind", "RuntimeConfig", "StepBatch",
            "StepResult", "StepRow", "step_row",
            "ThreadGate", "default_device", "greedy_pick", "kv_block_bytes", "kv_groups", "load_runtime", "no_gate_args",
            "return_freed_memory"]
@@ -63,6 +64,8 @@ class RuntimeConfig:
     # free each projection's loaded weight once its op holds the copy it reads (the workers): loading
     # peaks near one copy; `prepare()` cannot run again afterwards
     release_load_copies: bool = False
+    # the checkpoint's multi-token-prediction layer alone, as a draft (baton.model.mtp)
+    mtp: bool = False
     # The environment's forward-path switches are these fields' defaults, read once
     # (baton/model/runtime_env.py has the table: variable, values, default, effect).
     # full, matmul, off or auto (BATON_BATCH_INVARIANT; None: auto, said in the log)
@@ -180,6 +183,15 @@ class ModelRuntime:
         """As a draft model: k greedy proposals per row and the number of forwards (baton.model.draft)."""
         return propose_greedy(self.runner.execute, rows, catch_up, vocab)
 
+    def propose_mtp(self, rows: Sequence[MtpRow], vocab: int) -> tuple[list[list[int]], int]:
+        """As a multi-token-prediction head: each row's proposals and the number of forwards (baton.model.mtp)."""
+        return propose_mtp(self.runner.execute, rows, vocab, self.dtype)
+
+    def clear_block(self, block: int) -> None:
+        """Zero one block of the cache (a draft's, whose positions there were written by another
+        engine: the head reads zeros there rather than another request's KV)."""
+        self.runner.clear_block(block)
+
     @property
     def block_shape(self) -> list[int]:
         return self.runner.block_shape
@@ -220,7 +232,7 @@ def load_runtime(config: RuntimeConfig) -> ModelRuntime:
     mxfp4_q8, expert_kernels = mxfp4_experts_plan(model_dir, config.quantization, config.dtype, device,
                                                   config.native_kernels)
     model, model_config, unread = load_model_deferring(model_dir, dtype, device, prepare=False, defer=defer,
-                                                       mxfp4_as_q8_0=mxfp4_q8, kernels=expert_kernels)
+                                                       mxfp4_as_q8_0=mxfp4_q8, kernels=expert_kernels, mtp=config.mtp)
     drop_all_touched_pages()  # the file's pages the load read: the page cache keeps them, the worker need not
     # projections about to be quantized get no bf16 pack first (it would be made and dropped)
     quantizing = asks_for_quantized(quantization, source) and device.type == "cpu"

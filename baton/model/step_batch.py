@@ -12,6 +12,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 
 class RowKind(enum.Enum):
@@ -33,6 +34,9 @@ class StepRow:
     # the window layers' tables, each as long as block_table (a model mixing window and global
     # layers: baton.model.kv_groups); empty: every layer reads block_table
     window_tables: tuple[Sequence[int], ...] = ()
+    # a multi-token-prediction head's rows (baton.model.mtp): the target's hidden state beside each
+    # token, a tensor [len(tokens), hidden] in the model's dtype; None: a plain model's row
+    hidden: Any = None
 
     @property
     def end(self) -> int:
@@ -42,6 +46,9 @@ class StepRow:
 @dataclass(frozen=True, slots=True)
 class StepBatch:
     rows: tuple[StepRow, ...]
+    # return the final hidden state of every token of every row (`StepResult.row_hidden`): what a
+    # multi-token-prediction head reads next to the tokens (baton.model.mtp)
+    hidden_states: bool = False
 
     @property
     def num_tokens(self) -> int:
