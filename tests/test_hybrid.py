@@ -396,7 +396,7 @@ def test_state_slots_take_at_most_half_the_kv_budget(hybrid_dir, prompts, caplog
     assert tokens_of(llm.generate(prompts * 2, greedy())) == expected * 2  # 8 requests through 4 slots
 
 
-def test_bf16_runs_and_speculative_decoding_is_refused(hybrid_dir, prompts):  # noqa: F811
+def test_bf16_runs_and_the_state_slots_come_out_of_the_kv_budget(hybrid_dir, prompts):  # noqa: F811
     model_dir = hybrid_dir("qwen3_5_text")
     llm = LLM(model=str(model_dir), dtype="bfloat16", num_kv_blocks=64, max_num_batched_tokens=16)
     assert "state layers" in llm.engine.runtime.model.describe()
@@ -413,9 +413,6 @@ def test_bf16_runs_and_speculative_decoding_is_refused(hybrid_dir, prompts):  # 
     # and the prefix cache's state snapshots: a quarter of what the slots leave, at most 4 per request
     assert engine.state_cache is not None and engine.state_cache.capacity == 32
     assert engine.pool.num_blocks == ((4 << 20) - (8 + 32) * slot_bytes) // runtime.block_bytes(16)
-    with pytest.raises(ValueError, match="speculative decoding is not supported"):
-        LLM(model=str(model_dir), dtype="float32", num_kv_blocks=16,
-            speculative_config={"method": "ngram", "num_speculative_tokens": 2})
 
 
 # ------------------------------------------------------------------ baton serve: prefill and decode workers

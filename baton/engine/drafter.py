@@ -59,6 +59,9 @@ class Drafter(DraftCache):
         super().__init__(load_runtime(RuntimeConfig(model_dir, dtype, device, quantization="none",
                                                     release_load_copies=True)), block_size)
         self.vocab = min(target_vocab_size, self.config.vocab_size)  # proposals are target ids
+        if self.runtime.has_state_layers:  # its cursor cuts its KV back; a state cannot be cut back
+            raise ValueError(f"the draft model {Path(model_dir).name} has state layers: a draft must be a "
+                             "transformer (its KV is cut back to the target's accepted tokens)")
 
     def run(self, job: DraftJob) -> None:
         """Set the proposals of `job.proposing`'s rows (their slots for positions up to

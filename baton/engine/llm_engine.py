@@ -85,9 +85,6 @@ class LLMEngine:
         self.quantization, self.dtype, self.kv_dtype = self.runtime.quantization, self.runtime.dtype, self.runtime.kv_dtype
         logger.info("%s", self.runtime.description)
         speculative = parse_speculative_config(config.speculative_config)
-        if speculative is not None and self.runtime.has_state_layers:
-            # a rejected proposal would have to roll the state layers back: no per-position states yet
-            raise ValueError(f"speculative decoding is not supported for {self.model_dir.name}: it has state layers")
         self.drafter: Drafter | MtpDrafter | None = None
         if speculative is not None and speculative.method == "draft_model":
             self.drafter = self._load_drafter(Path(speculative.model), device)
@@ -130,6 +127,10 @@ class LLMEngine:
             self.block_manager, self.model_config.eos_token_ids, self.connector, speculative,
         )
         self.runtime.allocate(num_blocks, config.block_size, config.max_num_seqs)
+        if self.scheduler.speculator is not None and self.runtime.has_state_layers:
+            # a verify row's state layers keep the state after each of its tokens but the last in a
+            # free state slot until its accepted count is known: proposals no more than are free
+            self.scheduler.speculator.spare_states = self._spare_state_slots
         self.structured = StructuredOutput(self.model_dir, self.model_config.vocab_size, self.eos_token_ids)
         self.num_steps = 0
         self.num_generated_tokens = 0
@@ -165,6 +166,10 @@ class LLMEngine:
                     drafter.config.num_layers, drafter.config.hidden_size,
                     parse_speculative_config(self.config.speculative_config).num_speculative_tokens)
         return drafter
+
+    def _spare_state_slots(self, scheduled: list[Sequence]) -> int:
+        """State slots free once this step's new requests took theirs."""
+        return self.runtime.free_state_slots - sum(1 for seq in scheduled if not self.runtime.has_state(seq.seq_id))
 
     def _load_mtp(self, device: torch.device, k: int) -> MtpDrafter:
         """The checkpoint's multi-token-prediction layer as the draft (baton/engine/mtp_drafter.py),
@@ -334,6 +339,12 @@ class LLMEngine:
         step_outputs = self.scheduler.update_from_output(
             plan, sample_seqs, tokens[:num_sampled], logprobs[:num_sampled],
             None if top_logprobs is None else tops[:num_sampled], verified)
+        if self.runtime.has_state_layers:
+            rows_by_id = {row.request_id: row for row in batch.rows}
+            for seq in verify_seqs:  # each verify row's state after the tokens it accepted
+                row = rows_by_id[seq.seq_id]
+                accepted = seq.num_computed_tokens - row.start - 1  # rolled back to them (a finished row: any)
+                self.runtime.keep_verified_state(seq.seq_id, max(0, min(accepted, len(row.tokens) - 1)))
         self.num_generated_tokens += sum(len(out.new_token_ids) for out in step_outputs)
         if mtp_rows:
             assert isinstance(self.drafter, MtpDrafter)

@@ -30,6 +30,7 @@ baton/engine/drafter.py; nothing else touches a request's `Speculation`):
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from baton.engine.block_manager import BlockManager, blocks_for
@@ -88,6 +89,9 @@ class Speculator:
         self.stats = SpecStats(accepted_per_pos=[0] * config.num_speculative_tokens)
         self._step_started = 0.0
         self._step_shape: tuple[int, int, bool] | None = None  # (rows, tokens, verified), decode-only steps
+        # a model with state layers: how many state slots are free for this step's rows (a verify row
+        # borrows one per proposal for the state before it: baton.model.gated_deltanet.StateMeta); None: no limit
+        self.spare_states: Callable[[list[Sequence]], int] | None = None
 
     def eligible(self, seq: Sequence) -> bool:
         # a constrained row speculates with n-gram proposals (cut to what its grammar accepts; each
@@ -136,10 +140,14 @@ class Speculator:
             return scheduled, DraftJob([], catch_up) if catch_up else None
         out, drafting = [], []
         pool = self.block_manager.pool
+        spare_states = self.spare_states([seq for seq, _ in scheduled]) if self.spare_states is not None else None
         for seq, n in scheduled:
             draft = wanted.get(id(seq), [])
             if draft:
                 draft = draft[:self._fits(seq, len(draft), pool.num_free_blocks - num_running)]
+            if draft and spare_states is not None:
+                draft = draft[:spare_states]
+                spare_states -= len(draft)
             if draft:
                 taken = self.block_manager.allocate_slots(seq, 1 + len(draft))
                 assert taken is not None  # _fits checked it

@@ -74,15 +74,50 @@ class StateDims(Protocol):
     def recurrent_shape(self) -> tuple[int, ...]: ...
 
 
+@dataclass(frozen=True)
+class DecodeStep:
+    """One recurrent step over some one-token rows of a forward: which rows of the flattened batch
+    (a slice, or their indices), each one's state slot, and the slots' states to copy out after it."""
+
+    rows: slice | torch.Tensor
+    slots: torch.Tensor  # [R] long
+    first_slot: int | None = None  # slots[0] when the slots are consecutive (advanced in place as a slice)
+    # (slots, scratch slots): after this step each of those slots' states is copied into its scratch slot
+    copies: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
 @dataclass
 class StateMeta:
     """Which state slot each row of a step continues from: the first `len(decode_slots)` rows are
-    one-token rows (decode), then `spans`: (first row, rows, slot) of each prefill chunk."""
+    one-token rows (decode), then `spans`: (first row, rows, slot) of each prefill chunk.
+
+    A verify row of speculative decoding (its last token and k proposals, all one-token rows of the
+    decode part) continues from one slot through 1 + k recurrent steps, in order: `decode_steps`
+    then lists them (step j: every decode row's j-th token), and after step j < k its state is
+    copied into a scratch slot, so that the engine keeps the state after the tokens it accepts
+    (`StatePool.keep`). None: every decode row in one step."""
 
     decode_slots: torch.Tensor  # [D] long
     spans: list[tuple[int, int, int]] = field(default_factory=list)
     # decode_slots[0] when the decode slots are consecutive (first, first + 1, ...), else None
     decode_first_slot: int | None = None
+    decode_steps: list[DecodeStep] | None = None
+
+    def steps(self) -> list[DecodeStep]:
+        if self.decode_steps is not None:
+            return self.decode_steps
+        rows = self.decode_slots.shape[0]
+        return [DecodeStep(slice(0, rows), self.decode_slots, self.decode_first_slot)] if rows else []
+
+
+def after_step(pool: StatePool, layer: int, step: DecodeStep) -> None:
+    """A state layer ran `step`: copy the states a verify row may fall back to (its scratch slots)."""
+    if step.copies is None:
+        return
+    slots, scratch = step.copies
+    pool.conv[layer].index_copy_(0, scratch, pool.conv[layer].index_select(0, slots))
+    if pool.recurrent is not None:
+        pool.recurrent[layer].index_copy_(0, scratch, pool.recurrent[layer].index_select(0, slots))
 
 
 class StatePool:
@@ -127,6 +162,22 @@ class StatePool:
         slot = self.owner.pop(request_id, None)
         if slot is not None:
             self.free.append(slot)
+
+    def take_scratch(self, count: int) -> list[int]:
+        """`count` free slots lent to a verify step (the states after its first tokens); given back
+        by `keep`. The speculation policy proposes no more than there are free slots."""
+        if count > len(self.free):
+            raise RuntimeError(f"{count} scratch state slots asked for, {len(self.free)} free")
+        return [self.free.pop() for _ in range(count)]
+
+    def keep(self, request_id: str, scratch: list[int], accepted: int) -> None:
+        """After a verify step whose row's states after its tokens 0..k-1 went to `scratch` (its own
+        slot holding the state after token k): the state after token `accepted` becomes the row's
+        (its slot is swapped, nothing copied) and the other slots are free again."""
+        if accepted < len(scratch):
+            own = self.owner[request_id]
+            self.owner[request_id], scratch = scratch[accepted], [*scratch[:accepted], own, *scratch[accepted + 1:]]
+        self.free.extend(scratch)
 
     def _tensors(self) -> dict[str, torch.Tensor]:
         return {"conv": self.conv} | ({"recurrent": self.recurrent} if self.recurrent is not None else {})
@@ -199,14 +250,14 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     return out.transpose(1, 2).to(dtype, memory_format=torch.contiguous_format), s
 
 
-def slot_rows(pool: torch.Tensor, meta: StateMeta) -> tuple[torch.Tensor, bool]:
-    """The decode rows' entries of a pool tensor [slots, ...] and whether they are a view of it: a
-    view when the slots are consecutive (`meta.decode_first_slot`: the common case; then what is
+def slot_rows(pool: torch.Tensor, step: DecodeStep) -> tuple[torch.Tensor, bool]:
+    """A decode step's rows' entries of a pool tensor [slots, ...] and whether they are a view of it: a
+    view when the slots are consecutive (`step.first_slot`: the common case; then what is
     advanced in place needs no write back and nothing is copied), else a copy (index_select) for the
     caller to write back with index_copy_."""
-    if meta.decode_first_slot is not None:
-        return pool.narrow(0, meta.decode_first_slot, meta.decode_slots.shape[0]), True
-    return pool.index_select(0, meta.decode_slots), False
+    if step.first_slot is not None:
+        return pool.narrow(0, step.first_slot, step.slots.shape[0]), True
+    return pool.index_select(0, step.slots), False
 
 
 def decode_conv(states: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
@@ -346,23 +397,23 @@ class GatedDeltaNet(nn.Module):
         conv_states, rec_states = pool.conv[self.state_index], pool.recurrent[self.state_index]
         weight = self.conv1d.weight
         normed = x.new_empty(x.shape[0], d.value_dim)  # the gated norm of the rule's output, per row
-        num_decode = meta.decode_slots.shape[0]
-        if num_decode and self.kernel is not None:  # the native step: conv, silu, the rule and the norm
-            normed[:num_decode] = self.kernel.gated_delta_decode(
-                qkv[:num_decode], z[:num_decode].reshape(num_decode, -1), g[:num_decode], beta[:num_decode].float(),
-                conv_states, weight, rec_states, meta.decode_slots, self.norm.weight, self.norm.eps,
-                d.num_k_heads, d.head_k_dim)
-        elif num_decode:
-            slots = meta.decode_slots
-            mixed = F.silu(decode_conv(conv_states, slots, qkv[:num_decode], weight)).to(qkv.dtype)  # [D, C]
-            q, k, v = torch.split(mixed, [d.key_dim, d.key_dim, d.value_dim], dim=-1)
-            state, in_pool = slot_rows(rec_states, meta)  # [D, Hv, Dk, Dv], advanced in place
-            o = recurrent_gated_delta_rule(q.view(num_decode, -1, d.head_k_dim), k.view(num_decode, -1, d.head_k_dim),
-                                           v.view(num_decode, -1, d.head_v_dim), g[:num_decode], beta[:num_decode],
-                                           state)
-            if not in_pool:
-                rec_states.index_copy_(0, slots, state)
-            normed[:num_decode] = self._gated_norm(o.to(x.dtype), z[:num_decode])
+        for step in meta.steps():
+            rows = step.rows
+            n = step.slots.shape[0]
+            if self.kernel is not None:  # the native step: conv, silu, the rule and the norm
+                normed[rows] = self.kernel.gated_delta_decode(
+                    qkv[rows], z[rows].reshape(n, -1), g[rows], beta[rows].float(), conv_states, weight, rec_states,
+                    step.slots, self.norm.weight, self.norm.eps, d.num_k_heads, d.head_k_dim)
+            else:
+                mixed = F.silu(decode_conv(conv_states, step.slots, qkv[rows], weight)).to(qkv.dtype)  # [n, C]
+                q, k, v = torch.split(mixed, [d.key_dim, d.key_dim, d.value_dim], dim=-1)
+                state, in_pool = slot_rows(rec_states, step)  # [n, Hv, Dk, Dv], advanced in place
+                o = recurrent_gated_delta_rule(q.view(n, -1, d.head_k_dim), k.view(n, -1, d.head_k_dim),
+                                               v.view(n, -1, d.head_v_dim), g[rows], beta[rows], state)
+                if not in_pool:
+                    rec_states.index_copy_(0, step.slots, state)
+                normed[rows] = self._gated_norm(o.to(x.dtype), z[rows])
+            after_step(pool, self.state_index, step)
         keep = d.conv_kernel - 1
         for start, length, slot in meta.spans:
             end = start + length

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from baton.model.gated_deltanet import StateMeta, StatePool, decode_conv, slot_rows
+from baton.model.gated_deltanet import StateMeta, StatePool, after_step, decode_conv, slot_rows
 from baton.model.model import set_op
 
 
@@ -179,16 +179,16 @@ class Mamba2Mixer(nn.Module):
         conv_states, ssm_states = pool.conv[self.state_index], pool.recurrent[self.state_index]
         weight, bias, keep = self.conv1d.weight, self.conv1d.bias, d.conv_kernel - 1
         y = torch.empty(hidden.shape[0], d.num_heads, d.head_dim, dtype=torch.float32, device=hidden.device)
-        num_decode = meta.decode_slots.shape[0]
-        if num_decode:
-            slots = meta.decode_slots
-            mixed = F.silu(decode_conv(conv_states, slots, xbc[:num_decode], weight, bias)).to(dtype)  # [D, C]
+        for step in meta.steps():
+            rows = step.rows
+            mixed = F.silu(decode_conv(conv_states, step.slots, xbc[rows], weight, bias)).to(dtype)  # [n, C]
             x, b, c = self._split(mixed)
-            state, in_pool = slot_rows(ssm_states, meta)  # [D, H, P, N], advanced in place
+            state, in_pool = slot_rows(ssm_states, step)  # [n, H, P, N], advanced in place
             # the reference's recurrent form applies no time-step limits
-            y[:num_decode] = recurrent_step(x, dt[:num_decode], a, b, c, skip, state)
+            y[rows] = recurrent_step(x, dt[rows], a, b, c, skip, state)
             if not in_pool:
-                ssm_states.index_copy_(0, slots, state)
+                ssm_states.index_copy_(0, step.slots, state)
+            after_step(pool, self.state_index, step)
         for start, length, slot in meta.spans:
             end = start + length
             window = torch.cat([conv_states[slot], xbc[start:end].T], dim=-1).to(weight.dtype)  # [C, keep + L]

@@ -5,6 +5,7 @@ requests."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -16,7 +17,7 @@ from baton.model.attention import AttentionMetadata, DecodeGroup, PrefillSpan, g
 from baton.model import layer_cache
 from baton.model.kv_groups import kv_groups, one_table as one_table_of
 from baton.model.kv_quant import as_bytes, convert_rows, row_width
-from baton.model.gated_deltanet import StateMeta, StatePool
+from baton.model.gated_deltanet import DecodeStep, StateMeta, StatePool
 from baton.model.short_conv import state_dims
 from baton.model.model import CausalLM
 from baton.model.step_batch import RowKind, StepBatch, StepRow
@@ -115,6 +116,8 @@ class ModelRunner:
         if config.has_state_layers:
             self.state_pool = StatePool(state_dims(config.deltanet), sum(config.layer_deltanet),
                                         max(1, max_num_seqs), self.dtype, self.device)
+        # a verify step's scratch state slots per request, until `keep_verified` (speculative decoding)
+        self._scratch: dict[str, list[int]] = {}
 
     def read_state(self, request_id: str) -> dict[str, torch.Tensor]:
         assert self.state_pool is not None
@@ -130,19 +133,48 @@ class ModelRunner:
     def release_state(self, request_id: str) -> None:
         """A request finished, was aborted or preempted: its state slot is free (recompute rebuilds it)."""
         if self.state_pool is not None:
+            self.state_pool.free.extend(self._scratch.pop(request_id, []))
             self.state_pool.release(request_id)
 
-    def _state_meta(self, rows: list[StepRow], chunks: list[tuple[StepRow, int]]) -> StateMeta:
-        # rows: the step's decode rows (first in the flattened batch); chunks: (row, its first token's index)
+    @property
+    def free_state_slots(self) -> int:
+        return len(self.state_pool.free) if self.state_pool is not None else 0
+
+    def _state_meta(self, queries: list[_QueryRow], chunks: list[tuple[StepRow, int]]) -> StateMeta:
+        # queries: the step's one-token rows (first in the flattened batch); chunks: (row, its first token's index)
         pool = self.state_pool
         assert pool is not None
-        decode = [pool.slot(row.request_id, starting=row.start == 0) for row in rows]
+        decode = [pool.slot(q.row.request_id, starting=q.row.start == 0) for q in queries]
         spans = [(offset, len(row.tokens), pool.slot(row.request_id, starting=row.start == 0))
                  for row, offset in chunks]
-        # consecutive decode slots (the common case: slots are handed out in order) are advanced in
-        # place as one slice of each layer's pool: found once here, not per layer (slot_rows)
-        first = decode[0] if decode and decode == list(range(decode[0], decode[0] + len(decode))) else None
-        return StateMeta(torch.tensor(decode, dtype=torch.long, device=self.device), spans, first)
+        as_tensor = functools.partial(torch.tensor, dtype=torch.long, device=self.device)
+        if all(q.sampled for q in queries):
+            # consecutive decode slots (the common case: slots are handed out in order) are advanced in
+            # place as one slice of each layer's pool: found once here, not per layer (slot_rows)
+            first = decode[0] if decode and decode == list(range(decode[0], decode[0] + len(decode))) else None
+            return StateMeta(as_tensor(decode), spans, first)
+        # verify rows: step j runs every row's j-th token; after step j < k a verify row's state is
+        # copied into its scratch slot j (`keep_verified` keeps the one its accepted tokens reach)
+        by_step: dict[int, list[int]] = {}
+        for i, q in enumerate(queries):
+            by_step.setdefault(q.position - q.row.start, []).append(i)
+        for q in queries:
+            if not q.sampled and q.position == q.row.start:
+                self._scratch[q.row.request_id] = pool.take_scratch(len(q.row.tokens) - 1)
+        steps = []
+        for j in sorted(by_step):
+            rows = by_step[j]
+            saved = [(decode[i], self._scratch[queries[i].row.request_id][j]) for i in rows
+                     if not queries[i].sampled and j < len(queries[i].row.tokens) - 1]
+            copies = (as_tensor([own for own, _ in saved]), as_tensor([to for _, to in saved])) if saved else None
+            steps.append(DecodeStep(as_tensor(rows), as_tensor([decode[i] for i in rows]), None, copies))
+        return StateMeta(as_tensor(decode), spans, None, steps)
+
+    def keep_verified(self, request_id: str, accepted: int) -> None:
+        """After a verify step: the request's state layers continue from the state after its last token
+        and its first `accepted` proposals (the scratch slots of the others are free again)."""
+        assert self.state_pool is not None
+        self.state_pool.keep(request_id, self._scratch.pop(request_id), accepted)
 
     def _slots(self, block_table: Sequence[int], start: int, end: int) -> list[int]:
         # slots of positions [start, end) of a request
@@ -181,8 +213,6 @@ class ModelRunner:
         # position p of a VERIFY row attends 0..p, exactly as a plain decode step at p would
         rows = [_QueryRow(row, row.start, row.tokens[0], sampled=True) for row in batch.rows if row.kind is RowKind.DECODE]
         verify = [row for row in batch.rows if row.kind is RowKind.VERIFY]
-        if verify and self.state_pool is not None:
-            raise ValueError("speculative decoding is not supported for models with state layers")
         for row in verify:
             rows += [_QueryRow(row, row.start + j, token, sampled=False) for j, token in enumerate(row.tokens)]
         rows.sort(key=lambda r: r.position)
@@ -252,7 +282,7 @@ class ModelRunner:
             block_size=bs,
         )
         # a hybrid's rows continue from their state slots (decode rows come first in the batch)
-        state: dict[str, Any] = ({"state": (self.state_pool, self._state_meta([r.row for r in rows], state_chunks))}
+        state: dict[str, Any] = ({"state": (self.state_pool, self._state_meta(rows, state_chunks))}
                                  if self.state_pool is not None else {})
         if batch.rows and batch.rows[0].hidden is not None:  # a multi-token-prediction head's input
             state["input_hidden"] = torch.cat([r.row.hidden[r.position - r.row.start:r.position - r.row.start + 1]

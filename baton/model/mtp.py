@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from baton.model.config import ModelConfig
+from baton.model.families import family_spec
 from baton.model.model import Attention, CausalLM, RMSNorm, set_op
 from baton.model.model_runner import StepResult
 from baton.model.step_batch import RowKind, StepBatch, StepRow
@@ -50,6 +51,10 @@ TARGET_FALLBACK = {"embed_tokens.weight": "embed_tokens.weight", "lm_head.weight
 def mtp_config(config: ModelConfig) -> ModelConfig:
     """The config of the target's first MTP layer as a one-layer model (ValueError where there is none,
     or where the family keeps per-layer kinds the head does not carry over)."""
+    prefix = family_spec(config.model_type).mtp_prefix
+    if prefix:
+        raise ValueError(f"{config.model_id}: its MTP head (`{prefix}*`, Qwen3.5 / Qwen3-Next's form) is not "
+                         "served as a draft yet; \"ngram\" or \"draft_model\" speculate on it")
     if config.mtp_layers < 1:
         raise ValueError(f"{config.model_id} has no multi-token-prediction layers (num_nextn_predict_layers "
                          "is 0 or absent): speculative_config method \"mtp\" needs a checkpoint that carries them")

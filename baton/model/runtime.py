@@ -170,6 +170,17 @@ class ModelRuntime:
         if self._runner is not None:
             self._runner.release_state(request_id)
 
+    def keep_verified_state(self, request_id: str, accepted: int) -> None:
+        """After a step that verified the request's proposals: its state layers continue from the
+        state after its last token and its first `accepted` proposals (no-op without state layers)."""
+        if self.config.has_state_layers:
+            self.runner.keep_verified(request_id, accepted)
+
+    @property
+    def free_state_slots(self) -> int:
+        """State slots no request holds now (a verify step borrows one per proposal)."""
+        return self.runner.free_state_slots
+
     @property
     def runner(self) -> ModelRunner:
         assert self._runner is not None, "ModelRuntime.allocate must run before a step"

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from baton.model.gated_deltanet import DeltaNetDims, StateMeta, StatePool, decode_conv
+from baton.model.gated_deltanet import DeltaNetDims, StateMeta, StatePool, after_step, decode_conv
 from baton.model.mamba2 import Mamba2Dims
 from baton.model.model import set_op
 
@@ -73,10 +73,9 @@ class ShortConv(nn.Module):
         states = pool.conv[self.state_index]  # [slots, H, keep]
         weight, bias = self.conv.weight, self.conv.bias
         out = torch.empty_like(bx)
-        num_decode = meta.decode_slots.shape[0]
-        if num_decode:
-            slots = meta.decode_slots
-            out[:num_decode] = decode_conv(states, slots, bx[:num_decode], weight, bias)
+        for step in meta.steps():
+            out[step.rows] = decode_conv(states, step.slots, bx[step.rows], weight, bias)
+            after_step(pool, self.state_index, step)
         for start, length, slot in meta.spans:
             end = start + length
             window = torch.cat([states[slot], bx[start:end].T], dim=-1).to(weight.dtype)  # [H, keep + L]
