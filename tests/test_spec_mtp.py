@@ -24,6 +24,7 @@ import torch
 from baton import LLM, SamplingParams
 from tests.test_engine_tiny import assert_pool_all_free
 from tests.test_families import family_dir, greedy, hf_greedy, hf_model, prompts, tokens_of  # noqa: F401 (fixtures)
+from tests.test_hybrid import hybrid_dir  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 MTP_FAMILIES = ["glm4_moe", "deepseek_v3"]
@@ -244,8 +245,8 @@ def test_mtp_is_refused_where_it_cannot_run(family_dir, tmp_path):
     with pytest.raises(ValueError, match="no multi-token-prediction layers"):
         LLM(model=str(family_dir("qwen3")), dtype="float32", num_kv_blocks=16,
             speculative_config={"method": "mtp"})
-    # the layer declared but absent from the checkpoint: the strict load names what is missing
-    with pytest.raises(ValueError, match=r"lacks: .*layers\.0\.self_attn"):
+    # the layer declared but absent from the checkpoint
+    with pytest.raises(ValueError, match=r"carries no multi-token-prediction layer \(no layers\.4\.\* tensors\)"):
         LLM(model=str(family_dir("glm4_moe")), dtype="float32", num_kv_blocks=16,
             speculative_config={"method": "deepseek_mtp", "num_speculative_tokens": 1})
     with pytest.raises(ValueError, match="not for method \"mtp\""):
@@ -279,3 +280,109 @@ def test_baton_serve_drafts_with_the_mtp_layer_and_reports_its_acceptance(mtp_di
         assert drafts > 0 and decode["baton:worker_spec_decode_num_draft_tokens_total"] >= drafts
         assert "baton:worker_spec_decode_num_accepted_tokens_total" in decode
         assert "multi-token prediction: the checkpoint's MTP layer" in "".join(serve.err)
+
+
+# ------------------------------------------------------------------ Qwen3.5's head (`mtp.*`) on a hybrid
+
+def _qwen_mtp_parts(model_dir: Path) -> dict[str, torch.Tensor]:
+    """Qwen3.5's MTP module for the tiny hybrid (`mtp.*`, as the released checkpoints carry it, vLLM's
+    Qwen3NextMTP): transformers' full-attention decoder layer of the family, scaled as build_hybrid
+    scales weights, fc and the two pre-fc norms, and its final norm ((1 + w) norms, offsets stored)."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(model_dir)
+    layers, hidden = config.num_hidden_layers, config.hidden_size
+    torch.manual_seed(2468)
+    layer = _qwen_mtp_layer(model_dir)
+    parts: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for name, tensor in layer.named_parameters():
+            tensor = tensor * 5.0 if tensor.dim() >= 2 else tensor + 0.2 * torch.randn_like(tensor)
+            parts[f"layers.0.{name}"] = tensor.detach().clone()
+        parts["fc.weight"] = torch.randn(hidden, 2 * hidden) * (5.0 / (2 * hidden) ** 0.5)
+        parts["pre_fc_norm_embedding.weight"] = 0.2 * torch.randn(hidden)
+        parts["pre_fc_norm_hidden.weight"] = 0.2 * torch.randn(hidden)
+        parts["norm.weight"] = hf_model(model_dir).model.norm.weight.detach().clone() + 0.2 * torch.randn(hidden)
+    assert layers == 4
+    return {f"mtp.{name}": t.contiguous() for name, t in parts.items()}
+
+
+def _qwen_mtp_layer(model_dir: Path):
+    """transformers' full-attention decoder layer of the checkpoint's family, at index L (one past the last)."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(model_dir)
+    layers = config.num_hidden_layers
+    bigger = transformers.AutoConfig.from_pretrained(model_dir, num_hidden_layers=layers + 1,
+                                                     layer_types=[*config.layer_types, "full_attention"])
+    module = transformers.AutoModelForCausalLM.from_config(bigger).model.layers[layers]
+    return module.float().eval()
+
+
+@pytest.fixture(scope="module")
+def qwen_mtp_dir(hybrid_dir, tmp_path_factory):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src = hybrid_dir("qwen3_5_text")
+    out = tmp_path_factory.mktemp("mtp-qwen3_5_text")
+    shutil.copytree(src, out, dirs_exist_ok=True)
+    tensors = load_file(out / "model.safetensors")
+    tensors.update(_qwen_mtp_parts(src))
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+@torch.no_grad()
+def qwen_reference_proposals(model_dir: Path, tokens: list[int], k: int) -> list[int]:
+    """vLLM's Qwen3NextMTP over transformers' modules, without a cache: fc over [(1 + w) norm of the
+    token's embedding, (1 + w) norm of the target's final hidden state], the full-attention layer,
+    the head's final norm, the target's LM head; chained on the head's normed output."""
+    from safetensors.torch import load_file
+
+    target = hf_model(model_dir)
+    own = {n.removeprefix("mtp."): t.float() for n, t in load_file(model_dir / "model.safetensors").items()
+           if n.startswith("mtp.")}
+    layer = _qwen_mtp_layer(model_dir)
+    layer.load_state_dict({n.removeprefix("layers.0."): t for n, t in own.items() if n.startswith("layers.0.")})
+    eps = target.config.rms_norm_eps
+
+    def norm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + w)
+
+    h = target.model(torch.tensor([tokens]), use_cache=False).last_hidden_state[0]
+    embed = target.model.embed_tokens.weight
+
+    def head_input(token: int, state: torch.Tensor) -> torch.Tensor:
+        both = torch.cat([norm(embed[token], own["pre_fc_norm_embedding.weight"]),
+                          norm(state, own["pre_fc_norm_hidden.weight"])])
+        return both @ own["fc.weight"].T
+
+    inputs = [head_input(tokens[p + 1], h[p]) for p in range(len(tokens) - 1)]
+    proposals: list[int] = []
+    for _ in range(k):
+        x = torch.stack(inputs).unsqueeze(0)
+        positions = torch.arange(x.shape[1]).unsqueeze(0)
+        mask = torch.full((x.shape[1], x.shape[1]), float("-inf")).triu(1)[None, None]
+        out = layer(x, position_embeddings=target.model.rotary_emb(x, positions), attention_mask=mask,
+                    position_ids=positions)
+        normed = norm((out[0] if isinstance(out, tuple) else out)[0, -1], own["norm.weight"])
+        proposals.append(int((normed @ target.lm_head.weight.T).argmax()))
+        inputs.append(head_input(proposals[-1], normed))
+    return proposals
+
+
+def test_qwen3_5s_mtp_head_drafts_on_the_hybrid_as_the_reference_does(qwen_mtp_dir, prompts):
+    """Qwen3.5's head (`mtp.*`: one gated-attention layer, its KV in a cache of its own) drafts on the
+    hybrid target, whose verify rows step its state layers token by token: every proposal equals
+    the reference's, and the tokens are transformers'."""
+    expected = [hf_greedy(qwen_mtp_dir, p) for p in prompts]
+    llm = mtp_llm(qwen_mtp_dir, k=2)
+    assert "multi-token prediction" in llm.engine.drafter.runtime.model.describe()
+    seen = record_proposals(llm)
+    assert tokens_of(llm.generate(prompts, greedy())) == expected
+    assert llm.engine.stats().spec_num_drafts == len(seen) > 0
+    for tokens, proposals in seen:
+        assert proposals == qwen_reference_proposals(qwen_mtp_dir, tokens, len(proposals)), tokens
+    assert_pool_all_free(llm)

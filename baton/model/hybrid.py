@@ -130,9 +130,10 @@ class HybridLayer(nn.Module):
         self.denormals_flushed: Callable[[], AbstractContextManager[None]] = nullcontext
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, pool: StatePool, state: StateMeta) -> torch.Tensor:
+                meta: AttentionMetadata, pool: StatePool | None, state: StateMeta | None) -> torch.Tensor:
         h = self.input_layernorm(x)
         if self.linear_attn is not None:
+            assert pool is not None and state is not None
             with self.denormals_flushed():  # (HybridModel.forward says when: per step, or per state layer)
                 branch = self.linear_attn(h, pool, state)
         else:
@@ -251,11 +252,19 @@ class HybridModel(CausalLM):
         hidden_indices: torch.Tensor | None = None,
         state: tuple[StatePool, StateMeta] | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        assert state is not None, "a hybrid model's step needs its rows' state slots"
-        pool, state_meta = state
         x = self.embed(input_ids)
         if self.config.embedding_multiplier != 1.0:
             x = x * self.config.embedding_multiplier  # Granite's (a float, as the reference)
+        return self.forward_embedded(x, positions, kv_cache, meta, logits_indices, max_position, hidden_indices, state)
+
+    def forward_embedded(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,  # type: ignore[override]
+                         meta: AttentionMetadata, logits_indices: torch.Tensor, max_position: int,
+                         hidden_indices: torch.Tensor | None = None, state: tuple[StatePool, StateMeta] | None = None,
+                         ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """`forward` from its input rows x [T, hidden] on (as `CausalLM.forward_embedded`)."""
+        # a model without state layers (an MTP head's one attention layer) runs without a pool
+        assert state is not None or not self.num_state_layers, "a hybrid's step needs its rows' state slots"
+        pool, state_meta = state if state is not None else (None, None)
         cos, sin = self.rope(positions, max_position)
         # lent threads (baton/model/thread_gate.py) are given back between layers when their owner
         # asks, so a step on borrowed cores keeps a reclaiming prefill worker waiting one layer at most

@@ -34,7 +34,7 @@ from baton.model.gemma4 import Gemma4LM, gemma4_recipes, shared_layers_kv_weight
 from baton.model.hybrid import HybridModel, hybrid_recipes
 from baton.model.mla import LatentAttention, LatentAttentionLM, half_split_rows
 from baton.model.model import MLP, Attention, CausalLM
-from baton.model.mtp import MtpLM, MtpTensors, mtp_config
+from baton.model.mtp import MtpHybridLM, MtpLM, MtpTensors, mtp_config
 from baton.model.fp8_blocks import fp8_view
 from baton.model.mxfp4 import DequantizedView, has_packed
 from baton.model.mxfp4_experts import install_expert_blocks, take_expert_blocks
@@ -115,16 +115,18 @@ def _layer_of(name: str) -> int | None:
     return int(parts[1]) if len(parts) > 2 and parts[0] == "layers" and parts[1].isdigit() else None
 
 
-def _checkpoint_view(tensors: Mapping[str, torch.Tensor], config: ModelConfig) -> Mapping[str, torch.Tensor]:
+def _checkpoint_view(tensors: Mapping[str, torch.Tensor], config: ModelConfig,
+                     keep_mtp: bool = False) -> Mapping[str, torch.Tensor]:
     """The tensors the model is made of, for a checkpoint that holds more by a named rule: a
     vision-language checkpoint served text only (`families.TEXT_ONLY`: its language model's tensors
     renamed, its vision tower's skipped), the multi-token-prediction layers stored after the last
     layer (GLM-4.5's `num_nextn_predict_layers`; Baton does not run them), Gemma 4's KV-shared layers'
     K/V projections and norms (never run: transformers ignores them too). Every skip is counted and
-    logged; every other tensor goes on to the strict check."""
+    logged; every other tensor goes on to the strict check. `keep_mtp`: the MTP layers are kept (the
+    MTP head's load, baton.model.mtp, picks them out)."""
     form = TEXT_ONLY.get(config.text_only_of)
-    mtp = range(config.num_layers, config.num_layers + config.mtp_layers)
-    mtp_prefix = family_spec(config.model_type).mtp_prefix
+    mtp = range(config.num_layers, config.num_layers + config.mtp_layers) if not keep_mtp else range(0)
+    mtp_prefix = family_spec(config.model_type).mtp_prefix if not keep_mtp else ""
     unused_kv = shared_layers_kv_weights(config)
     if form is None and not mtp and not mtp_prefix and not unused_kv:
         return tensors
@@ -377,8 +379,11 @@ def load_model_deferring(model_dir: str | Path, dtype: str | torch.dtype = "auto
         if gguf_source(model_dir) is not None:
             raise ValueError(f"{model_dir.name}: speculative_config method \"mtp\" reads the MTP layer from "
                              "safetensors; from a GGUF it is not served yet")
-        target_layers, config = config.num_layers, mtp_config(config)
-        viewed: Mapping[str, torch.Tensor] = MtpTensors(_read_tensors(model_dir), target_layers)
+        target_layers, qwen = config.num_layers, bool(family_spec(config.model_type).mtp_prefix)
+        config = mtp_config(config)
+        # a vision-language checkpoint's language model renamed, its MTP layer kept
+        viewed: Mapping[str, torch.Tensor] = MtpTensors(_checkpoint_view(_read_tensors(model_dir), config, keep_mtp=True),
+                                                        target_layers, qwen, config.model_id)
     else:
         viewed = _checkpoint_view(_read_tensors(model_dir), config)
     # FP8 block checkpoints (DeepSeek V3, *-FP8): each weight dequantized to the dtype as it is read
@@ -392,7 +397,8 @@ def load_model_deferring(model_dir: str | Path, dtype: str | torch.dtype = "auto
         # is tied exactly when the checkpoint has none, as transformers 5 ends up doing
         config.tie_word_embeddings = "lm_head.weight" not in tensors
     with torch.device("meta"):
-        model = (MtpLM(config, LatentAttention if config.kv_lora_rank else Attention) if mtp
+        model = ((MtpHybridLM(config) if config.deltanet else MtpLM(config, LatentAttention if config.kv_lora_rank
+                                                                      else Attention)) if mtp
                  else HybridModel(config) if config.has_state_layers else Gemma4LM(config) if config.gemma4
                  else LatentAttentionLM(config) if config.kv_lora_rank else CausalLM(config))
     # a MoE's router where the reference keeps it in fp32 (GLM-4.5's) stays fp32

@@ -12,11 +12,15 @@ token t_{p+1}, writes its KV at p, and its logits there score t_{p+2}. Chained f
 own output at the position before (before its final norm) stands in for h: vLLM's order, in which
 these layers were trained and are served.
 
-`MtpLM` is that layer as a one-layer `CausalLM` (the family's own layer class, MLA included), so the
-load, quantization, packing and the paged attention are the target's; `mtp_view` renames the MTP
-layer's tensors to its names and leaves the target's to the target. A Qwen3.5 / Qwen3-Next MTP
-(`mtp.*`) sits on a hybrid model, which does not speculate yet (no per-position states to roll
-back): it is refused with the rest of speculation on state layers.
+Qwen3.5 and Qwen3-Next store theirs as `mtp.*` (vLLM's Qwen3NextMTP): `fc` for eh_proj,
+`pre_fc_norm_embedding` / `pre_fc_norm_hidden` for enorm / hnorm ((1 + w) norms), `layers.0` one
+gated-attention layer of the family, `norm`, and the target's embedding and head; chained, it
+reads its own output after its norm.
+
+`MtpLM` (`MtpHybridLM` for the hybrids: a one-layer `HybridModel` without state layers) is that
+layer as a one-layer model of the family (its own layer class, MLA included), so the load,
+quantization, packing and the paged attention are the target's; `MtpTensors` renames the MTP
+layer's tensors to its names and leaves the target's to the target.
 
 The engine keeps which positions already hold the head's KV and the target's hidden states it has
 not read yet (baton/engine/mtp_drafter.py); `propose_mtp` runs its rows: a first forward over every
@@ -35,6 +39,7 @@ from torch import nn
 
 from baton.model.config import ModelConfig
 from baton.model.families import family_spec
+from baton.model.hybrid import HybridModel
 from baton.model.model import Attention, CausalLM, RMSNorm, set_op
 from baton.model.model_runner import StepResult
 from baton.model.step_batch import RowKind, StepBatch, StepRow
@@ -44,6 +49,10 @@ from baton.model.step_batch import RowKind, StepBatch, StepRow
 OWN_NAMES = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
              "shared_head.norm.weight": "norm.weight", "shared_head.head.weight": "lm_head.weight",
              "embed_tokens.weight": "embed_tokens.weight"}
+# Qwen3.5's and Qwen3-Next's head (`mtp.*`, vLLM's Qwen3NextMTP): its tensors -> MtpLM's names (the
+# rest, `layers.0.*`, its decoder layer); it has no embedding or head of its own
+QWEN_NAMES = {"fc.weight": "eh_proj.weight", "pre_fc_norm_embedding.weight": "enorm.weight",
+              "pre_fc_norm_hidden.weight": "hnorm.weight", "norm.weight": "norm.weight"}
 # the target's, used where the MTP layer has no copy of its own
 TARGET_FALLBACK = {"embed_tokens.weight": "embed_tokens.weight", "lm_head.weight": "lm_head.weight"}
 
@@ -51,36 +60,39 @@ TARGET_FALLBACK = {"embed_tokens.weight": "embed_tokens.weight", "lm_head.weight
 def mtp_config(config: ModelConfig) -> ModelConfig:
     """The config of the target's first MTP layer as a one-layer model (ValueError where there is none,
     or where the family keeps per-layer kinds the head does not carry over)."""
-    prefix = family_spec(config.model_type).mtp_prefix
-    if prefix:
-        raise ValueError(f"{config.model_id}: its MTP head (`{prefix}*`, Qwen3.5 / Qwen3-Next's form) is not "
-                         "served as a draft yet; \"ngram\" or \"draft_model\" speculate on it")
-    if config.mtp_layers < 1:
+    qwen = bool(family_spec(config.model_type).mtp_prefix)  # `mtp.*`: present or not, the tensors say
+    if config.mtp_layers < 1 and not qwen:
         raise ValueError(f"{config.model_id} has no multi-token-prediction layers (num_nextn_predict_layers "
                          "is 0 or absent): speculative_config method \"mtp\" needs a checkpoint that carries them")
     per_layer = {"sliding windows": config.layer_sliding, "no-rope layers": config.layer_rope,
-                 "state layers": config.layer_deltanet, "per-layer shapes": config.layer_head_dim}
+                 "per-layer shapes": config.layer_head_dim}
     kinds = [what for what, values in per_layer.items() if values]
-    if kinds:
-        raise ValueError(f"speculative_config method \"mtp\" is not served for {config.model_type} ({', '.join(kinds)})")
-    # the MTP layer is of the kind of the layers before it (a MoE block where the last layer has one)
+    if kinds or (config.has_state_layers and not qwen):
+        raise ValueError(f"speculative_config method \"mtp\" is not served for {config.model_type} "
+                         f"({', '.join(kinds or ['state layers'])})")
+    # the MTP layer is of the kind of the layers before it (a MoE block where the last layer has one);
+    # a hybrid's head is one of its (gated) attention layers
     return dataclasses.replace(config, num_layers=1, mtp_layers=0,
-                               layer_moe=config.layer_moe[-1:] if config.layer_moe else [])
+                               layer_moe=config.layer_moe[-1:] if config.layer_moe else [],
+                               layer_deltanet=[False] if config.layer_deltanet else [])
 
 
 class MtpTensors(Mapping[str, torch.Tensor]):
     """The checkpoint's tensors as `MtpLM` names them: its MTP layer's (`layers.{L}.`), and the
     target's embedding and head where the layer has no copy; the target's own are not listed."""
 
-    def __init__(self, tensors: Mapping[str, torch.Tensor], layer: int) -> None:
+    def __init__(self, tensors: Mapping[str, torch.Tensor], layer: int, qwen: bool, model_id: str) -> None:
         self.tensors = tensors
-        prefix = f"layers.{layer}."
+        prefix, own_names = ("mtp.", QWEN_NAMES) if qwen else (f"layers.{layer}.", OWN_NAMES)
         names: dict[str, str] = {}
         for name in tensors:
             if not name.startswith(prefix):
                 continue
             rest = name.removeprefix(prefix)
-            names[OWN_NAMES.get(rest, f"layers.0.{rest}")] = name
+            names[own_names.get(rest, rest if qwen else f"layers.0.{rest}")] = name
+        if not names:
+            raise ValueError(f"{model_id}: the checkpoint carries no multi-token-prediction layer (no {prefix}* "
+                             "tensors): speculative_config method \"mtp\" needs one")
         for own, target in TARGET_FALLBACK.items():
             if own not in names and target in tensors:
                 names[own] = target
@@ -96,13 +108,12 @@ class MtpTensors(Mapping[str, torch.Tensor]):
         return len(self.names)
 
 
-class MtpLM(CausalLM):
-    """The MTP layer as a one-layer model (`mtp_config`), reading the target's hidden states beside
-    the tokens (`input_hidden`); its returned hidden states are its layer's output before the final
-    norm (what its next chained step reads). It runs on the torch path (its input is no embedding)."""
+class MtpHead:
+    """What an MTP layer adds to a one-layer model of its family: enorm, hnorm and eh_proj in front,
+    reading the target's hidden states beside the tokens (`input_hidden`). It runs on the torch path
+    (its input is no embedding)."""
 
-    def __init__(self, config: ModelConfig, attention: type[nn.Module] = Attention) -> None:
-        super().__init__(config, attention)
+    def _add_head(self, config: ModelConfig) -> None:
         hidden = config.hidden_size
         self.enorm = RMSNorm(hidden, config.rms_norm_eps, config.norm_kind)
         self.hnorm = RMSNorm(hidden, config.rms_norm_eps, config.norm_kind)
@@ -111,20 +122,38 @@ class MtpLM(CausalLM):
         self.native_unsupported = [*self.native_unsupported, "multi-token prediction"]
 
     def projection_slots(self) -> list[tuple[nn.Module, str, nn.Linear]]:
-        return [*super().projection_slots(), (self, "eh", self.eh_proj)]
+        return [*super().projection_slots(), (self, "eh", self.eh_proj)]  # type: ignore[misc]
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, *rest: Any,  # type: ignore[override]
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, *rest: Any,
                 input_hidden: torch.Tensor | None = None, **options: Any) -> Any:
-        """`CausalLM.forward` with `input_hidden` [T, hidden] beside `input_ids` [T] (token t_{p+1}
-        and the target's h_p at position p; chained, the head's own output)."""
+        """`forward` with `input_hidden` [T, hidden] beside `input_ids` [T] (token t_{p+1} and the
+        target's h_p at position p; chained, the head's own output)."""
         assert input_hidden is not None, "an MTP step reads a hidden state beside every token"
         x = self.eh(torch.cat([self.enorm(self.embed(input_ids)), self.hnorm(input_hidden.to(self.enorm.weight.dtype))],
                               dim=-1))  # [T, hidden]
         return self.forward_embedded(x, positions, *rest, **options)
 
+
+class MtpLM(MtpHead, CausalLM):
+    """DeepSeek V3's and GLM-4.5's MTP layer (`mtp_config`): its returned hidden states are its layer's
+    output before the final norm (what its next chained step reads)."""
+
+    def __init__(self, config: ModelConfig, attention: type[nn.Module] = Attention) -> None:
+        CausalLM.__init__(self, config, attention)
+        self._add_head(config)
+
     def final_hidden(self, rows: torch.Tensor) -> torch.Tensor:
         return rows  # the layer's output before the final norm: what the next chained step reads
+
+
+class MtpHybridLM(MtpHead, HybridModel):
+    """Qwen3.5's and Qwen3-Next's MTP layer: one gated-attention layer of the hybrid family (no state
+    layer); its returned hidden states are after its final norm, as vLLM's Qwen3NextMTP chains them."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        HybridModel.__init__(self, config)
+        self._add_head(config)
 
 
 @dataclass(frozen=True, slots=True)
