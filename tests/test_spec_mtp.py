@@ -386,3 +386,32 @@ def test_qwen3_5s_mtp_head_drafts_on_the_hybrid_as_the_reference_does(qwen_mtp_d
     for tokens, proposals in seen:
         assert proposals == qwen_reference_proposals(qwen_mtp_dir, tokens, len(proposals)), tokens
     assert_pool_all_free(llm)
+
+
+def test_the_mtp_cursor_reads_each_hidden_state_once_and_skips_what_it_never_saw():
+    """The head's cursor (pure logic): states of computed positions are kept until read; positions
+    this engine never computed (a handoff's prompt, a prefix hit) are skipped, not waited for; a
+    preemption drops the states of the positions it recomputes; a verify row keeps its accepted
+    positions' states after the ones already unread."""
+    from baton.engine.draft_cursor import MtpCursor
+
+    def states(start: int, end: int) -> torch.Tensor:
+        return torch.arange(start, end, dtype=torch.float32)[:, None]
+
+    table, bs = [1, 2, 3, 4], 4
+    cursor = MtpCursor()
+    assert cursor.valid(table, 10, 0, bs) == 10  # a handed-off prompt: nothing to read, skipped
+    cursor.record(10, states(10, 11), 0)  # the first decode step computed position 10
+    cursor.done = cursor.valid(table, 11, 0, bs)
+    assert (cursor.done, cursor.hidden_start, cursor.hidden_end) == (10, 10, 11)
+    cursor.advance(11, table, 0, bs)
+    cursor.read_through(11)
+    assert cursor.hidden is None and cursor.done == 11
+    # a verify step kept positions 11..13 (two accepted), then a plain one kept 14
+    cursor.record(11, states(11, 14), 0)
+    cursor.record(14, states(14, 15), 0)
+    assert cursor.valid(table, 15, 0, bs) == 11 and cursor.unread(11, 15)[:, 0].tolist() == [11, 12, 13, 14]
+    # preempted: recomputed from a prefix hit at 8, its states arrive from there
+    cursor.record(8, states(8, 12), 1)
+    assert cursor.valid(table, 12, 1, bs) == 8 and cursor.unread(8, 12)[:, 0].tolist() == [8, 9, 10, 11]
+    assert cursor.valid(table, 12, 2, bs) == 12 and cursor.hidden is None  # preempted again before reading
