@@ -174,7 +174,7 @@ class LLMEngine:
     def _load_mtp(self, device: torch.device, k: int) -> MtpDrafter:
         """The checkpoint's multi-token-prediction layer as the draft (baton/engine/mtp_drafter.py),
         in the target's dtype and quantization; its cache is allocated as a draft model's."""
-        drafter = MtpDrafter(self.model_dir, str(self.dtype).removeprefix("torch."), str(device),
+        drafter = MtpDrafter(self.runtime, self.model_dir, str(self.dtype).removeprefix("torch."), str(device),
                              self.config.block_size, self.config.quantization)
         return_freed_memory()
         logger.info("multi-token prediction: the checkpoint's MTP layer (%s) drafts %d token%s a step",

@@ -29,16 +29,19 @@ from baton.engine.draft_cursor import MtpCursor
 from baton.engine.drafter import DraftCache
 from baton.engine.sequence import Sequence
 from baton.engine.speculator import DraftJob
-from baton.model.runtime import MtpRow, RuntimeConfig, StepBatch, StepResult, load_runtime
+from baton.model.runtime import ModelRuntime, MtpRow, RuntimeConfig, StepBatch, StepResult, load_runtime
 
 
 class MtpDrafter(DraftCache):
     """The target checkpoint's MTP layer, loaded as a one-layer model; its cache is a draft model's."""
 
-    def __init__(self, model_dir: Path, dtype: str, device: str, block_size: int, quantization: str) -> None:
-        # the head's projections as the target's (one layer of it); its own cache in its dtype
+    def __init__(self, target: ModelRuntime, model_dir: Path, dtype: str, device: str, block_size: int,
+                 quantization: str) -> None:
+        # the head's projections as the target's (one layer of it); its own cache in its dtype; its
+        # embedding and LM head the target's
         super().__init__(load_runtime(RuntimeConfig(model_dir, dtype, device, quantization=quantization,
                                                     release_load_copies=True, mtp=True)), block_size)
+        self.runtime.borrow_vocab(target)
 
     def clear_block(self, block: int) -> None:
         """A target block was written from the store: its positions' head KV is not this engine's."""

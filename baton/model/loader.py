@@ -34,7 +34,7 @@ from baton.model.gemma4 import Gemma4LM, gemma4_recipes, shared_layers_kv_weight
 from baton.model.hybrid import HybridModel, hybrid_recipes
 from baton.model.mla import LatentAttention, LatentAttentionLM, half_split_rows
 from baton.model.model import MLP, Attention, CausalLM
-from baton.model.mtp import MtpHybridLM, MtpLM, MtpTensors, mtp_config
+from baton.model.mtp import VOCAB_PARAMETERS, MtpHybridLM, MtpLM, MtpTensors, mtp_config
 from baton.model.fp8_blocks import fp8_view
 from baton.model.mxfp4 import DequantizedView, has_packed
 from baton.model.mxfp4_experts import install_expert_blocks, take_expert_blocks
@@ -292,16 +292,18 @@ class UnreadWeights:
     def read(self, target: str) -> torch.Tensor:
         """The parameter `target` (a model parameter name) as the load would have made it."""
         recipe = self._recipes[target]
-        found = next(a for a in range(len(recipe.alternatives)) if all(n in self._tensors for n in recipe.names(a)))
-        return self._convert(target, _join(recipe, found, self._tensors))
+        return self._convert(target, _join(recipe, self._found(recipe), self._tensors))
+
+    def _found(self, recipe: _Recipe) -> int:
+        """The recipe's alternative the checkpoint holds whole (the load checked there is one)."""
+        return next(a for a in range(len(recipe.alternatives)) if all(n in self._tensors for n in recipe.names(a)))
 
     def read_expert(self, target: str, expert: int) -> torch.Tensor:
         """`read(target)[expert]` for a stacked expert parameter, reading only that expert where the
         checkpoint can (a GGUF's blocks: `expert_slice`), so that checking a few sampled experts never
         holds a layer's whole dense stack."""
         recipe = self._recipes[target]
-        found = next(a for a in range(len(recipe.alternatives)) if all(n in self._tensors for n in recipe.names(a)))
-        parts = recipe.alternatives[found]
+        parts = recipe.alternatives[self._found(recipe)]
         slicer = getattr(self._tensors, "expert_slice", None)
         if len(parts) == 1 and len(parts[0]) == 1 and recipe.transform is None and slicer is not None:
             one = slicer(parts[0][0], expert)
@@ -413,6 +415,9 @@ def load_model_deferring(model_dir: str | Path, dtype: str | torch.dtype = "auto
         return t.to(device=device, dtype=torch.float32 if name in fp32 else torch_dtype, copy=True)
 
     recipes = _recipes(model, config)
+    if mtp:  # the head embeds and scores with the target's tables (MtpHead.borrow_vocab): none loaded
+        for name in VOCAB_PARAMETERS:
+            recipes.pop(name, None)
     taken: dict[str, str] = {}  # MXFP4 experts left to `install_expert_blocks`
     if mxfp4_as_q8_0 and device.type == "cpu":
         taken, tensors = take_expert_blocks(recipes, tensors)
@@ -423,7 +428,11 @@ def load_model_deferring(model_dir: str | Path, dtype: str | torch.dtype = "auto
     del tensors
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     missing = [m for m in missing if not (config.tie_word_embeddings and m == "lm_head.weight")
-               and m not in deferred and m not in taken]
+               and m not in deferred and m not in taken and not (mtp and m in VOCAB_PARAMETERS)]
+    if mtp:  # empty, in the dtype and on the device (what the rotary tables and the plan read of them)
+        for module in (model.embed_tokens, model.lm_head):
+            module.weight = torch.nn.Parameter(torch.empty(0, config.hidden_size, dtype=torch_dtype, device=device),
+                                               requires_grad=False)
     if missing or unexpected:  # a recipe bug, not a checkpoint problem
         raise ValueError(f"loaded state does not match the model: missing {missing}, unexpected {unexpected}")
     if taken:

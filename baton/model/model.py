@@ -506,8 +506,14 @@ class CausalLM(nn.Module):
         # the final norm's output of those rows is returned too, as transformers' AutoModel's
         # last_hidden_state; the LM head runs only over logits_indices, so a step of pooling
         # requests alone computes no logits at all.
-        return self.forward_embedded(self.embed(input_ids), positions, kv_cache, meta, logits_indices, max_position,
-                                     hidden_indices, window_metas)
+        x = self.embed(input_ids)
+        config = self.config
+        if config.embedding_multiplier != 1.0:  # (the native paths run only where it is 1)
+            # Gemma multiplies by sqrt(hidden) rounded to the model's dtype; Granite by the float
+            scale = config.embedding_multiplier
+            x = x * (torch.tensor(scale, dtype=x.dtype) if config.embedding_multiplier_in_dtype else scale)
+        return self.forward_embedded(x, positions, kv_cache, meta, logits_indices, max_position, hidden_indices,
+                                     window_metas)
 
     def forward_embedded(
         self,
@@ -529,10 +535,6 @@ class CausalLM(nn.Module):
         if self.fused_norm is not None:
             return self._forward_fused(x, cos, sin, kv_cache, meta, logits_indices, hidden_indices)
         config = self.config
-        if config.embedding_multiplier != 1.0:
-            # Gemma multiplies by sqrt(hidden) rounded to the model's dtype; Granite by the float
-            scale = config.embedding_multiplier
-            x = x * (torch.tensor(scale, dtype=x.dtype) if config.embedding_multiplier_in_dtype else scale)
         # the window layers' metadata and the local rotary, once per step for all layers
         window_meta = (windowed(meta, config.sliding_window, chunked=config.chunked_window)  # type: ignore[arg-type]
                        if self.has_window and not window_metas else meta)

@@ -45,16 +45,17 @@ from baton.model.model_runner import StepResult
 from baton.model.step_batch import RowKind, StepBatch, StepRow
 
 # the MTP layer's own tensors (under `layers.{L}.`) -> MtpLM's names; the rest of `layers.{L}.` is
-# its decoder layer (-> `layers.0.`)
+# its decoder layer (-> `layers.0.`) but for its copies of the target's embedding and head, which
+# are not read: the head embeds and scores with the target's own (`MtpHead.borrow_vocab`), as vLLM
+# shares them
 OWN_NAMES = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
-             "shared_head.norm.weight": "norm.weight", "shared_head.head.weight": "lm_head.weight",
-             "embed_tokens.weight": "embed_tokens.weight"}
+             "shared_head.norm.weight": "norm.weight"}
+VOCAB_COPIES = ("embed_tokens.weight", "shared_head.head.weight")
+VOCAB_PARAMETERS = ("embed_tokens.weight", "lm_head.weight")  # MtpLM's, left empty: the target's are used
 # Qwen3.5's and Qwen3-Next's head (`mtp.*`, vLLM's Qwen3NextMTP): its tensors -> MtpLM's names (the
 # rest, `layers.0.*`, its decoder layer); it has no embedding or head of its own
 QWEN_NAMES = {"fc.weight": "eh_proj.weight", "pre_fc_norm_embedding.weight": "enorm.weight",
               "pre_fc_norm_hidden.weight": "hnorm.weight", "norm.weight": "norm.weight"}
-# the target's, used where the MTP layer has no copy of its own
-TARGET_FALLBACK = {"embed_tokens.weight": "embed_tokens.weight", "lm_head.weight": "lm_head.weight"}
 
 
 def mtp_config(config: ModelConfig) -> ModelConfig:
@@ -89,13 +90,11 @@ class MtpTensors(Mapping[str, torch.Tensor]):
             if not name.startswith(prefix):
                 continue
             rest = name.removeprefix(prefix)
-            names[own_names.get(rest, rest if qwen else f"layers.0.{rest}")] = name
+            if rest not in VOCAB_COPIES:
+                names[own_names.get(rest, rest if qwen else f"layers.0.{rest}")] = name
         if not names:
             raise ValueError(f"{model_id}: the checkpoint carries no multi-token-prediction layer (no {prefix}* "
                              "tensors): speculative_config method \"mtp\" needs one")
-        for own, target in TARGET_FALLBACK.items():
-            if own not in names and target in tensors:
-                names[own] = target
         self.names = names
 
     def __getitem__(self, name: str) -> torch.Tensor:
@@ -122,7 +121,20 @@ class MtpHead:
         self.native_unsupported = [*self.native_unsupported, "multi-token prediction"]
 
     def projection_slots(self) -> list[tuple[nn.Module, str, nn.Linear]]:
-        return [*super().projection_slots(), (self, "eh", self.eh_proj)]  # type: ignore[misc]
+        # the head is the target's op (`borrow_vocab`): not packed or quantized again here
+        own = [slot for slot in super().projection_slots() if slot[1] != "head"]  # type: ignore[misc]
+        return [*own, (self, "eh", self.eh_proj)]
+
+    def borrow_vocab(self, target: CausalLM) -> None:
+        """Embed tokens and score them with the target's embedding and head (their ops as the target
+        serves them: one copy of the vocabulary's tables, not two)."""
+        object.__setattr__(self, "vocab_model", target)  # not a submodule: the target owns it
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.vocab_model.embed(input_ids)
+
+    def _head_rows(self, normed: torch.Tensor) -> torch.Tensor:
+        return self.vocab_model._head_rows(normed)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, *rest: Any,

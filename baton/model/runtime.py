@@ -33,7 +33,7 @@ from baton.model.kv_quant import is_quantized, resolve_kv_cache_dtype
 from baton.model.loader import default_device, load_model_deferring, resolve_dtype
 from baton.model.model import CausalLM
 from baton.model.draft import DraftRow, propose_greedy
-from baton.model.mtp import MtpRow, propose_mtp
+from baton.model.mtp import MtpHead, MtpRow, propose_mtp
 from baton.model.moe_quant import experts_description, mxfp4_experts_plan
 from baton.model.model_runner import ModelRunner, PoolRows, PromptRows, StepResult, kv_bytes_per_block
 from baton.model.fp8_blocks import describe_fp8
@@ -193,6 +193,11 @@ class ModelRuntime:
     def propose(self, rows: Sequence[DraftRow], catch_up: Sequence[StepRow], vocab: int) -> tuple[list[list[int]], int]:
         """As a draft model: k greedy proposals per row and the number of forwards (baton.model.draft)."""
         return propose_greedy(self.runner.execute, rows, catch_up, vocab)
+
+    def borrow_vocab(self, target: ModelRuntime) -> None:
+        """As a multi-token-prediction head (`RuntimeConfig.mtp`): embed and score with the target's tables."""
+        assert isinstance(self.model, MtpHead)
+        self.model.borrow_vocab(target.model)
 
     def propose_mtp(self, rows: Sequence[MtpRow], vocab: int) -> tuple[list[list[int]], int]:
         """As a multi-token-prediction head: each row's proposals and the number of forwards (baton.model.mtp)."""
