@@ -122,3 +122,18 @@ def test_a_draft_model_with_state_layers_and_a_missing_mtp_head_are_refused(hybr
         LLM(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=64,
             speculative_config={"method": "draft_model", "model": str(hybrid_dir("qwen3_5_text")),
                                 "num_speculative_tokens": 2})
+
+
+def test_a_draft_model_speculates_on_a_hybrid_target(hybrid_dir, tiny_model_dir, prompts):
+    """A transformer draft (the tiny Llama, the same tokenizer) proposing for Qwen3.5: whatever of its
+    proposals is accepted, the state kept is the one after the accepted tokens, and the output is
+    speculation off's."""
+    model_dir = hybrid_dir("qwen3_5_text")
+    off = tokens_of(LLM(model=str(model_dir), dtype="float32", num_kv_blocks=128).generate(prompts, PARAMS))
+    llm = LLM(model=str(model_dir), dtype="float32", num_kv_blocks=128, max_num_seqs=8,
+              speculative_config={"method": "draft_model", "model": str(tiny_model_dir), "num_speculative_tokens": 2})
+    llm.engine.scheduler.speculator.costs.force = True
+    assert tokens_of(llm.generate(prompts, PARAMS)) == off
+    assert llm.engine.stats().spec_num_draft_tokens > 20
+    assert_pool_all_free(llm)
+    assert_states_all_free(llm)
