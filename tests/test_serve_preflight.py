@@ -15,6 +15,7 @@ import subprocess
 import time
 
 import pytest
+import torch
 
 from baton.cli.preflight import (MemoryEstimate, PreflightError, check_model, context_tokens,
                                  default_prefill_kv_bytes, kv_pool_bytes, mem_available)
@@ -98,6 +99,25 @@ def test_a_config_missing_what_the_workers_need_is_refused(fake_services, tmp_pa
     assert result.returncode == 2 and elapsed < QUICK, result.stderr
     assert "its config.json has no 'num_attention_heads'" in result.stderr
     _nothing_started(fake_services, result)
+
+
+def test_an_mtp_draft_without_the_layer_is_refused_before_anything_starts(fake_services, tmp_path):
+    """`--speculative-config '{"method": "mtp"}'` on a checkpoint that carries no MTP layer: refused at
+    once, naming what is missing and what to pass instead (not a decode worker restarted six times)."""
+    from safetensors.torch import save_file
+
+    plain = json.loads((fake_services["model"] / "config.json").read_text())
+    glm = {**plain, "model_type": "glm4_moe", "num_nextn_predict_layers": 1, "n_routed_experts": 4,
+           "num_experts_per_tok": 2, "moe_intermediate_size": 32, "first_k_dense_replace": 1}
+    cases = [(_model_with_config(tmp_path, "no-mtp", plain), "has no multi-token-prediction layers"),
+             (_model_with_config(tmp_path, "mtp-declared", glm), "the checkpoint carries none (no layers.")]
+    save_file({"model.embed_tokens.weight": torch.zeros(2, 2)}, cases[1][0] / "model.safetensors")
+    for model, message in cases:
+        result, elapsed = _serve(fake_services, "--model", str(model), "--port", str(_free_port()),
+                                 "--speculative-config", '{"method": "mtp"}')
+        assert result.returncode == 2 and elapsed < QUICK, result.stderr
+        assert message in result.stderr and '{"method": "ngram"' in result.stderr, result.stderr
+        _nothing_started(fake_services, result)
 
 
 # ------------------------------------------------------------------ memory

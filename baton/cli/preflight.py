@@ -326,9 +326,37 @@ def served_weight_bytes(files: list[Path], dtype: str, quantization: str) -> int
     return total
 
 
+def check_mtp_head(model_dir: Path, config, speculative) -> None:  # config: a ModelConfig
+    """`--speculative-config '{"method": "mtp"}'`: the checkpoint carries the MTP layer the decode
+    workers will draft with (its safetensors headers name it), or a PreflightError says so."""
+    if speculative is None or getattr(speculative, "method", None) != "mtp":
+        return
+    from safetensors import safe_open
+
+    from baton.common.model_files import gguf_source
+    from baton.model.mtp import mtp_config, mtp_prefix
+
+    fix = "serve it without --speculative-config, or with {\"method\": \"ngram\", ...}"
+    if gguf_source(model_dir) is not None:
+        raise PreflightError(f"cannot draft with the MTP layer of {model_dir.name}: from a GGUF it is not served "
+                             f"yet (the safetensors checkpoint is); {fix}")
+    try:
+        mtp_config(config)
+    except ValueError as exc:
+        raise PreflightError(f"cannot draft with the MTP layer of {model_dir.name}: {exc}; {fix}") from None
+    prefix, names = mtp_prefix(config), []
+    for path in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            names += [n.removeprefix("model.").removeprefix("language_model.") for n in f.keys()]
+    if not any(name.startswith(prefix) for name in names):
+        raise PreflightError(f"cannot draft with the MTP layer of {model_dir.name}: the checkpoint carries none "
+                             f"(no {prefix}* tensors); {fix}")
+
+
 def check_model(model_dir: Path, args: argparse.Namespace) -> ModelCheck:
     """The model's config (refused here if the workers would refuse it) and the memory estimate."""
     config = read_model_config(model_dir)
+    check_mtp_head(model_dir, config, getattr(args, "speculative_config", None))
     weights = weight_files(model_dir, args.dtype, args.quantization)
     weights_bytes = served_weight_bytes(weights, args.dtype, args.quantization)
     kv_dtype = args.kv_cache_dtype

@@ -78,13 +78,19 @@ def mtp_config(config: ModelConfig) -> ModelConfig:
                                layer_deltanet=[False] if config.layer_deltanet else [])
 
 
+def mtp_prefix(config: ModelConfig) -> str:
+    """Where the checkpoint keeps its MTP layer (names without `model.`): `mtp.` (the Qwens) or the
+    layer after the last."""
+    return "mtp." if family_spec(config.model_type).mtp_prefix else f"layers.{config.num_layers}."
+
+
 class MtpTensors(Mapping[str, torch.Tensor]):
     """The checkpoint's tensors as `MtpLM` names them: its MTP layer's (`layers.{L}.`), and the
     target's embedding and head where the layer has no copy; the target's own are not listed."""
 
     def __init__(self, tensors: Mapping[str, torch.Tensor], layer: int, qwen: bool, model_id: str) -> None:
         self.tensors = tensors
-        prefix, own_names = ("mtp.", QWEN_NAMES) if qwen else (f"layers.{layer}.", OWN_NAMES)
+        prefix, own_names = ("mtp.", QWEN_NAMES) if qwen else (f"layers.{layer}.", OWN_NAMES)  # (mtp_prefix)
         names: dict[str, str] = {}
         for name in tensors:
             if not name.startswith(prefix):
