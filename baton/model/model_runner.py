@@ -66,8 +66,8 @@ class StepResult:
     # in all), one per verified position
     verified: list[str] = field(default_factory=list)
     # with `StepBatch.hidden_states`: each row's final hidden states [len(tokens), hidden], its tokens'
-    # positions in order (for a multi-token-prediction head: the target's post-norm states, or the
-    # head's own pre-norm ones as the next of its chained steps reads them)
+    # positions in order (the final norm's output; an MTP head's own as its next chained step reads
+    # them: baton.model.mtp)
     row_hidden: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
