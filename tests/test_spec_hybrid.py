@@ -101,17 +101,30 @@ def test_bf16_native_gated_deltanet_verify_steps_are_plain_steps(hybrid_dir, pro
 
 
 def test_too_few_free_state_slots_limit_the_proposals(hybrid_dir, prompts):
-    """Each proposal borrows a state slot for the step: with --max-num-seqs 4 and 4 requests running,
-    no slot is free and nothing is proposed; the output is the same."""
+    """Each proposal borrows a state slot for the step: with --max-num-seqs 4 and all four requests
+    running no slot is free and nothing is proposed; with 5, one proposal a step while they all run.
+    The output is the same."""
+    from baton.engine.speculator import proposals_of
+
     model_dir = hybrid_dir("qwen3_5_text")
     off = tokens_of(LLM(model=str(model_dir), dtype="float32", num_kv_blocks=128).generate(prompts, PARAMS))
-    llm = LLM(model=str(model_dir), dtype="float32", num_kv_blocks=128, max_num_seqs=4,
-              speculative_config={"method": "ngram", "num_speculative_tokens": 3})
-    with_oracle_proposals(llm, {tuple(p): o for p, o in zip(prompts, off)})
-    assert tokens_of(llm.generate(prompts, PARAMS)) == off
-    # while all four run no slot is free: only the last steps, as requests finish, may verify
-    assert llm.engine.stats().spec_num_drafts < 8, llm.engine.stats()
-    assert_states_all_free(llm)
+    for slots, most in ((4, 0), (5, 1)):
+        llm = LLM(model=str(model_dir), dtype="float32", num_kv_blocks=128, max_num_seqs=slots,
+                  speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+        with_oracle_proposals(llm, {tuple(p): o for p, o in zip(prompts, off)})
+        speculator, scheduler = llm.engine.scheduler.speculator, llm.engine.scheduler
+        plan, proposed = speculator.plan, []
+
+        def recording(scheduled, budget, num_running, plan=plan, scheduler=scheduler, proposed=proposed):
+            out, job = plan(scheduled, budget, num_running)
+            proposed.append((len(scheduler.running), sum(len(proposals_of(seq)) for seq, _ in out)))
+            return out, job
+
+        speculator.plan = recording
+        assert tokens_of(llm.generate(prompts, PARAMS)) == off
+        while_all_ran = [n for running, n in proposed if running == 4]
+        assert while_all_ran and max(while_all_ran) == most, (slots, proposed)
+        assert_states_all_free(llm)
 
 
 def test_a_draft_model_with_state_layers_and_a_missing_mtp_head_are_refused(hybrid_dir, tiny_model_dir):
