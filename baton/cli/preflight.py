@@ -334,7 +334,7 @@ def check_mtp_head(model_dir: Path, config, speculative) -> None:  # config: a M
     from safetensors import safe_open
 
     from baton.common.model_files import gguf_source
-    from baton.model.mtp import mtp_config, mtp_prefix
+    from baton.model.runtime import mtp_config, mtp_prefix
 
     fix = "serve it without --speculative-config, or with {\"method\": \"ngram\", ...}"
     if gguf_source(model_dir) is not None:

@@ -33,7 +33,7 @@ from baton.model.kv_quant import is_quantized, resolve_kv_cache_dtype
 from baton.model.loader import default_device, load_model_deferring, resolve_dtype
 from baton.model.model import CausalLM
 from baton.model.draft import DraftRow, propose_greedy
-from baton.model.mtp import MtpHead, MtpRow, propose_mtp
+from baton.model.mtp import MtpHead, MtpRow, mtp_config, mtp_prefix, propose_mtp
 from baton.model.moe_quant import experts_description, mxfp4_experts_plan
 from baton.model.model_runner import ModelRunner, PoolRows, PromptRows, StepResult, kv_bytes_per_block
 from baton.model.fp8_blocks import describe_fp8
@@ -44,7 +44,7 @@ from baton.model.short_conv import state_dims
 from baton.model.step_batch import RowKind, StepBatch, StepRow, step_row
 from baton.model.thread_gate import ThreadGate, no_gate_args
 
-__all__ = ["DraftRow", "KVGroups", "ModelConfig", "ModelRuntime", "MtpRow", "PoolRows", "PromptRows", "RowKind", "RuntimeConfig", "StepBatch",
+__all__ = ["DraftRow", "KVGroups", "ModelConfig", "ModelRuntime", "MtpRow", "mtp_config", "mtp_prefix", "PoolRows", "PromptRows", "RowKind", "RuntimeConfig", "StepBatch",
            "StepResult", "StepRow", "step_row",
            "ThreadGate", "default_device", "greedy_pick", "kv_block_bytes", "kv_groups", "load_runtime", "no_gate_args",
            "return_freed_memory"]
