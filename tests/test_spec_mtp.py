@@ -261,6 +261,7 @@ def test_baton_serve_drafts_with_the_mtp_layer_and_reports_its_acceptance(mtp_di
     latent blocks handed off through Redis, the decode worker's head drafting after them (its KV of
     the handed-off prompt is zeros: the prefill worker computed it), transformers' greedy tokens, and
     the drafts and their acceptance on the decode worker's /metrics."""
+    import httpx
     from transformers import AutoTokenizer
 
     from tests.serve_process import ServeProcess, free_port_run
@@ -275,6 +276,11 @@ def test_baton_serve_drafts_with_the_mtp_layer_and_reports_its_acceptance(mtp_di
                        "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}']) as serve:
         texts = asyncio.run(_completions(serve.base_url, prompts))
         assert texts == [tok.decode(e, skip_special_tokens=True).rstrip("\ufffd") for e in expected]
+        # one request alone, long enough for the worker's cost model to have measured a plain step
+        # of one row and then to try verifying (it speculates only where that pays: here it explores)
+        r = httpx.post(serve.base_url + "/v1/completions", timeout=120, json={
+            "prompt": prompts[-1], "max_tokens": 48, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 48, r.text
         decode = _metrics(metrics_port + 1)
         drafts = decode["baton:worker_spec_decode_num_drafts_total"]
         assert drafts > 0 and decode["baton:worker_spec_decode_num_draft_tokens_total"] >= drafts
@@ -401,6 +407,8 @@ def test_the_mtp_cursor_reads_each_hidden_state_once_and_skips_what_it_never_saw
     table, bs = [1, 2, 3, 4], 4
     cursor = MtpCursor()
     assert cursor.valid(table, 10, 0, bs) == 10  # a handed-off prompt: nothing to read, skipped
+    # and again, the head not having run in between (a step that did not verify): still skipped
+    assert cursor.valid(table, 10, 0, bs) == 10 and cursor.blocks == [1, 2, 3]
     cursor.record(10, states(10, 11), 0)  # the first decode step computed position 10
     cursor.done = cursor.valid(table, 11, 0, bs)
     assert (cursor.done, cursor.hidden_start, cursor.hidden_end) == (10, 10, 11)

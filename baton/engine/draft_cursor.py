@@ -87,17 +87,21 @@ class MtpCursor(DraftCursor):
 
     def valid(self, block_table: list[int], num_computed_tokens: int, num_preemptions: int, block_size: int) -> int:
         """`DraftCursor.valid`, then past any positions no hidden state will come for (they keep what
-        the head's cache holds): up to the first unread state, or to the computed tokens."""
+        the head's cache holds): up to the first unread state, or to the computed tokens. The cursor
+        moves there (its blocks those of the row's table now), whether or not the head runs this step."""
         done = super().valid(block_table, num_computed_tokens, num_preemptions, block_size)
         if self.hidden is not None and (self.hidden_preemptions != num_preemptions
                                         or self.hidden_end > num_computed_tokens):
             self.hidden = None  # computed before a preemption: recomputed positions bring their own
         if self.hidden is None:
-            return num_computed_tokens
-        if self.hidden_start > done:
-            return self.hidden_start
-        self._drop_before(done)
-        return done if self.hidden is not None else num_computed_tokens
+            done = num_computed_tokens
+        elif self.hidden_start > done:
+            done = self.hidden_start
+        else:
+            self._drop_before(done)
+            done = done if self.hidden is not None else num_computed_tokens
+        self.advance(done, block_table, num_preemptions, block_size)
+        return done
 
     def unread(self, start: int, end: int) -> torch.Tensor:
         assert self.hidden is not None and self.hidden_start <= start and end <= self.hidden_end
