@@ -413,7 +413,6 @@ def test_the_mtp_cursor_reads_each_hidden_state_once_and_skips_what_it_never_saw
     cursor.done = cursor.valid(table, 11, 0, bs)
     assert (cursor.done, cursor.hidden_start, cursor.hidden_end) == (10, 10, 11)
     cursor.advance(11, table, 0, bs)
-    cursor.read_through(11)
     assert cursor.hidden is None and cursor.done == 11
     # a verify step kept positions 11..13 (two accepted), then a plain one kept 14
     cursor.record(11, states(11, 14), 0)

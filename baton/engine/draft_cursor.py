@@ -107,9 +107,9 @@ class MtpCursor(DraftCursor):
         assert self.hidden is not None and self.hidden_start <= start and end <= self.hidden_end
         return self.hidden[start - self.hidden_start:end - self.hidden_start]
 
-    def read_through(self, done: int) -> None:
-        """The head's KV now holds positions [0, done): their states are read."""
-        self.done = done
+    def advance(self, done: int, block_table: list[int], num_preemptions: int, block_size: int) -> None:
+        """`DraftCursor.advance`; the states of positions before `done` are read (dropped)."""
+        super().advance(done, block_table, num_preemptions, block_size)
         self._drop_before(done)
 
     def _drop_before(self, position: int) -> None:

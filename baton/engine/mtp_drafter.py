@@ -80,7 +80,6 @@ class MtpDrafter(DraftCache):
             # the chained positions' KV came from the head's own states: they are recomputed from
             # the target's once verified, so the cursor stops at the last position read
             cursor.advance(end, seq.block_table, seq.num_preemptions, self.block_size)
-            cursor.read_through(end)
 
 
 def _cursor(seq: Sequence) -> MtpCursor:

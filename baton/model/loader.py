@@ -34,7 +34,7 @@ from baton.model.gemma4 import Gemma4LM, gemma4_recipes, shared_layers_kv_weight
 from baton.model.hybrid import HybridModel, hybrid_recipes
 from baton.model.mla import LatentAttention, LatentAttentionLM, half_split_rows
 from baton.model.model import MLP, Attention, CausalLM
-from baton.model.mtp import VOCAB_PARAMETERS, MtpHybridLM, MtpLM, MtpTensors, mtp_config
+from baton.model.mtp import VOCAB_PARAMETERS, MtpHybridLM, MtpLM, MtpTensors, mtp_config, mtp_prefix
 from baton.model.fp8_blocks import fp8_view
 from baton.model.mxfp4 import DequantizedView, has_packed
 from baton.model.mxfp4_experts import install_expert_blocks, take_expert_blocks
@@ -381,11 +381,10 @@ def load_model_deferring(model_dir: str | Path, dtype: str | torch.dtype = "auto
         if gguf_source(model_dir) is not None:
             raise ValueError(f"{model_dir.name}: speculative_config method \"mtp\" reads the MTP layer from "
                              "safetensors; from a GGUF it is not served yet")
-        target_layers, qwen = config.num_layers, bool(family_spec(config.model_type).mtp_prefix)
-        config = mtp_config(config)
+        prefix, config = mtp_prefix(config), mtp_config(config)
         # a vision-language checkpoint's language model renamed, its MTP layer kept
         viewed: Mapping[str, torch.Tensor] = MtpTensors(_checkpoint_view(_read_tensors(model_dir), config, keep_mtp=True),
-                                                        target_layers, qwen, config.model_id)
+                                                        prefix, config.model_id)
     else:
         viewed = _checkpoint_view(_read_tensors(model_dir), config)
     # FP8 block checkpoints (DeepSeek V3, *-FP8): each weight dequantized to the dtype as it is read

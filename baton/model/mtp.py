@@ -85,12 +85,14 @@ def mtp_prefix(config: ModelConfig) -> str:
 
 
 class MtpTensors(Mapping[str, torch.Tensor]):
-    """The checkpoint's tensors as `MtpLM` names them: its MTP layer's (`layers.{L}.`), and the
-    target's embedding and head where the layer has no copy; the target's own are not listed."""
+    """The checkpoint's tensors as `MtpLM` names them: its MTP layer's (under `prefix`, `mtp_prefix`
+    of the target's config) but for its copies of the target's embedding and head; the target's own
+    are not listed."""
 
-    def __init__(self, tensors: Mapping[str, torch.Tensor], layer: int, qwen: bool, model_id: str) -> None:
+    def __init__(self, tensors: Mapping[str, torch.Tensor], prefix: str, model_id: str) -> None:
         self.tensors = tensors
-        prefix, own_names = ("mtp.", QWEN_NAMES) if qwen else (f"layers.{layer}.", OWN_NAMES)  # (mtp_prefix)
+        qwen = prefix == "mtp."
+        own_names = QWEN_NAMES if qwen else OWN_NAMES
         names: dict[str, str] = {}
         for name in tensors:
             if not name.startswith(prefix):
