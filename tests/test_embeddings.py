@@ -426,7 +426,10 @@ async def test_a_chat_sent_during_a_big_batch_gets_its_first_token_before_the_ba
                     first_token_while_batch_ran = not batch.done()
         assert first_token_while_batch_ran, "the chat's first token came only after the embeddings batch"
         batch.cancel()  # the client leaves: the gateway cancels the batch at the worker
-    assert wait_budget_free(cluster)
+        await asyncio.gather(batch, return_exceptions=True)  # (the socket closes as the task unwinds)
+    # Polled off this loop: a blocking wait here would keep the loop from closing the socket, and the
+    # budget would only come back once the batch had run to its end.
+    assert await asyncio.to_thread(wait_budget_free, cluster)
     for _ in range(100):
         if cluster.client.xpending("{baton}:prefill", "prefill")["pending"] == 0:
             break

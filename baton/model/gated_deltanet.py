@@ -23,6 +23,7 @@ b, a.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -158,10 +159,16 @@ class StatePool:
                 self.recurrent[:, slot].zero_()
         return slot
 
-    def release(self, request_id: str) -> None:
+    def release(self, request_id: str, scratch: Sequence[int] = ()) -> None:
+        """The request's slot (and any scratch slots a verify step lent it) are free again."""
+        self.free.extend(scratch)
         slot = self.owner.pop(request_id, None)
         if slot is not None:
             self.free.append(slot)
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
 
     def take_scratch(self, count: int) -> list[int]:
         """`count` free slots lent to a verify step (the states after its first tokens); given back

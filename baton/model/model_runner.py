@@ -133,12 +133,11 @@ class ModelRunner:
     def release_state(self, request_id: str) -> None:
         """A request finished, was aborted or preempted: its state slot is free (recompute rebuilds it)."""
         if self.state_pool is not None:
-            self.state_pool.free.extend(self._scratch.pop(request_id, []))
-            self.state_pool.release(request_id)
+            self.state_pool.release(request_id, self._scratch.pop(request_id, ()))
 
     @property
     def free_state_slots(self) -> int:
-        return len(self.state_pool.free) if self.state_pool is not None else 0
+        return self.state_pool.num_free if self.state_pool is not None else 0
 
     def _state_meta(self, queries: list[_QueryRow], chunks: list[tuple[StepRow, int]]) -> StateMeta:
         # queries: the step's one-token rows (first in the flattened batch); chunks: (row, its first token's index)
@@ -196,6 +195,45 @@ class ModelRunner:
         # the native kernel reads only each request's own blocks: one group, no padding cost
         return [(0, len(context_lens))] if context_lens else []
 
+    def _decode_attention(self, rows: list[_QueryRow]) -> list[DecodeGroup]:
+        """The decode queries' attention groups (rows sorted by position): each group's block tables,
+        padded to its longest with the reserved block 0, and on the torch path its masks."""
+        bs, device = self.block_size, self.device
+        groups = []
+        context_lens = [r.position + 1 for r in rows]
+        for start, count in self._decode_groups(context_lens):
+            members = rows[start:start + count]
+            num_blocks = -(-(members[-1].position + 1) // bs)
+            block_ids = []
+            for query in members:
+                table = query.row.block_table[:num_blocks]
+                block_ids.extend(table)
+                block_ids.extend([0] * (num_blocks - len(table)))  # padding -> reserved block 0
+            lengths = torch.tensor(context_lens[start:start + count], dtype=torch.long)
+            bias = mask = None
+            if self.pads_decode:
+                mask = torch.arange(num_blocks * bs).unsqueeze(0) < lengths.unsqueeze(1)  # [count, L]
+                bias = torch.zeros(mask.shape, dtype=torch.float32).masked_fill_(~mask, float("-inf"))
+                bias, mask = bias.view(1, count, 1, -1).to(device), mask.view(count, 1, 1, -1).to(device)
+            block_ids_t = torch.tensor(block_ids, dtype=torch.long, device=device)
+            groups.append(DecodeGroup(start, count, num_blocks, block_ids_t, lengths.to(device), bias, mask))
+        return groups
+
+    def _prefill_span(self, row: StepRow, offset: int) -> PrefillSpan:
+        """A CHUNK row's attention: its tokens at `offset` of the flattened batch see the request's
+        positions 0 .. their own."""
+        bs, device = self.block_size, self.device
+        start, end, num_new = row.start, row.end, len(row.tokens)
+        if start == 0:
+            gather, mask = None, None  # plain causal attention over the chunk itself
+        else:
+            gather = torch.tensor(self._slots(row.block_table, 0, end), dtype=torch.long, device=device)
+            # query i sits at position start + i and sees keys 0 .. start + i
+            mask = (torch.arange(end).unsqueeze(0) <= torch.arange(start, end).unsqueeze(1))
+            mask = mask.view(1, 1, num_new, end).to(device)
+        table = torch.tensor(row.block_table[:-(-end // bs)], dtype=torch.long, device=device)
+        return PrefillSpan(offset, num_new, end, gather, mask, block_ids=table, block_size=bs)
+
     def execute(self, batch: StepBatch) -> StepResult:
         """Run one step. Returns the requests that get a new token, the logits [S + V + P, vocab] (S rows
         for them, V for the verified positions, then P rows of prompt positions whose logprobs were
@@ -228,24 +266,7 @@ class ModelRunner:
         prompt_indices: list[int] = []
         pool_rows: list[PoolRows] = []
         hidden_indices: list[int] = []
-        groups = []
-        context_lens = [r.position + 1 for r in rows]
-        for start, count in self._decode_groups(context_lens):
-            members = rows[start:start + count]
-            num_blocks = -(-(members[-1].position + 1) // bs)
-            block_ids = []
-            for query in members:
-                table = query.row.block_table[:num_blocks]
-                block_ids.extend(table)
-                block_ids.extend([0] * (num_blocks - len(table)))  # padding -> reserved block 0
-            lengths = torch.tensor(context_lens[start:start + count], dtype=torch.long)
-            bias = mask = None
-            if self.pads_decode:
-                mask = torch.arange(num_blocks * bs).unsqueeze(0) < lengths.unsqueeze(1)  # [count, L]
-                bias = torch.zeros(mask.shape, dtype=torch.float32).masked_fill_(~mask, float("-inf"))
-                bias, mask = bias.view(1, count, 1, -1).to(device), mask.view(count, 1, 1, -1).to(device)
-            block_ids_t = torch.tensor(block_ids, dtype=torch.long, device=device)
-            groups.append(DecodeGroup(start, count, num_blocks, block_ids_t, lengths.to(device), bias, mask))
+        groups = self._decode_attention(rows)
         prefills: list[PrefillSpan] = []
         state_chunks: list[tuple[StepRow, int]] = []
         chunk_offsets: dict[str, int] = {}
@@ -257,15 +278,7 @@ class ModelRunner:
             input_ids.extend(row.tokens)
             positions.extend(range(start, end))
             slots.extend(self._slots(row.block_table, start, end))
-            if start == 0:
-                gather, mask = None, None  # plain causal attention over the chunk itself
-            else:
-                gather = torch.tensor(self._slots(row.block_table, 0, end), dtype=torch.long, device=device)
-                # query i sits at position start + i and sees keys 0 .. start + i
-                mask = (torch.arange(end).unsqueeze(0) <= torch.arange(start, end).unsqueeze(1))
-                mask = mask.view(1, 1, num_new, end).to(device)
-            table = torch.tensor(row.block_table[:-(-end // bs)], dtype=torch.long, device=device)
-            prefills.append(PrefillSpan(offset, num_new, end, gather, mask, block_ids=table, block_size=bs))
+            prefills.append(self._prefill_span(row, offset))
             if row.prompt_logprob_rows:
                 prompt_rows.append(PromptRows(row.request_id, start, row.prompt_logprob_rows))
                 prompt_indices.extend(range(offset, offset + row.prompt_logprob_rows))
