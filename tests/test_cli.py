@@ -604,3 +604,6 @@ def test_the_kv_line_says_when_seats_not_blocks_bound_the_batch():
     assert kv_capacity_line({"workers": {"decode": [worker]}}, {"max_total_tokens": 8192}) == (
         "KV cache: 16000 tokens per decode worker (1); 1 request(s) of the longest length (8192 tokens) "
         "fit in each at once")
+    # serving starts with the first decode worker: the line says the others are still loading
+    assert kv_capacity_line({"workers": {"decode": [worker]}}, info, decode_workers=3).startswith(
+        "KV cache: 16000 tokens per decode worker (1 of 3 up, the others still loading); 8 request(s)")

@@ -328,7 +328,7 @@ def serving_summary(args: argparse.Namespace, model_name: str, model_dir: Path) 
     origin = model_origin(hub_name, model_dir, from_hub)
     return summary_lines(model_name=model_name, origin=origin, url=url, settings=settings, api_key=args.api_key,
                          stats=fetch_json(f"{probe}/stats", args.api_key),
-                         info=fetch_json(f"{probe}/info", args.api_key))
+                         info=fetch_json(f"{probe}/info", args.api_key), decode_workers=args.decode_workers)
 
 
 # --------------------------------------------------------------------------------------------

@@ -38,8 +38,11 @@ def model_origin(model_arg: str | None, model_dir: Path, from_hub: bool) -> str:
     return str(model_dir)
 
 
-def kv_capacity_line(stats: dict[str, Any] | None, info: dict[str, Any] | None) -> str | None:
-    """'KV cache: 21840 tokens per decode worker (1); 2 requests of 8192 tokens fit in each at once'."""
+def kv_capacity_line(stats: dict[str, Any] | None, info: dict[str, Any] | None,
+                     decode_workers: int | None = None) -> str | None:
+    """'KV cache: 21840 tokens per decode worker (1); 2 requests of 8192 tokens fit in each at once'.
+    `decode_workers`: how many were started (serving begins with the first: the line says how many
+    of them were up when it was written)."""
     workers = ((stats or {}).get("workers") or {}).get("decode") or []
     tokens = [w["num_kv_blocks_total"] * w["block_size"] for w in workers
               if isinstance(w, dict) and isinstance(w.get("num_kv_blocks_total"), int)
@@ -48,7 +51,9 @@ def kv_capacity_line(stats: dict[str, Any] | None, info: dict[str, Any] | None) 
         return None
     fewest = min(tokens)
     per_worker = f"{fewest}" if len(set(tokens)) == 1 else f"{fewest} to {max(tokens)}"
-    line = f"KV cache: {per_worker} tokens per decode worker ({len(tokens)})"
+    up = (f"{len(tokens)} of {decode_workers} up, the others still loading"
+          if decode_workers is not None and decode_workers > len(tokens) else f"{len(tokens)}")
+    line = f"KV cache: {per_worker} tokens per decode worker ({up})"
     longest = (info or {}).get("max_total_tokens")
     seats = [w["max_num_seqs"] for w in workers if isinstance(w, dict) and isinstance(w.get("max_num_seqs"), int)]
     if isinstance(longest, int) and longest > 0:
@@ -64,12 +69,13 @@ def kv_capacity_line(stats: dict[str, Any] | None, info: dict[str, Any] | None) 
 
 
 def summary_lines(*, model_name: str, origin: str, url: str, settings: str, api_key: str | None,
-                  stats: dict[str, Any] | None, info: dict[str, Any] | None) -> list[str]:
+                  stats: dict[str, Any] | None, info: dict[str, Any] | None,
+                  decode_workers: int | None = None) -> list[str]:
     """The lines printed after 'Baton is serving': the model, its settings, KV room, the URL, the key."""
     lines = [f"Baton is serving {model_name} at {url}",
              f"  model: {origin}",
              f"  settings: {settings}"]
-    kv = kv_capacity_line(stats, info)
+    kv = kv_capacity_line(stats, info, decode_workers)
     if kv:
         lines.append(f"  {kv}")
     lines.append("  API key: required (Authorization: Bearer <key>)" if api_key

@@ -83,7 +83,8 @@ async def claim_from_dead(redis: Redis, stream: str, group: str, consumer: str, 
             continue
         deliveries = {p["message_id"]: p["times_delivered"] for p in pending}
         got = await redis.xclaim(stream, group, consumer, min_idle_time=min_idle_ms, message_ids=list(deliveries))
-        logger.warning("claimed %d messages of dead %s consumer %s", len(got), kind, owner.decode())
+        if got:  # (none: a live peer claimed them first)
+            logger.warning("claimed %d messages of dead %s consumer %s", len(got), kind, owner.decode())
         claimed += [(mid, fields, deliveries.get(mid, 1)) for mid, fields in got if fields]
     return claimed
 
