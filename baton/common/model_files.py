@@ -71,10 +71,12 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     try:
         import gguf
 
-        from baton.common.gguf_config import complete_config
+        from baton.common.gguf_config import complete_config, transformers_safe_reader
 
         reader = gguf.GGUFReader(str(gguf_path))
-        config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        with transformers_safe_reader():
+            config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+            tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
         completed = complete_config(config, reader)  # what transformers' reader leaves out
         if completed:
             logger.info("%s: config completed from its metadata as llama.cpp reads it: %s", gguf_path.name,
@@ -87,7 +89,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
             config.architectures = [AutoModelForCausalLM._model_mapping[type(config)].__name__]
         config.save_pretrained(tmp_dir)
         GenerationConfig.from_model_config(config).save_pretrained(tmp_dir)
-        AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name).save_pretrained(tmp_dir)
+        tokenizer.save_pretrained(tmp_dir)
         names = hf_to_gguf_names(reader, config)  # read by the loader
         (tmp_dir / NAMES_FILE).write_text(json.dumps(names, indent=0) + "\n")
         # the path as given: a Hub file's snapshot link keeps its name (its blob is named by a hash)

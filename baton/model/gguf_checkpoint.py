@@ -12,8 +12,9 @@ The names are transformers' (`get_gguf_hf_weights_map`'s rule over the model bui
 numbers `gguf.quants.dequantize`'s followed by the architecture's `TensorProcessor`: what
 `from_pretrained(..., gguf_file=...)` gives, tensor for tensor. A Qwen2/Qwen3-MoE's expert stacks,
 which transformers' processor joins (gate and up into one `gate_up_proj`), are joined here, one layer
-when asked for (and not at all where the file's blocks serve them: baton.model.gguf_experts). Other
-architectures whose processor merges tensors (gpt-oss, MiniMax-M2) are read whole by transformers.
+when asked for (and not at all where the file's blocks serve them: baton.model.gguf_experts). A gpt-oss
+file is read as OpenAI's checkpoint (baton.model.gguf_gpt_oss: its MXFP4 blocks kept). Other
+architectures whose processor merges tensors (MiniMax-M2) are read whole by transformers.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import numpy as np
 import torch
 
 from baton.common.gguf_names import hf_to_gguf_names, read_names
+from baton.model.gguf_gpt_oss import GptOssGGUFTensors
 from baton.model.gguf_mapped import MappedGGUFTensors, uses_conversion_mapping
 
 logger = logging.getLogger("baton.model.gguf_checkpoint")
@@ -94,13 +96,16 @@ class GGUFCheckpoint(Mapping[str, torch.Tensor]):
         self.path = gguf_path
         self.reader = open_reader(gguf_path)
         arch = bytes(self.reader.fields["general.architecture"].parts[-1]).decode()
-        self._mapped: MappedGGUFTensors | None = None
+        self._mapped: MappedGGUFTensors | GptOssGGUFTensors | None = None
         self._eager: dict[str, torch.Tensor] | None = None
         self._tensors: dict[str, Any] = {}
         # a MoE's expert stacks (Qwen2/Qwen3-MoE): name -> the GGUF tensors joined along their rows
         self._experts: dict[str, list[Any]] = {}
         if uses_conversion_mapping(arch):  # Qwen3.5: transformers' conversion mapping (gguf_mapped)
             self._mapped = MappedGGUFTensors(self.reader, arch, AutoConfig.from_pretrained(model_dir))
+            return
+        if arch == "gpt-oss":  # read as OpenAI's checkpoint, MXFP4 blocks and all (gguf_gpt_oss)
+            self._mapped = GptOssGGUFTensors(self.reader)
             return
         raw_config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
         processor_class = TENSOR_PROCESSORS.get(arch, TensorProcessor)

@@ -34,7 +34,22 @@ def uses_conversion_mapping(arch: str) -> bool:
     return arch in GGUF_ARCHS and arch not in GGUF_CONFIG_MAPPING
 
 
-class MappedGGUFTensors(Mapping[str, torch.Tensor]):
+class SourcedTensors(Mapping[str, torch.Tensor]):
+    """A checkpoint view whose names are the keys of `_sources` (how each tensor is made on access)."""
+
+    _sources: dict[str, Any]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._sources)
+
+    def __len__(self) -> int:
+        return len(self._sources)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._sources
+
+
+class MappedGGUFTensors(SourcedTensors):
     """name (no `model.` prefix, as the loader asks) -> fp32 tensor, converted on access."""
 
     def __init__(self, reader: Any, arch: str, config: Any) -> None:
@@ -115,15 +130,6 @@ class MappedGGUFTensors(Mapping[str, torch.Tensor]):
             [result] = by_pattern.values()
             return result[0].float().contiguous()
         return _converted(converter, by_pattern, name)[0]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._sources)
-
-    def __len__(self) -> int:
-        return len(self._sources)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._sources
 
 
 def _converted(converter: Any, by_pattern: dict[str | None, torch.Tensor], name: str) -> torch.Tensor:

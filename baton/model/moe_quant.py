@@ -22,6 +22,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from baton.common.model_files import gguf_source
+from baton.model.gguf_checkpoint import open_reader
+from baton.model.gguf_gpt_oss import has_mxfp4
 from baton.model.linear import QuantizedLinear
 from baton.model.moe import SparseMoE
 from baton.model.q_blocks import quantize_q8_0
@@ -83,9 +86,13 @@ def experts_tensors(moe: SparseMoE) -> list[torch.Tensor | None]:
 
 
 def mxfp4_checkpoint(model_dir: Path) -> bool:
-    """Whether the checkpoint says its weights are MXFP4 (gpt-oss's `quantization_config`)."""
+    """Whether the checkpoint says its weights are MXFP4 (gpt-oss's `quantization_config`), or the GGUF
+    it was made from holds MXFP4 tensors (llama.cpp's gpt-oss files)."""
     config = json.loads((model_dir / "config.json").read_text())
-    return (config.get("quantization_config") or {}).get("quant_method") == "mxfp4"
+    if (config.get("quantization_config") or {}).get("quant_method") == "mxfp4":
+        return True
+    source = gguf_source(model_dir)
+    return source is not None and has_mxfp4(open_reader(source))
 
 
 def mxfp4_experts_plan(model_dir: Path, quantization: str, requested_dtype: str, device: torch.device,

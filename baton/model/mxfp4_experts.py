@@ -68,11 +68,18 @@ def install_expert_blocks(model: nn.Module, taken: dict[str, str], raw: Mapping[
     by_moe: dict[str, dict[str, list[Any]]] = {}
     for target, name in taken.items():
         owner, kind = target.rsplit(".", 1)
-        q, d = repack_q8_0(raw[name + BLOCKS], raw[name + SCALES])  # [E, N, K] int8, [E, N, K/32] fp32
-        if kind == "experts_gate_up":
-            q, d = (torch.cat([t[:, ::2], t[:, 1::2]], dim=1) for t in (q, d))
-        by_moe.setdefault(owner, {})[kind] = expert_ops(q, d, kernels)
-        del q, d  # with the kernel, each op holds its own pack: the stacks go now
+        blocks, scales = raw[name + BLOCKS], raw[name + SCALES]
+        ops = []
+        # one expert at a time: a stack's whole Q8_0 copy (twice its blocks) and the repack's
+        # temporaries (int32 codes, 4x) never exist at once (measured on a gpt-oss-20b-shaped layer:
+        # 3 GB above the load per stack when repacked whole)
+        for expert in range(blocks.shape[0]):
+            q, d = repack_q8_0(blocks[expert], scales[expert])  # [N, K] int8, [N, K/32] fp32
+            if kind == "experts_gate_up":
+                q, d = (torch.cat([t[::2], t[1::2]]) for t in (q, d))
+            ops.extend(expert_ops(q[None], d[None], kernels))
+        by_moe.setdefault(owner, {})[kind] = ops
+        del blocks, scales
     for owner, ops in by_moe.items():
         moe = model.get_submodule(owner)
         if not getattr(moe, "clamped_swiglu", False):  # the de-interleave above is gpt-oss's layout
