@@ -175,9 +175,12 @@ def main() -> int:
     if args.baseline is not None and args.llama_server is not None:
         parser.error("one baseline: --baseline or --llama-server")
     levels = [int(c) for c in args.concurrency.split(",")]
-    targets = [baton_target("baton", ROOT, args.serve_args.split())]
+    serve_args = args.serve_args.split()
+    if args.gguf is not None and "--model" not in serve_args:
+        serve_args += ["--model", str(args.gguf)]  # both servers on the one file (else baton serves its default)
+    targets = [baton_target("baton", ROOT, serve_args)]
     if args.baseline is not None:
-        targets.append(baton_target("baseline", args.baseline.resolve(), args.serve_args.split()))
+        targets.append(baton_target("baseline", args.baseline.resolve(), serve_args))
     if args.llama_server is not None:
         gguf = args.gguf or default_gguf()
         print(f"llama-server on {gguf.name}", flush=True)
