@@ -95,13 +95,10 @@ class GptOssGGUFTensors(SourcedTensors):
         else:
             self._sources[stem] = (f"{kind}_dense", block)
 
-    def _ggml(self, name: str) -> Any:
-        return self._by_ggml[name]
-
     def _dense(self, name: str) -> torch.Tensor:
         from gguf import dequantize
 
-        tensor = self._ggml(name)
+        tensor = self._by_ggml[name]
         return torch.from_numpy(np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32, copy=True))
 
     def _blocks_of(self, kind: str, block: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,7 +112,7 @@ class GptOssGGUFTensors(SourcedTensors):
 
     def _make_blocks(self, kind: str, block: str) -> tuple[torch.Tensor, torch.Tensor]:
         leaves = ("ffn_gate_exps", "ffn_up_exps") if kind == "gate_up" else ("ffn_down_exps",)
-        parts = [checkpoint_blocks(self._ggml(f"blk.{block}.{leaf}.weight").data) for leaf in leaves]
+        parts = [checkpoint_blocks(self._by_ggml[f"blk.{block}.{leaf}.weight"].data) for leaf in leaves]
         if len(parts) == 1:
             return parts[0]
         (gate_b, gate_s), (up_b, up_s) = parts

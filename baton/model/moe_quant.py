@@ -40,12 +40,6 @@ def repacks_mxfp4_experts(quantization: str, requested_dtype: str, device: torch
     return True
 
 
-def expert_ops(q: torch.Tensor, d: torch.Tensor, kernels: Any) -> list[QuantizedLinear]:
-    """q int8 [E, N, K], d fp32 [E, N, K/32] -> one Q8_0 op per expert ([N, K] each). With the kernel
-    each op packs its own bytes (the stacked q and d can then be freed); without, each keeps views."""
-    return [QuantizedLinear.q8_0(q[e], d[e], None, kernels) for e in range(q.shape[0])]
-
-
 def moe_layers(model: nn.Module) -> list[SparseMoE]:
     return [m for m in model.modules() if isinstance(m, SparseMoE)]
 

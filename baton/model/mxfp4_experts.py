@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from baton.model.moe_quant import expert_ops
+from baton.model.linear import QuantizedLinear
 from baton.model.mxfp4 import BLOCKS, SCALES, repack_q8_0
 
 EXPERT_PARAMETERS = (".experts_gate_up", ".experts_down")
@@ -77,7 +77,7 @@ def install_expert_blocks(model: nn.Module, taken: dict[str, str], raw: Mapping[
             q, d = repack_q8_0(blocks[expert], scales[expert])  # [N, K] int8, [N, K/32] fp32
             if kind == "experts_gate_up":
                 q, d = (torch.cat([t[::2], t[1::2]]) for t in (q, d))
-            ops.extend(expert_ops(q[None], d[None], kernels))
+            ops.append(QuantizedLinear.q8_0(q, d, None, kernels))  # (with the kernel, it packs its own copy)
         by_moe.setdefault(owner, {})[kind] = ops
         del blocks, scales
     for owner, ops in by_moe.items():
