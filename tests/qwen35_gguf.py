@@ -124,10 +124,19 @@ def write_qwen35_gguf(model_dir: Path, out: Path, tokenizer_gguf: Path, q8_0: bo
     writer.add_array(f"{arch}.attention.recurrent_layers", [t == "linear_attention" for t in cfg["layer_types"]])
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0 if q8_0 else gguf.LlamaFileType.ALL_F32)
     _copy_tokenizer(writer, tokenizer_gguf)
-    for name, t in tensors.items():
-        gguf_name, value = (name, t.float()) if name.startswith("blk.") else _converted(name.removeprefix("model."),
-                                                                                       t.float(), cfg)
-        data = value.contiguous().numpy()
+    converted = dict((name, t.float()) if name.startswith("blk.") else _converted(name.removeprefix("model."),
+                                                                                  t.float(), cfg)
+                     for name, t in tensors.items())
+    finish(writer, {name: value.contiguous().numpy() for name, value in converted.items()}, q8_0)
+    return out
+
+
+def finish(writer, tensors: dict[str, np.ndarray], q8_0: bool) -> None:
+    """`tensors` added (float32, or with `q8_0` every 2-D weight whose rows are a multiple of 32 wide
+    as Q8_0) and the file written."""
+    import gguf
+
+    for gguf_name, data in tensors.items():
         if q8_0 and data.ndim >= 2 and data.shape[-1] % 32 == 0:
             writer.add_tensor(gguf_name, gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0),
                               raw_dtype=gguf.GGMLQuantizationType.Q8_0)
@@ -137,7 +146,6 @@ def write_qwen35_gguf(model_dir: Path, out: Path, tokenizer_gguf: Path, q8_0: bo
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return out
 
 
 def add_attention_metadata(writer, cfg: dict) -> None:

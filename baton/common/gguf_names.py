@@ -9,10 +9,14 @@ the file (`model_files.convert_gguf`), and kept beside its config (NAMES_FILE); 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
 NAMES_FILE = "baton-gguf-tensors.json"
+# tensors the converter renames by hand (not through gguf's table), by architecture: a layer's name -> ggml's
+RENAMED = {"gemma4": {"router.scale": "ffn_gate_inp.scale", "router.per_expert_scale": "ffn_down_exps.scale"}}
+_LAYER = re.compile(r"^(?:model\.)?(?:language_model\.)?layers\.(?P<index>\d+)\.(?P<rest>.+)$")
 
 
 def hf_to_gguf_names(reader: Any, config: Any) -> dict[str, str]:
@@ -36,6 +40,12 @@ def hf_to_gguf_names(reader: Any, config: Any) -> dict[str, str]:
         gguf_name = name_map.get_name(module)
         if gguf_name is not None and f"{gguf_name}.{suffix}" in present:
             names[hf_name] = f"{gguf_name}.{suffix}"
+        # a bare tensor of a module (Gemma 4's `layer_scalar`): the converter names it as a module's weight
+        elif (gguf_name := name_map.get_name(hf_name)) is not None and f"{gguf_name}.weight" in present:
+            names[hf_name] = f"{gguf_name}.weight"
+        elif (layer := _LAYER.match(hf_name)) and (renamed := RENAMED.get(arch, {}).get(layer["rest"])):
+            if f"blk.{layer['index']}.{renamed}" in present:
+                names[hf_name] = f"blk.{layer['index']}.{renamed}"
     return names
 
 

@@ -69,15 +69,15 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     started = time.monotonic()
     tmp_dir = Path(tempfile.mkdtemp(prefix=".convert-", dir=out_dir.parent))
     try:
-        import gguf
-
         from baton.common.gguf_config import complete_config, transformers_safe_reader
+        from baton.common.gguf_reader import FastGGUFReader
 
-        reader = gguf.GGUFReader(str(gguf_path))
-        with transformers_safe_reader():
+        reader = FastGGUFReader(str(gguf_path))
+        with transformers_safe_reader(reader, config_only=True):
             config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        with transformers_safe_reader(reader):
             tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-        completed = complete_config(config, reader)  # what transformers' reader leaves out
+        config, completed = complete_config(config, reader)  # what transformers' reader leaves out
         if completed:
             logger.info("%s: config completed from its metadata as llama.cpp reads it: %s", gguf_path.name,
                         ", ".join(f"{k}={v}" for k, v in completed.items()))

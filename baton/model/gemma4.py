@@ -70,7 +70,8 @@ class Gemma4Attention(nn.Module):
         self.k_eq_v = config.gemma4["k_eq_v"] and not self.sliding
         self.q_size, self.kv_size = config.num_heads * d, self.num_kv_heads * d
         kv_rows = 0 if self.shared else self.kv_size * (1 if self.k_eq_v else 2)
-        # q, k and v fused as one matmul (q alone on a shared layer, q|k where K = V)
+        # q, k and v fused as one matmul (q alone on a shared layer, q|k where K = V): the checkpoint's parts
+        self.qkv_parts = "q" if self.shared else "qk" if self.k_eq_v else "qkv"
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + kv_rows, bias=False)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
         self.q_norm = Gemma4Norm(d, config.rms_norm_eps)
@@ -299,8 +300,7 @@ def gemma4_recipes(model: Gemma4LM, config: ModelConfig) -> dict[str, list[list[
     out = {name: [[[name]]] for name, _ in model.named_parameters(remove_duplicate=False)}
     for i, layer in enumerate(model.layers):
         attn, mlp = f"layers.{i}.self_attn.", f"layers.{i}.mlp."
-        parts = "q" if layer.self_attn.shared else "qk" if layer.self_attn.k_eq_v else "qkv"
-        out[f"{attn}qkv_proj.weight"] = [[[f"{attn}{n}_proj.weight" for n in parts]]]
+        out[f"{attn}qkv_proj.weight"] = [[[f"{attn}{n}_proj.weight" for n in layer.self_attn.qkv_parts]]]
         out[f"{mlp}gate_up_proj.weight"] = [[[f"{mlp}gate_proj.weight", f"{mlp}up_proj.weight"]]]
     if config.tie_word_embeddings:
         out.pop("lm_head.weight", None)  # it is embed_tokens.weight

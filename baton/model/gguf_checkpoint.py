@@ -47,13 +47,13 @@ ROWS_PER_SLICE = 4096
 def open_reader(path: Path) -> Any:
     """The file's `gguf.GGUFReader`, one per file content in a process: parsing the header (the
     tokenizer's arrays) takes seconds, and the loader and the quantized projections both read it."""
-    import gguf
+    from baton.common.gguf_reader import FastGGUFReader
 
     stat = path.stat()
     key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
     if key not in _READERS:
         _READERS.clear()  # one model per process: never hold two files' maps
-        _READERS[key] = gguf.GGUFReader(str(path))
+        _READERS[key] = FastGGUFReader(str(path))
     return _READERS[key]
 
 

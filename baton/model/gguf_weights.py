@@ -200,7 +200,7 @@ def _slot_sources(model: nn.Module) -> list[list[list[str]]]:
     second; a state layer's projection (Qwen3.5's in_proj_qkv, in_proj_z, out_proj) is its own module."""
     names = {id(module): name for name, module in model.named_modules()}
     out: list[list[list[str]]] = []
-    for _, _, linear in model.projection_slots():
+    for owner, _, linear in model.projection_slots():
         name = names[id(linear)]
         if name == "lm_head":
             out.append([["lm_head"], ["model.embed_tokens"]])  # a tied head is the embedding's tensor
@@ -209,7 +209,8 @@ def _slot_sources(model: nn.Module) -> list[list[list[str]]]:
         alternatives: list[list[str]] = []
         for p in _hf_spellings(module):
             if leaf == "qkv_proj":
-                alternatives += [[f"{p}.{n}_proj" for n in "qkv"], [f"{p}.qkv_proj"]]
+                # Gemma 4 fuses fewer on some layers (`qkv_parts`: q alone where K/V are shared, q|k where K = V)
+                alternatives += [[f"{p}.{n}_proj" for n in getattr(owner, "qkv_parts", "qkv")], [f"{p}.qkv_proj"]]
             elif leaf == "gate_up_proj":
                 alternatives += [[f"{p}.gate_proj", f"{p}.up_proj"], [f"{p}.gate_up_proj"]]
             else:
