@@ -668,10 +668,10 @@ def test_rope_frequencies_equal_transformers(case, tmp_path):
         assert torch.equal(cos[300, :8], (300.0 * long_[0]).cos() * long_[1])
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "glm4_moe"])
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "glm4_moe", "gemma4_text_moe"])
 def test_int8_weights_run_on_the_torch_path_with_moe_experts_in_q8_0(family, family_dir, prompts):
     """--quantization int8 on a family outside the native path: every dense projection is int8 (GLM's
-    shared experts too: a dense MLP), each routed expert's gate_up and down a Q8_0 op (run by
+    shared experts too: a dense MLP), each routed expert's (Gemma 4's beside its MLP too) gate_up and down a Q8_0 op (run by
     baton.model.moe) with no dense expert stack left, and generation works."""
     from baton.model.linear import QuantizedLinear
     from baton.model.moe_quant import moe_layers

@@ -3,9 +3,10 @@ for key and tensor for tensor against the converter's): transformers' reader of 
 an "E" model's per-layer arrays, and read the rest with its config class's defaults (every 6th layer
 full, 256-wide per-layer inputs, no MoE block, no KV sharing, the sliding layers' head width), so
 `baton serve gemma-4-E2B-it-Q8_0.gguf` (Ollama's default model, ggml-org's file) failed, and a 26B-A4B
-file would have run another model. Now the config is rebuilt from what the converter writes
-(baton.common.gguf_config) and the tensors the converter renames by hand are found
-(baton.common.gguf_names)."""
+file would have run another model (and held its experts dequantized: ~50 GB in bf16 for a 16 GB
+Q4_K_M file). Now the config is rebuilt from what the converter writes
+(baton.common.gguf_config), the tensors the converter renames by hand are found
+(baton.common.gguf_names), and the experts are served as the file's blocks as every GGUF MoE's are."""
 
 from __future__ import annotations
 
@@ -21,8 +22,9 @@ from baton.engine.window_blocks import freeable_window
 from baton.model.kv_groups import kv_groups
 from baton.model.quant import QuantizedLinear
 from tests.gemma4_gguf import write_gemma4_gguf
-from tests.test_families import (assert_bf16_near_ties_only, family_dir, greedy, hf_greedy,  # noqa: F401
-                                 prompts, tokens_of)
+from tests.test_families import (assert_bf16_near_ties_only, family_dir,  # noqa: F401
+                                 greedy, hf_greedy, prompts, tokens_of)
+from tests.test_gguf_moe import record_whole_reads
 from tests.test_gguf_qwen35 import hf_over_the_files_weights
 from tests.test_quant import native  # noqa: F401
 
@@ -130,3 +132,46 @@ def test_a_gemma4_ggufs_projections_are_served_from_its_own_blocks(native, gemma
     assert [layer.self_attn.qkv_parts for layer in layers] == ["qkv", "qkv", "qk", "qkv", "q", "q"]
     hf = hf_over_the_files_weights({"hf": files["hf"], "q8_0": files["q8_0"]})
     assert_bf16_near_ties_only(llm, hf, prompts, "gemma4-q8_0")
+
+
+def test_a_gemma4_moe_ggufs_experts_are_served_from_its_own_blocks(native, gemma4_gguf, monkeypatch):  # noqa: F811
+    """Gemma 4's experts (the converter's joined gate_up stack and the down stack) as the file's Q8_0 blocks,
+    one op per expert and kind, never dequantized to a dense stack nor read whole: each op's weight is the
+    file's expert dequantized, bit for bit, and the block's output the dense experts' to the kernel's rounding."""
+    from baton.common.model_files import resolve_model
+    from baton.model.gguf_checkpoint import GGUFCheckpoint, release_readers
+
+    monkeypatch.setenv("BATON_PACKED_CACHE", "off")
+    files = gemma4_gguf("gemma4_text_moe")
+    read = record_whole_reads(monkeypatch)
+    llm = LLM(model=str(files["q8_0"]), num_kv_blocks=128)
+    assert not [target for target in read if ".experts" in target], read
+    assert "experts  x4   Q8_0 blocks per expert, native" in llm.engine.runtime.plan_report()
+    file_weights = GGUFCheckpoint(files["q8_0"], resolve_model(str(files["q8_0"])))
+    for index, layer in enumerate(llm.engine.runtime.model.layers):
+        moe = layer.experts
+        assert moe.experts_gate_up is None and moe.experts_down is None and len(moe.expert_ops) == moe.num_experts
+        for kind, which in (("gate_up_proj", 0), ("down_proj", 1)):
+            stack = file_weights[f"layers.{index}.experts.{kind}"]
+            for expert, ops in enumerate(moe.expert_ops):
+                op = ops[which]
+                assert isinstance(op, QuantizedLinear) and op.scheme == "q8_0"
+                assert torch.equal(op.rows(torch.arange(op.out_features), torch.float32), stack[expert])
+                assert torch.equal(file_weights.expert_slice(f"layers.{index}.experts.{kind}", expert), stack[expert])
+        # the block on fixed routes (a tiny MoE's routing flips at bf16's rounding: tokens would not
+        # say whether the experts are right): the dense float32 experts' sum to the kernel's rounding
+        # (it quantizes the activations per block of 32, as llama.cpp's does)
+        x = torch.randn(5, 64, generator=torch.Generator().manual_seed(index)).to(torch.bfloat16)
+        chosen = torch.tensor([[0, 1], [2, 3], [1, 3], [0, 2], [3, 0]])
+        weights = torch.softmax(torch.randn(5, 2, generator=torch.Generator().manual_seed(9)), dim=-1)
+        gate_ups, downs = (file_weights[f"layers.{index}.experts.{kind}"] for kind in ("gate_up_proj", "down_proj"))
+        reference = torch.zeros(5, 64)
+        for t in range(5):
+            for k in range(2):
+                gate, up = (x[t].float() @ gate_ups[chosen[t, k]].T).chunk(2)
+                reference[t] += weights[t, k] * (torch.nn.functional.gelu(gate, approximate="tanh") * up
+                                                 @ downs[chosen[t, k]].T)
+        with torch.no_grad():
+            got = moe.mix(x, weights, chosen).float()
+        assert (got - reference).abs().max() <= 0.03 * reference.abs().max(), index
+    release_readers()

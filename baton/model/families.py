@@ -34,8 +34,8 @@ EmbedScale = Literal["none", "sqrt_hidden", "embedding_multiplier"]
 # weighted by their scores times `routed_scaling_factor` (GLM-4.5, DeepSeek-V3); topk_softmax: the
 # router (with a bias) picks the top-k logits, softmax over those k alone (gpt-oss)
 # sigmoid_input: the top-k logits through a sigmoid, each chosen expert run on its input times its
-# score (not its output; Llama 4)
-Router = Literal["none", "softmax_topk", "sigmoid_grouped", "topk_softmax", "sigmoid_input"]
+# score (not its output; Llama 4); external: the model routes and calls SparseMoE.mix (Gemma 4)
+Router = Literal["none", "softmax_topk", "sigmoid_grouped", "topk_softmax", "sigmoid_input", "external"]
 # plain: per expert gate/up/down without biases, the config's activation; gpt_oss: biased experts
 # stored as [E, H, 2I] with gate and up interleaved (columns ::2 and 1::2), the clamped SwiGLU
 # ((up + 1) * gate * sigmoid(alpha * gate), gate clamped above and up both sides at `swiglu_limit`)

@@ -18,7 +18,8 @@ What it has beyond Gemma 3 (the fields `baton.model.gemma4_config` resolves):
   after the MLP; every layer's output is then scaled by its `layer_scalar`;
 - a MoE block beside the dense MLP (`enable_moe_block`): a router over the MLP's input (weightless
   norm, a learned scale, softmax, top-k renormalised, times a per-expert scale), the experts on
-  their own pre-norm, both branches post-normed and summed.
+  their own pre-norm (a `SparseMoE` the layer routes: its experts are served as every MoE's are,
+  a GGUF's blocks or quantized ops), both branches post-normed and summed.
 
 The KV cache (`ModelRunner.kv_cache`, `baton.model.layer_cache`) is one flat tensor holding the
 unshared layers only, each packed in its own shape `[2, kv_heads, slots, head_dim]`; blocks leave and
@@ -28,6 +29,8 @@ native kernels and the Triton kernels do not run these layers: every dtype takes
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
@@ -35,7 +38,7 @@ from baton.model.attention import AttentionMetadata, PagedAttention, windowed
 from baton.model.config import ModelConfig
 from baton.model.layer_cache import layer_views
 from baton.model.model import MIN_ROPE_TABLE, MLP, CausalLM, apply_rope, attend_cached, set_op
-from baton.model.moe import activation
+from baton.model.moe import SparseMoE, activation
 
 SharedKV = dict[int, tuple[torch.Tensor, torch.Tensor]]  # layer -> its step's (k, v), [T, kv_heads, d] each
 
@@ -122,27 +125,13 @@ class Gemma4Router(nn.Module):
         return weights * self.per_expert_scale[index], index
 
 
-class Gemma4Experts(nn.Module):
-    """transformers' Gemma4TextExperts (eager): gate_up [E, 2I, H], down [E, H, I]; experts in
-    ascending order, each over its tokens, scatter-added (the reference's order of sums)."""
-
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        e, h, i = config.gemma4["num_experts"], config.hidden_size, config.gemma4["moe_intermediate_size"]
-        self.num_experts = e
-        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
-        self.down_proj = nn.Parameter(torch.empty(e, h, i))
-        self.act = activation(config.hidden_act)
-
-    def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        # x: [T, H]; index, weights: [T, k] -> [T, H]
-        out = torch.zeros_like(x)
-        for expert in torch.unique(index).tolist():
-            token, choice = torch.where(index == expert)
-            gate, up = nn.functional.linear(x[token], self.gate_up_proj[expert]).chunk(2, dim=-1)
-            y = nn.functional.linear(self.act(gate) * up, self.down_proj[expert])
-            out.index_add_(0, token, (y * weights[token, choice, None]).to(out.dtype))
-        return out
+def gemma4_experts(config: ModelConfig) -> SparseMoE:
+    """transformers' Gemma4TextExperts (gate_up [E, 2I, H], down [E, H, I]) as a SparseMoE the layer
+    routes (`mix`): its experts then run as every MoE's do, from a GGUF's blocks or quantized ops."""
+    g = config.gemma4
+    return SparseMoE(dataclasses.replace(config, num_experts=g["num_experts"], num_experts_per_tok=g["top_k"],
+                                         moe_intermediate_size=g["moe_intermediate_size"], router="external",
+                                         expert_form="plain"))
 
 
 _NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
@@ -159,7 +148,7 @@ class Gemma4Layer(nn.Module):
         self.mlp = MLP(config, config.intermediate_size * (2 if wide else 1))
         self.router: Gemma4Router | None = None
         if g["moe"]:
-            self.router, self.experts = Gemma4Router(config), Gemma4Experts(config)
+            self.router, self.experts = Gemma4Router(config), gemma4_experts(config)
             for name in ("post_feedforward_layernorm_1", "post_feedforward_layernorm_2", "pre_feedforward_layernorm_2"):
                 setattr(self, name, Gemma4Norm(h, eps))
         self.per_layer_input = g["per_layer_input"]
@@ -181,7 +170,8 @@ class Gemma4Layer(nn.Module):
         h = self.mlp(self.pre_feedforward_layernorm(x))
         if self.router is not None:  # the MoE block beside the MLP, both on the same residual
             weights, index = self.router(residual)
-            moe = self.experts(self.pre_feedforward_layernorm_2(residual), index, weights)
+            # transformers' Gemma4TextExperts: each expert's rows weighed in fp32, then rounded
+            moe = self.experts.mix(self.pre_feedforward_layernorm_2(residual), weights, index)
             h = self.post_feedforward_layernorm_1(h) + self.post_feedforward_layernorm_2(moe)
         x = residual + self.post_feedforward_layernorm(h)
         if per_layer is not None:
@@ -302,6 +292,9 @@ def gemma4_recipes(model: Gemma4LM, config: ModelConfig) -> dict[str, list[list[
         attn, mlp = f"layers.{i}.self_attn.", f"layers.{i}.mlp."
         out[f"{attn}qkv_proj.weight"] = [[[f"{attn}{n}_proj.weight" for n in layer.self_attn.qkv_parts]]]
         out[f"{mlp}gate_up_proj.weight"] = [[[f"{mlp}gate_proj.weight", f"{mlp}up_proj.weight"]]]
+        if layer.router is not None:  # the experts as a SparseMoE: the checkpoint's names
+            out[f"layers.{i}.experts.experts_gate_up"] = [[[f"layers.{i}.experts.gate_up_proj"]]]
+            out[f"layers.{i}.experts.experts_down"] = [[[f"layers.{i}.experts.down_proj"]]]
     if config.tie_word_embeddings:
         out.pop("lm_head.weight", None)  # it is embed_tokens.weight
     return out

@@ -152,6 +152,10 @@ class GGUFCheckpoint(Mapping[str, torch.Tensor]):
 
         if self._mapped is not None:
             return self._mapped.expert_slice(name, expert)
+        stack = self._tensors.get(name)
+        if stack is not None and stack.data.ndim == 3:  # a stack the file holds whole (Gemma 4's experts)
+            result = self._processor.process(weights=dequantize(stack.data[expert], stack.tensor_type), name=stack.name)
+            return torch.from_numpy(np.array(result.weights, dtype=np.float32, copy=True))
         if name not in self._experts:
             return None
         return torch.cat([torch.from_numpy(np.asarray(dequantize(t.data[expert], t.tensor_type), dtype=np.float32))

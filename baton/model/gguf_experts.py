@@ -45,8 +45,10 @@ from baton.model.packed_cache import PackedSlot, SharedPacks
 
 logger = logging.getLogger("baton.model.gguf_experts")
 
-# Baton's expert stack -> the GGUF tensors it is made of, joined along the rows in this order
-EXPERT_TENSORS = {"experts_gate_up": ("ffn_gate_exps", "ffn_up_exps"), "experts_down": ("ffn_down_exps",)}
+# Baton's expert stack -> the GGUF tensors it may be made of (joined along the rows in this order): gate
+# and up apart, or (Gemma 4's converter) already joined, gate rows first, as the checkpoint's gate_up_proj
+EXPERT_TENSORS = {"experts_gate_up": (("ffn_gate_exps", "ffn_up_exps"), ("ffn_gate_up_exps",)),
+                  "experts_down": (("ffn_down_exps",),)}
 CHECKED_EXPERTS = 3  # per stack: the first, the last and one between (every expert's rows are alike)
 
 
@@ -63,8 +65,10 @@ def _moes(model: nn.Module) -> list[tuple[str, int, SparseMoE]]:
 def _tensors(source: Any, block: int, kind: str) -> list[Any] | None:
     """The GGUF tensors of one expert stack, or None where they cannot be served as blocks (missing,
     dense, or converted by more than a join of gate and up)."""
-    tensors = [source.tensors.get(f"blk.{block}.{leaf}.weight") for leaf in EXPERT_TENSORS[kind]]
-    if any(t is None or t.data.ndim != 3 or source.type_name(t) in DENSE_TYPES for t in tensors):
+    tensors = next((found for leaves in EXPERT_TENSORS[kind]
+                    if None not in (found := [source.tensors.get(f"blk.{block}.{leaf}.weight") for leaf in leaves])),
+                   None)
+    if tensors is None or any(t.data.ndim != 3 or source.type_name(t) in DENSE_TYPES for t in tensors):
         return None
     mapped = getattr(source, "_mapped", None)
     if mapped is not None and any(not _joins_only(mapped, t.name) for t in tensors):
@@ -213,7 +217,7 @@ def _fits(mapped: list[PackedSlot], stacks: list[Stack]) -> bool:
     """The file's slots have the experts' kinds and shapes (else: repacked, never served)."""
     expected = []
     for _, moe, kind, _ in stacks:
-        hidden, width = moe.gate.in_features, moe.intermediate
+        hidden, width = moe.hidden, moe.intermediate
         shape = (2 * width, hidden) if kind == "experts_gate_up" else (hidden, width)
         expected += [shape] * moe.num_experts
     return len(mapped) == len(expected) and all(

@@ -59,7 +59,9 @@ class SparseMoE(nn.Module):
         self.num_experts, self.top_k, self.intermediate = e, config.num_experts_per_tok, i
         self.renormalize = config.norm_topk_prob
         self.router = config.router
-        self.gate = nn.Linear(h, e, bias=self.router == "topk_softmax")  # the router
+        self.hidden = h
+        # the router; "external": the model routes (Gemma 4's router reads another input) and calls `mix`
+        self.gate = nn.Linear(h, e, bias=self.router == "topk_softmax") if self.router != "external" else None
         if self.router == "sigmoid_grouped":
             self.score_correction_bias = nn.Parameter(torch.zeros(e))  # shifts the choice, not the weights
             self.n_group, self.topk_group = config.n_group, config.topk_group
@@ -142,6 +144,11 @@ class SparseMoE(nn.Module):
         weights, chosen = self.route(x)
         if self.router != "sigmoid_grouped":
             weights = weights.to(x.dtype)  # GLM's reference weighs in fp32, then rounds (below)
+        return self.mix(x, weights, chosen)
+
+    def mix(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """The chosen experts' outputs weighed and summed, plus the shared experts': x [T, H], weights
+        and chosen [T, k] -> [T, H]; each expert's rows weighed in the weights' dtype, then rounded."""
         flat = chosen.flatten()  # [T * k]: choice c of token t at t * k + c
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # one sync per layer (CPU: free)
