@@ -19,6 +19,7 @@ import torch
 
 from baton import LLM
 from baton.engine.window_blocks import freeable_window
+from baton.model.gguf_embeddings import GGUFRowsEmbedding
 from baton.model.kv_groups import kv_groups
 from baton.model.quant import QuantizedLinear
 from tests.gemma4_gguf import write_gemma4_gguf
@@ -120,8 +121,11 @@ def test_a_gemma4_ggufs_projections_are_served_from_its_own_blocks(native, gemma
     layer and the q alone of a shared layer included (it looked for a v_proj the file has not, and the
     load failed); the greedy tokens transformers' float32 ones over the same weights but at near-ties."""
     monkeypatch.setenv("BATON_PACKED_CACHE", "off")  # repacked here (a shared file made earlier logs otherwise)
+    from baton.common.model_files import resolve_model
+    from baton.model.gguf_checkpoint import GGUFCheckpoint
+
     files = gemma4_gguf("gemma4_text")
-    with caplog.at_level(logging.INFO, logger="baton.model.gguf_weights"):
+    with caplog.at_level(logging.INFO, logger="baton.model"):
         llm = LLM(model=str(files["q8_0"]), num_kv_blocks=128)
     served = next(r.getMessage() for r in caplog.records if "served in its own quantization" in r.getMessage())
     # 6 layers x (qkv, o, gate_up, down) + the head (the tied embedding's blocks)
@@ -130,6 +134,17 @@ def test_a_gemma4_ggufs_projections_are_served_from_its_own_blocks(native, gemma
     for layer in layers:
         assert isinstance(layer.self_attn.qkv, QuantizedLinear) and layer.self_attn.qkv.scheme == "q8_0"
     assert [layer.self_attn.qkv_parts for layer in layers] == ["qkv", "qkv", "qk", "qkv", "q", "q"]
+    # the per-layer table: the file's rows, read per lookup (no copy in the model), the loader's values
+    model = llm.engine.runtime.model
+    table = model.embed_tokens_per_layer
+    # (F32 in this file: its rows are 6 x 8 wide, not whole Q8_0 blocks; Q8_0 tables: test_gguf_moe)
+    assert isinstance(table, GGUFRowsEmbedding) and table.type_name == "F32" and table.weight.numel() == 0
+    assert any("embed_tokens_per_layer served as the file's F32 rows" in r.getMessage() for r in caplog.records)
+    assert "embed_tokens_per_layer: the GGUF's F32 rows, read per lookup" in llm.engine.runtime.plan_report()
+    dequantized = GGUFCheckpoint(files["q8_0"], resolve_model(str(files["q8_0"])))["embed_tokens_per_layer.weight"]
+    ids = torch.tensor([0, 5, table.num_embeddings - 1, 5, 17])
+    with torch.no_grad():
+        assert torch.equal(table(ids), dequantized[ids].to(torch.bfloat16))
     hf = hf_over_the_files_weights({"hf": files["hf"], "q8_0": files["q8_0"]})
     assert_bf16_near_ties_only(llm, hf, prompts, "gemma4-q8_0")
 

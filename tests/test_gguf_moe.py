@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from baton import LLM
+from baton.model.gguf_embeddings import GGUFRowsEmbedding
 from baton.model.linear import QuantizedLinear
 from tests.qwen35_gguf import _copy_tokenizer, _stacked_experts
 from tests.qwen35_gguf import add_attention_metadata
@@ -188,6 +189,13 @@ def test_a_qwen3_moe_ggufs_experts_are_served_in_its_own_blocks(qwen3_moe, promp
     layers = SMALL["num_hidden_layers"]
     assert served and f"{layers} Q4_0 stacks, {layers} Q5_0 requantized to Q8_0 stacks (" in served[0], served
     weights = GGUFCheckpoint(qwen3_moe["gguf"], resolve_model(str(qwen3_moe["gguf"])))
+    # the untied input table: the file's Q8_0 rows read per lookup (never loaded), the loader's values
+    model = llm.engine.runtime.model
+    assert "embed_tokens.weight" not in read and isinstance(model.embed_tokens, GGUFRowsEmbedding)
+    assert model.embed_tokens.type_name == "Q8_0" and model.embed_tokens.weight.numel() == 0
+    ids = torch.tensor([3, 0, SMALL["vocab_size"] - 1, 3])
+    with torch.no_grad():
+        assert torch.equal(model.embed(ids), weights["embed_tokens.weight"][ids].to(torch.bfloat16))
     x = torch.randn(5, SMALL["hidden_size"], generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     for index, layer in enumerate(llm.engine.runtime.model.layers):
         moe = layer.mlp

@@ -13,6 +13,7 @@ import torch
 
 from baton.common.gguf_key import gguf_content_key
 from baton.common.model_files import GGUF_SOURCE_FILE, gguf_source
+from baton.model.gguf_embeddings import GGUFRowsEmbedding
 from baton.model.gguf_weights import _check, unpack_q4, unpack_q8_0
 from baton.model.linear import dequantize_q4, dequantize_q8_0
 
@@ -46,6 +47,27 @@ def test_unpacked_blocks_dequantize_as_the_gguf_package_does(type_name):
         # Q4_0 and Q4_1 exactly; Q4_K's sub-block scale (d * sc) and offset are rounded to fp16
         atol = 0.0 if type_name != "Q4_K" else 2.0 ** -10 * float(expected.abs().max())
         assert torch.allclose(mine, expected.reshape(n, k), rtol=0, atol=atol)
+
+
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_K", "F16"])
+def test_a_token_table_served_as_the_files_rows_looks_up_the_loaders_values(type_name):
+    """A GGUF's token table read per lookup from its rows (no copy of the table): each id's row the
+    `gguf` package's dequantization of it, rounded to the model's dtype, as the loader would hold it;
+    an id past the table an IndexError as nn.Embedding's."""
+    n, k = 9, 256
+    if type_name == "F16":
+        raw = np.random.default_rng(3).standard_normal((n, k)).astype(np.float16)
+    else:
+        raw = random_blocks(type_name, n, k, seed=5)
+    qtype = gguf.GGMLQuantizationType[type_name]
+    table = torch.from_numpy(gguf.quants.dequantize(raw, qtype).astype(np.float32)).reshape(n, k)
+    for dtype in (torch.float32, torch.bfloat16):
+        embedding = GGUFRowsEmbedding(raw, qtype, n, k, dtype)
+        ids = torch.tensor([8, 0, 3, 3, 8])
+        assert torch.equal(embedding(ids), table[ids].to(dtype))
+        assert embedding(torch.tensor([], dtype=torch.long)).shape == (0, k)
+    with pytest.raises(IndexError):
+        embedding(torch.tensor([n]))
 
 
 def test_a_wrongly_mapped_tensor_is_an_error_at_load():
@@ -84,7 +106,7 @@ def test_auto_serves_a_gguf_dequantized_where_no_native_kernel_multiplies_its_bl
         def q8_available() -> bool:
             return False
 
-    model = SimpleNamespace(embed_tokens=SimpleNamespace(weight=torch.empty(1)))
+    model = SimpleNamespace(norm=SimpleNamespace(weight=torch.empty(1)))
     source = tmp_path / "m.gguf"
     assert quantize_model(model, "auto", kernels=NoVNNI(), gguf_source=source) == "none"
     assert quantize_model(model, "auto", kernels=NoVNNI(), gguf_source=None) == "none"

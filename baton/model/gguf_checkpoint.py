@@ -141,7 +141,12 @@ class GGUFCheckpoint(Mapping[str, torch.Tensor]):
         tensor = self._tensors[name]
         if tensor.name in ROW_LOCAL and tensor.data.ndim == 2:
             return self._dequantized_by_rows(tensor)
-        result = self._processor.process(weights=dequantize(tensor.data, tensor.tensor_type), name=tensor.name)
+        return self._processed(dequantize(tensor.data, tensor.tensor_type), tensor.name)
+
+    def _processed(self, weights: np.ndarray, gguf_name: str) -> torch.Tensor:
+        """Dequantized `weights` as transformers' tensor processor for the architecture leaves them
+        (e.g. Llama's q/k rows un-permuted), as an fp32 tensor of their own."""
+        result = self._processor.process(weights=weights, name=gguf_name)
         return torch.from_numpy(np.array(result.weights, dtype=np.float32, copy=True))
 
     def expert_slice(self, name: str, expert: int) -> torch.Tensor | None:
@@ -154,8 +159,7 @@ class GGUFCheckpoint(Mapping[str, torch.Tensor]):
             return self._mapped.expert_slice(name, expert)
         stack = self._tensors.get(name)
         if stack is not None and stack.data.ndim == 3:  # a stack the file holds whole (Gemma 4's experts)
-            result = self._processor.process(weights=dequantize(stack.data[expert], stack.tensor_type), name=stack.name)
-            return torch.from_numpy(np.array(result.weights, dtype=np.float32, copy=True))
+            return self._processed(dequantize(stack.data[expert], stack.tensor_type), stack.name)
         if name not in self._experts:
             return None
         return torch.cat([torch.from_numpy(np.asarray(dequantize(t.data[expert], t.tensor_type), dtype=np.float32))

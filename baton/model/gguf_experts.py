@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from baton.model.gguf_checkpoint import drop_touched_pages
+from baton.model.gguf_embeddings import gguf_embedding_targets
 from baton.model.gguf_weights import (DENSE_TYPES, GGUFTensors, _check, gguf_projection_targets, served_parts,
                                       shared_packs_file)
 from baton.model.linear import QuantizedLinear
@@ -97,10 +98,11 @@ def gguf_expert_targets(model: nn.Module, source: Any) -> set[str]:
 
 def gguf_block_targets(model: nn.Module, gguf_path: Path) -> set[str]:
     """Every parameter the GGUF's blocks will serve, which the loader leaves unread: the projections'
-    (baton.model.gguf_weights) and the MoE expert stacks'."""
+    (baton.model.gguf_weights), the MoE expert stacks' and the token tables' (baton.model.gguf_embeddings)."""
     config = model.config
     source = GGUFTensors(gguf_path, config.num_heads, config.num_kv_heads)
-    return gguf_projection_targets(model, gguf_path, source) | gguf_expert_targets(model, source)
+    return (gguf_projection_targets(model, gguf_path, source) | gguf_expert_targets(model, source)
+            | gguf_embedding_targets(model, source))
 
 
 def _expert_parts(source: Any, tensors: list[Any], expert: int) -> tuple[str, tuple[torch.Tensor, ...], str]:

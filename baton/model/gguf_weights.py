@@ -161,13 +161,18 @@ class GGUFTensors:
         data = data.reshape(n, -1)
         if self._mapped is not None and self.input_order(tensor) is not None:
             return data
+        order = self.row_order(tensor)
+        return data if np.array_equal(order, np.arange(n)) else data[order]
+
+    def row_order(self, tensor: Any) -> np.ndarray:
+        """Which stored row each of transformers' rows is (its conversion's permutation of them)."""
+        n, _ = self.shape(tensor)
         if self._mapped is not None:
             order = self._mapped.row_order(tensor.name, n)
             assert order is not None, f"{tensor.name}'s conversion is not a row order"
-        else:
-            order = self._processor.process(weights=np.arange(n).reshape(n, 1), name=tensor.name).weights
-            order = np.asarray(order).reshape(n)
-        return data if np.array_equal(order, np.arange(n)) else data[order]
+            return order
+        order = self._processor.process(weights=np.arange(n).reshape(n, 1), name=tensor.name).weights
+        return np.asarray(order).reshape(n)
 
     def dequantized(self, tensor: Any) -> torch.Tensor:
         import gguf

@@ -221,7 +221,7 @@ class HybridModel(CausalLM):
         self.fused_norm = None
         # the Gated DeltaNet decode step runs natively on the CPU in bf16 and fp32 (what its conv
         # state and the rule take); else, and without a compiler, the torch ops
-        param = self.embed_tokens.weight
+        param = self.norm.weight  # (the embedding may be unread yet: gguf_embeddings)
         kernel = None
         if native_kernels and param.device.type == "cpu" and param.dtype in (torch.bfloat16, torch.float32):
             from baton.model import kernels

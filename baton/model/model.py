@@ -343,7 +343,7 @@ class CausalLM(nn.Module):
         only for a plain Llama layer (`ModelConfig.native_unsupported()` empty); the matmul choice
         is the same for every family (a projection is a projection)."""
         self.rope_tables = {}
-        param = self.embed_tokens.weight
+        param = self.norm.weight  # the model's dtype and device (the embedding may be unread yet: gguf_embeddings)
         kernel = None
         if native_kernels and param.dtype == torch.bfloat16 and param.device.type == "cpu":
             from baton.model import kernels

@@ -187,5 +187,9 @@ def report(model: nn.Module, quantization: str = "none") -> str:
         lines.append(f"  {p.kind:8} x{p.count:<3} {p.kernel}  [{p.nbytes / mib:.1f} MiB]")
     total = sum(p.nbytes for p in projections + experts) + others
     lines.append(f"other weights (embedding, norms, routers): {others / mib:.1f} MiB")
+    for name, module in model.named_children():  # token tables read from the GGUF (gguf_embeddings)
+        if hasattr(module, "file_bytes"):
+            lines.append(f"  {name}: the GGUF's {module.type_name} rows, read per lookup from the file's map "
+                         f"[{module.file_bytes / mib:.1f} MiB in the file, not held]")
     lines.append(f"weights held in all: {total / mib:.1f} MiB")
     return "\n".join(lines)

@@ -19,7 +19,9 @@ memory, quantized:
 The native kernel (`kernels/qgemv.cpp`: integer dot products, AVX512-VNNI or AVX2, against activations
 quantized per block, as llama.cpp multiplies them) multiplies the packed blocks; afterwards the
 all-layers decode call (`LayersPlan`) is rebuilt over them. The token embedding stays in the model's
-dtype (a lookup reads one row per token; tied to the head, the head's quantized copy is the only other).
+dtype (a lookup reads one row per token; tied to the head, the head's quantized copy is the only other),
+but for a GGUF's under "auto": its tables are read per lookup from the file's rows
+(baton.model.gguf_embeddings).
 
 Where the kernel cannot run (neither AVX512-VNNI nor AVX2, native kernels off: `native_kernels`, or no
 compiler), `QuantizedLinear` dequantizes its weight for each call and multiplies in the activations'
@@ -134,7 +136,7 @@ def quantize_model(model: nn.Module, quantization: str, kernels: Any = None,
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, not {quantization!r}")
     if not asks_for_quantized(quantization, gguf_source):
         return "none"
-    if model.embed_tokens.weight.device.type != "cpu":
+    if model.norm.weight.device.type != "cpu":  # (the embedding may be left unread: gguf_embeddings)
         if quantization == "auto":
             return "none"  # the kernels are CPU ones: a GGUF on another device runs dequantized
         raise ValueError(f"--quantization {quantization} runs on the CPU only")
@@ -155,12 +157,15 @@ def quantize_model(model: nn.Module, quantization: str, kernels: Any = None,
                        "each projection dequantizes its weight per call, which is slow")
     if quantization == "gguf":
         assert gguf_source is not None
+        from baton.model.gguf_embeddings import load_gguf_embeddings
         from baton.model.gguf_experts import load_gguf_experts
-        from baton.model.gguf_weights import load_gguf_projections
+        from baton.model.gguf_weights import GGUFTensors, load_gguf_projections
 
         try:
             load_gguf_projections(model, gguf_source, kernels, unread)
             load_gguf_experts(model, gguf_source, kernels, unread)
+            source = GGUFTensors(gguf_source, model.config.num_heads, model.config.num_kv_heads)
+            load_gguf_embeddings(model, gguf_source, source, model.norm.weight.dtype)
         except ValueError as exc:
             raise ValueError(f"{gguf_source.name}: its blocks cannot be served as they are ({exc}); "
                              "--quantization none serves its dequantized weights") from exc

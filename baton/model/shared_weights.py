@@ -13,7 +13,8 @@ What a worker keeps of its own is its KV pool and its activations. Three kinds o
   has no instructions (`--dtype auto` on AMD Zen 3 or an Intel CPU without AVX512-BF16 loads
   float32, twice the checkpoint's bytes per worker) and bf16 where oneDNN cannot pack it;
 - the token embeddings' tables (nn.Embedding: the input embedding where the head does not serve its
-  lookups, Gemma 4's per-layer embeddings), whatever the projections are;
+  lookups, Gemma 4's per-layer embeddings), whatever the projections are (a GGUF's are read from the
+  file's own rows under `--quantization auto`: baton.model.gguf_embeddings);
 - a MoE's experts: the dense stacks the experts' F.linear reads (a safetensors MoE under `auto`, a
   GGUF's experts, which keep the model's dtype), or their native Q8_0 packs (gpt-oss's MXFP4
   repacked, `--quantization int8/int4` quantizing them at load); the experts are most of such a
