@@ -28,6 +28,8 @@ unrotated pairs), the MoE block from the expert keys.
 
 from __future__ import annotations
 
+import logging
+
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -177,7 +179,17 @@ def transformers_safe_reader(reader: Any, config_only: bool = False) -> Iterator
         return original(path, *args, **kwargs)
 
     gguf.GGUFReader = opened  # type: ignore[assignment, misc]
+    # a Gemma 4 file's layer pattern is a key transformers does not read: it takes its class's default
+    # (every 6th layer full), warns that the last layer of a 35-layer E2B is not full and forces it;
+    # complete_config sets the file's pattern, so the warning is about a config never used
+    gemma4_config = logging.getLogger("transformers.models.gemma4.configuration_gemma4")
+    gemma4_config.addFilter(_default_pattern_warning)
     try:
         yield
     finally:
         gguf.GGUFReader = original
+        gemma4_config.removeFilter(_default_pattern_warning)
+
+
+def _default_pattern_warning(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith("Last layer must use `full_attention`")
