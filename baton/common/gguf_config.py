@@ -34,6 +34,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from baton.common.gguf_llama_like import LLAMA_LIKE, as_llama, family_config
+
 CONVERSION = 3  # of the model directories made from GGUF files: bumped when a completion changes
 
 
@@ -50,6 +52,8 @@ def complete_config(config: Any, reader: Any) -> tuple[Any, dict[str, Any]]:
     """`config` with what its architecture needs beyond transformers' table, and what was set."""
     arch = _field(reader, "general.architecture")
     fixes: dict[str, Any] = {}
+    if arch in LLAMA_LIKE:  # read as llama's by transformers: the family's config made from it
+        return family_config(config, lambda key: _field(reader, key), arch)
     if arch == "gemma4":  # per-layer fields: the config class derives them at construction
         fixes = _gemma4(config, reader)
         return type(config).from_dict({**config.to_dict(), **fixes}), fixes
@@ -172,6 +176,9 @@ def transformers_safe_reader(reader: Any, config_only: bool = False) -> Iterator
     view = copy.copy(reader)
     hidden = MISREAD_FIELDS + (TOKENIZER_ARRAYS if config_only else ())
     view.fields = type(reader.fields)((k, v) for k, v in reader.fields.items() if not k.startswith(hidden))
+    arch = _field(reader, "general.architecture")
+    if arch in LLAMA_LIKE:  # an architecture transformers does not know, whose keys are llama's
+        view.fields = type(reader.fields)(as_llama(view.fields, arch))
 
     def opened(path: Any, *args: Any, **kwargs: Any) -> Any:
         if os.path.abspath(path) == os.path.abspath(reader.data.filename):

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from baton.common.gguf_names import hf_to_gguf_names, read_names
+from baton.common.gguf_llama_like import tensor_processor_arch
 from baton.model.gguf_gpt_oss import GptOssGGUFTensors
 from baton.model.gguf_mapped import MappedGGUFTensors, uses_conversion_mapping
 
@@ -108,7 +109,7 @@ class GGUFCheckpoint(Mapping[str, torch.Tensor]):
             self._mapped = GptOssGGUFTensors(self.reader)
             return
         raw_config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
-        processor_class = TENSOR_PROCESSORS.get(arch, TensorProcessor)
+        processor_class = TENSOR_PROCESSORS.get(tensor_processor_arch(arch), TensorProcessor)
         self._processor = processor_class(config=raw_config)
         names = None
         if processor_class is Qwen2MoeTensorProcessor:  # experts joined per layer: read lazily here

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from baton.common.gguf_llama_like import tensor_processor_arch
 from baton.model import packed_cache
 from baton.model.linear import QuantizedLinear
 from baton.model.packed_cache import PackedSlot, SharedPacks
@@ -122,7 +123,7 @@ class GGUFTensors:
 
             config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
             self._mapped = MappedGGUFTensors(self.reader, self.arch, config)
-        processor = TENSOR_PROCESSORS.get(self.arch, TensorProcessor)
+        processor = TENSOR_PROCESSORS.get(tensor_processor_arch(self.arch), TensorProcessor)
         self._processor = processor(config={"num_attention_heads": num_heads, "num_key_value_heads": num_kv_heads})
         arch = next((a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == self.arch), None)
         if arch is None:

@@ -1,0 +1,93 @@
+"""SmolLM3, OLMo 2, OLMo 3 and Granite GGUFs (baton/common/gguf_llama_like.py): transformers' GGUF
+reader refused their architectures (`smollm3`, `olmo2`, `granite`: "not supported yet"), so
+`baton serve SmolLM3-3B-Q4_K_M.gguf` failed although each family is served from safetensors. The files
+come from tests/llama_like_gguf.py, a writer checked against llama.cpp's converter (same keys, same
+tensors byte for byte)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from baton import LLM
+from baton.model.quant import QuantizedLinear
+from tests.llama_like_gguf import write_llama_like_gguf
+from tests.test_families import (_with_config, assert_bf16_near_ties_only, family_dir,  # noqa: F401
+                                 greedy, hf_greedy, prompts, tokens_of)
+from tests.test_gguf_qwen35 import hf_over_the_files_weights
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+FAMILIES = ("smollm3", "olmo2", "olmo3", "granite")
+# what each family's config must get from the file (beyond the sizes every family has)
+FAMILY_KEYS = {"smollm3": ("no_rope_layers",), "olmo2": (), "olmo3": ("sliding_window", "layer_types"),
+               "granite": ("attention_multiplier", "embedding_multiplier", "residual_multiplier", "logits_scaling")}
+SIZE_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+             "num_attention_heads", "num_key_value_heads", "max_position_embeddings", "tie_word_embeddings")
+_BUILT: dict[str, dict[str, Path]] = {}
+
+
+@pytest.fixture(scope="module")
+def llama_like_gguf(family_dir, tmp_path_factory, default_gguf_model_dir):  # noqa: F811
+    """get(family) -> {"hf": the checkpoint, "f32" / "q8_0": its GGUFs}, built once per family."""
+    from baton.common.model_files import gguf_source
+
+    tokenizer = gguf_source(default_gguf_model_dir)
+
+    def get(family: str) -> dict[str, Path]:
+        if family not in _BUILT:
+            root = tmp_path_factory.mktemp(f"gguf-{family}")
+            hf_dir = family_dir(family)
+            if family == "smollm3":  # llama.cpp builds in a no-rope layer every 4th (the tiny family: every 2nd)
+                hf_dir = _with_config(hf_dir, root / "every-4th", no_rope_layer_interval=4, no_rope_layers=[1, 1, 1, 0])
+            _BUILT[family] = {"hf": hf_dir,
+                              "f32": write_llama_like_gguf(hf_dir, root / f"tiny-{family}.F32.gguf", tokenizer),
+                              "q8_0": write_llama_like_gguf(hf_dir, root / f"tiny-{family}.Q8_0.gguf", tokenizer,
+                                                            q8_0=True)}
+        return _BUILT[family]
+
+    return get
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_llama_like_gguf_is_its_checkpoint_and_gives_its_tokens(family, llama_like_gguf, prompts):  # noqa: F811
+    """The family's config (not llama's), every tensor the checkpoint's (q and k un-permuted where the
+    converter permuted them), and transformers' float32 greedy tokens on the checkpoint, batched."""
+    from baton.common.model_files import resolve_model
+    from baton.model.loader import _read_tensors
+
+    files = llama_like_gguf(family)
+    model_dir = resolve_model(str(files["f32"]))
+    config = json.loads((model_dir / "config.json").read_text())
+    expected_config = json.loads((files["hf"] / "config.json").read_text())
+    for key in SIZE_KEYS + FAMILY_KEYS[family]:
+        value = expected_config.get(key)  # a float as the file holds it: float32
+        assert config.get(key) == (pytest.approx(value, rel=1e-7) if isinstance(value, float) else value), key
+    tensors = _read_tensors(model_dir)
+    from safetensors.torch import load_file
+
+    checkpoint = {name.removeprefix("model."): t for name, t in load_file(files["hf"] / "model.safetensors").items()}
+    assert set(tensors) == set(checkpoint)
+    for name, tensor in checkpoint.items():
+        assert torch.equal(tensors[name], tensor.to(tensors[name].dtype)), name
+    expected = [hf_greedy(files["hf"], p) for p in prompts]
+    llm = LLM(model=str(files["f32"]), dtype="float32", quantization="none", num_kv_blocks=128)
+    assert tokens_of(llm.generate(prompts, greedy())) == expected
+
+
+def test_a_smollm3_ggufs_projections_are_served_from_its_own_blocks(llama_like_gguf, prompts,  # noqa: F811
+                                                                    monkeypatch):
+    """Q8_0 under `auto`: every projection the file's blocks (q and k rows un-permuted as stored:
+    the load check compares each repack with transformers' dequantization), the greedy tokens
+    transformers' float32 ones over the same weights but at near-ties."""
+    monkeypatch.setenv("BATON_PACKED_CACHE", "off")
+    files = llama_like_gguf("smollm3")
+    llm = LLM(model=str(files["q8_0"]), num_kv_blocks=128)
+    for owner, name, _ in llm.engine.runtime.model.projection_slots():
+        op = getattr(owner, name)
+        assert isinstance(op, QuantizedLinear) and op.scheme == "q8_0", name
+    hf = hf_over_the_files_weights({"hf": files["hf"], "q8_0": files["q8_0"]})
+    assert_bf16_near_ties_only(llm, hf, prompts, "smollm3-q8_0")
