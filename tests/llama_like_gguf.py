@@ -1,6 +1,6 @@
-"""A GGUF of a SmolLM3, OLMo 2 / OLMo 3 or Granite checkpoint as llama.cpp's converter writes one
-(`convert_hf_to_gguf.py`: `SmolLM3Model` and `GraniteModel`, subclasses of `LlamaModel`, and
-`Olmo2Model`), for tests/test_gguf_llama_like.py. Checked by hand against the converter of
+"""A GGUF of a SmolLM3, OLMo 2 / OLMo 3, Granite or Ministral 3 / Mistral 3 checkpoint as llama.cpp's
+converter writes one (`convert_hf_to_gguf.py`: `SmolLM3Model`, `GraniteModel` and `Ministral3Model`,
+subclasses of `LlamaModel`, and `Olmo2Model`), for tests/test_gguf_llama_like.py. Checked by hand against the converter of
 llama-cpp-python 0.3.36 (`--outtype f32` and `q8_0`) on the tiny models of those tests: the same keys
 and values (but the tokenizer's, copied here from the default model's file), the same tensors, names,
 types and bytes."""
@@ -14,7 +14,9 @@ import numpy as np
 
 from tests.qwen35_gguf import _copy_tokenizer, finish
 
-ARCH = {"smollm3": "smollm3", "olmo2": "olmo2", "olmo3": "olmo2", "granite": "granite"}
+ARCH = {"smollm3": "smollm3", "olmo2": "olmo2", "olmo3": "olmo2", "granite": "granite", "ministral3": "mistral3"}
+# a Mistral 3 checkpoint's vision tower (not in the file), as saved now and in the older layout
+VISION = ("model.vision_tower.", "model.multi_modal_projector.", "vision_tower.", "multi_modal_projector.")
 
 
 def _permuted(w: np.ndarray, heads: int) -> np.ndarray:
@@ -27,7 +29,8 @@ def write_llama_like_gguf(model_dir: Path, out: Path, tokenizer_gguf: Path, q8_0
     import gguf
     from safetensors.torch import load_file
 
-    cfg = json.loads((model_dir / "config.json").read_text())
+    raw = json.loads((model_dir / "config.json").read_text())
+    cfg = raw.get("text_config", raw)  # Mistral 3's vision-language checkpoint: its text model alone
     model_type = cfg["model_type"]
     arch = ARCH[model_type]
     layers = cfg["num_hidden_layers"]
@@ -47,6 +50,10 @@ def write_llama_like_gguf(model_dir: Path, out: Path, tokenizer_gguf: Path, q8_0
         writer.add_rope_scaling_orig_ctx_len(full["original_max_position_embeddings"])
         if "attention_factor" in full:
             writer.add_rope_scaling_yarn_attn_factor(full["attention_factor"])
+        if "beta_fast" in full:
+            writer.add_rope_scaling_yarn_beta_fast(full["beta_fast"])
+        if "beta_slow" in full:
+            writer.add_rope_scaling_yarn_beta_slow(full["beta_slow"])
     writer.add_rope_freq_base(full["rope_theta"])
     if "sliding_attention" in rope:
         writer.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
@@ -63,6 +70,9 @@ def write_llama_like_gguf(model_dir: Path, out: Path, tokenizer_gguf: Path, q8_0
         writer.add_embedding_scale(cfg["embedding_multiplier"])
         writer.add_residual_scale(cfg["residual_multiplier"])
         writer.add_logit_scale(cfg["logits_scaling"])
+    if arch == "mistral3":
+        writer.add_rope_scaling_yarn_log_mul(full["mscale_all_dim"])
+        writer.add_attn_temperature_scale(full["llama_4_scaling_beta"])
     if model_type == "olmo3":
         writer.add_sliding_window(cfg["sliding_window"])
         writer.add_sliding_window_pattern([t == "sliding_attention" for t in cfg["layer_types"]])
@@ -71,6 +81,9 @@ def write_llama_like_gguf(model_dir: Path, out: Path, tokenizer_gguf: Path, q8_0
     name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], layers)
     tensors = {}
     for name, t in load_file(str(model_dir / "model.safetensors")).items():
+        if name.startswith(VISION):
+            continue
+        name = name.removeprefix("language_model.").replace("model.language_model.", "model.")
         data = t.float().numpy()
         if arch != "olmo2" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = cfg["num_attention_heads"] if "q_proj" in name else cfg["num_key_value_heads"]

@@ -1,5 +1,5 @@
-"""SmolLM3, OLMo 2, OLMo 3 and Granite GGUFs (baton/common/gguf_llama_like.py): transformers' GGUF
-reader refused their architectures (`smollm3`, `olmo2`, `granite`: "not supported yet"), so
+"""SmolLM3, OLMo 2, OLMo 3, Granite and Ministral 3 GGUFs (baton/common/gguf_llama_like.py): transformers'
+GGUF reader refused their architectures (`smollm3`, `olmo2`, `granite`, `mistral3`: "not supported yet"), so
 `baton serve SmolLM3-3B-Q4_K_M.gguf` failed although each family is served from safetensors. The files
 come from tests/llama_like_gguf.py, a writer checked against llama.cpp's converter (same keys, same
 tensors byte for byte)."""
@@ -11,22 +11,25 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from baton import LLM
 from baton.model.quant import QuantizedLinear
-from tests.llama_like_gguf import write_llama_like_gguf
+from tests.llama_like_gguf import VISION, write_llama_like_gguf
 from tests.test_families import (_with_config, assert_bf16_near_ties_only, family_dir,  # noqa: F401
                                  greedy, hf_greedy, prompts, tokens_of)
 from tests.test_gguf_qwen35 import hf_over_the_files_weights
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-FAMILIES = ("smollm3", "olmo2", "olmo3", "granite")
+# mistral3: Ministral 3 as released, a vision-language checkpoint whose GGUF holds the text model
+FAMILIES = ("smollm3", "olmo2", "olmo3", "granite", "mistral3")
 # what each family's config must get from the file (beyond the sizes every family has)
 FAMILY_KEYS = {"smollm3": ("no_rope_layers",), "olmo2": (), "olmo3": ("sliding_window", "layer_types"),
-               "granite": ("attention_multiplier", "embedding_multiplier", "residual_multiplier", "logits_scaling")}
+               "granite": ("attention_multiplier", "embedding_multiplier", "residual_multiplier", "logits_scaling"),
+               "mistral3": ("rope_parameters",)}
 SIZE_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-             "num_attention_heads", "num_key_value_heads", "max_position_embeddings", "tie_word_embeddings")
+             "num_attention_heads", "num_key_value_heads", "max_position_embeddings")
 _BUILT: dict[str, dict[str, Path]] = {}
 
 
@@ -52,6 +55,11 @@ def llama_like_gguf(family_dir, tmp_path_factory, default_gguf_model_dir):  # no
     return get
 
 
+def _as_stored(value: object) -> object:
+    """A config value as the file holds it: a float as float32 (approximately the checkpoint's)."""
+    return pytest.approx(value, rel=1e-7) if isinstance(value, float) else value
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_llama_like_gguf_is_its_checkpoint_and_gives_its_tokens(family, llama_like_gguf, prompts):  # noqa: F811
     """The family's config (not llama's), every tensor the checkpoint's (q and k un-permuted where the
@@ -62,14 +70,22 @@ def test_a_llama_like_gguf_is_its_checkpoint_and_gives_its_tokens(family, llama_
     files = llama_like_gguf(family)
     model_dir = resolve_model(str(files["f32"]))
     config = json.loads((model_dir / "config.json").read_text())
-    expected_config = json.loads((files["hf"] / "config.json").read_text())
+    raw = json.loads((files["hf"] / "config.json").read_text())
+    expected_config = raw.get("text_config", raw)
     for key in SIZE_KEYS + FAMILY_KEYS[family]:
-        value = expected_config.get(key)  # a float as the file holds it: float32
-        assert config.get(key) == (pytest.approx(value, rel=1e-7) if isinstance(value, float) else value), key
+        value = expected_config.get(key)
+        if key == "rope_parameters":  # Ministral 3's YaRN; max_position_embeddings is the config's own
+            value = {k: v for k, v in value.items() if k != "max_position_embeddings"}
+            assert config[key] == {k: _as_stored(v) for k, v in value.items()}, key
+        else:
+            assert config.get(key) == _as_stored(value), key
+    assert config["tie_word_embeddings"] == raw.get("tie_word_embeddings", expected_config.get("tie_word_embeddings"))
     tensors = _read_tensors(model_dir)
-    from safetensors.torch import load_file
-
-    checkpoint = {name.removeprefix("model."): t for name, t in load_file(files["hf"] / "model.safetensors").items()}
+    checkpoint = {}
+    for name, tensor in load_file(files["hf"] / "model.safetensors").items():
+        if not name.startswith(VISION):
+            checkpoint[name.removeprefix("language_model.").replace("model.language_model.", "model.")
+                       .removeprefix("model.")] = tensor
     assert set(tensors) == set(checkpoint)
     for name, tensor in checkpoint.items():
         assert torch.equal(tensors[name], tensor.to(tensors[name].dtype)), name

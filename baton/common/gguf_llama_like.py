@@ -1,5 +1,5 @@
 """GGUFs of the families whose files are a Llama's with a few keys more: SmolLM3, OLMo 2 and OLMo 3,
-Granite (3.x and 4.0's dense models).
+Granite (3.x and 4.0's dense models), Ministral 3.
 
 transformers' GGUF reader knows none of these architectures (`smollm3`, `olmo2`, `granite`, as
 llama.cpp's converter names them): it refused the config and the tokenizer ("GGUF model with
@@ -16,7 +16,10 @@ family's config is made from that Llama config and the keys llama.cpp reads for 
   and `attention.sliding_window_pattern` (the converter writes them for it alone): `olmo3` with its
   `layer_types`, YaRN on the full layers and the default rotary on the sliding ones (`rope.freq_base_swa`);
 - Granite (`GraniteModel(LlamaModel)`): the four multipliers, under llama.cpp's names
-  (`attention.scale`, `embedding_scale`, `residual_scale`, `logit_scale`).
+  (`attention.scale`, `embedding_scale`, `residual_scale`, `logit_scale`);
+- Ministral 3 (`mistral3`, the text model of Mistral's vision-language checkpoints,
+  `Ministral3Model(LlamaModel)`): YaRN with its `mscale_all_dim` (`rope.scaling.yarn_log_multiplier`)
+  and the queries' scaling by position (`attention.temperature_scale`: `llama_4_scaling_beta`).
 
 The converter permutes q and k rows for llama.cpp's rotary in the LlamaModel subclasses (SmolLM3,
 Granite): their tensors are read with transformers' Llama processor, which undoes it
@@ -31,9 +34,9 @@ from typing import Any
 import numpy as np
 
 # llama.cpp architecture -> the Hugging Face model_type its files are read as
-LLAMA_LIKE = {"smollm3": "smollm3", "olmo2": "olmo2", "granite": "granite"}
+LLAMA_LIKE = {"smollm3": "smollm3", "olmo2": "olmo2", "granite": "granite", "mistral3": "ministral3"}
 # the architectures whose q and k rows the converter permutes (LlamaModel's subclasses)
-PERMUTED_QK = ("smollm3", "granite")
+PERMUTED_QK = ("smollm3", "granite", "mistral3")
 # the keys every family takes from the Llama config transformers read
 COMMON_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                "num_key_value_heads", "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings",
@@ -93,6 +96,14 @@ def family_config(config: Any, field: Any, arch: str) -> tuple[Any, dict[str, An
                              ("residual_multiplier", "residual_scale"), ("logits_scaling", "logit_scale")):
             if (value := field(f"{arch}.{theirs}")) is not None:
                 fixes[ours] = float(value)
+    elif arch == "mistral3" and fixes["rope_parameters"]["rope_type"] == "yarn":
+        # the converter writes mscale_all_dim as yarn_log_multiplier and not mscale; Ministral 3's
+        # checkpoints have both 1.0 (YaRN's attention factor their ratio, 1); the queries' scaling
+        # by position past the original context (llama_4_scaling_beta) is attention.temperature_scale
+        log_mul = float(field(f"{arch}.rope.scaling.yarn_log_multiplier") or 1.0)
+        fixes["rope_parameters"].update(mscale=log_mul, mscale_all_dim=log_mul)
+        if (beta := field(f"{arch}.attention.temperature_scale")) is not None:
+            fixes["rope_parameters"]["llama_4_scaling_beta"] = float(beta)
     made = AutoConfig.for_model(model_type, **common, **fixes)
     return made, {"model_type": model_type, **fixes}
 
