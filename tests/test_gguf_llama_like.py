@@ -107,3 +107,27 @@ def test_a_smollm3_ggufs_projections_are_served_from_its_own_blocks(llama_like_g
         assert isinstance(op, QuantizedLinear) and op.scheme == "q8_0", name
     hf = hf_over_the_files_weights({"hf": files["hf"], "q8_0": files["q8_0"]})
     assert_bf16_near_ties_only(llm, hf, prompts, "smollm3-q8_0")
+
+
+def test_a_gguf_of_an_architecture_no_reader_knows_is_refused_saying_what_is_read(tmp_path):
+    """transformers' "GGUF model with architecture glm4moe is not supported yet" said neither what is
+    read nor what to do: the refusal names the file's architecture, those read, and the way out."""
+    import gguf
+    import numpy as np
+
+    from baton.common.model_files import resolve_model
+
+    path = tmp_path / "GLM-4.5-Air-Q4_K_M.gguf"
+    writer = gguf.GGUFWriter(str(path), "glm4moe")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError) as refused:
+        resolve_model(str(path))
+    message = str(refused.value)
+    assert "architecture 'glm4moe' is not read from a GGUF" in message
+    assert all(arch in message for arch in ("smollm3", "olmo2", "granite", "mistral3", "gemma4", "qwen35", "llama"))
+    assert "Hugging Face checkpoint may be served" in message

@@ -31,6 +31,7 @@ import tempfile
 import time
 import zipfile
 from pathlib import Path
+from typing import Any
 
 from baton.common.gguf_config import CONVERSION
 from baton.common.gguf_key import gguf_content_key
@@ -74,7 +75,12 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
 
         reader = FastGGUFReader(str(gguf_path))
         with transformers_safe_reader(reader, config_only=True):
-            config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+            try:
+                config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+            except ValueError as exc:
+                if "is not supported yet" not in str(exc):
+                    raise
+                raise ValueError(unsupported_gguf(gguf_path, reader)) from exc
         with transformers_safe_reader(reader):
             tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
         config, completed = complete_config(config, reader)  # what transformers' reader leaves out
@@ -106,6 +112,23 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     logger.info("%s: config and tokenizer read from its metadata in %.1f s (weights stay in the file)",
                 gguf_path.name, time.monotonic() - started)
     return out_dir
+
+
+def unsupported_gguf(gguf_path: Path, reader: Any) -> str:
+    """What to tell a user whose GGUF's architecture no reader here knows."""
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    from baton.common.gguf_llama_like import LLAMA_LIKE
+
+    field = reader.fields.get("general.architecture")
+    arch = field.contents() if field is not None else "?"
+    known = {a.replace("_", "") for a in GGUF_SUPPORTED_ARCHITECTURES} | set(LLAMA_LIKE) | {"qwen35", "qwen35moe",
+                                                                                           "gpt-oss", "gemma4"}
+    known -= {"general", "tokenizer", "t5", "umt5", "bloom", "gpt2", "mamba", "falcon", "stablelm", "starcoder2",
+              "deci", "minimaxm2", "nemotron", "gptoss"}  # readable, but no family of Baton's (gptoss: "gpt-oss")
+    return (f"{gguf_path.name}: llama.cpp architecture {arch!r} is not read from a GGUF yet (Baton reads "
+            f"{', '.join(sorted(known))}); its Hugging Face checkpoint may be served (`--model <org>/<name>`, "
+            "the families in the README's Models section)")
 
 
 def transformers_source(model_dir: Path) -> tuple[str, dict[str, str]]:
