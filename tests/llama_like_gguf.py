@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tests.qwen35_gguf import _copy_tokenizer, finish
+from tests.qwen35_gguf import _copy_tokenizer, add_attention_metadata, finish
 
 ARCH = {"smollm3": "smollm3", "olmo2": "olmo2", "olmo3": "olmo2", "granite": "granite", "ministral3": "mistral3"}
 # a Mistral 3 checkpoint's vision tower (not in the file), as saved now and in the older layout
@@ -36,12 +36,9 @@ def write_llama_like_gguf(model_dir: Path, out: Path, tokenizer_gguf: Path, q8_0
     layers = cfg["num_hidden_layers"]
     writer = gguf.GGUFWriter(str(out), arch)
     writer.add_name(model_type)
-    writer.add_block_count(layers)
-    writer.add_context_length(cfg["max_position_embeddings"])
-    writer.add_embedding_length(cfg["hidden_size"])
+    # GraniteModel drops head_dim
+    add_attention_metadata(writer, {k: v for k, v in cfg.items() if not (arch == "granite" and k == "head_dim")})
     writer.add_feed_forward_length(cfg["intermediate_size"])
-    writer.add_head_count(cfg["num_attention_heads"])
-    writer.add_head_count_kv(cfg["num_key_value_heads"])
     rope = cfg["rope_parameters"]
     full = rope.get("full_attention", rope)  # the converter reads the full layers' parameters
     if full.get("rope_type") == "yarn":
@@ -57,10 +54,6 @@ def write_llama_like_gguf(model_dir: Path, out: Path, tokenizer_gguf: Path, q8_0
     writer.add_rope_freq_base(full["rope_theta"])
     if "sliding_attention" in rope:
         writer.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
-    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    if arch != "granite":  # GraniteModel drops head_dim
-        writer.add_key_length(cfg["head_dim"])
-        writer.add_value_length(cfg["head_dim"])
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0 if q8_0 else gguf.LlamaFileType.ALL_F32)
     if arch != "olmo2":  # LlamaModel's
         writer.add_vocab_size(cfg["vocab_size"])

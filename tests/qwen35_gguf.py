@@ -149,14 +149,16 @@ def finish(writer, tensors: dict[str, np.ndarray], q8_0: bool) -> None:
 
 
 def add_attention_metadata(writer, cfg: dict) -> None:
-    """The sizes every architecture's header carries: layers, context, width, heads, norm epsilon."""
+    """The sizes every architecture's header carries: layers, context, width, heads (and their width, where
+    the config names it), norm epsilon."""
     writer.add_block_count(cfg["num_hidden_layers"])
     writer.add_context_length(cfg["max_position_embeddings"])
     writer.add_embedding_length(cfg["hidden_size"])
     writer.add_head_count(cfg["num_attention_heads"])
     writer.add_head_count_kv(cfg["num_key_value_heads"])
-    writer.add_key_length(cfg["head_dim"])
-    writer.add_value_length(cfg["head_dim"])
+    if cfg.get("head_dim"):
+        writer.add_key_length(cfg["head_dim"])
+        writer.add_value_length(cfg["head_dim"])
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
 
 

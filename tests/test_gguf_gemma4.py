@@ -22,6 +22,7 @@ from baton.engine.window_blocks import freeable_window
 from baton.model.gguf_embeddings import GGUFRowsEmbedding
 from baton.model.kv_groups import kv_groups
 from baton.model.quant import QuantizedLinear
+from tests.gguf_files import gguf_files_once
 from tests.gemma4_gguf import write_gemma4_gguf
 from tests.test_families import (assert_bf16_near_ties_only, family_dir,  # noqa: F401
                                  greedy, hf_greedy, prompts, tokens_of)
@@ -43,20 +44,8 @@ _BUILT: dict[str, dict[str, Path]] = {}
 @pytest.fixture(scope="module")
 def gemma4_gguf(family_dir, tmp_path_factory, default_gguf_model_dir):  # noqa: F811
     """get(family) -> {"hf": the checkpoint, "f32" / "q8_0": its GGUFs}, built once per family."""
-    from baton.common.model_files import gguf_source
-
-    tokenizer = gguf_source(default_gguf_model_dir)
-
-    def get(family: str) -> dict[str, Path]:
-        if family not in _BUILT:
-            root = tmp_path_factory.mktemp(f"gguf-{family}")
-            hf_dir = family_dir(family)
-            _BUILT[family] = {"hf": hf_dir,
-                              "f32": write_gemma4_gguf(hf_dir, root / f"tiny-{family}.F32.gguf", tokenizer),
-                              "q8_0": write_gemma4_gguf(hf_dir, root / f"tiny-{family}.Q8_0.gguf", tokenizer, q8_0=True)}
-        return _BUILT[family]
-
-    return get
+    return gguf_files_once(lambda family, _: family_dir(family), write_gemma4_gguf, _BUILT, tmp_path_factory,
+                           default_gguf_model_dir)
 
 
 class _Kept(logging.Handler):

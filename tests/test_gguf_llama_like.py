@@ -10,14 +10,12 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
-from safetensors.torch import load_file
 
 from baton import LLM
 from baton.model.quant import QuantizedLinear
+from tests.gguf_files import assert_gguf_is_its_checkpoint, gguf_files_once
 from tests.llama_like_gguf import VISION, write_llama_like_gguf
-from tests.test_families import (_with_config, assert_bf16_near_ties_only, family_dir,  # noqa: F401
-                                 greedy, hf_greedy, prompts, tokens_of)
+from tests.test_families import _with_config, assert_bf16_near_ties_only, family_dir, prompts  # noqa: F401
 from tests.test_gguf_qwen35 import hf_over_the_files_weights
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -36,23 +34,13 @@ _BUILT: dict[str, dict[str, Path]] = {}
 @pytest.fixture(scope="module")
 def llama_like_gguf(family_dir, tmp_path_factory, default_gguf_model_dir):  # noqa: F811
     """get(family) -> {"hf": the checkpoint, "f32" / "q8_0": its GGUFs}, built once per family."""
-    from baton.common.model_files import gguf_source
+    def checkpoint(family: str, root: Path) -> Path:
+        if family == "smollm3":  # llama.cpp builds in a no-rope layer every 4th (the tiny family: every 2nd)
+            return _with_config(family_dir(family), root / "every-4th", no_rope_layer_interval=4,
+                                no_rope_layers=[1, 1, 1, 0])
+        return family_dir(family)
 
-    tokenizer = gguf_source(default_gguf_model_dir)
-
-    def get(family: str) -> dict[str, Path]:
-        if family not in _BUILT:
-            root = tmp_path_factory.mktemp(f"gguf-{family}")
-            hf_dir = family_dir(family)
-            if family == "smollm3":  # llama.cpp builds in a no-rope layer every 4th (the tiny family: every 2nd)
-                hf_dir = _with_config(hf_dir, root / "every-4th", no_rope_layer_interval=4, no_rope_layers=[1, 1, 1, 0])
-            _BUILT[family] = {"hf": hf_dir,
-                              "f32": write_llama_like_gguf(hf_dir, root / f"tiny-{family}.F32.gguf", tokenizer),
-                              "q8_0": write_llama_like_gguf(hf_dir, root / f"tiny-{family}.Q8_0.gguf", tokenizer,
-                                                            q8_0=True)}
-        return _BUILT[family]
-
-    return get
+    return gguf_files_once(checkpoint, write_llama_like_gguf, _BUILT, tmp_path_factory, default_gguf_model_dir)
 
 
 def _as_stored(value: object) -> object:
@@ -65,7 +53,6 @@ def test_a_llama_like_gguf_is_its_checkpoint_and_gives_its_tokens(family, llama_
     """The family's config (not llama's), every tensor the checkpoint's (q and k un-permuted where the
     converter permuted them), and transformers' float32 greedy tokens on the checkpoint, batched."""
     from baton.common.model_files import resolve_model
-    from baton.model.loader import _read_tensors
 
     files = llama_like_gguf(family)
     model_dir = resolve_model(str(files["f32"]))
@@ -80,18 +67,13 @@ def test_a_llama_like_gguf_is_its_checkpoint_and_gives_its_tokens(family, llama_
         else:
             assert config.get(key) == _as_stored(value), key
     assert config["tie_word_embeddings"] == raw.get("tie_word_embeddings", expected_config.get("tie_word_embeddings"))
-    tensors = _read_tensors(model_dir)
-    checkpoint = {}
-    for name, tensor in load_file(files["hf"] / "model.safetensors").items():
-        if not name.startswith(VISION):
-            checkpoint[name.removeprefix("language_model.").replace("model.language_model.", "model.")
-                       .removeprefix("model.")] = tensor
-    assert set(tensors) == set(checkpoint)
-    for name, tensor in checkpoint.items():
-        assert torch.equal(tensors[name], tensor.to(tensors[name].dtype)), name
-    expected = [hf_greedy(files["hf"], p) for p in prompts]
-    llm = LLM(model=str(files["f32"]), dtype="float32", quantization="none", num_kv_blocks=128)
-    assert tokens_of(llm.generate(prompts, greedy())) == expected
+
+    def rename(name: str) -> str | None:
+        if name.startswith(VISION):
+            return None
+        return name.removeprefix("language_model.").replace("model.language_model.", "model.").removeprefix("model.")
+
+    assert_gguf_is_its_checkpoint(files, prompts, rename)
 
 
 def test_a_smollm3_ggufs_projections_are_served_from_its_own_blocks(llama_like_gguf, prompts,  # noqa: F811

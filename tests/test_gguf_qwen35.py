@@ -18,6 +18,7 @@ import torch
 from baton.model.linear import QuantizedLinear
 
 from baton import LLM
+from tests.gguf_files import gguf_files_once
 from tests.qwen35_gguf import write_qwen35_gguf
 from tests.test_gguf_moe import record_whole_reads
 from tests.test_families import (assert_bf16_near_ties_only, assert_first_tokens_near_ties, greedy,  # noqa: F401
@@ -35,21 +36,10 @@ _BUILT: dict[str, dict[str, Path]] = {}
 @pytest.fixture(scope="module")
 def qwen35(tmp_path_factory, default_model_dir, default_gguf_model_dir):
     """get(family) -> {"hf": the checkpoint, "f32" / "q8_0": its GGUFs}, built once per family."""
-    from baton.common.model_files import gguf_source
+    def checkpoint(family: str, root: Path) -> Path:
+        return build_hybrid(family, root / "hf", default_model_dir, layer_types=INTERVAL_LAYERS)
 
-    tokenizer = gguf_source(default_gguf_model_dir)
-    assert tokenizer is not None
-
-    def get(family: str) -> dict[str, Path]:
-        if family not in _BUILT:
-            root = tmp_path_factory.mktemp(f"gguf-{family}")
-            hf_dir = build_hybrid(family, root / "hf", default_model_dir, layer_types=INTERVAL_LAYERS)
-            _BUILT[family] = {"hf": hf_dir,
-                              "f32": write_qwen35_gguf(hf_dir, root / f"tiny-{family}.F32.gguf", tokenizer),
-                              "q8_0": write_qwen35_gguf(hf_dir, root / f"tiny-{family}.Q8_0.gguf", tokenizer, q8_0=True)}
-        return _BUILT[family]
-
-    return get
+    return gguf_files_once(checkpoint, write_qwen35_gguf, _BUILT, tmp_path_factory, default_gguf_model_dir)
 
 
 @pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_5_moe_text"])  # qwen35, qwen35moe

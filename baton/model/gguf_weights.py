@@ -47,7 +47,7 @@ from baton.model.model import set_op
 from baton.model.q_blocks import quantize_q8_0
 from baton.model.gguf_checkpoint import drop_touched_pages, open_reader
 from baton.model.gguf_mapped import MappedGGUFTensors, uses_conversion_mapping
-from baton.model.loader import UnreadWeights
+from baton.model.loader import UnreadWeights, checkpoint_names
 
 logger = logging.getLogger("baton.model.gguf_weights")
 
@@ -202,37 +202,23 @@ def served_parts(types: list[str], shapes: list[tuple[int, int]], rows: Callable
 
 def _slot_sources(model: nn.Module) -> list[list[list[str]]]:
     """Per projection slot (`model.projection_slots()`, in its order), the alternatives of Hugging Face
-    module names it is made of: separate parts (q, k, v; gate, up) first, an already fused tensor (Phi-3)
-    second; a state layer's projection (Qwen3.5's in_proj_qkv, in_proj_z, out_proj) is its own module."""
+    module names it is made of, as the loader's recipe for its weight names them (`checkpoint_names`):
+    separate parts (q, k, v; gate, up), then an already fused tensor (Phi-3), each family's own spelling
+    (LFM2's `conv.in_proj`, Qwen2-MoE's `shared_expert`), a tied head as the embedding's tensor."""
     names = {id(module): name for name, module in model.named_modules()}
+    recipes = checkpoint_names(model, model.config)
     out: list[list[list[str]]] = []
-    for owner, _, linear in model.projection_slots():
+    for _, _, linear in model.projection_slots():
         name = names[id(linear)]
         if name == "lm_head":
             out.append([["lm_head"], ["model.embed_tokens"]])  # a tied head is the embedding's tensor
             continue
-        module, _, leaf = f"model.{name}".rpartition(".")
-        alternatives: list[list[str]] = []
-        for p in _hf_spellings(module):
-            if leaf == "qkv_proj":
-                # Gemma 4 fuses fewer on some layers (`qkv_parts`: q alone where K/V are shared, q|k where K = V)
-                alternatives += [[f"{p}.{n}_proj" for n in getattr(owner, "qkv_parts", "qkv")], [f"{p}.qkv_proj"]]
-            elif leaf == "gate_up_proj":
-                alternatives += [[f"{p}.gate_proj", f"{p}.up_proj"], [f"{p}.gate_up_proj"]]
-            else:
-                alternatives.append([f"{p}.{leaf}"])
-        out.append(alternatives)
+        alternatives = recipes[f"{name}.weight"]
+        assert all(len(parts) == 1 for parts in alternatives), f"{name} is not one tensor or a concatenation"
+        # separate parts first: llama.cpp names a fused gate|up (Phi-3) `ffn_up`, as it does a separate up
+        modules = [[f"model.{n.removesuffix('.weight')}" for n in parts[0]] for parts in alternatives]
+        out.append(sorted(modules, key=len, reverse=True))
     return out
-
-
-def _hf_spellings(module: str) -> list[str]:
-    """A Baton module path as checkpoints spell it: a MoE's shared experts are Baton's `shared_experts`
-    (Qwen3-Next and Qwen3.5 wrap theirs in a gate: `shared_experts.mlp`), a checkpoint's
-    `shared_experts` (DeepSeek) or `shared_expert` (Qwen2-MoE, Qwen3-Next, Qwen3.5)."""
-    if ".shared_experts" not in module:
-        return [module]
-    bare = module.replace(".shared_experts.mlp", ".shared_experts")
-    return list(dict.fromkeys([module, bare, bare.replace(".shared_experts", ".shared_expert")]))
 
 
 def _check(parts: tuple[torch.Tensor, ...], scheme: str, loaded: torch.Tensor,

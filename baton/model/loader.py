@@ -219,6 +219,13 @@ def _recipes(model: CausalLM, config: ModelConfig) -> dict[str, _Recipe]:
     return out
 
 
+def checkpoint_names(model: CausalLM, config: ModelConfig) -> dict[str, list[list[list[str]]]]:
+    """Per model parameter, the checkpoint tensors (without `model.`) its recipe reads: alternatives of
+    parts of names (`_Recipe`). Other readers of the same files (GGUF blocks served as stored:
+    `baton.model.gguf_weights`) name a parameter's sources by it, so a family's spelling lives here once."""
+    return {name: recipe.alternatives for name, recipe in _recipes(model, config).items()}
+
+
 def _mla_recipes(attn: str, config: ModelConfig) -> dict[str, _Recipe]:
     """MLA's projections whose rows carry the rotary part, reordered from DeepSeek's interleaved
     pairs to Baton's half-split ones where the config's `rope_interleave` (the rest load by name)."""
