@@ -19,7 +19,6 @@ rounded to the model's dtype, where transformers' conversion keeps the rows in o
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -106,7 +105,7 @@ def gguf_embedding_targets(model: nn.Module, source: Any) -> set[str]:
             if _stored_rows(source, TABLES[name], (module.num_embeddings, module.embedding_dim)) is not None}
 
 
-def load_gguf_embeddings(model: nn.Module, gguf_path: Path, source: Any, dtype: torch.dtype) -> int:
+def load_gguf_embeddings(model: nn.Module, source: Any, dtype: torch.dtype) -> int:
     """Replace each table `gguf_embedding_targets` named by a `GGUFRowsEmbedding` over the file's rows.
     Returns the bytes of the file's rows they serve."""
     served = 0
@@ -120,5 +119,5 @@ def load_gguf_embeddings(model: nn.Module, gguf_path: Path, source: Any, dtype: 
         setattr(model, name, table)
         served += table.file_bytes
         logger.info("GGUF %s: %s served as the file's %s rows (%.0f MB, mapped: not copied per worker)",
-                    gguf_path.name, name, table.type_name, table.file_bytes / 1e6)
+                    source.path.name, name, table.type_name, table.file_bytes / 1e6)
     return served

@@ -99,9 +99,8 @@ def gguf_expert_targets(model: nn.Module, source: Any) -> set[str]:
 def gguf_block_targets(model: nn.Module, gguf_path: Path) -> set[str]:
     """Every parameter the GGUF's blocks will serve, which the loader leaves unread: the projections'
     (baton.model.gguf_weights), the MoE expert stacks' and the token tables' (baton.model.gguf_embeddings)."""
-    config = model.config
-    source = GGUFTensors(gguf_path, config.num_heads, config.num_kv_heads)
-    return (gguf_projection_targets(model, gguf_path, source) | gguf_expert_targets(model, source)
+    source = GGUFTensors.of(model, gguf_path)
+    return (gguf_projection_targets(model, source) | gguf_expert_targets(model, source)
             | gguf_embedding_targets(model, source))
 
 
@@ -167,7 +166,8 @@ def _shared_packs(gguf_path: Path, stacks: list[Stack], kernels: Any) -> SharedP
     return shared_packs_file(gguf_path, layout, kernels, "expert packs")
 
 
-def load_gguf_experts(model: nn.Module, gguf_path: Path, kernels: Any, unread: UnreadWeights | None) -> dict[str, int]:
+def load_gguf_experts(model: nn.Module, source: GGUFTensors, kernels: Any,
+                      unread: UnreadWeights | None) -> dict[str, int]:
     """Serve each MoE's experts that `gguf_expert_targets` left unread from the GGUF's blocks (see the
     module docstring). Returns how many expert stacks took each form.
 
@@ -175,8 +175,7 @@ def load_gguf_experts(model: nn.Module, gguf_path: Path, kernels: Any, unread: U
     (baton.model.packed_cache): the first worker streams them into a file, a stack at a time (each
     pack freed once written), and every worker maps it; a worker that finds the file repacks and
     reads nothing, so workers loading at once never each hold the experts privately."""
-    config = model.config
-    source = GGUFTensors(gguf_path, config.num_heads, config.num_kv_heads)
+    gguf_path = source.path
     stacks = _stacks(model, source)
     if not stacks:
         return {}

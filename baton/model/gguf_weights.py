@@ -111,6 +111,8 @@ class GGUFTensors:
 
     def __init__(self, path: Path, num_heads: int, num_kv_heads: int) -> None:
         import gguf
+
+        self.path = path
         from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
         self.reader = open_reader(path)  # the loader's, when it read the weights from this file
@@ -130,6 +132,12 @@ class GGUFTensors:
             raise ValueError(f"the gguf package knows no architecture {self.arch!r}")
         blocks = 1 + max((int(n.split(".")[1]) for n in self.tensors if n.startswith("blk.")), default=0)
         self.names = gguf.get_tensor_name_map(arch, blocks)
+
+    @classmethod
+    def of(cls, model: nn.Module, path: Path) -> GGUFTensors:
+        """The file's tensors for `model` (its heads say how q and k rows were permuted): one per load,
+        shared by the projections', experts' and tables' readers (a Qwen3.5 file's reads its config)."""
+        return cls(path, model.config.num_heads, model.config.num_kv_heads)
 
     def find(self, hf_name: str) -> Any | None:
         """The tensor a Hugging Face module name (`model.layers.0.self_attn.q_proj`) maps to."""
@@ -241,13 +249,11 @@ def _check(parts: tuple[torch.Tensor, ...], scheme: str, loaded: torch.Tensor,
 Slot = tuple[tuple[Any, str, Any], list[list[str]]]  # ((owner, name, linear), its tensors' alternatives)
 
 
-def gguf_projection_targets(model: nn.Module, gguf_path: Path, source: GGUFTensors | None = None) -> set[str]:
+def gguf_projection_targets(model: nn.Module, source: GGUFTensors) -> set[str]:
     """The parameter names of the projections the GGUF's blocks will serve (every slot not wholly
     dense in the file): the loader leaves them unread (`loader.load_model_deferring`), so that a
     worker never holds the dequantized model beside its packs (the MoE experts' stacks too:
     baton.model.gguf_experts.gguf_block_targets)."""
-    if source is None:  # (the caller's, where it has one: a Qwen3.5 file's reads its config again)
-        source = GGUFTensors(gguf_path, model.config.num_heads, model.config.num_kv_heads)
     slots, sources = model.projection_slots(), _slot_sources(model)
     if len(slots) != len(sources):  # a layout this repack does not know: it says so when it runs
         return set()
@@ -261,7 +267,7 @@ def gguf_projection_targets(model: nn.Module, gguf_path: Path, source: GGUFTenso
     return targets
 
 
-def load_gguf_projections(model: nn.Module, gguf_path: Path, kernels: Any,
+def load_gguf_projections(model: nn.Module, source: GGUFTensors, kernels: Any,
                           unread: UnreadWeights | None = None) -> dict[str, int]:
     """Replace `model`'s dense projections by the GGUF's blocks (see the module docstring); the
     projections' dense weights are freed (or were never read: `unread` holds those the loader left
@@ -271,6 +277,7 @@ def load_gguf_projections(model: nn.Module, gguf_path: Path, kernels: Any,
     read-only from the file that the first worker to load this GGUF wrote, so that N workers on one
     machine hold the weights once, in the page cache. The first worker streams its repack into that
     file, each pack freed once written, so that loading peaks at one projection's pack, not all."""
+    gguf_path = source.path
     slots: list[Slot] = list(zip(model.projection_slots(), _slot_sources(model), strict=True))
     shared = _shared_packs(gguf_path, model, slots, kernels)
     if shared is not None:
@@ -278,7 +285,7 @@ def load_gguf_projections(model: nn.Module, gguf_path: Path, kernels: Any,
             mapped = shared.read(len(slots))
             how = "mapped from"
             if mapped is None or not _fits(mapped, slots):
-                mapped = shared.write(slot for slot, _ in _packs(model, gguf_path, slots, kernels, unread))
+                mapped = shared.write(slot for slot, _ in _packs(model, source, slots, kernels, unread))
                 how = "written to"
             if mapped is not None:
                 _serve_mapped(model, slots, mapped, kernels)
@@ -286,7 +293,7 @@ def load_gguf_projections(model: nn.Module, gguf_path: Path, kernels: Any,
                             gguf_path.name, sum(m.packed is not None for m in mapped), how, shared.data_path)
                 return _counts(mapped)
     made: list[PackedSlot] = []
-    for ((owner, name, linear), _), (slot, op) in zip(slots, _packs(model, gguf_path, slots, kernels, unread),
+    for ((owner, name, linear), _), (slot, op) in zip(slots, _packs(model, source, slots, kernels, unread),
                                                       strict=True):
         if op is not None:
             set_op(owner, name, op)
@@ -350,12 +357,10 @@ def _slot_tensors(source: GGUFTensors, alternatives: list[list[str]]) -> list[An
     return next((ts for ts in found if all(t is not None for t in ts)), None)
 
 
-def _packs(model: nn.Module, gguf_path: Path, slots: list[Slot], kernels: Any,
+def _packs(model: nn.Module, source: GGUFTensors, slots: list[Slot], kernels: Any,
            unread: UnreadWeights | None) -> Iterator[tuple[PackedSlot, QuantizedLinear | None]]:
     """Each slot's blocks unpacked, checked against the loaded weight and packed for the kernels,
     one slot at a time (the file's pages each slot touched are unmapped after it)."""
-    config = model.config
-    source = GGUFTensors(gguf_path, config.num_heads, config.num_kv_heads)
     names = {id(module): name for name, module in model.named_modules()}
     made: list[PackedSlot] = []
     requantized: collections.Counter[str] = collections.Counter()
@@ -403,7 +408,7 @@ def _packs(model: nn.Module, gguf_path: Path, slots: list[Slot], kernels: Any,
         made[-1] = dataclasses.replace(made[-1], packed=None)
         del op
     if requantized:
-        logger.info("GGUF %s: %s requantized to Q8_0 (no native kernel for those types yet)", gguf_path.name,
+        logger.info("GGUF %s: %s requantized to Q8_0 (no native kernel for those types yet)", source.path.name,
                     ", ".join(f"{n} {t}" for t, n in sorted(requantized.items())))
-    logger.info("GGUF %s served in its own quantization: %s", gguf_path.name,
+    logger.info("GGUF %s served in its own quantization: %s", source.path.name,
                 ", ".join(f"{n} {t}" for t, n in sorted(_counts(made).items())))

@@ -162,10 +162,10 @@ def quantize_model(model: nn.Module, quantization: str, kernels: Any = None,
         from baton.model.gguf_weights import GGUFTensors, load_gguf_projections
 
         try:
-            load_gguf_projections(model, gguf_source, kernels, unread)
-            load_gguf_experts(model, gguf_source, kernels, unread)
-            source = GGUFTensors(gguf_source, model.config.num_heads, model.config.num_kv_heads)
-            load_gguf_embeddings(model, gguf_source, source, model.norm.weight.dtype)
+            source = GGUFTensors.of(model, gguf_source)
+            load_gguf_projections(model, source, kernels, unread)
+            load_gguf_experts(model, source, kernels, unread)
+            load_gguf_embeddings(model, source, model.norm.weight.dtype)
         except ValueError as exc:
             raise ValueError(f"{gguf_source.name}: its blocks cannot be served as they are ({exc}); "
                              "--quantization none serves its dequantized weights") from exc
