@@ -31,11 +31,11 @@ def gguf_files_once(checkpoint: Callable[[str, Path], Path], write: Writer, buil
 
 
 def assert_gguf_is_its_checkpoint(files: dict[str, Path], prompts: list[list[int]],
-                                  rename: Callable[[str], str | None] = lambda name: name.removeprefix("model.")
-                                  ) -> None:
+                                  rename: Callable[[str], str | None] = lambda name: name.removeprefix("model."),
+                                  joined: Callable[[dict], dict] = lambda tensors: tensors) -> None:
     """The float32 GGUF's tensors, as the loader reads them, are the checkpoint's (`rename`: a checkpoint
-    name as the loader's, None where the file leaves it out), and it gives transformers' float32 greedy
-    tokens of the checkpoint, batched."""
+    name as the loader's, None where the file leaves it out; `joined`: the renamed tensors as the file
+    joins them, experts stacked), and it gives transformers' float32 greedy tokens of the checkpoint, batched."""
     import torch
     from safetensors.torch import load_file
 
@@ -49,6 +49,7 @@ def assert_gguf_is_its_checkpoint(files: dict[str, Path], prompts: list[list[int
     for name, tensor in load_file(files["hf"] / "model.safetensors").items():
         if (renamed := rename(name)) is not None:
             checkpoint[renamed] = tensor
+    checkpoint = joined(checkpoint)
     assert set(tensors) == set(checkpoint)
     for name, tensor in checkpoint.items():
         assert torch.equal(tensors[name], tensor.to(tensors[name].dtype)), name

@@ -13,6 +13,7 @@ vendored llama.cpp, `--outtype f32 --no-mtp`) on a tiny model with 2 key and 4 v
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -131,13 +132,14 @@ def write_qwen35_gguf(model_dir: Path, out: Path, tokenizer_gguf: Path, q8_0: bo
     return out
 
 
-def finish(writer, tensors: dict[str, np.ndarray], q8_0: bool) -> None:
+def finish(writer, tensors: dict[str, np.ndarray], q8_0: bool,
+           keep_f32: Callable[[str], bool] = lambda name: False) -> None:
     """`tensors` added (float32, or with `q8_0` every 2-D weight whose rows are a multiple of 32 wide
-    as Q8_0) and the file written."""
+    as Q8_0, but those `keep_f32` names) and the file written."""
     import gguf
 
     for gguf_name, data in tensors.items():
-        if q8_0 and data.ndim >= 2 and data.shape[-1] % 32 == 0:
+        if q8_0 and data.ndim >= 2 and data.shape[-1] % 32 == 0 and not keep_f32(gguf_name):
             writer.add_tensor(gguf_name, gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0),
                               raw_dtype=gguf.GGMLQuantizationType.Q8_0)
         else:

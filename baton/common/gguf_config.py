@@ -53,7 +53,8 @@ def complete_config(config: Any, reader: Any) -> tuple[Any, dict[str, Any]]:
     arch = _field(reader, "general.architecture")
     fixes: dict[str, Any] = {}
     if arch in LLAMA_LIKE:  # read as llama's by transformers: the family's config made from it
-        return family_config(config, lambda key: _field(reader, key), arch)
+        return family_config(config, lambda key: _field(reader, key), arch,
+                             lambda name: _tensor(reader, name) is not None)
     if arch == "gemma4":  # per-layer fields: the config class derives them at construction
         fixes = _gemma4(config, reader)
         return type(config).from_dict({**config.to_dict(), **fixes}), fixes

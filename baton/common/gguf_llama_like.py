@@ -34,7 +34,8 @@ from typing import Any
 import numpy as np
 
 # llama.cpp architecture -> the Hugging Face model_type its files are read as
-LLAMA_LIKE = {"smollm3": "smollm3", "olmo2": "olmo2", "granite": "granite", "mistral3": "ministral3"}
+LLAMA_LIKE = {"smollm3": "smollm3", "olmo2": "olmo2", "granite": "granite", "mistral3": "ministral3",
+              "glm4moe": "glm4_moe"}
 # the architectures whose q and k rows the converter permutes (LlamaModel's subclasses)
 PERMUTED_QK = ("smollm3", "granite", "mistral3")
 # the keys every family takes from the Llama config transformers read
@@ -44,8 +45,19 @@ COMMON_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_lay
 NO_ROPE_LAYER_STEP = 4  # llama.cpp's SmolLM3: every 4th layer without rotary
 
 
+# the architectures whose experts are stacked as Qwen3-MoE's (gate, up, down: [E, rows, in] each)
+QWEN3_MOE_EXPERTS = ("glm4moe",)
+# the MoE keys llama.cpp reads (the converter's names) -> the config's (GLM-4.5's names)
+GLM4_MOE_KEYS = {"expert_count": "n_routed_experts", "expert_used_count": "num_experts_per_tok",
+                 "expert_feed_forward_length": "moe_intermediate_size", "expert_shared_count": "n_shared_experts",
+                 "leading_dense_block_count": "first_k_dense_replace", "expert_group_count": "n_group",
+                 "expert_group_used_count": "topk_group"}
+
+
 def tensor_processor_arch(arch: str) -> str:
     """The architecture whose transformers tensor processor reads `arch`'s tensors."""
+    if arch in QWEN3_MOE_EXPERTS:
+        return "qwen3moe"
     return "llama" if arch in PERMUTED_QK else arch
 
 
@@ -66,9 +78,11 @@ def as_llama(fields: dict[str, Any], arch: str) -> dict[str, Any]:
     return renamed
 
 
-def family_config(config: Any, field: Any, arch: str) -> tuple[Any, dict[str, Any]]:
+def family_config(config: Any, field: Any, arch: str, has_tensor: Any = lambda name: False
+                  ) -> tuple[Any, dict[str, Any]]:
     """The family's config from the Llama config transformers read of an `arch` file; `field(key)`
-    reads one of its metadata values (None where absent). Returns it and what was set beyond llama's."""
+    reads one of its metadata values (None where absent), `has_tensor(name)` whether the file holds a
+    tensor. Returns it and what was set beyond llama's."""
     from transformers import AutoConfig
 
     base = config.to_dict()
@@ -104,8 +118,34 @@ def family_config(config: Any, field: Any, arch: str) -> tuple[Any, dict[str, An
         fixes["rope_parameters"].update(mscale=log_mul, mscale_all_dim=log_mul)
         if (beta := field(f"{arch}.attention.temperature_scale")) is not None:
             fixes["rope_parameters"]["llama_4_scaling_beta"] = float(beta)
+    elif arch == "glm4moe":
+        common["num_hidden_layers"] = layers - int(field(f"{arch}.nextn_predict_layers") or 0)
+        fixes.update(_glm4_moe(field, has_tensor, fixes))
     made = AutoConfig.for_model(model_type, **common, **fixes)
     return made, {"model_type": model_type, **fixes}
+
+
+def _glm4_moe(field: Any, has_tensor: Any, fixes: dict[str, Any]) -> dict[str, Any]:
+    """GLM-4.5/4.6/4.7's MoE (`Glm4MoeModel`): the expert keys, sigmoid routing (the only gating
+    llama.cpp's graph takes for it) scaled and renormalized as the file says, the rotary on
+    `rope.dimension_count` of each head, q/k/v biases and per-head q/k norms where the file has those
+    tensors. Its multi-token-prediction layer (after the last, `nextn_predict_layers`) is not read:
+    no layer of the config."""
+    arch = "glm4moe"
+    out: dict[str, Any] = {"num_nextn_predict_layers": 0}
+    for theirs, ours in GLM4_MOE_KEYS.items():
+        if (value := field(f"{arch}.{theirs}")) is not None:
+            out[ours] = int(value)
+    if (gating := field(f"{arch}.expert_gating_func")) is not None and int(gating) != 2:  # 2: sigmoid
+        raise ValueError(f"a {arch} GGUF whose expert gating function is {gating} (GLM-4.5 routes by sigmoid, 2)")
+    out["routed_scaling_factor"] = float(field(f"{arch}.expert_weights_scale") or 1.0)
+    out["norm_topk_prob"] = bool(field(f"{arch}.expert_weights_norm"))
+    head_dim = fixes.get("head_dim")
+    if (rotary := field(f"{arch}.rope.dimension_count")) is not None and head_dim:
+        out["rope_parameters"] = {**fixes["rope_parameters"], "partial_rotary_factor": int(rotary) / int(head_dim)}
+    out["attention_bias"] = has_tensor("blk.0.attn_q.bias")
+    out["use_qk_norm"] = has_tensor("blk.0.attn_q_norm.weight")
+    return out
 
 
 def _rope(field: Any, arch: str) -> dict[str, Any]:

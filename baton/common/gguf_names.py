@@ -43,6 +43,10 @@ def hf_to_gguf_names(reader: Any, config: Any) -> dict[str, str]:
         # a bare tensor of a module (Gemma 4's `layer_scalar`): the converter names it as a module's weight
         elif (gguf_name := name_map.get_name(hf_name)) is not None and f"{gguf_name}.weight" in present:
             names[hf_name] = f"{gguf_name}.weight"
+        # a bare `X_bias` named as module X's bias (GLM-4.5's router `e_score_correction_bias`: `exp_probs_b.bias`)
+        elif (hf_name.endswith("_bias") and (gguf_name := name_map.get_name(hf_name.removesuffix("_bias"))) is not None
+              and f"{gguf_name}.bias" in present):
+            names[hf_name] = f"{gguf_name}.bias"
         elif (layer := _LAYER.match(hf_name)) and (renamed := RENAMED.get(arch, {}).get(layer["rest"])):
             if f"blk.{layer['index']}.{renamed}" in present:
                 names[hf_name] = f"blk.{layer['index']}.{renamed}"

@@ -114,7 +114,7 @@ class GGUFCheckpoint(Mapping[str, torch.Tensor]):
         names = None
         if processor_class is Qwen2MoeTensorProcessor:  # experts joined per layer: read lazily here
             names = read_names(model_dir) or hf_to_gguf_names(self.reader, AutoConfig.from_pretrained(model_dir))
-            self._experts = _expert_stacks(self.reader)
+            self._experts = _expert_stacks(self.reader, int(raw_config["num_hidden_layers"]))
             names = {hf: g for hf, g in names.items() if ".mlp.experts." not in hf}
         elif processor_class not in one_to_one:  # experts merged by the processor: transformers reads it whole
             logger.info("%s: its %s tensors are merged on load: reading the file whole", gguf_path.name, arch)
@@ -127,6 +127,11 @@ class GGUFCheckpoint(Mapping[str, torch.Tensor]):
             names = read_names(model_dir) or hf_to_gguf_names(self.reader, AutoConfig.from_pretrained(model_dir))
         by_gguf_name = {t.name: t for t in self.reader.tensors}
         self._tensors = {hf.removeprefix("model."): by_gguf_name[g] for hf, g in names.items() if g in by_gguf_name}
+        layers = int(raw_config["num_hidden_layers"])
+        beyond = sorted({n.split(".")[1] for n in by_gguf_name if n.startswith("blk.") and int(n.split(".")[1]) >= layers})
+        if beyond:  # GLM-4.5's multi-token-prediction layer (`nextn_predict_layers`): not served from a GGUF yet
+            logger.info("%s: block(s) %s after the model's %d layers (multi-token prediction) not read",
+                        gguf_path.name, ", ".join(beyond), layers)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if self._mapped is not None:
@@ -136,7 +141,8 @@ class GGUFCheckpoint(Mapping[str, torch.Tensor]):
         from gguf import dequantize
 
         if name in self._experts:  # [E, rows, in] each, joined along the rows (gate, then up)
-            return torch.cat([torch.from_numpy(np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32))
+            # (float32 stacks are the file's read-only map: copied, as cat copies the others)
+            return torch.cat([torch.from_numpy(np.require(dequantize(t.data, t.tensor_type), np.float32, "W"))
                               for t in self._experts[name]], dim=1)
 
         tensor = self._tensors[name]
@@ -198,14 +204,17 @@ class GGUFCheckpoint(Mapping[str, torch.Tensor]):
         return name in self._names()
 
 
-def _expert_stacks(reader: Any) -> dict[str, list[Any]]:
+def _expert_stacks(reader: Any, layers: int) -> dict[str, list[Any]]:
     """{`layers.N.mlp.experts.gate_up_proj` / `down_proj`: its GGUF tensors} (transformers' names for
-    a Qwen3-MoE's stacks: [E, 2I, H], gate rows then up rows, and [E, H, I])."""
+    a Qwen3-MoE's stacks: [E, 2I, H], gate rows then up rows, and [E, H, I]) of the model's `layers`
+    (not of a multi-token-prediction layer after them: GLM-4.5's, which is not read)."""
     by_name = {t.name: t for t in reader.tensors}
     stacks: dict[str, list[Any]] = {}
     for name in by_name:
         if name.startswith("blk.") and name.endswith(".ffn_down_exps.weight"):
             block = name.split(".")[1]
+            if int(block) >= layers:
+                continue
             parts = [by_name.get(f"blk.{block}.ffn_{leaf}_exps.weight") for leaf in ("gate", "up")]
             stacks[f"layers.{block}.mlp.experts.down_proj"] = [by_name[name]]
             if all(p is not None for p in parts):
