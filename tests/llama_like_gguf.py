@@ -16,6 +16,8 @@ from tests.qwen35_gguf import _copy_tokenizer, _stacked_experts, add_attention_m
 
 ARCH = {"smollm3": "smollm3", "olmo2": "olmo2", "olmo3": "olmo2", "granite": "granite", "ministral3": "mistral3",
         "glm4_moe": "glm4moe"}
+# the tiny GLM's end of turn and of message (its vocabulary the default model's: <|im_start|>, <|endoftext|>)
+GLM_EOT, GLM_EOM = 1, 0
 # GLM-4.5's MoE keys as Glm4MoeModel writes them (gguf's writer method: the config's key)
 GLM4_MOE_KEYS = {"add_expert_count": "n_routed_experts", "add_expert_used_count": "num_experts_per_tok",
                  "add_expert_group_count": "n_group", "add_expert_group_used_count": "topk_group",
@@ -86,6 +88,9 @@ def write_llama_like_gguf(model_dir: Path, out: Path, tokenizer_gguf: Path, q8_0
         writer.add_sliding_window(cfg["sliding_window"])
         writer.add_sliding_window_pattern([t == "sliding_attention" for t in cfg["layer_types"]])
     _copy_tokenizer(writer, tokenizer_gguf)
+    if arch == "glm4moe":  # `_set_vocab_glm`: a turn ends at <|user|>, a tool call at <|observation|>
+        writer.add_eot_token_id(GLM_EOT)
+        writer.add_eom_token_id(GLM_EOM)
 
     name_map = gguf.get_tensor_name_map(next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch), layers)
     tensors = {}

@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from baton import LLM
 from baton.model.quant import QuantizedLinear
 from tests.gguf_files import assert_gguf_is_its_checkpoint, gguf_files_once
-from tests.llama_like_gguf import VISION, write_llama_like_gguf
+from tests.llama_like_gguf import GLM_EOM, GLM_EOT, VISION, write_llama_like_gguf
 from tests.test_families import (_with_config, assert_bf16_near_ties_only, assert_first_tokens_near_ties,  # noqa: F401
                                  family_dir, prompts)
 from tests.test_spec_mtp import _mtp_parts
@@ -117,6 +117,8 @@ def test_a_glm4_moe_ggufs_experts_and_projections_are_served_from_its_own_blocks
     monkeypatch.setenv("BATON_PACKED_CACHE", "off")
     files = llama_like_gguf("glm4_moe")
     llm = LLM(model=str(files["q8_0"]), num_kv_blocks=128)
+    # the end of a turn and of a message end a generation, as llama.cpp counts them
+    assert {GLM_EOT, GLM_EOM} < set(llm.engine.eos_token_ids)
     model = llm.engine.runtime.model
     assert len(model.layers) == 4
     for owner, name, _ in model.projection_slots():

@@ -36,7 +36,7 @@ from typing import Any
 
 from baton.common.gguf_llama_like import LLAMA_LIKE, as_llama, family_config
 
-CONVERSION = 3  # of the model directories made from GGUF files: bumped when a completion changes
+CONVERSION = 4  # of the model directories made from GGUF files: bumped when a completion changes
 
 
 def _field(reader: Any, key: str) -> Any:

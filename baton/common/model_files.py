@@ -94,7 +94,10 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
 
             config.architectures = [AutoModelForCausalLM._model_mapping[type(config)].__name__]
         config.save_pretrained(tmp_dir)
-        GenerationConfig.from_model_config(config).save_pretrained(tmp_dir)
+        generation = GenerationConfig.from_model_config(config)
+        if len(stop := end_of_generation_ids(reader, config)) > 1:
+            generation.eos_token_id = stop
+        generation.save_pretrained(tmp_dir)
         tokenizer.save_pretrained(tmp_dir)
         names = hf_to_gguf_names(reader, config)  # read by the loader
         (tmp_dir / NAMES_FILE).write_text(json.dumps(names, indent=0) + "\n")
@@ -112,6 +115,20 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     logger.info("%s: config and tokenizer read from its metadata in %.1f s (weights stay in the file)",
                 gguf_path.name, time.monotonic() - started)
     return out_dir
+
+
+def end_of_generation_ids(reader: Any, config: Any) -> list[int]:
+    """The tokens that end a generation, as llama.cpp's vocabulary counts them (its EOG set): the end of
+    text, and the end of a turn and of a message where the converter wrote them. transformers reads the
+    first alone: a GLM-4.5 file's turn ends with `<|user|>` (eot), a tool call with `<|observation|>`
+    (eom), and without them a chat ran on into a made-up user turn."""
+    eos = config.eos_token_id
+    ids = list(eos) if isinstance(eos, list) else [] if eos is None else [eos]
+    for key in ("eot_token_id", "eom_token_id"):
+        field = reader.fields.get(f"tokenizer.ggml.{key}")
+        if field is not None and int(field.contents()) not in ids:
+            ids.append(int(field.contents()))
+    return ids
 
 
 def unsupported_gguf(gguf_path: Path, reader: Any) -> str:
