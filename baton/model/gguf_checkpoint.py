@@ -128,7 +128,8 @@ class GGUFCheckpoint(Mapping[str, torch.Tensor]):
         by_gguf_name = {t.name: t for t in self.reader.tensors}
         self._tensors = {hf.removeprefix("model."): by_gguf_name[g] for hf, g in names.items() if g in by_gguf_name}
         layers = int(raw_config["num_hidden_layers"])
-        beyond = sorted({n.split(".")[1] for n in by_gguf_name if n.startswith("blk.") and int(n.split(".")[1]) >= layers})
+        blocks = {int(n.split(".")[1]) for n in by_gguf_name if n.startswith("blk.")}
+        beyond = [str(b) for b in sorted(blocks) if b >= layers]
         if beyond:  # GLM-4.5's multi-token-prediction layer (`nextn_predict_layers`): not served from a GGUF yet
             logger.info("%s: block(s) %s after the model's %d layers (multi-token prediction) not read",
                         gguf_path.name, ", ".join(beyond), layers)

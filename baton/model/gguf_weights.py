@@ -111,9 +111,9 @@ class GGUFTensors:
 
     def __init__(self, path: Path, num_heads: int, num_kv_heads: int) -> None:
         import gguf
+        from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
         self.path = path
-        from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
         self.reader = open_reader(path)  # the loader's, when it read the weights from this file
         self.arch = bytes(self.reader.fields["general.architecture"].parts[-1]).decode()
